@@ -1,0 +1,82 @@
+// SlotBank: N LoRA adapter slots at maximum rank R over a frozen base model.
+//
+// Layout (one few large tensors, not N small modules): for every adapted
+// linear layer ("target") there is A [N, R, d_in] and B [N, d_out, R], FP32,
+// on the engine's device. A slot of rank r < R uses rows/columns [0, r); the
+// rest stay exactly zero, so their gradients are zero and AdamW leaves them
+// zero. scale[slot] = alpha / r. Targets a slot does not train (by group:
+// attn, mlp, unembed) have zero A and B and are masked out of the optimizer.
+//
+// Threading: engine thread only.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "engine/api.h"
+
+namespace loom::engine {
+
+enum class TargetGroup { kAttn, kMlp, kUnembed };
+
+// One adapted linear layer of the base model.
+struct LoraTarget {
+  std::string module;   // HF module path, e.g. "model.layers.0.self_attn.q_proj", "lm_head"
+  TargetGroup group;
+  int64_t d_in = 0;
+  int64_t d_out = 0;
+  at::Tensor A;         // [N, R, d_in] fp32 leaf, requires_grad
+  at::Tensor B;         // [N, d_out, R] fp32 leaf, requires_grad
+};
+
+struct SlotState {
+  bool bound = false;
+  LoraConfig config;
+  int64_t step = 0;     // optimizer steps taken
+};
+
+class SlotBank {
+ public:
+  // targets: (module, group, d_in, d_out) for every adaptable linear.
+  SlotBank(int num_slots, int max_rank, at::Device device,
+           const std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>>& targets);
+
+  int num_slots() const { return num_slots_; }
+  int max_rank() const { return max_rank_; }
+  std::vector<LoraTarget>& targets() { return targets_; }
+  const std::vector<LoraTarget>& targets() const { return targets_; }
+  const LoraTarget* find(const std::string& module) const;
+  LoraTarget* find(const std::string& module);
+
+  const SlotState& slot(int s) const { return slots_.at(s); }
+  SlotState& slot(int s) { return slots_.at(s); }
+  bool trains(int s, TargetGroup g) const;
+
+  // Per-slot scale alpha/r as a [N] fp32 tensor on the device (0 for unbound).
+  const at::Tensor& scales() const { return scales_; }
+
+  // Binds slot s: A[s,:r,:] ~ kaiming-uniform from config.seed (as PEFT does),
+  // B[s] = 0; untrained groups and rows >= r are zero.
+  Status Bind(int s, const LoraConfig& config);
+  // Zeroes weights and gradients of slot s and marks it free.
+  void Release(int s);
+  // Zeroes the accumulated gradients of slot s only.
+  void ZeroGrad(int s);
+
+  // The LoRA delta for x routed per sequence: rows [seg_begin[i], seg_begin[i+1])
+  // of x use slot seg_slot[i]. Returns scale * (x A^T) B^T with shape
+  // [T, d_out]. Differentiable into A and B of the used slots only.
+  at::Tensor Delta(const LoraTarget& t, const at::Tensor& x,
+                   const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+
+ private:
+  int num_slots_;
+  int max_rank_;
+  at::Device device_;
+  std::vector<LoraTarget> targets_;
+  std::vector<SlotState> slots_;
+  at::Tensor scales_;
+};
+
+}  // namespace loom::engine

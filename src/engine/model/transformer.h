@@ -1,0 +1,67 @@
+// Transformer: a Hugging Face decoder-only model (qwen2, qwen3) with frozen
+// base weights, run over a packed batch with per-sequence LoRA slots.
+//
+// A packed batch is one token axis across all sequences: no padding,
+// positions restart at 0 for each sequence, attention never crosses a
+// sequence boundary (block-diagonal causal mask).
+//
+// Threading: engine thread only. The base weights are read-only after Load.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/lora/slot_bank.h"
+#include "engine/model/config.h"
+
+namespace loom::engine {
+
+struct PackedBatch {
+  at::Tensor tokens;                  // [T] int64 on device
+  at::Tensor positions;               // [T] int64 on device, restarting per sequence
+  std::vector<int64_t> seq_begin;     // size S+1, cumulative offsets (cu_seqlens)
+  std::vector<int> seq_slot;          // size S, slot of each sequence (-1 = base only)
+
+  static PackedBatch Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
+                          at::Device device);
+  int64_t num_tokens() const { return seq_begin.empty() ? 0 : seq_begin.back(); }
+};
+
+class Transformer {
+ public:
+  static Result<std::unique_ptr<Transformer>> Load(const std::string& model_dir, at::Device device,
+                                                   at::ScalarType dtype);
+
+  const ModelConfig& config() const { return config_; }
+  at::Device device() const { return device_; }
+  at::ScalarType dtype() const { return dtype_; }
+
+  // (module, group, d_in, d_out) of every adaptable linear, for SlotBank.
+  std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> LoraTargets() const;
+
+  // Final-normed hidden states [T, hidden] (fp32 for the loss), differentiable
+  // into the bank's A/B of the slots the batch uses.
+  at::Tensor Hidden(const PackedBatch& batch, const SlotBank& bank) const;
+
+  // Log-probabilities of target tokens under lm_head (+ unembed LoRA).
+  // targets: [T] or [T, K] int64. Computed in chunks of tokens so that
+  // full-vocabulary logits never exist for the whole batch. Returns fp32 of
+  // the targets' shape, differentiable into hidden and the bank.
+  at::Tensor TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,
+                            const SlotBank& bank, int64_t chunk_tokens = 1024) const;
+
+  // Full logits [T, vocab] fp32 for a few rows (sampler, tests).
+  at::Tensor Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const;
+
+ private:
+  Transformer() = default;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+  ModelConfig config_;
+  at::Device device_ = at::kCPU;
+  at::ScalarType dtype_ = at::kFloat;
+};
+
+}  // namespace loom::engine
