@@ -1,0 +1,67 @@
+// The forward_backward wire codec: protobuf `tinker_public.ForwardBackwardRequest`
+// bodies (spec §8.9, optionally zstd-compressed) in, protobuf
+// `tinker_public.ForwardBackwardOutput` bytes (spec §8.10) out. No Tinker
+// semantics beyond shapes and byte lengths: the engine validates vocabulary,
+// loss names and context windows.
+//
+// Pure functions; any thread may call them (the gateway calls them on I/O
+// threads). Only engine/api.h types cross this border; protobuf stays inside.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "engine/api.h"
+
+namespace loom::wire {
+
+// A decoded forward_backward submit. call.slot is left at -1: the service
+// binds the model to its slot.
+struct ForwardBackwardRequest {
+  std::string model_id;
+  int32_t seq_id = 0;
+  engine::ForwardBackwardCall call;
+};
+
+struct ForwardBackwardDecodeOptions {
+  bool zstd = false;                            // body has Content-Encoding: zstd
+  size_t max_decoded_bytes = size_t{512} << 20;  // cap on the protobuf after zstd
+};
+
+// Decodes a request body. Errors (all kInvalidArgument unless noted) name the
+// datum and the field, e.g. "data[1].loss_fn_inputs[weights]: dense byte
+// length 12 does not match shape [7] x 4 bytes (float32)":
+//  - not a protobuf ForwardBackwardRequest (malformed bytes);
+//  - model_input: image / dmel chunks ("data[d].model_input chunk i: image
+//    chunks are not supported by this text-only model"), token bytes not a
+//    multiple of 4;
+//  - tensors: unknown dtype, negative dims, byte length != numel x dtype size,
+//    inconsistent sparse CSR (crow_indices length rows+1, monotone, ending at
+//    nnz; col_indices within the column count);
+//  - kPayloadTooLarge when the body (decoded) exceeds max_decoded_bytes.
+// Tensor dtypes widen: FLOAT32/BFLOAT16 -> Array f32, INT64/INT32 -> Array i64.
+// Several encoded_text chunks concatenate into Datum::tokens.
+Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
+                                                            const ForwardBackwardDecodeOptions& options = {});
+
+// Encodes the engine's result per spec §8.10: loss_fn_output_type
+// "ArrayRecord"; one ArrayRecord per run of consecutive datums whose outputs
+// have the same names, dtypes and trailing shapes (shape[1:]); each field is a
+// BatchedTensor with int64 byte offsets (num_datums + 1, from 0). Fails with
+// kInternal if a metric key does not contain exactly one ':' (the SDK's chunk
+// merge would crash on it) or an Array's data does not match its shape.
+Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOutput& output);
+
+// The inverse directions, for tests and for C++ clients (integration tests):
+// request -> protobuf bytes (dense tensors; f32 -> FLOAT32, i64 -> INT64), and
+// protobuf ForwardBackwardOutput -> per-datum arrays (records concatenated,
+// INT32 widened to i64, BFLOAT16 to f32), as the SDK decodes it.
+std::string EncodeForwardBackwardRequest(const ForwardBackwardRequest& request);
+Result<engine::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes);
+
+// True iff key has exactly one ':' ("loss:sum").
+bool IsValidMetricKey(std::string_view key);
+
+}  // namespace loom::wire
