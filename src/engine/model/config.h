@@ -24,11 +24,20 @@ struct ModelConfig {
   bool tie_word_embeddings = false;
   bool attention_bias = false;     // qwen2: q/k/v have bias; qwen3: per config (default false)
   bool qk_norm = false;            // qwen3: per-head RMSNorm on q and k
-  std::string torch_dtype;         // as stated in config.json
+  std::string torch_dtype;         // as stated in config.json ("float32", "bfloat16", ...)
+  int64_t bos_token_id = -1;       // -1 = not stated
+  int64_t eos_token_id = -1;       // -1 = not stated
+  double initializer_range = 0.02; // std of the normal init (make-model)
 
+  // Parse rejects (naming the field): unsupported model_type, a rope_scaling
+  // (or non-default rope_parameters), use_sliding_window true, hidden_act
+  // other than silu, a missing or non-positive size, heads not divisible by
+  // key/value heads. Defaults follow HF: num_key_value_heads = heads,
+  // head_dim = hidden / heads when absent.
   static Result<ModelConfig> Parse(const std::string& json_text);
+  // Reads model_dir/config.json (NotFound when absent).
   static Result<ModelConfig> Load(const std::string& model_dir);
-  std::string ToJson() const;      // HF-compatible config.json text
+  std::string ToJson() const;      // HF-compatible config.json text (transformers 4.x and 5.x load it)
 };
 
 }  // namespace loom::engine
