@@ -27,12 +27,12 @@
 //     whole datums, in order, from its head request (and from following
 //     requests of the same key) while the next datum's tokens <= its deficit
 //     and fit in what is left of the budget. Rounds repeat until the budget is
-//     full or nobody can add a datum. The anchor always gets at least its next
-//     datum, so every pass makes progress; a datum larger than the whole budget
-//     therefore runs alone when its request is the anchor. Deficits carry over
-//     between passes (a model the budget cut off goes first next time it
-//     competes) and reset to 0 when a model's queue empties; a deficit never
-//     exceeds one budget.
+//     full or nobody can add a datum. Deficits carry over between passes (a
+//     model the budget cut off before its datum fit keeps its credit and, still
+//     holding the oldest ticket, is visited first next time) and reset to 0
+//     when a model's queue empties; a deficit never exceeds one budget, so every
+//     datum that fits the budget eventually runs. A datum larger than the whole
+//     budget never joins others: it runs alone in the pass it anchors.
 //     Effect: with n competing models each gets >= ~budget/n tokens of any pass
 //     with its key, so a light tenant's request runs in the next pass of its key
 //     (in ~2 if it is bigger than its share), however deep another tenant's
@@ -47,6 +47,7 @@
 // Threading: not thread-safe; the service serialises calls (one mutex).
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <optional>
 #include <string>
@@ -146,19 +147,23 @@ class Planner {
     size_t next_datum = 0;  // datums before this were already planned
   };
   struct ModelQueue {
-    std::vector<Queued> requests;  // front = head; erased from the front
-    uint64_t ticket = 0;           // ready ticket of the head (see POLICY 1)
-    int64_t deficit = 0;           // DRR deficit, tokens
-    int64_t served_tokens = 0;
+    std::deque<Queued> requests;  // front = head
+    uint64_t ticket = 0;          // ready ticket of the head (see POLICY 1)
+    int64_t deficit = 0;          // DRR deficit, tokens
   };
 
   Pass PlanPackable(const std::string& anchor_model);
   Pass PlanOptim();
   Pass PlanExclusive(const std::string& anchor_model);
-  void PopHead(ModelQueue& q);  // drops the head, renews the ticket / deficit
+  // After `model` got pieces of a pass: renews its ticket, or forgets the
+  // queue (and its deficit) when it is empty.
+  void AfterServed(const std::string& model);
+  void PopHead(ModelQueue& q);
 
   PlannerOptions options_;
-  std::map<std::string, ModelQueue> models_;  // ordered: DRR visiting order
+  // Only models with a non-empty queue; ordered, which is the DRR visiting order.
+  std::map<std::string, ModelQueue> models_;
+  std::map<std::string, int64_t> served_tokens_;
   std::map<uint64_t, std::string> owner_of_;  // request id -> model id
   size_t queued_ = 0;
   uint64_t next_ticket_ = 1;
