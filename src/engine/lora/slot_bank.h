@@ -56,17 +56,27 @@ class SlotBank {
   // Per-slot scale alpha/r as a [N] fp32 tensor on the device (0 for unbound).
   const at::Tensor& scales() const { return scales_; }
 
-  // Binds slot s: A[s,:r,:] ~ kaiming-uniform from config.seed (as PEFT does),
-  // B[s] = 0; untrained groups and rows >= r are zero.
+  // Binds slot s: A[s,:r,:] ~ kaiming-uniform from config.seed (as PEFT does:
+  // U(-1/sqrt(d_in), 1/sqrt(d_in))), B[s] = 0; untrained groups and rows >= r
+  // are zero; gradients and step are reset. The values depend only on (seed,
+  // module name, r, d_in), not on libtorch's RNG. Rebinding a bound slot
+  // starts it afresh. Invalid slot, rank outside [1, R] or alpha <= 0 →
+  // Status::Invalid.
   Status Bind(int s, const LoraConfig& config);
   // Zeroes weights and gradients of slot s and marks it free.
   void Release(int s);
   // Zeroes the accumulated gradients of slot s only.
   void ZeroGrad(int s);
 
+  // True when some segment's slot trains t's group (so Delta can be nonzero).
+  bool Uses(const LoraTarget& t, const std::vector<int>& seg_slot) const;
+
   // The LoRA delta for x routed per sequence: rows [seg_begin[i], seg_begin[i+1])
-  // of x use slot seg_slot[i]. Returns scale * (x A^T) B^T with shape
-  // [T, d_out]. Differentiable into A and B of the used slots only.
+  // of x use slot seg_slot[i] (-1, an unbound slot, or a slot not training t's
+  // group contribute zero rows). Returns fp32 scale * (x A^T) B^T with shape
+  // [T, d_out], computed per run of equal slots (segment form: two small
+  // matmuls per run). x may be any float dtype; it is cast to fp32 as PEFT
+  // does. Differentiable into A and B of the used slots only, at rank r.
   at::Tensor Delta(const LoraTarget& t, const at::Tensor& x,
                    const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
 

@@ -9,11 +9,13 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "engine/lora/slot_bank.h"
+#include "engine/model/attention.h"
 #include "engine/model/config.h"
 
 namespace loom::engine {
@@ -31,8 +33,20 @@ struct PackedBatch {
 
 class Transformer {
  public:
+  // Reads config.json and the safetensors weights of model_dir. Every
+  // expected tensor must be present with its exact shape; a missing, extra or
+  // mis-shaped tensor is Status::Invalid naming it. Weights are converted to
+  // dtype (kFloat or kBFloat16), placed on device, and never require grad.
   static Result<std::unique_ptr<Transformer>> Load(const std::string& model_dir, at::Device device,
                                                    at::ScalarType dtype);
+  // Same from tensors already in memory, keyed by Hugging Face name (tests,
+  // converters). The same checks apply.
+  static Result<std::unique_ptr<Transformer>> FromTensors(const ModelConfig& config,
+                                                          const std::map<std::string, at::Tensor>& weights,
+                                                          at::Device device, at::ScalarType dtype);
+  // Hugging Face names and shapes of the base weights this config needs
+  // (lm_head.weight only when embeddings are untied).
+  static std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedWeights(const ModelConfig& config);
 
   const ModelConfig& config() const { return config_; }
   at::Device device() const { return device_; }
@@ -55,6 +69,11 @@ class Transformer {
   // Full logits [T, vocab] fp32 for a few rows (sampler, tests).
   at::Tensor Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const;
 
+  // Attention kernel (default: DefaultAttentionKernel()). Both give the same
+  // numbers to float tolerance; kMath is the reference.
+  void set_attention_kernel(AttentionKernel k) { attention_kernel_ = k; }
+  AttentionKernel attention_kernel() const { return attention_kernel_; }
+
  private:
   Transformer() = default;
   struct Impl;
@@ -62,6 +81,7 @@ class Transformer {
   ModelConfig config_;
   at::Device device_ = at::kCPU;
   at::ScalarType dtype_ = at::kFloat;
+  AttentionKernel attention_kernel_ = DefaultAttentionKernel();
 };
 
 }  // namespace loom::engine

@@ -1,0 +1,38 @@
+// compat: the few places where libtorch 1.13 (Debian, CPU) and 2.x (the
+// PyTorch wheel on the GPU machine) differ in API, hidden behind one macro and
+// a handful of inline helpers. Include this instead of testing versions
+// elsewhere. Never test TORCH_VERSION_PATCH (Debian reports 1.13.0 for 1.13.1).
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>  // c10::NoGradGuard: ATen.h alone lacks it in 2.x
+#include <torch/version.h>
+
+#define LOOM_TORCH_AT_LEAST(maj, mnr) \
+  (TORCH_VERSION_MAJOR > (maj) || (TORCH_VERSION_MAJOR == (maj) && TORCH_VERSION_MINOR >= (mnr)))
+
+namespace loom::engine::compat {
+
+// True when this libtorch has a public, fused scaled_dot_product_attention
+// (2.0+). On 1.13 the private prototype is a plain composite of the same math.
+constexpr bool kHasFusedSdpa = LOOM_TORCH_AT_LEAST(2, 0);
+
+// Causal SDPA over one sequence. q [1, H, L, hd]; k, v [1, KVH, L, hd] with
+// H a multiple of KVH (grouped-query attention). Scale is 1/sqrt(hd).
+inline at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if LOOM_TORCH_AT_LEAST(2, 5)
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, {}, /*enable_gqa=*/true);
+#else
+  const int64_t group = q.size(1) / k.size(1);
+  const at::Tensor kk = group == 1 ? k : k.repeat_interleave(group, 1);
+  const at::Tensor vv = group == 1 ? v : v.repeat_interleave(group, 1);
+#if LOOM_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, kk, vv, {}, 0.0, /*is_causal=*/true);
+#else
+  // 1.13: private prototype returning (out, weights).
+  return std::get<0>(at::_scaled_dot_product_attention(q, kk, vv, {}, 0.0, /*need_attn_weights=*/false,
+                                                       /*is_causal=*/true));
+#endif
+#endif
+}
+
+}  // namespace loom::engine::compat

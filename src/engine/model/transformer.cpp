@@ -1,0 +1,349 @@
+#include "engine/model/transformer.h"
+
+#include <c10/core/GradMode.h>
+
+#include <set>
+#include <string>
+#include <utility>
+
+#include "engine/model/safetensors.h"
+#include "engine/model/tensor_io.h"
+#include "engine/model/unembed.h"
+
+namespace loom::engine {
+namespace {
+
+std::string ShapeText(at::IntArrayRef shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+int64_t HeadDim(const ModelConfig& c) {
+  return c.head_dim > 0 ? c.head_dim : (c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+}
+
+std::string LayerPrefix(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
+
+// Checkpoint entries that carry no weights (old rotary caches).
+bool IsIgnorable(const std::string& name) {
+  const std::string suffix = "rotary_emb.inv_freq";
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// RMSNorm as Hugging Face computes it: normalise in fp32, cast back to the
+// input dtype, then scale by the weight.
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+// HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dimension.
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+Status ConfigError(const std::string& field, const std::string& why) {
+  return Status::Invalid("config." + field + " " + why);
+}
+
+Status CheckConfig(const ModelConfig& c) {
+  if (c.model_type != "qwen2" && c.model_type != "qwen3")
+    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3)");
+  if (c.vocab_size <= 0) return ConfigError("vocab_size", "must be > 0");
+  if (c.hidden_size <= 0) return ConfigError("hidden_size", "must be > 0");
+  if (c.intermediate_size <= 0) return ConfigError("intermediate_size", "must be > 0");
+  if (c.num_hidden_layers <= 0) return ConfigError("num_hidden_layers", "must be > 0");
+  if (c.num_attention_heads <= 0) return ConfigError("num_attention_heads", "must be > 0");
+  if (c.num_key_value_heads <= 0 || c.num_attention_heads % c.num_key_value_heads != 0)
+    return ConfigError("num_key_value_heads", "must be > 0 and divide num_attention_heads");
+  const int64_t hd = HeadDim(c);
+  if (hd <= 0 || hd % 2 != 0) return ConfigError("head_dim", "must be a positive even number");
+  if (c.head_dim <= 0 && c.hidden_size % c.num_attention_heads != 0)
+    return ConfigError("hidden_size", "must be a multiple of num_attention_heads when head_dim is absent");
+  if (!(c.rope_theta > 0)) return ConfigError("rope_theta", "must be > 0");
+  return Status::Ok();
+}
+
+}  // namespace
+
+// The frozen base weights. q/k/v and gate/up are stored fused (one matmul
+// each per layer); their LoRA deltas are added to the matching slices.
+struct Transformer::Impl {
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    at::Tensor qkv_w, qkv_b;  // [(H + 2 KVH) * hd, hidden]; bias may be undefined
+    at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
+    at::Tensor o_w;             // [hidden, H * hd]
+    at::Tensor gate_up_w;       // [2 * inter, hidden]
+    at::Tensor down_w;          // [hidden, inter]
+  };
+  at::Tensor embed;    // [vocab, hidden]
+  at::Tensor norm;     // [hidden]
+  at::Tensor lm_head;  // [vocab, hidden]; aliases embed when tied
+  at::Tensor inv_freq; // [hd / 2] fp32
+  std::vector<Layer> layers;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+};
+
+PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
+                              at::Device device) {
+  PackedBatch b;
+  b.seq_begin.reserve(seqs.size() + 1);
+  b.seq_begin.push_back(0);
+  for (const auto& s : seqs) b.seq_begin.push_back(b.seq_begin.back() + static_cast<int64_t>(s.size()));
+  const int64_t total = b.seq_begin.back();
+  at::Tensor tokens = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor positions = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  int64_t* pp = positions.data_ptr<int64_t>();
+  int64_t k = 0;
+  for (const auto& s : seqs)
+    for (size_t i = 0; i < s.size(); ++i, ++k) {
+      tp[k] = s[i];
+      pp[k] = static_cast<int64_t>(i);
+    }
+  b.tokens = tokens.to(device);
+  b.positions = positions.to(device);
+  b.seq_slot = slots;
+  b.seq_slot.resize(seqs.size(), -1);
+  return b;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> Transformer::ExpectedWeights(const ModelConfig& c) {
+  const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
+                kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> w;
+  w.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = LayerPrefix(i);
+    w.push_back({p + "input_layernorm.weight", {h}});
+    w.push_back({p + "self_attn.q_proj.weight", {q, h}});
+    w.push_back({p + "self_attn.k_proj.weight", {kv, h}});
+    w.push_back({p + "self_attn.v_proj.weight", {kv, h}});
+    if (c.attention_bias) {
+      w.push_back({p + "self_attn.q_proj.bias", {q}});
+      w.push_back({p + "self_attn.k_proj.bias", {kv}});
+      w.push_back({p + "self_attn.v_proj.bias", {kv}});
+    }
+    w.push_back({p + "self_attn.o_proj.weight", {h, q}});
+    if (c.qk_norm) {
+      w.push_back({p + "self_attn.q_norm.weight", {hd}});
+      w.push_back({p + "self_attn.k_norm.weight", {hd}});
+    }
+    w.push_back({p + "post_attention_layernorm.weight", {h}});
+    w.push_back({p + "mlp.gate_proj.weight", {inter, h}});
+    w.push_back({p + "mlp.up_proj.weight", {inter, h}});
+    w.push_back({p + "mlp.down_proj.weight", {h, inter}});
+  }
+  w.push_back({"model.norm.weight", {h}});
+  if (!c.tie_word_embeddings) w.push_back({"lm_head.weight", {c.vocab_size, h}});
+  return w;
+}
+
+std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> Transformer::LoraTargets() const {
+  const ModelConfig& c = config_;
+  const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
+                kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
+  std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> t;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = LayerPrefix(i);
+    t.emplace_back(p + "self_attn.q_proj", TargetGroup::kAttn, h, q);
+    t.emplace_back(p + "self_attn.k_proj", TargetGroup::kAttn, h, kv);
+    t.emplace_back(p + "self_attn.v_proj", TargetGroup::kAttn, h, kv);
+    t.emplace_back(p + "self_attn.o_proj", TargetGroup::kAttn, q, h);
+    t.emplace_back(p + "mlp.gate_proj", TargetGroup::kMlp, h, inter);
+    t.emplace_back(p + "mlp.up_proj", TargetGroup::kMlp, h, inter);
+    t.emplace_back(p + "mlp.down_proj", TargetGroup::kMlp, inter, h);
+  }
+  t.emplace_back("lm_head", TargetGroup::kUnembed, h, c.vocab_size);
+  return t;
+}
+
+Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig& config,
+                                                              const std::map<std::string, at::Tensor>& weights,
+                                                              at::Device device, at::ScalarType dtype) {
+  if (Status s = CheckConfig(config); !s.ok()) return s;
+  if (dtype != at::kFloat && dtype != at::kBFloat16)
+    return Status::Invalid("dtype must be float32 or bfloat16");
+  const auto expected = ExpectedWeights(config);
+  std::set<std::string> wanted;
+  for (const auto& [name, shape] : expected) {
+    wanted.insert(name);
+    auto it = weights.find(name);
+    if (it == weights.end()) return Status::Invalid("weight '" + name + "' is missing");
+    if (!it->second.defined() || it->second.sizes() != at::IntArrayRef(shape))
+      return Status::Invalid("weight '" + name + "' has shape " +
+                             (it->second.defined() ? ShapeText(it->second.sizes()) : std::string("(undefined)")) +
+                             ", expected " + ShapeText(shape));
+  }
+  for (const auto& [name, tensor] : weights) {
+    if (wanted.count(name) || IsIgnorable(name)) continue;
+    // A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
+    if (name == "lm_head.weight" && config.tie_word_embeddings) continue;
+    return Status::Invalid("weight '" + name + "' is not expected by " + config.model_type + " with this config");
+  }
+
+  c10::NoGradGuard no_grad;
+  auto get = [&](const std::string& name) {
+    return weights.at(name).detach().to(device, dtype).contiguous();
+  };
+  auto impl = std::make_shared<Impl>();
+  impl->heads = config.num_attention_heads;
+  impl->kv_heads = config.num_key_value_heads;
+  impl->head_dim = HeadDim(config);
+  impl->inter = config.intermediate_size;
+  impl->embed = get("model.embed_tokens.weight");
+  impl->norm = get("model.norm.weight");
+  impl->lm_head = config.tie_word_embeddings ? impl->embed : get("lm_head.weight");
+  // HF: inv_freq = 1 / theta^(arange(0, hd, 2) / hd), in fp32.
+  impl->inv_freq =
+      1.0 / at::pow(config.rope_theta,
+                    at::arange(0, impl->head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
+                        static_cast<double>(impl->head_dim));
+  impl->inv_freq = impl->inv_freq.to(device);
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    const std::string p = LayerPrefix(i);
+    Impl::Layer l;
+    l.input_norm = get(p + "input_layernorm.weight");
+    l.post_norm = get(p + "post_attention_layernorm.weight");
+    l.qkv_w = at::cat({get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
+                       get(p + "self_attn.v_proj.weight")}, 0);
+    if (config.attention_bias)
+      l.qkv_b = at::cat({get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
+                         get(p + "self_attn.v_proj.bias")}, 0);
+    if (config.qk_norm) {
+      l.q_norm = get(p + "self_attn.q_norm.weight");
+      l.k_norm = get(p + "self_attn.k_norm.weight");
+    }
+    l.o_w = get(p + "self_attn.o_proj.weight");
+    l.gate_up_w = at::cat({get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")}, 0);
+    l.down_w = get(p + "mlp.down_proj.weight");
+    impl->layers.push_back(std::move(l));
+  }
+  std::unique_ptr<Transformer> t(new Transformer());
+  t->impl_ = std::move(impl);
+  t->config_ = config;
+  t->device_ = device;
+  t->dtype_ = dtype;
+  return t;
+}
+
+Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_dir, at::Device device,
+                                                       at::ScalarType dtype) {
+  Result<ModelConfig> config = ModelConfig::Load(model_dir);
+  if (!config.ok()) return config.status();
+  if (Status s = CheckConfig(*config); !s.ok()) return s;
+  Result<ModelWeights> files = ModelWeights::Open(model_dir);
+  if (!files.ok()) return files.status();
+  // Check names and shapes on the mapped views first: a bad file fails
+  // before any tensor is copied.
+  const auto expected = ExpectedWeights(*config);
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& [name, shape] : expected) {
+    const TensorView* view = files->find(name);
+    if (!view) return Status::Invalid("weight '" + name + "' is missing from " + model_dir);
+    if (view->shape != shape)
+      return Status::Invalid("weight '" + name + "' has shape " + ShapeText(view->shape) + ", expected " +
+                             ShapeText(shape));
+  }
+  for (const auto& [name, view] : files->tensors()) {
+    if (IsIgnorable(name)) continue;
+    if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
+    Result<at::Tensor> t = LoadTensor(view, dtype, device);
+    if (!t.ok()) return t.status();
+    weights[name] = std::move(*t);
+  }
+  return FromTensors(*config, weights, device, dtype);
+}
+
+at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) const {
+  const Impl& m = *impl_;
+  const int64_t T = batch.num_tokens(), hd = m.head_dim;
+  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
+  const double eps = config_.rms_norm_eps;
+
+  // The bank's targets, found once per call: bank targets are expected in
+  // LoraTargets() order, with a lookup by name as the fallback.
+  const size_t per_layer = 7;
+  auto target = [&](size_t index, const std::string& module) -> const LoraTarget* {
+    const auto& ts = bank.targets();
+    if (index < ts.size() && ts[index].module == module) return &ts[index];
+    return bank.find(module);
+  };
+  bool attn_lora = false, mlp_lora = false;
+  for (int s : batch.seq_slot) {
+    attn_lora = attn_lora || bank.trains(s, TargetGroup::kAttn);
+    mlp_lora = mlp_lora || bank.trains(s, TargetGroup::kMlp);
+  }
+  auto delta = [&](const LoraTarget* t, const at::Tensor& x) {
+    return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
+  };
+
+  // RoPE tables for this batch's positions (fp32, then the model dtype, as HF).
+  const at::Tensor freqs = batch.positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(dtype_).unsqueeze(1);  // [T, 1, hd]
+  const at::Tensor sin = emb.sin().to(dtype_).unsqueeze(1);
+
+  at::Tensor x = at::embedding(m.embed, batch.tokens);  // [T, hidden]
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const Impl::Layer& l = m.layers[i];
+    const std::string p = LayerPrefix(static_cast<int64_t>(i));
+    const size_t base = i * per_layer;
+
+    // Attention block.
+    at::Tensor h = RmsNorm(x, l.input_norm, eps);
+    const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+    at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
+    if (attn_lora) {
+      q = q + delta(target(base + 0, p + "self_attn.q_proj"), h);
+      k = k + delta(target(base + 1, p + "self_attn.k_proj"), h);
+      v = v + delta(target(base + 2, p + "self_attn.v_proj"), h);
+    }
+    q = q.reshape({T, m.heads, hd});
+    k = k.reshape({T, m.kv_heads, hd});
+    v = v.reshape({T, m.kv_heads, hd});
+    if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
+      q = RmsNorm(q, l.q_norm, eps);
+      k = RmsNorm(k, l.k_norm, eps);
+    }
+    q = q * cos + RotateHalf(q) * sin;
+    k = k * cos + RotateHalf(k) * sin;
+    const at::Tensor attn = PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_);
+    at::Tensor o = at::linear(attn, l.o_w);
+    if (attn_lora) o = o + delta(target(base + 3, p + "self_attn.o_proj"), attn);
+    x = x + o;
+
+    // MLP block (SwiGLU).
+    h = RmsNorm(x, l.post_norm, eps);
+    const at::Tensor gate_up = at::linear(h, l.gate_up_w);
+    at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
+    if (mlp_lora) {
+      gate = gate + delta(target(base + 4, p + "mlp.gate_proj"), h);
+      up = up + delta(target(base + 5, p + "mlp.up_proj"), h);
+    }
+    const at::Tensor act = at::silu(gate) * up;
+    at::Tensor down = at::linear(act, l.down_w);
+    if (mlp_lora) down = down + delta(target(base + 6, p + "mlp.down_proj"), act);
+    x = x + down;
+  }
+  return RmsNorm(x, m.norm, eps).to(at::kFloat);
+}
+
+at::Tensor Transformer::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,
+                                       const SlotBank& bank, int64_t chunk_tokens) const {
+  UnembedSpec spec = MakeUnembedSpec(bank, batch.seq_begin, batch.seq_slot);
+  return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, spec, chunk_tokens);
+}
+
+at::Tensor Transformer::Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const {
+  at::Tensor logits = at::linear(hidden.to(dtype_), impl_->lm_head).to(at::kFloat);
+  const LoraTarget* t = bank.find("lm_head");
+  if (t && bank.Uses(*t, batch.seq_slot)) logits = logits + bank.Delta(*t, hidden, batch.seq_begin, batch.seq_slot);
+  return logits;
+}
+
+}  // namespace loom::engine

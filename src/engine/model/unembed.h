@@ -1,0 +1,42 @@
+// unembed: log-probabilities of target tokens under lm_head plus the
+// per-sequence unembed LoRA, computed in chunks of tokens so that
+// full-vocabulary logits never exist for the whole batch — not in the
+// forward pass and not in what autograd keeps for the backward pass: the
+// backward recomputes one chunk's logits at a time (activation
+// checkpointing), so peak memory is one chunk x vocab, whatever T is.
+//
+// Pure functions of their inputs; engine thread (they run on its device).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "engine/lora/slot_bank.h"
+
+namespace loom::engine {
+
+// What the unembed LoRA adds for one batch: runs of rows [begin, end) that
+// use one slot's lm_head adapter at its own rank and scale.
+struct UnembedSpec {
+  at::Tensor A, B;  // the bank's lm_head stacks [N, R, hidden], [N, vocab, R]; undefined if none applies
+  struct Run {
+    int64_t begin = 0, end = 0;
+    int64_t slot = 0, rank = 0;
+    double scale = 0.0;
+  };
+  std::vector<Run> runs;  // sorted, disjoint; rows outside any run get no LoRA
+};
+
+// The runs of sequences whose slot trains the unembed group.
+UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
+                            const std::vector<int>& seq_slot);
+
+// hidden [T, hidden] fp32; targets [T] or [T, K] int64 in [0, vocab);
+// lm_head [vocab, hidden] in the model dtype (logits are computed in that
+// dtype, as HF does, then in fp32). Returns fp32 of the targets' shape:
+// logit[target] - logsumexp(logits). Differentiable into hidden and the
+// spec's A and B (only the used slots' slices get nonzero gradient).
+at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
+                                 const UnembedSpec& spec, int64_t chunk_tokens);
+
+}  // namespace loom::engine
