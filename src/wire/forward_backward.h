@@ -28,6 +28,9 @@ struct ForwardBackwardRequest {
 struct ForwardBackwardDecodeOptions {
   bool zstd = false;                            // body has Content-Encoding: zstd
   size_t max_decoded_bytes = size_t{512} << 20;  // cap on the protobuf after zstd
+  // Cap on rows x cols of a sparse CSR tensor (its dense form is built here):
+  // a few bytes of CSR must not allocate gigabytes.
+  int64_t max_sparse_dense_elements = int64_t{1} << 27;
 };
 
 // Decodes a request body. Errors (all kInvalidArgument unless noted) name the

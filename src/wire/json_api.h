@@ -117,8 +117,8 @@ struct OptimStepRequest {               // POST /api/v1/optim_step
   int64_t seq_id = 0;
   engine::AdamParams adam_params;
 };
-// All six AdamParams are required. Checks: learning_rate, eps, weight_decay,
-// grad_clip_norm finite and >= 0; beta1, beta2 in [0, 1); eps > 0.
+// All six AdamParams are required. Checks (as torch.optim.AdamW): learning_rate,
+// eps, weight_decay, grad_clip_norm finite and >= 0; beta1, beta2 in [0, 1).
 Result<OptimStepRequest> ParseOptimStepRequest(const Json& body);
 
 struct SaveWeightsRequest {             // POST /api/v1/save_weights (save_state)

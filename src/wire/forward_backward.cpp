@@ -1,0 +1,390 @@
+#include "wire/forward_backward.h"
+
+#include <bit>
+#include <climits>
+#include <cstring>
+#include <vector>
+
+#include "tinker_public.pb.h"
+#include "wire/proto_bytes.h"
+#include "wire/try.h"
+#include "wire/zstd.h"
+
+namespace loom::wire {
+
+static_assert(std::endian::native == std::endian::little, "the Tinker wire is little-endian");
+
+namespace pb = ::tinker_public;
+
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+const char* DTypeName(int dtype) {
+  switch (dtype) {
+    case pb::DTYPE_FLOAT32: return "float32";
+    case pb::DTYPE_INT64: return "int64";
+    case pb::DTYPE_INT32: return "int32";
+    case pb::DTYPE_BFLOAT16: return "bfloat16";
+    default: return "unspecified";
+  }
+}
+
+// Bytes per element of a wire dtype, 0 if unsupported.
+size_t DTypeSize(int dtype) {
+  switch (dtype) {
+    case pb::DTYPE_FLOAT32: return 4;
+    case pb::DTYPE_INT64: return 8;
+    case pb::DTYPE_INT32: return 4;
+    case pb::DTYPE_BFLOAT16: return 2;
+    default: return 0;
+  }
+}
+
+bool IsFloatDType(int dtype) { return dtype == pb::DTYPE_FLOAT32 || dtype == pb::DTYPE_BFLOAT16; }
+
+template <typename T>
+T Load(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+float Bf16ToFloat(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
+
+// Appends n values of a wire dtype from raw bytes to the Array's storage.
+void AppendValues(const char* p, size_t n, int dtype, engine::Array* a) {
+  switch (dtype) {
+    case pb::DTYPE_FLOAT32:
+      for (size_t i = 0; i < n; ++i) a->f32.push_back(Load<float>(p + 4 * i));
+      break;
+    case pb::DTYPE_BFLOAT16:
+      for (size_t i = 0; i < n; ++i) a->f32.push_back(Bf16ToFloat(Load<uint16_t>(p + 2 * i)));
+      break;
+    case pb::DTYPE_INT64:
+      for (size_t i = 0; i < n; ++i) a->i64.push_back(Load<int64_t>(p + 8 * i));
+      break;
+    case pb::DTYPE_INT32:
+      for (size_t i = 0; i < n; ++i) a->i64.push_back(Load<int32_t>(p + 4 * i));
+      break;
+  }
+}
+
+// numel of a shape, rejecting negative dims and overflow.
+Status Numel(const std::vector<int64_t>& shape, const std::string& where, int64_t* out) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) return Status::Invalid(where + ": negative dimension in shape " + ShapeText(shape));
+    if (__builtin_mul_overflow(n, d, &n))
+      return Status::Invalid(where + ": shape " + ShapeText(shape) + " has too many elements");
+  }
+  *out = n;
+  return Status::Ok();
+}
+
+Status DecodeTensor(const pb::Tensor& t, const std::string& where, const ForwardBackwardDecodeOptions& opt,
+                    engine::Array* out) {
+  const int dtype = t.dtype();
+  const size_t esize = DTypeSize(dtype);
+  if (esize == 0) return Status::Invalid(where + ": unsupported dtype " + std::to_string(dtype));
+  out->dtype = IsFloatDType(dtype) ? engine::Array::DType::kFloat32 : engine::Array::DType::kInt64;
+  out->shape.assign(t.shape().begin(), t.shape().end());
+  out->f32.clear();
+  out->i64.clear();
+
+  if (t.encoding_case() == pb::Tensor::kSparseCsr) {
+    const pb::SparseCsr& csr = t.sparse_csr();
+    if (out->shape.size() != 2)
+      return Status::Invalid(where + ": sparse_csr needs a 2-D shape, got " + ShapeText(out->shape));
+    int64_t numel = 0;
+    LOOM_WIRE_TRY(Numel(out->shape, where, &numel));
+    if (numel > opt.max_sparse_dense_elements)
+      return Status::Invalid(where + ": sparse tensor of shape " + ShapeText(out->shape) + " exceeds the limit of " +
+                             std::to_string(opt.max_sparse_dense_elements) + " dense elements");
+    const int64_t rows = out->shape[0], cols = out->shape[1];
+    const std::string& crow = csr.crow_indices();
+    const std::string& col = csr.col_indices();
+    const std::string& vals = csr.values();
+    if (crow.size() != static_cast<size_t>(rows + 1) * 8)
+      return Status::Invalid(where + ": sparse_csr crow_indices has " + std::to_string(crow.size()) +
+                             " bytes, expected (rows+1) x 8 = " + std::to_string((rows + 1) * 8));
+    if (col.size() % 8 != 0)
+      return Status::Invalid(where + ": sparse_csr col_indices byte length " + std::to_string(col.size()) +
+                             " is not a multiple of 8");
+    const int64_t nnz = static_cast<int64_t>(col.size() / 8);
+    if (vals.size() != static_cast<size_t>(nnz) * esize)
+      return Status::Invalid(where + ": sparse_csr values has " + std::to_string(vals.size()) + " bytes, expected nnz " +
+                             std::to_string(nnz) + " x " + std::to_string(esize) + " bytes (" + DTypeName(dtype) + ")");
+    if (Load<int64_t>(crow.data()) != 0) return Status::Invalid(where + ": sparse_csr crow_indices must start at 0");
+    if (Load<int64_t>(crow.data() + 8 * rows) != nnz)
+      return Status::Invalid(where + ": sparse_csr crow_indices must end at nnz = " + std::to_string(nnz));
+    // Decode the nnz values once, then scatter them row by row.
+    engine::Array values;
+    AppendValues(vals.data(), static_cast<size_t>(nnz), dtype, &values);
+    std::vector<uint8_t> seen(static_cast<size_t>(numel), 0);
+    if (out->dtype == engine::Array::DType::kFloat32) out->f32.assign(numel, 0.0f);
+    else out->i64.assign(numel, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t b = Load<int64_t>(crow.data() + 8 * r), e = Load<int64_t>(crow.data() + 8 * (r + 1));
+      if (b > e || e > nnz)
+        return Status::Invalid(where + ": sparse_csr crow_indices is not non-decreasing at row " + std::to_string(r));
+      for (int64_t k = b; k < e; ++k) {
+        int64_t c = Load<int64_t>(col.data() + 8 * k);
+        if (c < 0 || c >= cols)
+          return Status::Invalid(where + ": sparse_csr col_indices[" + std::to_string(k) + "] = " + std::to_string(c) +
+                                 " is outside [0, " + std::to_string(cols) + ")");
+        size_t at = static_cast<size_t>(r * cols + c);
+        if (seen[at]) return Status::Invalid(where + ": sparse_csr has column " + std::to_string(c) + " twice in row " +
+                                             std::to_string(r));
+        seen[at] = 1;
+        if (out->dtype == engine::Array::DType::kFloat32) out->f32[at] = values.f32[k];
+        else out->i64[at] = values.i64[k];
+      }
+    }
+    return Status::Ok();
+  }
+
+  const std::string& dense = t.dense();
+  if (out->shape.empty()) {  // shape is optional in TensorData: a flat vector
+    if (dense.size() % esize != 0)
+      return Status::Invalid(where + ": dense byte length " + std::to_string(dense.size()) + " is not a multiple of " +
+                             std::to_string(esize) + " bytes (" + DTypeName(dtype) + ")");
+    out->shape = {static_cast<int64_t>(dense.size() / esize)};
+  }
+  int64_t numel = 0;
+  LOOM_WIRE_TRY(Numel(out->shape, where, &numel));
+  if (static_cast<uint64_t>(numel) > dense.size() / esize || dense.size() != static_cast<size_t>(numel) * esize)
+    return Status::Invalid(where + ": dense byte length " + std::to_string(dense.size()) + " does not match shape " +
+                           ShapeText(out->shape) + " x " + std::to_string(esize) + " bytes (" + DTypeName(dtype) + ")");
+  if (out->dtype == engine::Array::DType::kFloat32) out->f32.reserve(numel);
+  else out->i64.reserve(numel);
+  AppendValues(dense.data(), static_cast<size_t>(numel), dtype, out);
+  return Status::Ok();
+}
+
+Status DecodeDatum(const pb::Datum& d, const std::string& where, const ForwardBackwardDecodeOptions& opt,
+                   engine::Datum* out) {
+  for (int i = 0; i < d.model_input_size(); ++i) {
+    const pb::Chunk& c = d.model_input(i);
+    const std::string cw = where + ".model_input chunk " + std::to_string(i);
+    switch (c.chunk_case()) {
+      case pb::Chunk::kEncodedText: {
+        const std::string& b = c.encoded_text().tokens();
+        if (b.size() % 4 != 0)
+          return Status::Invalid(cw + ": encoded_text tokens byte length " + std::to_string(b.size()) +
+                                 " is not a multiple of 4 (int32)");
+        size_t n = b.size() / 4;
+        out->tokens.reserve(out->tokens.size() + n);
+        for (size_t k = 0; k < n; ++k) out->tokens.push_back(Load<int32_t>(b.data() + 4 * k));
+        break;
+      }
+      case pb::Chunk::kImage:
+        return Status::Invalid(cw + ": image chunks are not supported by this text-only model");
+      case pb::Chunk::kDmel:
+        return Status::Invalid(cw + ": dmel (audio) chunks are not supported by this text-only model");
+      default:
+        return Status::Invalid(cw + ": empty chunk (no encoded_text)");
+    }
+  }
+  for (const auto& [name, tensor] : d.loss_fn_inputs()) {
+    engine::Array a;
+    LOOM_WIRE_TRY(DecodeTensor(tensor, where + ".loss_fn_inputs[" + name + "]", opt, &a));
+    out->loss_fn_inputs.emplace(name, std::move(a));
+  }
+  return Status::Ok();
+}
+
+Status CheckArray(const engine::Array& a, const std::string& where) {
+  int64_t numel = 0;
+  LOOM_WIRE_TRY(Numel(a.shape, where, &numel));
+  size_t have = a.dtype == engine::Array::DType::kFloat32 ? a.f32.size() : a.i64.size();
+  if (have != static_cast<size_t>(numel))
+    return Status::Internal(where + ": array holds " + std::to_string(have) + " values but its shape " +
+                            ShapeText(a.shape) + " needs " + std::to_string(numel));
+  return Status::Ok();
+}
+
+// What must agree between datums that share one ArrayRecord.
+struct FieldSignature {
+  std::string name;
+  engine::Array::DType dtype;
+  std::vector<int64_t> trailing;
+  bool operator==(const FieldSignature&) const = default;
+};
+
+std::vector<FieldSignature> SignatureOf(const std::map<std::string, engine::Array>& outputs) {
+  std::vector<FieldSignature> sig;
+  for (const auto& [name, a] : outputs) {
+    std::vector<int64_t> trailing;
+    if (a.shape.size() > 1) trailing.assign(a.shape.begin() + 1, a.shape.end());
+    sig.push_back({name, a.dtype, std::move(trailing)});
+  }
+  return sig;
+}
+
+void AppendArrayBytes(const engine::Array& a, std::string* data) {
+  if (a.dtype == engine::Array::DType::kFloat32)
+    data->append(reinterpret_cast<const char*>(a.f32.data()), a.f32.size() * sizeof(float));
+  else
+    data->append(reinterpret_cast<const char*>(a.i64.data()), a.i64.size() * sizeof(int64_t));
+}
+
+template <typename T>
+void AppendPod(T v, std::string* s) {
+  s->append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+}  // namespace
+
+bool IsValidMetricKey(std::string_view key) {
+  size_t colons = 0;
+  for (char c : key) colons += c == ':';
+  return colons == 1;
+}
+
+Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
+                                                            const ForwardBackwardDecodeOptions& options) {
+  std::string decoded;
+  std::string_view bytes = body;
+  if (options.zstd) {
+    auto r = ZstdDecompress(body, options.max_decoded_bytes);
+    if (!r.ok()) return r.status();
+    decoded = std::move(r.value());
+    bytes = decoded;
+  } else if (body.size() > options.max_decoded_bytes) {
+    return Status(Code::kPayloadTooLarge, "forward_backward: body of " + std::to_string(body.size()) +
+                                              " bytes exceeds the limit of " +
+                                              std::to_string(options.max_decoded_bytes) + " bytes");
+  }
+  if (bytes.size() > static_cast<size_t>(INT_MAX))
+    return Status(Code::kPayloadTooLarge, "forward_backward: protobuf bodies are limited to 2 GiB");
+
+  pb::ForwardBackwardRequest msg;
+  if (!msg.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))
+    return Status::Invalid("forward_backward: body is not a valid protobuf ForwardBackwardRequest");
+
+  ForwardBackwardRequest req;
+  req.model_id = msg.model_id();
+  req.seq_id = msg.seq_id();
+  req.call.slot = -1;
+  req.call.loss_fn = msg.loss_fn();
+  req.call.forward_only = msg.forward_only();
+  for (const auto& [k, v] : msg.loss_fn_config()) req.call.loss_fn_config[k] = v;
+  req.call.data.resize(msg.data_size());
+  for (int i = 0; i < msg.data_size(); ++i) {
+    LOOM_WIRE_TRY(DecodeDatum(msg.data(i), "data[" + std::to_string(i) + "]", options, &req.call.data[i]));
+  }
+  return req;
+}
+
+Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOutput& output) {
+  pb::ForwardBackwardOutput msg;
+  msg.set_loss_fn_output_type("ArrayRecord");
+  for (const auto& [key, value] : output.metrics) {
+    if (!IsValidMetricKey(key))
+      return Status::Internal("metric key '" + key + "' must contain exactly one ':' (name:reduction)");
+    (*msg.mutable_metrics())[key] = value;
+  }
+  const auto& outs = output.outputs;
+  for (size_t d = 0; d < outs.size(); ++d)
+    for (const auto& [name, a] : outs[d]) LOOM_WIRE_TRY(CheckArray(a, "outputs[" + std::to_string(d) + "][" + name + "]"));
+
+  size_t begin = 0;
+  while (begin < outs.size()) {
+    const auto sig = SignatureOf(outs[begin]);
+    size_t end = begin + 1;
+    while (end < outs.size() && SignatureOf(outs[end]) == sig) ++end;
+
+    pb::ArrayRecord* rec = msg.add_loss_fn_outputs();
+    rec->set_num_datums(static_cast<int64_t>(end - begin));
+    for (const FieldSignature& f : sig) {
+      pb::BatchedTensor& bt = (*rec->mutable_fields())[f.name];
+      bt.set_dtype(f.dtype == engine::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
+      for (int64_t t : f.trailing) bt.add_trailing_shape(t);
+      std::string data, offsets;
+      AppendPod<int64_t>(0, &offsets);
+      for (size_t d = begin; d < end; ++d) {
+        AppendArrayBytes(outs[d].at(f.name), &data);
+        AppendPod<int64_t>(static_cast<int64_t>(data.size()), &offsets);
+      }
+      bt.set_data(std::move(data));
+      bt.set_offsets(std::move(offsets));
+    }
+    begin = end;
+  }
+  return SerializeDeterministic(msg);
+}
+
+std::string EncodeForwardBackwardRequest(const ForwardBackwardRequest& request) {
+  pb::ForwardBackwardRequest msg;
+  msg.set_model_id(request.model_id);
+  msg.set_seq_id(request.seq_id);
+  msg.set_loss_fn(request.call.loss_fn);
+  msg.set_forward_only(request.call.forward_only);
+  for (const auto& [k, v] : request.call.loss_fn_config) (*msg.mutable_loss_fn_config())[k] = v;
+  for (const engine::Datum& d : request.call.data) {
+    pb::Datum* pd = msg.add_data();
+    std::string tokens(reinterpret_cast<const char*>(d.tokens.data()), d.tokens.size() * sizeof(int32_t));
+    pd->add_model_input()->mutable_encoded_text()->set_tokens(std::move(tokens));
+    for (const auto& [name, a] : d.loss_fn_inputs) {
+      pb::Tensor& t = (*pd->mutable_loss_fn_inputs())[name];
+      t.set_dtype(a.dtype == engine::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
+      for (int64_t s : a.shape) t.add_shape(s);
+      std::string bytes;
+      AppendArrayBytes(a, &bytes);
+      t.set_dense(std::move(bytes));
+    }
+  }
+  return SerializeDeterministic(msg);
+}
+
+Result<engine::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes) {
+  pb::ForwardBackwardOutput msg;
+  if (bytes.size() > static_cast<size_t>(INT_MAX) ||
+      !msg.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))
+    return Status::Invalid("ForwardBackwardOutput: not a valid protobuf message");
+  engine::ForwardBackwardOutput out;
+  for (const auto& [k, v] : msg.metrics()) out.metrics[k] = v;
+  for (int r = 0; r < msg.loss_fn_outputs_size(); ++r) {
+    const pb::ArrayRecord& rec = msg.loss_fn_outputs(r);
+    const std::string rw = "loss_fn_outputs[" + std::to_string(r) + "]";
+    int64_t n = rec.num_datums();
+    if (n == 0 && !rec.fields().empty()) n = static_cast<int64_t>(rec.fields().begin()->second.offsets().size() / 8) - 1;
+    if (n < 0) return Status::Invalid(rw + ": negative num_datums");
+    const size_t first = out.outputs.size();
+    out.outputs.resize(first + static_cast<size_t>(n));
+    for (const auto& [name, bt] : rec.fields()) {
+      const std::string fw = rw + ".fields[" + name + "]";
+      const size_t esize = DTypeSize(bt.dtype());
+      if (esize == 0) return Status::Invalid(fw + ": unsupported dtype");
+      if (bt.offsets().size() != static_cast<size_t>(n + 1) * 8)
+        return Status::Invalid(fw + ": offsets must hold num_datums + 1 int64 values");
+      int64_t inner = 1;
+      for (int64_t t : bt.trailing_shape()) inner *= t;
+      if (inner <= 0) return Status::Invalid(fw + ": bad trailing_shape");
+      for (int64_t d = 0; d < n; ++d) {
+        int64_t b = Load<int64_t>(bt.offsets().data() + 8 * d), e = Load<int64_t>(bt.offsets().data() + 8 * (d + 1));
+        if (d == 0 && b != 0) return Status::Invalid(fw + ": offsets must start at 0");
+        if (b > e || e > static_cast<int64_t>(bt.data().size()) || (e - b) % static_cast<int64_t>(esize) != 0)
+          return Status::Invalid(fw + ": bad byte offsets for datum " + std::to_string(d));
+        int64_t elems = (e - b) / static_cast<int64_t>(esize);
+        if (elems % inner != 0) return Status::Invalid(fw + ": datum size is not a multiple of trailing_shape");
+        engine::Array a;
+        a.dtype = IsFloatDType(bt.dtype()) ? engine::Array::DType::kFloat32 : engine::Array::DType::kInt64;
+        a.shape = {elems / inner};
+        a.shape.insert(a.shape.end(), bt.trailing_shape().begin(), bt.trailing_shape().end());
+        AppendValues(bt.data().data() + b, static_cast<size_t>(elems), bt.dtype(), &a);
+        out.outputs[first + d][name] = std::move(a);
+      }
+      if (n > 0 && Load<int64_t>(bt.offsets().data() + 8 * n) != static_cast<int64_t>(bt.data().size()))
+        return Status::Invalid(fw + ": last offset must equal the data length");
+    }
+  }
+  return out;
+}
+
+}  // namespace loom::wire

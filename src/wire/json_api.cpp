@@ -1,0 +1,545 @@
+#include "wire/json_api.h"
+
+#include <charconv>
+#include <cmath>
+#include <ctime>
+#include <limits>
+
+#include "wire/json_fields.h"
+
+namespace loom::wire {
+
+namespace f = fields;
+
+// ---------------------------------------------------------------- helpers
+
+Result<Json> ParseJsonObject(std::string_view body, std::string_view endpoint) {
+  size_t i = 0;
+  while (i < body.size() && (body[i] == ' ' || body[i] == '\n' || body[i] == '\r' || body[i] == '\t')) ++i;
+  if (i == body.size()) return Json::object();
+  Json j = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return Status::Invalid(std::string(endpoint) + ": body is not valid JSON");
+  if (!j.is_object()) return Status::Invalid(std::string(endpoint) + ": body must be a JSON object");
+  return j;
+}
+
+Json JsonNumber(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
+
+void ScrubNonFinite(Json& j) {
+  if (j.is_number_float()) {
+    if (!std::isfinite(j.get<double>())) j = nullptr;
+  } else if (j.is_structured()) {
+    for (auto& e : j) ScrubNonFinite(e);
+  }
+}
+
+std::string DumpJson(const Json& j) {
+  // nlohmann writes non-finite floats as null; invalid UTF-8 is replaced by U+FFFD.
+  return j.dump(-1, ' ', false, Json::error_handler_t::replace);
+}
+
+std::string FormatIsoTime(int64_t unix_seconds) {
+  std::time_t t = static_cast<std::time_t>(unix_seconds);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+// ------------------------------------------------------------ tinker paths
+
+const char* TinkerPath::kind_segment() const { return kind == Kind::kTraining ? "weights" : "sampler_weights"; }
+const char* TinkerPath::checkpoint_type() const { return kind == Kind::kTraining ? "training" : "sampler"; }
+std::string TinkerPath::checkpoint_id() const { return std::string(kind_segment()) + "/" + name; }
+std::string TinkerPath::ToString() const { return "tinker://" + training_run_id + "/" + checkpoint_id(); }
+
+namespace {
+
+constexpr std::string_view kScheme = "tinker://";
+
+Result<TinkerPath> ParseTinkerPathAt(std::string_view uri, const std::string& field) {
+  const std::string shown = "'" + std::string(uri.substr(0, 200)) + "'";
+  if (uri.substr(0, kScheme.size()) != kScheme)
+    return Status::Invalid(field + ": " + shown + " must start with tinker://");
+  std::string_view rest = uri.substr(kScheme.size());
+  std::vector<std::string_view> parts;
+  size_t start = 0;
+  for (;;) {
+    size_t slash = rest.find('/', start);
+    parts.push_back(rest.substr(start, slash == std::string_view::npos ? std::string_view::npos : slash - start));
+    if (slash == std::string_view::npos) break;
+    start = slash + 1;
+  }
+  if (parts.size() != 3)
+    return Status::Invalid(field + ": " + shown +
+                           " must have exactly 3 parts: tinker://<run_id>/<weights|sampler_weights>/<name>");
+  for (auto p : parts)
+    if (p.empty()) return Status::Invalid(field + ": " + shown + " has an empty part");
+  TinkerPath path;
+  path.training_run_id = parts[0];
+  if (parts[1] == "weights") path.kind = TinkerPath::Kind::kTraining;
+  else if (parts[1] == "sampler_weights") path.kind = TinkerPath::Kind::kSampler;
+  else return Status::Invalid(field + ": " + shown + ": kind must be 'weights' or 'sampler_weights'");
+  path.name = parts[2];
+  LOOM_WIRE_TRY(ValidateCheckpointName(path.name, field));
+  return path;
+}
+
+Status TinkerPathField(const Json& obj, const std::string& where, const char* key, TinkerPath* out) {
+  std::string s;
+  LOOM_WIRE_TRY(f::String(obj, where, key, &s));
+  auto p = ParseTinkerPathAt(s, f::Path(where, key));
+  if (!p.ok()) return p.status();
+  *out = std::move(p.value());
+  return Status::Ok();
+}
+
+Status NonNegative(int64_t v, const std::string& path) {
+  if (v < 0) return Status::Invalid(path + ": must be >= 0, got " + std::to_string(v));
+  return Status::Ok();
+}
+
+Status OptTtl(const Json& obj, const std::string& where, std::optional<int64_t>* ttl) {
+  LOOM_WIRE_TRY(f::OptInt(obj, where, "ttl_seconds", ttl));
+  if (*ttl && **ttl < 1)
+    return Status::Invalid(f::Path(where, "ttl_seconds") + ": must be >= 1 second, got " + std::to_string(**ttl));
+  return Status::Ok();
+}
+
+Status OptCheckpointName(const Json& obj, const std::string& where, std::optional<std::string>* name) {
+  LOOM_WIRE_TRY(f::OptString(obj, where, "path", name));
+  if (*name) LOOM_WIRE_TRY(ValidateCheckpointName(**name, f::Path(where, "path")));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<TinkerPath> ParseTinkerPath(std::string_view uri) { return ParseTinkerPathAt(uri, "tinker_path"); }
+
+Result<TinkerPath> ParseCheckpointId(std::string_view training_run_id, std::string_view checkpoint_id) {
+  return ParseTinkerPathAt(std::string(kScheme) + std::string(training_run_id) + "/" + std::string(checkpoint_id),
+                           "checkpoint_id");
+}
+
+Status ValidateCheckpointName(std::string_view name, std::string_view field) {
+  const std::string fld(field);
+  if (name.empty()) return Status::Invalid(fld + ": checkpoint name must not be empty");
+  if (name.size() > 256) return Status::Invalid(fld + ": checkpoint name is longer than 256 bytes");
+  if (name == "." || name == "..") return Status::Invalid(fld + ": checkpoint name must not be '.' or '..'");
+  for (char c : name) {
+    if (c == '/' || c == '\\') return Status::Invalid(fld + ": checkpoint name must not contain '/' or '\\'");
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
+      return Status::Invalid(fld + ": checkpoint name must not contain control characters");
+  }
+  return Status::Ok();
+}
+
+// --------------------------------------------------------------- requests
+
+Result<ClientConfigRequest> ParseClientConfigRequest(const Json& body) {
+  const std::string w = "client_config";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  ClientConfigRequest r;
+  LOOM_WIRE_TRY(f::OptString(body, w, "sdk_version", &r.sdk_version));
+  return r;
+}
+
+Result<CreateSessionRequest> ParseCreateSessionRequest(const Json& body) {
+  const std::string w = "create_session";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  CreateSessionRequest r;
+  LOOM_WIRE_TRY(f::OptStringList(body, w, "tags", &r.tags));
+  LOOM_WIRE_TRY(f::OptStringMap(body, w, "user_metadata", &r.user_metadata));
+  LOOM_WIRE_TRY(f::OptString(body, w, "sdk_version", &r.sdk_version));
+  LOOM_WIRE_TRY(f::OptString(body, w, "project_id", &r.project_id));
+  return r;
+}
+
+Result<SessionHeartbeatRequest> ParseSessionHeartbeatRequest(const Json& body) {
+  const std::string w = "session_heartbeat";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  SessionHeartbeatRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
+  return r;
+}
+
+Result<CreateModelRequest> ParseCreateModelRequest(const Json& body) {
+  const std::string w = "create_model";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  CreateModelRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
+  LOOM_WIRE_TRY(f::Int(body, w, "model_seq_id", &r.model_seq_id));
+  LOOM_WIRE_TRY(NonNegative(r.model_seq_id, f::Path(w, "model_seq_id")));
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "base_model", &r.base_model));
+  LOOM_WIRE_TRY(f::OptStringMap(body, w, "user_metadata", &r.user_metadata));
+  if (const Json* lc = f::Find(body, "lora_config")) {
+    const std::string lw = w + ".lora_config";
+    LOOM_WIRE_TRY(f::RequireObject(*lc, lw));
+    std::optional<int64_t> rank;
+    LOOM_WIRE_TRY(f::OptInt(*lc, lw, "rank", &rank));
+    if (rank) {
+      if (*rank < 1 || *rank > 65536)
+        return Status::Invalid(lw + ".rank: must be in [1, 65536], got " + std::to_string(*rank));
+      r.lora.rank = static_cast<int>(*rank);
+    }
+    std::optional<uint64_t> seed;
+    LOOM_WIRE_TRY(f::OptAnyU64(*lc, lw, "seed", &seed));
+    r.seed_given = seed.has_value();
+    if (seed) r.lora.seed = *seed;
+    LOOM_WIRE_TRY(f::Bool(*lc, lw, "train_unembed", &r.lora.train_unembed));
+    LOOM_WIRE_TRY(f::Bool(*lc, lw, "train_mlp", &r.lora.train_mlp));
+    LOOM_WIRE_TRY(f::Bool(*lc, lw, "train_attn", &r.lora.train_attn));
+    if (!r.lora.train_unembed && !r.lora.train_mlp && !r.lora.train_attn)
+      return Status::Invalid(lw + ": at least one of train_attn, train_mlp, train_unembed must be true");
+  }
+  return r;
+}
+
+static Result<ModelIdRequest> ParseModelIdRequest(const Json& body, const std::string& w) {
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  ModelIdRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
+  return r;
+}
+Result<ModelIdRequest> ParseGetInfoRequest(const Json& body) { return ParseModelIdRequest(body, "get_info"); }
+Result<ModelIdRequest> ParseUnloadModelRequest(const Json& body) { return ParseModelIdRequest(body, "unload_model"); }
+
+Result<WeightsInfoRequest> ParseWeightsInfoRequest(const Json& body) {
+  const std::string w = "weights_info";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  WeightsInfoRequest r;
+  LOOM_WIRE_TRY(TinkerPathField(body, w, "tinker_path", &r.path));
+  return r;
+}
+
+Result<OptimStepRequest> ParseOptimStepRequest(const Json& body) {
+  const std::string w = "optim_step";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  OptimStepRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
+  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  const Json* ap = f::Find(body, "adam_params");
+  const std::string aw = w + ".adam_params";
+  if (!ap) return Status::Invalid(aw + ": required field is missing");
+  LOOM_WIRE_TRY(f::RequireObject(*ap, aw));
+  engine::AdamParams& p = r.adam_params;
+  struct Field {
+    const char* key;
+    double* out;
+    bool unit_interval;  // [0, 1) instead of [0, inf)
+  };
+  const Field fields_[] = {{"learning_rate", &p.learning_rate, false}, {"beta1", &p.beta1, true},
+                           {"beta2", &p.beta2, true},                  {"eps", &p.eps, false},
+                           {"weight_decay", &p.weight_decay, false},   {"grad_clip_norm", &p.grad_clip_norm, false}};
+  for (const Field& fd : fields_) {
+    LOOM_WIRE_TRY(f::Double(*ap, aw, fd.key, fd.out));
+    const double v = *fd.out;
+    if (!std::isfinite(v)) return Status::Invalid(f::Path(aw, fd.key) + ": must be finite");
+    if (fd.unit_interval && !(v >= 0.0 && v < 1.0))
+      return Status::Invalid(f::Path(aw, fd.key) + ": must be in [0, 1), got " + std::to_string(v));
+    if (!fd.unit_interval && v < 0.0)
+      return Status::Invalid(f::Path(aw, fd.key) + ": must be >= 0, got " + std::to_string(v));
+  }
+  return r;
+}
+
+Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body) {
+  const std::string w = "save_weights";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  SaveWeightsRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
+  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
+  LOOM_WIRE_TRY(OptTtl(body, w, &r.ttl_seconds));
+  LOOM_WIRE_TRY(f::Bool(body, w, "overwrite", &r.overwrite));
+  return r;
+}
+
+Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
+  const std::string w = "load_weights";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  LoadWeightsRequest r;
+  if (f::Find(body, "model_id")) {
+    r.mode = LoadWeightsRequest::Mode::kTrainingClient;
+    LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
+    LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  } else if (f::Find(body, "session_id")) {
+    r.mode = LoadWeightsRequest::Mode::kCreateModel;
+    LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
+    LOOM_WIRE_TRY(f::Int(body, w, "model_seq_id", &r.model_seq_id));
+    LOOM_WIRE_TRY(NonNegative(r.model_seq_id, f::Path(w, "model_seq_id")));
+    LOOM_WIRE_TRY(f::OptString(body, w, "base_model", &r.base_model));
+    LOOM_WIRE_TRY(f::OptStringMap(body, w, "user_metadata", &r.user_metadata));
+  } else {
+    return Status::Invalid(w + ".model_id: required field is missing (or session_id + model_seq_id)");
+  }
+  LOOM_WIRE_TRY(TinkerPathField(body, w, "path", &r.path));
+  if (r.path.kind != TinkerPath::Kind::kTraining)
+    return Status::Invalid(w + ".path: must name a training checkpoint (tinker://<run>/weights/<name>), got '" +
+                           r.path.ToString() + "'");
+  LOOM_WIRE_TRY(f::Bool(body, w, "optimizer", &r.optimizer));
+  LOOM_WIRE_TRY(f::OptString(body, w, "weights_access_token", &r.weights_access_token));
+  return r;
+}
+
+Result<SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Json& body) {
+  const std::string w = "save_weights_for_sampler";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  SaveWeightsForSamplerRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
+  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
+  LOOM_WIRE_TRY(OptTtl(body, w, &r.ttl_seconds));
+  LOOM_WIRE_TRY(f::OptInt(body, w, "sampling_session_seq_id", &r.sampling_session_seq_id));
+  if (r.sampling_session_seq_id)
+    LOOM_WIRE_TRY(NonNegative(*r.sampling_session_seq_id, f::Path(w, "sampling_session_seq_id")));
+  if (!r.name && !r.sampling_session_seq_id)
+    return Status::Invalid(w + ".path: required field is missing (or sampling_session_seq_id for an unnamed save)");
+  return r;
+}
+
+Result<CreateSamplingSessionRequest> ParseCreateSamplingSessionRequest(const Json& body) {
+  const std::string w = "create_sampling_session";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  CreateSamplingSessionRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
+  LOOM_WIRE_TRY(f::Int(body, w, "sampling_session_seq_id", &r.sampling_session_seq_id));
+  LOOM_WIRE_TRY(NonNegative(r.sampling_session_seq_id, f::Path(w, "sampling_session_seq_id")));
+  LOOM_WIRE_TRY(f::OptString(body, w, "base_model", &r.base_model));
+  LOOM_WIRE_TRY(f::OptString(body, w, "model_path", &r.model_path));
+  if (r.model_path && r.model_path->rfind(std::string(kScheme), 0) != 0)
+    return Status::Invalid(w + ".model_path: must start with tinker://");
+  if (!r.base_model && !r.model_path)
+    return Status::Invalid(w + ".model_path: required field is missing (or base_model)");
+  return r;
+}
+
+Result<RetrieveFutureRequest> ParseRetrieveFutureRequest(const Json& body) {
+  const std::string w = "retrieve_future";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  RetrieveFutureRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "request_id", &r.request_id));
+  LOOM_WIRE_TRY(f::Bool(body, w, "allow_metadata_only", &r.allow_metadata_only));
+  return r;
+}
+
+Result<TelemetryRequest> ParseTelemetryRequest(const Json& body) {
+  const std::string w = "telemetry";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  TelemetryRequest r;
+  // Lenient on purpose: a rejected batch is re-sent by the SDK every second forever.
+  auto str = [&](const char* key, std::optional<std::string>* out) {
+    const Json* v = f::Find(body, key);
+    if (v && v->is_string()) *out = v->get<std::string>();
+  };
+  str("session_id", &r.session_id);
+  str("sdk_version", &r.sdk_version);
+  str("platform", &r.platform);
+  str("process_uuid", &r.process_uuid);
+  if (const Json* ev = f::Find(body, "events"); ev && ev->is_array()) {
+    for (const Json& e : *ev) {
+      const Json* kind = e.is_object() ? f::Find(e, "event") : nullptr;
+      r.event_kinds.push_back(kind && kind->is_string() ? kind->get<std::string>() : "");
+    }
+  }
+  return r;
+}
+
+Result<CheckpointTtlRequest> ParseCheckpointTtlRequest(const Json& body) {
+  const std::string w = "checkpoint_ttl";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  CheckpointTtlRequest r;
+  LOOM_WIRE_TRY(OptTtl(body, w, &r.ttl_seconds));
+  return r;
+}
+
+Result<AssignProjectRequest> ParseAssignProjectRequest(const Json& body) {
+  const std::string w = "assign_project";
+  LOOM_WIRE_TRY(f::RequireObject(body, w));
+  AssignProjectRequest r;
+  LOOM_WIRE_TRY(f::NonEmptyString(body, w, "project_id", &r.project_id));
+  return r;
+}
+
+// ------------------------------------------------------- REST types (§8.8)
+
+Json CursorJson(const Cursor& c) {
+  return {{"offset", c.offset}, {"limit", c.limit}, {"total_count", c.total_count}};
+}
+
+Json CheckpointJson(const Checkpoint& c) {
+  Json j = {{"checkpoint_id", c.path.checkpoint_id()},
+            {"checkpoint_type", c.path.checkpoint_type()},
+            {"time", FormatIsoTime(c.time)},
+            {"tinker_path", c.path.ToString()},
+            {"public", c.is_public}};
+  if (c.size_bytes) j["size_bytes"] = *c.size_bytes;
+  if (c.expires_at) j["expires_at"] = FormatIsoTime(*c.expires_at);
+  return j;
+}
+
+Json TrainingRunJson(const TrainingRun& r) {
+  Json j = {{"training_run_id", r.training_run_id},
+            {"base_model", r.base_model},
+            {"model_owner", r.model_owner},
+            {"is_lora", r.is_lora},
+            {"last_request_time", FormatIsoTime(r.last_request_time)},
+            {"corrupted", r.corrupted}};
+  if (r.lora_rank) j["lora_rank"] = *r.lora_rank;
+  if (r.last_checkpoint) j["last_checkpoint"] = CheckpointJson(*r.last_checkpoint);
+  if (r.last_sampler_checkpoint) j["last_sampler_checkpoint"] = CheckpointJson(*r.last_sampler_checkpoint);
+  if (!r.user_metadata.empty()) j["user_metadata"] = r.user_metadata;
+  return j;
+}
+
+Json CheckpointsListJson(const std::vector<Checkpoint>& checkpoints, const std::optional<Cursor>& cursor) {
+  Json list = Json::array();
+  for (const auto& c : checkpoints) list.push_back(CheckpointJson(c));
+  return {{"checkpoints", std::move(list)}, {"cursor", cursor ? CursorJson(*cursor) : Json(nullptr)}};
+}
+
+Json TrainingRunsJson(const std::vector<TrainingRun>& runs, const Cursor& cursor) {
+  Json list = Json::array();
+  for (const auto& r : runs) list.push_back(TrainingRunJson(r));
+  return {{"training_runs", std::move(list)}, {"cursor", CursorJson(cursor)}};
+}
+
+Json CheckpointArchiveUrlJson(const std::string& url, int64_t expires_unix) {
+  return {{"url", url}, {"expires", FormatIsoTime(expires_unix)}};
+}
+
+Json SessionsListJson(const std::vector<std::string>& session_ids) { return {{"sessions", session_ids}}; }
+
+Json SessionJson(const std::vector<std::string>& training_run_ids, const std::vector<std::string>& sampler_ids) {
+  return {{"training_run_ids", training_run_ids}, {"sampler_ids", sampler_ids}};
+}
+
+Result<PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit) {
+  PageParams p;
+  p.limit = default_limit;
+  auto parse = [](std::string_view s, const char* name, int64_t lo, int64_t hi, int64_t* out) -> Status {
+    int64_t v = 0;
+    auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc() || ptr != s.data() + s.size())
+      return Status::Invalid(std::string(name) + ": expected an integer, got '" + std::string(s.substr(0, 40)) + "'");
+    if (v < lo || v > hi)
+      return Status::Invalid(std::string(name) + ": must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                             "], got " + std::to_string(v));
+    *out = v;
+    return Status::Ok();
+  };
+  if (!limit_text.empty()) LOOM_WIRE_TRY(parse(limit_text, "limit", 1, 10000, &p.limit));
+  if (!offset_text.empty())
+    LOOM_WIRE_TRY(parse(offset_text, "offset", 0, std::numeric_limits<int64_t>::max(), &p.offset));
+  return p;
+}
+
+// --------------------------------------------------- direct answers (§5)
+
+Json ClientConfigJson(bool allow_zstd) {
+  return {{"pjwt_auth_enabled", false},
+          {"use_pyqwest_transport", false},
+          {"proto_compress_fwdbwd", allow_zstd},
+          {"create_model_via_load_weights", false},
+          {"sample_use_retrieve_futures", false}};
+}
+
+Json DynamicConfigJson(int refresh_interval_sec) { return {{"refresh_interval_sec", refresh_interval_sec}}; }
+Json HealthzJson() { return {{"status", "ok"}}; }
+
+Json ServerCapabilitiesJson(const std::vector<SupportedModel>& models) {
+  Json list = Json::array();
+  for (const auto& m : models) list.push_back({{"model_name", m.model_name}, {"max_context_length", m.max_context_length}});
+  return {{"supported_models", std::move(list)}};
+}
+
+Json CreateSessionJson(const std::string& session_id) {
+  return {{"type", "create_session"}, {"session_id", session_id}};
+}
+Json SessionHeartbeatJson() { return {{"type", "session_heartbeat"}}; }
+Json TelemetryAcceptedJson() { return {{"status", "accepted"}}; }
+
+Json GetInfoJson(const std::string& model_id, const ModelData& data, std::optional<int64_t> lora_rank) {
+  Json j = {{"type", "get_info"},
+            {"model_id", model_id},
+            {"model_data", {{"arch", data.arch}, {"model_name", data.model_name}, {"tokenizer_id", data.tokenizer_id}}},
+            {"is_lora", lora_rank.has_value()},
+            {"model_name", data.model_name}};
+  if (lora_rank) j["lora_rank"] = *lora_rank;
+  return j;
+}
+
+Json WeightsInfoJson(const std::string& base_model, const engine::LoraConfig& lora) {
+  return {{"base_model", base_model},     {"is_lora", true},
+          {"lora_rank", lora.rank},       {"train_unembed", lora.train_unembed},
+          {"train_mlp", lora.train_mlp},  {"train_attn", lora.train_attn}};
+}
+
+Json GetSamplerJson(const std::string& sampler_id, const std::string& base_model,
+                    const std::optional<std::string>& model_path) {
+  Json j = {{"sampler_id", sampler_id}, {"base_model", base_model}};
+  if (model_path) j["model_path"] = *model_path;
+  return j;
+}
+
+Json CreateSamplingSessionJson(const std::string& sampling_session_id) {
+  return {{"type", "create_sampling_session"}, {"sampling_session_id", sampling_session_id}};
+}
+
+// ------------------------------------------------ futures (§5.21, §6)
+
+Json UntypedFutureJson(const std::string& request_id, const std::optional<std::string>& model_id,
+                       const std::vector<std::string>& sample_sequence_ids) {
+  Json j = {{"request_id", request_id}};
+  if (model_id) j["model_id"] = *model_id;
+  if (!sample_sequence_ids.empty()) j["sample_sequence_ids"] = sample_sequence_ids;
+  return j;
+}
+
+Json TryAgainJson(const std::string& request_id, QueueState state, const std::string& reason) {
+  const char* s = state == QueueState::kActive           ? "active"
+                  : state == QueueState::kPausedCapacity ? "paused_capacity"
+                                                         : "paused_rate_limit";
+  Json j = {{"type", "try_again"}, {"request_id", request_id}, {"queue_state", s}};
+  if (!reason.empty()) j["queue_state_reason"] = reason;
+  return j;
+}
+
+Json CompleteMetadataJson(int64_t response_payload_size) {
+  return {{"status", "complete_metadata"}, {"response_payload_size", response_payload_size}};
+}
+
+Json FutureErrorJson(const Status& status) {
+  std::string msg = status.message();
+  if (msg.empty()) msg = status.ok() ? "unknown error" : "request failed";
+  return {{"error", msg}, {"category", status.ok() ? "unknown" : status.category()}};
+}
+
+Json CreateModelResultJson(const std::string& model_id) { return {{"type", "create_model"}, {"model_id", model_id}}; }
+Json UnloadModelResultJson(const std::string& model_id) { return {{"type", "unload_model"}, {"model_id", model_id}}; }
+
+Json OptimStepResultJson(const std::map<std::string, double>& metrics) {
+  // metrics is Dict[str, float] in the SDK: a null would fail validation, so
+  // non-finite values are left out.
+  Json m = Json::object();
+  for (const auto& [k, v] : metrics)
+    if (std::isfinite(v)) m[k] = v;
+  return {{"metrics", std::move(m)}};
+}
+
+Json SaveWeightsResultJson(const TinkerPath& path) { return {{"type", "save_weights"}, {"path", path.ToString()}}; }
+
+Json LoadWeightsResultJson(const TinkerPath& path, const std::string& model_id) {
+  return {{"type", "load_weights"}, {"path", path.ToString()}, {"model_id", model_id}};
+}
+
+Json SaveWeightsForSamplerResultJson(const std::optional<TinkerPath>& path,
+                                     const std::optional<std::string>& sampling_session_id) {
+  Json j = {{"type", "save_weights_for_sampler"}};
+  if (path) j["path"] = path->ToString();
+  if (sampling_session_id) j["sampling_session_id"] = *sampling_session_id;
+  return j;
+}
+
+}  // namespace loom::wire
