@@ -159,12 +159,6 @@ Result<SampleRequest> ParseSampleRequest(const nlohmann::json& body) {
   return r;
 }
 
-Result<SampleRequest> ParseSampleRequest(std::string_view body) {
-  auto j = ParseJsonObject(body, "asample");
-  if (!j.ok()) return j.status();
-  return ParseSampleRequest(j.value());
-}
-
 Result<std::string> EncodeSampleResponse(const SampleResult& result) {
   pb::SampleResponse msg;
   for (size_t i = 0; i < result.sequences.size(); ++i) {

@@ -76,8 +76,7 @@ struct SampleRequest {
 // temperature >= 0 and finite, top_p in (0, 1], top_k == -1 or >= 1,
 // topk_prompt_logprobs >= 0, prompt non-empty, image / dmel chunks rejected
 // ("asample.prompt chunk i: image chunks are not supported by this text-only
-// model").
-Result<SampleRequest> ParseSampleRequest(std::string_view body);
+// model"). Take the body through ParseJsonObject(body, "asample") first.
 Result<SampleRequest> ParseSampleRequest(const nlohmann::json& body);
 
 // The chunk list of a JSON ModelInput ({"chunks": [...]}) as tokens; `where`
