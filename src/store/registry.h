@@ -157,6 +157,7 @@ class Registry {
  private:
   struct Db;  // SQLite connection and prepared statements (registry.cpp)
   Registry(std::string data_dir, std::unique_ptr<Db> db);
+  Status DeleteLocked(const TinkerPath& path);  // mu_ held
 
   std::string data_dir_;
   mutable std::mutex mu_;

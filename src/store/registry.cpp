@@ -1,0 +1,607 @@
+// Registry over SQLite; see registry.h for the layout and invariants.
+#include "store/registry.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <system_error>
+
+#include "common/log.h"
+#include "store/sqlite.h"
+
+namespace loom::store {
+
+namespace fs = std::filesystem;
+
+struct Registry::Db {
+  std::unique_ptr<SqliteDb> sql;
+  int lock_fd = -1;  // flock'ed <data_dir>/registry.lock: one process per data dir
+  std::atomic<uint64_t> next_unique{0};
+  ~Db() {
+    sql.reset();
+    if (lock_fd >= 0) close(lock_fd);  // releases the flock
+  }
+};
+
+namespace {
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS training_runs (
+  model_id TEXT PRIMARY KEY,
+  owner TEXT NOT NULL,
+  base_model TEXT NOT NULL,
+  lora_rank INTEGER NOT NULL,
+  train_attn INTEGER NOT NULL,
+  train_mlp INTEGER NOT NULL,
+  train_unembed INTEGER NOT NULL,
+  created_ms INTEGER NOT NULL,
+  last_request_ms INTEGER NOT NULL,
+  user_metadata TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS training_runs_by_owner ON training_runs (owner, created_ms);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  model_id TEXT NOT NULL,
+  kind TEXT NOT NULL,
+  name TEXT NOT NULL,
+  owner TEXT NOT NULL,
+  created_ms INTEGER NOT NULL,
+  size_bytes INTEGER NOT NULL,
+  expires_ms INTEGER,
+  is_public INTEGER NOT NULL,
+  PRIMARY KEY (model_id, kind, name)
+);
+CREATE INDEX IF NOT EXISTS checkpoints_by_owner ON checkpoints (owner, created_ms);
+CREATE INDEX IF NOT EXISTS checkpoints_by_expiry ON checkpoints (expires_ms);
+CREATE TABLE IF NOT EXISTS sessions (
+  session_id TEXT PRIMARY KEY,
+  owner TEXT NOT NULL,
+  created_ms INTEGER NOT NULL,
+  user_metadata TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_by_owner ON sessions (owner, created_ms);
+)sql";
+
+constexpr const char* kRunColumns =
+    "owner, model_id, base_model, lora_rank, train_attn, train_mlp, train_unembed, created_ms, "
+    "last_request_ms, user_metadata";
+constexpr const char* kCheckpointColumns =
+    "owner, model_id, kind, name, created_ms, size_bytes, expires_ms, is_public";
+
+TrainingRun ReadRun(const SqliteStatement& s) {
+  TrainingRun r;
+  r.owner = s.Text(0);
+  r.model_id = s.Text(1);
+  r.base_model = s.Text(2);
+  r.lora_rank = static_cast<int>(s.Int(3));
+  r.train_attn = s.Int(4) != 0;
+  r.train_mlp = s.Int(5) != 0;
+  r.train_unembed = s.Int(6) != 0;
+  r.created_ms = s.Int(7);
+  r.last_request_ms = s.Int(8);
+  r.user_metadata = s.Text(9);
+  return r;
+}
+
+Status CheckPage(const PageRequest& page) {
+  if (page.offset < 0) return Status::Invalid("offset: must be >= 0");
+  return Status::Ok();
+}
+
+Status CheckOwner(const std::string& owner) {
+  if (owner.empty()) return Status::Invalid("owner: must not be empty");
+  return Status::Ok();
+}
+
+// fsyncs a file or directory; errors are reported, not ignored.
+Status SyncPath(const fs::path& p, bool directory) {
+  const int fd = ::open(p.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  if (fd < 0) return Status::Internal("registry: cannot open " + p.string() + " to sync");
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return Status::Internal("registry: fsync failed for " + p.string());
+  return Status::Ok();
+}
+
+// Syncs every file and folder under `dir` and returns the total file size.
+Result<int64_t> SyncTree(const fs::path& dir) {
+  std::error_code ec;
+  int64_t bytes = 0;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    const fs::file_status st = it->symlink_status(ec);
+    if (ec) break;
+    if (fs::is_regular_file(st)) {
+      bytes += static_cast<int64_t>(it->file_size(ec));
+      if (Status s = SyncPath(it->path(), false); !s.ok()) return s;
+    } else if (fs::is_directory(st)) {
+      if (Status s = SyncPath(it->path(), true); !s.ok()) return s;
+    }
+  }
+  if (ec) return Status::Internal("registry: cannot walk " + dir.string() + ": " + ec.message());
+  if (Status s = SyncPath(dir, true); !s.ok()) return s;
+  return bytes;
+}
+
+}  // namespace
+
+Registry::Registry(std::string data_dir, std::unique_ptr<Db> db)
+    : data_dir_(std::move(data_dir)), db_(std::move(db)) {}
+
+Registry::~Registry() = default;
+
+Result<std::unique_ptr<Registry>> Registry::Open(const std::string& data_dir) {
+  if (data_dir.empty()) return Status::Invalid("data_dir: must not be empty");
+  std::error_code ec;
+  const fs::path root = fs::absolute(data_dir, ec).lexically_normal();
+  if (ec) return Status::Invalid("data_dir: " + ec.message());
+  for (const char* sub : {"runs", "staging", "trash"}) {
+    fs::create_directories(root / sub, ec);
+    if (ec) return Status::Internal("registry: cannot create " + (root / sub).string() + ": " + ec.message());
+  }
+  auto db = std::make_unique<Db>();
+  db->lock_fd = ::open((root / "registry.lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (db->lock_fd < 0 || ::flock(db->lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    return Status::Unavailable("data_dir " + root.string() + " is in use by another loom process");
+  }
+  // Leftovers of a crash: half-written saves and half-finished deletes.
+  for (const char* sub : {"staging", "trash"}) {
+    for (const auto& entry : fs::directory_iterator(root / sub, ec)) fs::remove_all(entry.path(), ec);
+  }
+  Result<std::unique_ptr<SqliteDb>> sql = SqliteDb::Open((root / "registry.sqlite3").string());
+  if (!sql.ok()) return sql.status();
+  db->sql = std::move(sql.value());
+  if (Status s = db->sql->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"); !s.ok()) return s;
+  if (Status s = db->sql->Exec(kSchema); !s.ok()) return s;
+  auto registry = std::unique_ptr<Registry>(new Registry(root.string(), std::move(db)));
+
+  // A row whose files are gone (a crash inside DeleteCheckpoint) is dropped.
+  std::vector<TinkerPath> dangling;
+  {
+    auto all = registry->db_->sql->Prepare("SELECT model_id, kind, name FROM checkpoints");
+    if (!all.ok()) return all.status();
+    SqliteStatement* st = all.value();
+    for (Result<bool> row = st->Step(); row.ok() && row.value(); row = st->Step()) {
+      TinkerPath p{st->Text(0), st->Text(1), st->Text(2)};
+      Result<std::string> dir = registry->CheckpointDir(p.model_id, p.kind, p.name);
+      if (!dir.ok() || !fs::is_directory(dir.value(), ec)) dangling.push_back(p);
+    }
+    st->Reset();
+  }
+  for (const TinkerPath& p : dangling) {
+    log::Warn("registry_drop_dangling tinker_path={}", p.ToString());
+    auto del = registry->db_->sql->Prepare(
+        "DELETE FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+    if (!del.ok()) return del.status();
+    del.value()->Bind(1, p.model_id);
+    del.value()->Bind(2, p.kind);
+    del.value()->Bind(3, p.name);
+    if (Status s = del.value()->Run(); !s.ok()) return s;
+  }
+  return registry;
+}
+
+// ---------------------------------------------------------------- layout
+
+Result<std::string> Registry::CheckpointDir(const std::string& model_id, const std::string& kind,
+                                            const std::string& name) const {
+  if (Status s = ValidateModelId(model_id); !s.ok()) return s;
+  if (Status s = ValidateKind(kind); !s.ok()) return s;
+  if (Status s = ValidateCheckpointName(name); !s.ok()) return s;
+  return (fs::path(data_dir_) / "runs" / SanitizeForPath(model_id) / kind / name).string();
+}
+
+Result<std::string> Registry::NewStagingDir() {
+  const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+  const fs::path dir = fs::path(data_dir_) / "staging" /
+                       (std::to_string(db_->next_unique.fetch_add(1)) + "-" + std::to_string(now));
+  std::error_code ec;
+  if (!fs::create_directories(dir, ec) || ec) {
+    return Status::Internal("registry: cannot create staging dir " + dir.string());
+  }
+  return dir.string();
+}
+
+// ---------------------------------------------------------------- runs
+
+Status Registry::UpsertRun(const TrainingRun& run) {
+  if (Status s = CheckOwner(run.owner); !s.ok()) return s;
+  if (Status s = ValidateModelId(run.model_id); !s.ok()) return s;
+  if (run.base_model.empty()) return Status::Invalid("base_model: must not be empty");
+  if (run.lora_rank < 1) return Status::Invalid("lora_rank: must be >= 1");
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(
+      "INSERT INTO training_runs (owner, model_id, base_model, lora_rank, train_attn, train_mlp, "
+      "train_unembed, created_ms, last_request_ms, user_metadata) "
+      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10) "
+      "ON CONFLICT (model_id) DO UPDATE SET owner = ?1, base_model = ?3, lora_rank = ?4, "
+      "train_attn = ?5, train_mlp = ?6, train_unembed = ?7, created_ms = ?8, "
+      "last_request_ms = ?9, user_metadata = ?10");
+  if (!st.ok()) return st.status();
+  SqliteStatement* s = st.value();
+  s->Bind(1, run.owner);
+  s->Bind(2, run.model_id);
+  s->Bind(3, run.base_model);
+  s->Bind(4, int64_t{run.lora_rank});
+  s->Bind(5, int64_t{run.train_attn});
+  s->Bind(6, int64_t{run.train_mlp});
+  s->Bind(7, int64_t{run.train_unembed});
+  s->Bind(8, run.created_ms);
+  s->Bind(9, run.last_request_ms);
+  s->Bind(10, run.user_metadata.empty() ? std::string("{}") : run.user_metadata);
+  return s->Run();
+}
+
+Status Registry::TouchRun(const std::string& model_id, int64_t now_ms) {
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare("UPDATE training_runs SET last_request_ms = ?2 WHERE model_id = ?1");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, model_id);
+  st.value()->Bind(2, now_ms);
+  if (Status s = st.value()->Run(); !s.ok()) return s;
+  if (db_->sql->changes() == 0) return Status::NotFound("training run " + model_id + " not found");
+  return Status::Ok();
+}
+
+Result<TrainingRun> Registry::GetRun(const std::string& model_id) const {
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(std::string("SELECT ") + kRunColumns +
+                              " FROM training_runs WHERE model_id = ?1");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, model_id);
+  Result<bool> row = st.value()->Step();
+  if (!row.ok()) return row.status();
+  if (!row.value()) return Status::NotFound("training run " + model_id + " not found");
+  TrainingRun run = ReadRun(*st.value());
+  st.value()->Reset();
+  return run;
+}
+
+Result<Page<TrainingRun>> Registry::ListRuns(const std::string& owner, PageRequest page) const {
+  if (Status s = CheckPage(page); !s.ok()) return s;
+  std::lock_guard lock(mu_);
+  Page<TrainingRun> out;
+  auto count = db_->sql->Prepare("SELECT COUNT(*) FROM training_runs WHERE owner = ?1");
+  if (!count.ok()) return count.status();
+  count.value()->Bind(1, owner);
+  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
+  out.total = count.value()->Int(0);
+  count.value()->Reset();
+  auto st = db_->sql->Prepare(std::string("SELECT ") + kRunColumns +
+                              " FROM training_runs WHERE owner = ?1 "
+                              "ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, owner);
+  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
+  st.value()->Bind(3, page.offset);
+  Result<bool> row = st.value()->Step();
+  for (; row.ok() && row.value(); row = st.value()->Step()) out.items.push_back(ReadRun(*st.value()));
+  if (!row.ok()) return row.status();
+  return out;
+}
+
+// ---------------------------------------------------------------- checkpoints
+
+namespace {
+
+// Reads a checkpoint row (kCheckpointColumns order); dir and tinker_path are
+// derived by the caller.
+Checkpoint ReadCheckpointRow(const SqliteStatement& s) {
+  Checkpoint c;
+  c.owner = s.Text(0);
+  c.model_id = s.Text(1);
+  c.kind = s.Text(2);
+  c.name = s.Text(3);
+  c.created_ms = s.Int(4);
+  c.size_bytes = s.Int(5);
+  if (!s.IsNull(6)) c.expires_ms = s.Int(6);
+  c.is_public = s.Int(7) != 0;
+  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
+  return c;
+}
+
+}  // namespace
+
+Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
+                                              const CheckpointSpec& spec) {
+  std::error_code ec;
+  auto discard_staging = [&] { fs::remove_all(staging_dir, ec); };
+  const fs::path staging = fs::path(staging_dir).lexically_normal();
+  if (staging.parent_path() != fs::path(data_dir_) / "staging" || !fs::is_directory(staging, ec)) {
+    return Status::Invalid("staging_dir: " + staging_dir + " is not a folder made by NewStagingDir()");
+  }
+  Status valid = CheckOwner(spec.owner);
+  Result<std::string> target = CheckpointDir(spec.model_id, spec.kind, spec.name);
+  if (valid.ok()) valid = target.status();
+  if (!valid.ok()) {
+    discard_staging();
+    return valid;
+  }
+  Result<int64_t> size = SyncTree(staging);  // outside the lock: may be slow
+  if (!size.ok()) {
+    discard_staging();
+    return size.status();
+  }
+
+  std::lock_guard lock(mu_);
+  Checkpoint c;
+  c.owner = spec.owner;
+  c.model_id = spec.model_id;
+  c.kind = spec.kind;
+  c.name = spec.name;
+  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
+  c.dir = target.value();
+  c.created_ms = spec.created_ms;
+  c.size_bytes = size.value();
+  c.expires_ms = spec.expires_ms;
+  c.is_public = spec.is_public;
+
+  auto exists = db_->sql->Prepare(
+      "SELECT owner FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+  if (!exists.ok()) return exists.status();
+  exists.value()->Bind(1, c.model_id);
+  exists.value()->Bind(2, c.kind);
+  exists.value()->Bind(3, c.name);
+  Result<bool> found = exists.value()->Step();
+  exists.value()->Reset();
+  if (!found.ok()) return found.status();
+  if (found.value() && !spec.overwrite) {
+    discard_staging();
+    return Status::Exists("checkpoint " + c.tinker_path + " already exists (overwrite is false)");
+  }
+
+  // Move an older version (or a leftover without a row) out of the way.
+  const fs::path dest(c.dir);
+  fs::path old;
+  if (fs::exists(dest, ec)) {
+    old = fs::path(data_dir_) / "trash" /
+          (std::to_string(db_->next_unique.fetch_add(1)) + "-replaced");
+    fs::rename(dest, old, ec);
+    if (ec) {
+      discard_staging();
+      return Status::Internal("registry: cannot move old " + dest.string() + ": " + ec.message());
+    }
+  }
+  fs::create_directories(dest.parent_path(), ec);
+  fs::rename(staging, dest, ec);
+  if (ec) {
+    discard_staging();
+    return Status::Internal("registry: cannot publish " + dest.string() + ": " + ec.message());
+  }
+  if (Status s = SyncPath(dest.parent_path(), true); !s.ok()) return s;
+
+  auto insert = db_->sql->Prepare(
+      "INSERT OR REPLACE INTO checkpoints (owner, model_id, kind, name, created_ms, size_bytes, "
+      "expires_ms, is_public) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)");
+  if (!insert.ok()) return insert.status();
+  SqliteStatement* s = insert.value();
+  s->Bind(1, c.owner);
+  s->Bind(2, c.model_id);
+  s->Bind(3, c.kind);
+  s->Bind(4, c.name);
+  s->Bind(5, c.created_ms);
+  s->Bind(6, c.size_bytes);
+  s->Bind(7, c.expires_ms);
+  s->Bind(8, int64_t{c.is_public});
+  if (Status st = s->Run(); !st.ok()) return st;
+  if (!old.empty()) fs::remove_all(old, ec);
+  return c;
+}
+
+Result<Checkpoint> Registry::GetCheckpoint(const TinkerPath& path) const {
+  Result<std::string> dir = CheckpointDir(path.model_id, path.kind, path.name);
+  if (!dir.ok()) return dir.status();
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(std::string("SELECT ") + kCheckpointColumns +
+                              " FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, path.model_id);
+  st.value()->Bind(2, path.kind);
+  st.value()->Bind(3, path.name);
+  Result<bool> row = st.value()->Step();
+  if (!row.ok()) return row.status();
+  if (!row.value()) return Status::NotFound("checkpoint " + path.ToString() + " not found");
+  Checkpoint c = ReadCheckpointRow(*st.value());
+  st.value()->Reset();
+  c.dir = dir.value();
+  return c;
+}
+
+Result<Checkpoint> Registry::GetCheckpointByPath(const std::string& tinker_path) const {
+  Result<TinkerPath> parsed = ParseTinkerPath(tinker_path);
+  if (!parsed.ok()) return parsed.status();
+  return GetCheckpoint(parsed.value());
+}
+
+namespace {
+
+// Runs a counted, paginated checkpoint listing filtered by one column.
+Result<Page<Checkpoint>> ListCheckpointsWhere(SqliteDb& db, const std::string& column,
+                                              const std::string& value, PageRequest page,
+                                              const std::function<std::string(const Checkpoint&)>& dir_of) {
+  Page<Checkpoint> out;
+  auto count = db.Prepare("SELECT COUNT(*) FROM checkpoints WHERE " + column + " = ?1");
+  if (!count.ok()) return count.status();
+  count.value()->Bind(1, value);
+  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
+  out.total = count.value()->Int(0);
+  count.value()->Reset();
+  auto st = db.Prepare(std::string("SELECT ") + kCheckpointColumns + " FROM checkpoints WHERE " +
+                       column + " = ?1 ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, value);
+  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
+  st.value()->Bind(3, page.offset);
+  Result<bool> row = st.value()->Step();
+  for (; row.ok() && row.value(); row = st.value()->Step()) {
+    Checkpoint c = ReadCheckpointRow(*st.value());
+    c.dir = dir_of(c);
+    out.items.push_back(std::move(c));
+  }
+  if (!row.ok()) return row.status();
+  return out;
+}
+
+}  // namespace
+
+Result<Page<Checkpoint>> Registry::ListCheckpoints(const std::string& model_id, PageRequest page) const {
+  if (Status s = CheckPage(page); !s.ok()) return s;
+  std::lock_guard lock(mu_);
+  return ListCheckpointsWhere(*db_->sql, "model_id", model_id, page, [this](const Checkpoint& c) {
+    Result<std::string> d = CheckpointDir(c.model_id, c.kind, c.name);
+    return d.ok() ? d.value() : std::string();
+  });
+}
+
+Result<Page<Checkpoint>> Registry::ListOwnerCheckpoints(const std::string& owner, PageRequest page) const {
+  if (Status s = CheckPage(page); !s.ok()) return s;
+  std::lock_guard lock(mu_);
+  return ListCheckpointsWhere(*db_->sql, "owner", owner, page, [this](const Checkpoint& c) {
+    Result<std::string> d = CheckpointDir(c.model_id, c.kind, c.name);
+    return d.ok() ? d.value() : std::string();
+  });
+}
+
+Status Registry::DeleteLocked(const TinkerPath& path) {
+  Result<std::string> dir = CheckpointDir(path.model_id, path.kind, path.name);
+  if (!dir.ok()) return dir.status();
+  // Files first: renamed into trash (atomic), so the checkpoint stops being
+  // loadable at once; then the row; then the bytes.
+  std::error_code ec;
+  const fs::path trash = fs::path(data_dir_) / "trash" /
+                         (std::to_string(db_->next_unique.fetch_add(1)) + "-deleted");
+  if (fs::exists(dir.value(), ec)) {
+    fs::rename(dir.value(), trash, ec);
+    if (ec) return Status::Internal("registry: cannot delete " + dir.value() + ": " + ec.message());
+  }
+  auto del = db_->sql->Prepare("DELETE FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+  if (!del.ok()) return del.status();
+  del.value()->Bind(1, path.model_id);
+  del.value()->Bind(2, path.kind);
+  del.value()->Bind(3, path.name);
+  if (Status s = del.value()->Run(); !s.ok()) return s;
+  fs::remove_all(trash, ec);
+  return Status::Ok();
+}
+
+Status Registry::DeleteCheckpoint(const TinkerPath& path) {
+  Result<Checkpoint> existing = GetCheckpoint(path);
+  if (!existing.ok()) return existing.status();
+  std::lock_guard lock(mu_);
+  return DeleteLocked(path);
+}
+
+Status Registry::SetPublic(const TinkerPath& path, bool is_public) {
+  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(
+      "UPDATE checkpoints SET is_public = ?4 WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, path.model_id);
+  st.value()->Bind(2, path.kind);
+  st.value()->Bind(3, path.name);
+  st.value()->Bind(4, int64_t{is_public});
+  if (Status s = st.value()->Run(); !s.ok()) return s;
+  if (db_->sql->changes() == 0) return Status::NotFound("checkpoint " + path.ToString() + " not found");
+  return Status::Ok();
+}
+
+Status Registry::SetExpiry(const TinkerPath& path, std::optional<int64_t> expires_ms) {
+  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(
+      "UPDATE checkpoints SET expires_ms = ?4 WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, path.model_id);
+  st.value()->Bind(2, path.kind);
+  st.value()->Bind(3, path.name);
+  st.value()->Bind(4, expires_ms);
+  if (Status s = st.value()->Run(); !s.ok()) return s;
+  if (db_->sql->changes() == 0) return Status::NotFound("checkpoint " + path.ToString() + " not found");
+  return Status::Ok();
+}
+
+Result<std::vector<Checkpoint>> Registry::SweepExpired(int64_t now_ms) {
+  std::lock_guard lock(mu_);
+  std::vector<Checkpoint> expired;
+  {
+    auto st = db_->sql->Prepare(std::string("SELECT ") + kCheckpointColumns +
+                                " FROM checkpoints WHERE expires_ms IS NOT NULL AND expires_ms <= ?1"
+                                " ORDER BY expires_ms, rowid");
+    if (!st.ok()) return st.status();
+    st.value()->Bind(1, now_ms);
+    Result<bool> row = st.value()->Step();
+    for (; row.ok() && row.value(); row = st.value()->Step()) expired.push_back(ReadCheckpointRow(*st.value()));
+    if (!row.ok()) return row.status();
+    st.value()->Reset();
+  }
+  for (Checkpoint& c : expired) {
+    Result<std::string> dir = CheckpointDir(c.model_id, c.kind, c.name);
+    if (dir.ok()) c.dir = dir.value();
+    if (Status s = DeleteLocked(TinkerPath{c.model_id, c.kind, c.name}); !s.ok()) return s;
+  }
+  return expired;
+}
+
+// ---------------------------------------------------------------- sessions
+
+Status Registry::AddSession(const SessionRecord& session) {
+  if (Status s = CheckOwner(session.owner); !s.ok()) return s;
+  if (session.session_id.empty()) return Status::Invalid("session_id: must not be empty");
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(
+      "INSERT INTO sessions (session_id, owner, created_ms, user_metadata) VALUES (?1, ?2, ?3, ?4) "
+      "ON CONFLICT (session_id) DO UPDATE SET owner = ?2, created_ms = ?3, user_metadata = ?4");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, session.session_id);
+  st.value()->Bind(2, session.owner);
+  st.value()->Bind(3, session.created_ms);
+  st.value()->Bind(4, session.user_metadata.empty() ? std::string("{}") : session.user_metadata);
+  return st.value()->Run();
+}
+
+Result<SessionRecord> Registry::GetSession(const std::string& session_id) const {
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare(
+      "SELECT owner, session_id, created_ms, user_metadata FROM sessions WHERE session_id = ?1");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, session_id);
+  Result<bool> row = st.value()->Step();
+  if (!row.ok()) return row.status();
+  if (!row.value()) return Status::NotFound("session " + session_id + " not found");
+  SessionRecord r{st.value()->Text(0), st.value()->Text(1), st.value()->Int(2), st.value()->Text(3)};
+  st.value()->Reset();
+  return r;
+}
+
+Result<Page<SessionRecord>> Registry::ListSessions(const std::string& owner, PageRequest page) const {
+  if (Status s = CheckPage(page); !s.ok()) return s;
+  std::lock_guard lock(mu_);
+  Page<SessionRecord> out;
+  auto count = db_->sql->Prepare("SELECT COUNT(*) FROM sessions WHERE owner = ?1");
+  if (!count.ok()) return count.status();
+  count.value()->Bind(1, owner);
+  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
+  out.total = count.value()->Int(0);
+  count.value()->Reset();
+  auto st = db_->sql->Prepare(
+      "SELECT owner, session_id, created_ms, user_metadata FROM sessions WHERE owner = ?1 "
+      "ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, owner);
+  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
+  st.value()->Bind(3, page.offset);
+  Result<bool> row = st.value()->Step();
+  for (; row.ok() && row.value(); row = st.value()->Step()) {
+    out.items.push_back(
+        SessionRecord{st.value()->Text(0), st.value()->Text(1), st.value()->Int(2), st.value()->Text(3)});
+  }
+  if (!row.ok()) return row.status();
+  return out;
+}
+
+}  // namespace loom::store

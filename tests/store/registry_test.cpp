@@ -1,0 +1,359 @@
+// Tests of the SQLite registry: CRUD, pagination, ownership, TTL sweeps,
+// checkpoint files, name validation and restart.
+#include "store/registry.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "store_test_util.h"
+
+namespace loom::store {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::Bytes;
+using testing::ReadFile;
+using testing::TempDir;
+using testing::WriteFile;
+
+TrainingRun MakeRun(const std::string& owner, const std::string& model_id, int64_t created_ms) {
+  TrainingRun r;
+  r.owner = owner;
+  r.model_id = model_id;
+  r.base_model = "Qwen/Qwen3-0.6B";
+  r.lora_rank = 8;
+  r.train_unembed = false;
+  r.created_ms = created_ms;
+  r.last_request_ms = created_ms;
+  r.user_metadata = R"({"task":"t"})";
+  return r;
+}
+
+std::unique_ptr<Registry> OpenOrDie(const std::string& dir) {
+  auto r = Registry::Open(dir);
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? std::move(r.value()) : nullptr;
+}
+
+// Writes PEFT-like files into a fresh staging dir and commits them.
+Result<Checkpoint> Save(Registry& reg, const std::string& owner, const std::string& model_id,
+                        const std::string& kind, const std::string& name, int64_t created_ms,
+                        size_t weight_bytes = 1000, std::optional<int64_t> expires_ms = {},
+                        bool overwrite = false) {
+  auto staging = reg.NewStagingDir();
+  if (!staging.ok()) return staging.status();
+  WriteFile(fs::path(staging.value()) / "adapter_model.safetensors", Bytes(weight_bytes, 7));
+  WriteFile(fs::path(staging.value()) / "adapter_config.json", R"({"r":8})");
+  CheckpointSpec spec;
+  spec.owner = owner;
+  spec.model_id = model_id;
+  spec.kind = kind;
+  spec.name = name;
+  spec.created_ms = created_ms;
+  spec.expires_ms = expires_ms;
+  spec.overwrite = overwrite;
+  return reg.CommitCheckpoint(staging.value(), spec);
+}
+
+TEST(RegistryTest, RunCrud) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  ASSERT_TRUE(reg->UpsertRun(MakeRun("alice", "s1:train:0", 1000)).ok());
+  auto got = reg->GetRun("s1:train:0");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->owner, "alice");
+  EXPECT_EQ(got->base_model, "Qwen/Qwen3-0.6B");
+  EXPECT_EQ(got->lora_rank, 8);
+  EXPECT_TRUE(got->train_attn);
+  EXPECT_FALSE(got->train_unembed);
+  EXPECT_EQ(got->user_metadata, R"({"task":"t"})");
+
+  TrainingRun changed = MakeRun("alice", "s1:train:0", 1000);
+  changed.lora_rank = 16;
+  ASSERT_TRUE(reg->UpsertRun(changed).ok());
+  EXPECT_EQ(reg->GetRun("s1:train:0")->lora_rank, 16);
+  ASSERT_TRUE(reg->TouchRun("s1:train:0", 5000).ok());
+  EXPECT_EQ(reg->GetRun("s1:train:0")->last_request_ms, 5000);
+  EXPECT_EQ(reg->TouchRun("nope", 1).code(), Code::kNotFound);
+  EXPECT_EQ(reg->GetRun("nope").status().code(), Code::kNotFound);
+
+  EXPECT_EQ(reg->UpsertRun(MakeRun("", "m", 1)).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg->UpsertRun(MakeRun("a", "bad/id", 1)).code(), Code::kInvalidArgument);
+  TrainingRun rank0 = MakeRun("a", "m", 1);
+  rank0.lora_rank = 0;
+  Status s = reg->UpsertRun(rank0);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("lora_rank"), std::string::npos);
+}
+
+TEST(RegistryTest, ListRunsPaginatesNewestFirstPerOwner) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  for (int i = 1; i <= 5; ++i) ASSERT_TRUE(reg->UpsertRun(MakeRun("alice", "a" + std::to_string(i), i)).ok());
+  for (int i = 1; i <= 2; ++i) ASSERT_TRUE(reg->UpsertRun(MakeRun("bob", "b" + std::to_string(i), i)).ok());
+
+  auto page = reg->ListRuns("alice", {2, 0});
+  ASSERT_TRUE(page.ok());
+  EXPECT_EQ(page->total, 5);
+  ASSERT_EQ(page->items.size(), 2u);
+  EXPECT_EQ(page->items[0].model_id, "a5");
+  EXPECT_EQ(page->items[1].model_id, "a4");
+  auto tail = reg->ListRuns("alice", {2, 4});
+  ASSERT_TRUE(tail.ok());
+  ASSERT_EQ(tail->items.size(), 1u);
+  EXPECT_EQ(tail->items[0].model_id, "a1");
+  EXPECT_EQ(tail->total, 5);
+  EXPECT_EQ(reg->ListRuns("alice", {-1, 0})->items.size(), 5u);
+  auto bob = reg->ListRuns("bob", {20, 0});
+  EXPECT_EQ(bob->total, 2);
+  for (const auto& r : bob->items) EXPECT_EQ(r.owner, "bob");
+  EXPECT_EQ(reg->ListRuns("carol", {20, 0})->total, 0);
+  EXPECT_EQ(reg->ListRuns("alice", {20, -1}).status().code(), Code::kInvalidArgument);
+}
+
+TEST(RegistryTest, CommitPublishesFilesAtomicallyAndRecordsSize) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto c = Save(*reg, "alice", "s1:train:0", kWeightsKind, "step_1", 100, 1000);
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->tinker_path, "tinker://s1:train:0/weights/step_1");
+  EXPECT_EQ(c->checkpoint_id(), "weights/step_1");
+  EXPECT_EQ(c->dir, (fs::path(reg->data_dir()) / "runs" / "s1_3Atrain_3A0" / "weights" / "step_1").string());
+  EXPECT_EQ(c->dir, reg->CheckpointDir("s1:train:0", kWeightsKind, "step_1").value());
+  EXPECT_EQ(c->size_bytes, 1000 + 7);
+  EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(1000, 7));
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+
+  auto byPath = reg->GetCheckpointByPath("tinker://s1:train:0/weights/step_1");
+  ASSERT_TRUE(byPath.ok());
+  EXPECT_EQ(byPath->size_bytes, c->size_bytes);
+  EXPECT_EQ(byPath->dir, c->dir);
+  EXPECT_FALSE(byPath->expires_ms.has_value());
+  EXPECT_EQ(reg->GetCheckpointByPath("tinker://s1:train:0/sampler_weights/step_1").status().code(),
+            Code::kNotFound);
+
+  // A second save under the same name: refused unless overwrite, and the
+  // refused staging files are cleaned up while the original stays intact.
+  auto dup = Save(*reg, "alice", "s1:train:0", kWeightsKind, "step_1", 200, 50);
+  EXPECT_EQ(dup.status().code(), Code::kAlreadyExists);
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+  EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(1000, 7));
+  auto over = Save(*reg, "alice", "s1:train:0", kWeightsKind, "step_1", 300, 50, {}, true);
+  ASSERT_TRUE(over.ok()) << over.status().message();
+  EXPECT_EQ(over->size_bytes, 50 + 7);
+  EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(50, 7));
+  EXPECT_EQ(reg->ListCheckpoints("s1:train:0", {-1, 0})->total, 1);
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+}
+
+TEST(RegistryTest, BadNamesAreRejectedNamingTheField) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  for (const std::string& bad : std::vector<std::string>{"../escape", "a/b", "", "..", "white space", std::string(129, 'n')}) {
+    auto c = Save(*reg, "alice", "m1", kWeightsKind, bad, 1);
+    EXPECT_EQ(c.status().code(), Code::kInvalidArgument) << bad;
+    EXPECT_NE(c.status().message().find("name"), std::string::npos) << c.status().message();
+  }
+  auto kind = Save(*reg, "alice", "m1", "optimizer", "x", 1);
+  EXPECT_EQ(kind.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(kind.status().message().find("kind"), std::string::npos);
+  auto model = Save(*reg, "alice", "../m1", kWeightsKind, "x", 1);
+  EXPECT_EQ(model.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(model.status().message().find("model_id"), std::string::npos);
+  // Nothing escaped the data dir and no staging leftovers remain.
+  EXPECT_FALSE(fs::exists(fs::path(tmp.path()).parent_path() / "escape"));
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "runs"));
+  // A folder that NewStagingDir did not make is refused.
+  fs::create_directories(fs::path(tmp.path()) / "elsewhere");
+  CheckpointSpec spec{"alice", "m1", kWeightsKind, "x"};
+  EXPECT_EQ(reg->CommitCheckpoint((fs::path(tmp.path()) / "elsewhere").string(), spec).status().code(),
+            Code::kInvalidArgument);
+}
+
+TEST(RegistryTest, ListsCheckpointsPerRunAndPerOwnerNewestFirst) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  ASSERT_TRUE(Save(*reg, "alice", "a1", kWeightsKind, "s1", 10).ok());
+  ASSERT_TRUE(Save(*reg, "alice", "a1", kSamplerWeightsKind, "s1", 20).ok());
+  ASSERT_TRUE(Save(*reg, "alice", "a2", kWeightsKind, "s1", 30).ok());
+  ASSERT_TRUE(Save(*reg, "alice", "a1", kWeightsKind, "s2", 40).ok());
+  ASSERT_TRUE(Save(*reg, "bob", "b1", kWeightsKind, "s1", 50).ok());
+
+  auto run = reg->ListCheckpoints("a1", {-1, 0});
+  ASSERT_TRUE(run.ok());
+  EXPECT_EQ(run->total, 3);
+  ASSERT_EQ(run->items.size(), 3u);
+  EXPECT_EQ(run->items[0].checkpoint_id(), "weights/s2");
+  EXPECT_EQ(run->items[1].checkpoint_id(), "sampler_weights/s1");
+  EXPECT_EQ(run->items[2].checkpoint_id(), "weights/s1");
+  for (const auto& c : run->items) EXPECT_TRUE(fs::is_directory(c.dir));
+
+  auto mine = reg->ListOwnerCheckpoints("alice", {2, 1});
+  ASSERT_TRUE(mine.ok());
+  EXPECT_EQ(mine->total, 4);
+  ASSERT_EQ(mine->items.size(), 2u);
+  EXPECT_EQ(mine->items[0].tinker_path, "tinker://a2/weights/s1");
+  EXPECT_EQ(mine->items[1].tinker_path, "tinker://a1/sampler_weights/s1");
+  auto bob = reg->ListOwnerCheckpoints("bob", {20, 0});
+  ASSERT_EQ(bob->items.size(), 1u);
+  EXPECT_EQ(bob->items[0].owner, "bob");
+}
+
+TEST(RegistryTest, DeleteRemovesFilesThenRow) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto c = Save(*reg, "alice", "a1", kSamplerWeightsKind, "final", 10);
+  ASSERT_TRUE(c.ok());
+  const TinkerPath p{"a1", kSamplerWeightsKind, "final"};
+  ASSERT_TRUE(reg->DeleteCheckpoint(p).ok());
+  EXPECT_FALSE(fs::exists(c->dir));
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+  EXPECT_EQ(reg->GetCheckpoint(p).status().code(), Code::kNotFound);
+  EXPECT_EQ(reg->DeleteCheckpoint(p).code(), Code::kNotFound);
+  EXPECT_EQ(reg->ListCheckpoints("a1", {-1, 0})->total, 0);
+}
+
+TEST(RegistryTest, PublicFlagAndAccess) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  ASSERT_TRUE(Save(*reg, "alice", "a1", kWeightsKind, "w", 10).ok());
+  const TinkerPath p{"a1", kWeightsKind, "w"};
+  EXPECT_TRUE(reg->GetCheckpoint(p)->AccessibleBy("alice"));
+  EXPECT_FALSE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
+  ASSERT_TRUE(reg->SetPublic(p, true).ok());
+  ASSERT_TRUE(reg->SetPublic(p, true).ok());  // idempotent
+  EXPECT_TRUE(reg->GetCheckpoint(p)->is_public);
+  EXPECT_TRUE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
+  ASSERT_TRUE(reg->SetPublic(p, false).ok());
+  EXPECT_FALSE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
+  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kWeightsKind, "none"}, true).code(), Code::kNotFound);
+  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kWeightsKind, "../x"}, true).code(), Code::kInvalidArgument);
+}
+
+TEST(RegistryTest, TtlSweepDeletesExpiredFilesAndRows) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto early = Save(*reg, "alice", "a1", kWeightsKind, "early", 1, 10, 100);
+  auto late = Save(*reg, "alice", "a1", kWeightsKind, "late", 2, 10, 200);
+  auto forever = Save(*reg, "alice", "a1", kWeightsKind, "forever", 3, 10);
+  auto cleared = Save(*reg, "alice", "a1", kWeightsKind, "cleared", 4, 10, 50);
+  ASSERT_TRUE(early.ok() && late.ok() && forever.ok() && cleared.ok());
+  EXPECT_EQ(early->expires_ms, std::optional<int64_t>(100));
+  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "cleared"}, std::nullopt).ok());
+  EXPECT_FALSE(reg->GetCheckpoint(TinkerPath{"a1", kWeightsKind, "cleared"})->expires_ms.has_value());
+  EXPECT_EQ(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "nope"}, 5).code(), Code::kNotFound);
+
+  auto first = reg->SweepExpired(150);
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->size(), 1u);
+  EXPECT_EQ((*first)[0].name, "early");
+  EXPECT_EQ((*first)[0].dir, early->dir);
+  EXPECT_FALSE(fs::exists(early->dir));
+  EXPECT_TRUE(fs::exists(late->dir));
+
+  auto second = reg->SweepExpired(1'000'000);
+  ASSERT_TRUE(second.ok());
+  ASSERT_EQ(second->size(), 1u);
+  EXPECT_EQ((*second)[0].name, "late");
+  EXPECT_FALSE(fs::exists(late->dir));
+  EXPECT_TRUE(fs::exists(forever->dir));
+  EXPECT_TRUE(fs::exists(cleared->dir));
+  EXPECT_EQ(reg->ListCheckpoints("a1", {-1, 0})->total, 2);
+  EXPECT_TRUE(reg->SweepExpired(2'000'000)->empty());
+}
+
+TEST(RegistryTest, SessionsPerOwner) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  ASSERT_TRUE(reg->AddSession({"alice", "sa1", 1, "{}"}).ok());
+  ASSERT_TRUE(reg->AddSession({"alice", "sa2", 2, R"({"k":"v"})"}).ok());
+  ASSERT_TRUE(reg->AddSession({"bob", "sb1", 3, "{}"}).ok());
+  auto alice = reg->ListSessions("alice", {1, 0});
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->total, 2);
+  ASSERT_EQ(alice->items.size(), 1u);
+  EXPECT_EQ(alice->items[0].session_id, "sa2");
+  EXPECT_EQ(reg->GetSession("sa2")->user_metadata, R"({"k":"v"})");
+  EXPECT_EQ(reg->GetSession("sb1")->owner, "bob");
+  EXPECT_EQ(reg->GetSession("zz").status().code(), Code::kNotFound);
+  EXPECT_EQ(reg->AddSession({"", "x", 1, "{}"}).code(), Code::kInvalidArgument);
+}
+
+TEST(RegistryTest, RestartKeepsEverythingAndClearsLeftovers) {
+  TempDir tmp;
+  std::string dir_of_kept, dir_of_lost;
+  {
+    auto reg = OpenOrDie(tmp.path());
+    ASSERT_TRUE(reg);
+    // A second process on the same data dir is refused while this one lives.
+    EXPECT_EQ(Registry::Open(tmp.path()).status().code(), Code::kUnavailable);
+    ASSERT_TRUE(reg->UpsertRun(MakeRun("alice", "s:train:0", 10)).ok());
+    ASSERT_TRUE(reg->AddSession({"alice", "s", 5, "{}"}).ok());
+    auto kept = Save(*reg, "alice", "s:train:0", kWeightsKind, "kept", 20, 300, 9999);
+    auto pub = Save(*reg, "alice", "s:train:0", kSamplerWeightsKind, "pub", 30);
+    auto lost = Save(*reg, "alice", "s:train:0", kWeightsKind, "lost", 40);
+    ASSERT_TRUE(kept.ok() && pub.ok() && lost.ok());
+    ASSERT_TRUE(reg->SetPublic(TinkerPath{"s:train:0", kSamplerWeightsKind, "pub"}, true).ok());
+    dir_of_kept = kept->dir;
+    dir_of_lost = lost->dir;
+    // A save that was being written when the process died.
+    auto staging = reg->NewStagingDir();
+    ASSERT_TRUE(staging.ok());
+    WriteFile(fs::path(staging.value()) / "half.bin", "xx");
+  }
+  fs::remove_all(dir_of_lost);  // files lost behind the registry's back
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto run = reg->GetRun("s:train:0");
+  ASSERT_TRUE(run.ok());
+  EXPECT_EQ(run->lora_rank, 8);
+  EXPECT_EQ(reg->ListSessions("alice", {20, 0})->total, 1);
+  auto ckpts = reg->ListCheckpoints("s:train:0", {-1, 0});
+  ASSERT_TRUE(ckpts.ok());
+  ASSERT_EQ(ckpts->total, 2);  // the one without files is dropped
+  EXPECT_EQ(ckpts->items[0].name, "pub");
+  EXPECT_TRUE(ckpts->items[0].is_public);
+  EXPECT_EQ(ckpts->items[1].name, "kept");
+  EXPECT_EQ(ckpts->items[1].expires_ms, std::optional<int64_t>(9999));
+  EXPECT_EQ(ckpts->items[1].size_bytes, 300 + 7);
+  EXPECT_EQ(ckpts->items[1].dir, dir_of_kept);
+  EXPECT_EQ(ReadFile(fs::path(dir_of_kept) / "adapter_model.safetensors"), Bytes(300, 7));
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+}
+
+TEST(RegistryTest, ConcurrentCallersSeeConsistentCounts) {
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      const std::string owner = "tenant" + std::to_string(t);
+      for (int i = 0; i < 25; ++i) {
+        const std::string id = owner + ":train:" + std::to_string(i);
+        EXPECT_TRUE(reg->UpsertRun(MakeRun(owner, id, i)).ok());
+        EXPECT_TRUE(Save(*reg, owner, id, kSamplerWeightsKind, "s", i, 16).ok());
+        EXPECT_EQ(reg->ListRuns(owner, {1, 0})->total, i + 1);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int t = 0; t < 4; ++t) {
+    EXPECT_EQ(reg->ListOwnerCheckpoints("tenant" + std::to_string(t), {-1, 0})->total, 25);
+  }
+}
+
+}  // namespace
+}  // namespace loom::store
