@@ -95,8 +95,7 @@ Result<std::string> TarDirectory(const std::string& dir, const TarOptions& optio
   for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it); it.increment(ec)) {
     const fs::file_status st = it->symlink_status(ec);
     if (ec) break;
-    const std::string rel = fs::relative(it->path(), dir, ec).generic_string();
-    if (ec) break;
+    const std::string rel = it->path().lexically_relative(dir).generic_string();
     Entry e;
     e.source = it->path();
     if (fs::is_directory(st)) {
