@@ -1,0 +1,230 @@
+#include "engine/train/adamw.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <set>
+
+namespace loom::engine::train {
+namespace {
+
+at::Tensor Column(const std::vector<double>& v, at::Device device) {
+  std::vector<float> f(v.begin(), v.end());
+  return at::tensor(f, at::kFloat).to(device);
+}
+
+// [U] → [U, 1, ..., 1] so it broadcasts over a [U, ...] block of rows.
+at::Tensor Spread(const at::Tensor& col, int64_t dims) {
+  std::vector<int64_t> shape(static_cast<size_t>(dims), 1);
+  shape[0] = col.size(0);
+  return col.view(shape);
+}
+
+}  // namespace
+
+AdamWRows AdamWRows::Make(const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
+                          const std::vector<int64_t>& steps, const std::vector<double>& grad_scales,
+                          at::Device device) {
+  const size_t u = slots.size();
+  std::vector<double> decay(u), b1(u), omb1(u), b2(u), omb2(u), inv_bc2(u), eps(u), step_size(u);
+  for (size_t i = 0; i < u; ++i) {
+    const AdamParams& p = params[i];
+    const double t = static_cast<double>(steps[i]);
+    decay[i] = 1.0 - p.learning_rate * p.weight_decay;
+    b1[i] = p.beta1;
+    omb1[i] = 1.0 - p.beta1;
+    b2[i] = p.beta2;
+    omb2[i] = 1.0 - p.beta2;
+    inv_bc2[i] = 1.0 / std::sqrt(1.0 - std::pow(p.beta2, t));
+    eps[i] = p.eps;
+    step_size[i] = p.learning_rate / (1.0 - std::pow(p.beta1, t));
+  }
+  AdamWRows r;
+  r.index = at::tensor(slots, at::kLong).to(device);
+  r.grad_scale = Column(grad_scales, device);
+  r.decay = Column(decay, device);
+  r.beta1 = Column(b1, device);
+  r.one_minus_beta1 = Column(omb1, device);
+  r.beta2 = Column(b2, device);
+  r.one_minus_beta2 = Column(omb2, device);
+  r.inv_sqrt_bc2 = Column(inv_bc2, device);
+  r.eps = Column(eps, device);
+  r.step_size = Column(step_size, device);
+  return r;
+}
+
+void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const AdamWRows& rows) {
+  if (rows.size() == 0) return;
+  c10::NoGradGuard no_grad;
+  const int64_t dims = param.dim();
+  auto s = [&](const at::Tensor& col) { return Spread(col, dims); };
+  at::Tensor p = param.detach().index_select(0, rows.index);
+  at::Tensor m = exp_avg.index_select(0, rows.index);
+  at::Tensor v = exp_avg_sq.index_select(0, rows.index);
+  at::Tensor g = grad.defined() ? grad.index_select(0, rows.index).to(at::kFloat) * s(rows.grad_scale)
+                                : at::zeros_like(p);
+  p.mul_(s(rows.decay));
+  m.mul_(s(rows.beta1)).add_(g * s(rows.one_minus_beta1));
+  v.mul_(s(rows.beta2)).add_(g * g * s(rows.one_minus_beta2));
+  at::Tensor denom = (v.sqrt() * s(rows.inv_sqrt_bc2)).add_(s(rows.eps));
+  p.sub_(m / denom * s(rows.step_size));
+  param.detach().index_copy_(0, rows.index, p);
+  exp_avg.index_copy_(0, rows.index, m);
+  exp_avg_sq.index_copy_(0, rows.index, v);
+}
+
+Status ValidateAdamParams(const AdamParams& p) {
+  auto check = [](const char* name, double v, double lo, double hi, bool hi_open) -> Status {
+    if (!std::isfinite(v) || v < lo || (hi_open ? v >= hi : v > hi)) {
+      return Status::Invalid(fmt::format("adam_params.{}: {} is outside [{}, {}{}", name, v, lo, hi,
+                                         hi_open ? ")" : "]"));
+    }
+    return Status::Ok();
+  };
+  const double inf = HUGE_VAL;
+  for (Status s : {check("learning_rate", p.learning_rate, 0, inf, false), check("beta1", p.beta1, 0, 1, true),
+                   check("beta2", p.beta2, 0, 1, true), check("eps", p.eps, 0, inf, false),
+                   check("weight_decay", p.weight_decay, 0, inf, false),
+                   check("grad_clip_norm", p.grad_clip_norm, 0, inf, false)}) {
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
+  for (const LoraTarget& t : bank.targets()) {
+    a_.push_back({at::zeros_like(t.A.detach()), at::zeros_like(t.A.detach())});
+    b_.push_back({at::zeros_like(t.B.detach()), at::zeros_like(t.B.detach())});
+  }
+}
+
+void SlotOptimizer::Reset(int s) {
+  c10::NoGradGuard no_grad;
+  for (auto* list : {&a_, &b_})
+    for (Moments& m : *list) {
+      m.exp_avg.select(0, s).zero_();
+      m.exp_avg_sq.select(0, s).zero_();
+    }
+}
+
+std::vector<Result<OptimStepOutput>> SlotOptimizer::Step(SlotBank& bank, const std::vector<OptimStepCall>& calls) {
+  std::vector<Result<OptimStepOutput>> results(calls.size(), Result<OptimStepOutput>(Status::Internal("not run")));
+  // Rounds of distinct slots, in call order: a slot listed twice steps twice.
+  std::vector<size_t> round;
+  std::set<int> in_round;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (in_round.count(calls[i].slot)) {
+      StepRound(bank, calls, round, results);
+      round.clear();
+      in_round.clear();
+    }
+    round.push_back(i);
+    in_round.insert(calls[i].slot);
+  }
+  if (!round.empty()) StepRound(bank, calls, round, results);
+  return results;
+}
+
+void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
+                              const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
+  c10::NoGradGuard no_grad;
+  std::vector<size_t> live;  // indices into calls that passed the checks
+  for (size_t i : which) {
+    const OptimStepCall& c = calls[i];
+    if (c.slot < 0 || c.slot >= bank.num_slots()) {
+      results[i] = Status::Invalid(fmt::format("slot: {} is outside [0, {})", c.slot, bank.num_slots()));
+      continue;
+    }
+    if (!bank.slot(c.slot).bound) {
+      results[i] = Status::Precondition(fmt::format("slot {} is not bound to a model", c.slot));
+      continue;
+    }
+    Status s = ValidateAdamParams(c.params);
+    if (!s.ok()) {
+      results[i] = s;
+      continue;
+    }
+    live.push_back(i);
+  }
+  if (live.empty()) return;
+  auto& targets = bank.targets();
+  const at::Device device = targets.empty() ? at::Device(at::kCPU) : targets[0].A.device();
+  const int64_t u = static_cast<int64_t>(live.size());
+  std::vector<int64_t> slots;
+  for (size_t i : live) slots.push_back(calls[i].slot);
+  at::Tensor all_index = at::tensor(slots, at::kLong).to(device);
+
+  // Global squared gradient norm per slot over the targets it trains.
+  const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+  at::Tensor group_mask[3];
+  for (int g = 0; g < 3; ++g) {
+    std::vector<double> mask;
+    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), groups[g]) ? 1.0 : 0.0);
+    group_mask[g] = at::tensor(mask, at::kDouble).to(device);
+  }
+  at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
+  for (const LoraTarget& t : targets) {
+    for (const at::Tensor* p : {&t.A, &t.B}) {
+      const at::Tensor& grad = p->grad();
+      if (!grad.defined()) continue;
+      at::Tensor rows = grad.index_select(0, all_index).to(at::kDouble);
+      sq.add_(rows.pow(2).flatten(1).sum(1) * group_mask[static_cast<int>(t.group)]);
+    }
+  }
+  at::Tensor norms_host = sq.sqrt().cpu();
+  const double* norms = norms_host.data_ptr<double>();
+
+  // Per group: the finite slots that train it, with their hyperparameters.
+  std::vector<bool> finite(live.size());
+  std::vector<double> scale(live.size(), 1.0);
+  for (size_t k = 0; k < live.size(); ++k) {
+    finite[k] = std::isfinite(norms[k]);
+    const double clip = calls[live[k]].params.grad_clip_norm;
+    if (finite[k] && clip > 0) scale[k] = std::min(1.0, clip / (norms[k] + 1e-6));
+  }
+  AdamWRows rows[3];
+  for (int g = 0; g < 3; ++g) {
+    std::vector<int64_t> s_idx, steps;
+    std::vector<AdamParams> params;
+    std::vector<double> scales;
+    for (size_t k = 0; k < live.size(); ++k) {
+      const int s = calls[live[k]].slot;
+      if (!finite[k] || !bank.trains(s, groups[g])) continue;
+      s_idx.push_back(s);
+      params.push_back(calls[live[k]].params);
+      steps.push_back(bank.slot(s).step + 1);
+      scales.push_back(scale[k]);
+    }
+    if (!s_idx.empty()) rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+  }
+  for (size_t ti = 0; ti < targets.size(); ++ti) {
+    const LoraTarget& t = targets[ti];
+    const AdamWRows& r = rows[static_cast<int>(t.group)];
+    AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
+    AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+  }
+  // Every stepped or skipped slot starts its next accumulation from zero.
+  for (LoraTarget& t : targets) {
+    for (at::Tensor* p : {&t.A, &t.B}) {
+      if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+    }
+  }
+  for (size_t k = 0; k < live.size(); ++k) {
+    const OptimStepCall& c = calls[live[k]];
+    SlotState& st = bank.slot(c.slot);
+    OptimStepOutput out;
+    out.skipped = !finite[k];
+    if (finite[k]) {
+      st.step += 1;
+      out.metrics["grad_norm"] = norms[k];
+    }
+    out.metrics["step"] = static_cast<double>(st.step);
+    out.metrics["learning_rate"] = c.params.learning_rate;
+    out.metrics["skipped"] = out.skipped ? 1.0 : 0.0;
+    results[live[k]] = out;
+  }
+}
+
+}  // namespace loom::engine::train

@@ -1,0 +1,86 @@
+// AdamW over a SlotBank: FP32 moments per slot laid out like the bank (one
+// exp_avg and one exp_avg_sq beside every A [N, R, d_in] and B [N, d_out, R]),
+// stepped for several slots at once (index_select the slots' rows → math →
+// index_copy_), with each slot's own hyperparameters and step count.
+//
+// The update is torch.optim.AdamW's (decoupled weight decay, bias correction
+// with the slot's own step t):
+//   p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
+//   p ← p − lr/(1−β1^t) · m / (√v / √(1−β2^t) + eps)
+// with g first scaled by min(1, clip/(‖g‖+1e-6)) when grad_clip_norm > 0,
+// ‖g‖ being the global norm over the slot's trained targets.
+//
+// Invariant: only rows of the stepped slots change, and only in targets of
+// groups the slot trains; rows ≥ a slot's rank keep zero weights because
+// their gradients are zero. Threading: engine thread only.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "engine/api.h"
+#include "engine/lora/slot_bank.h"
+
+namespace loom::engine::train {
+
+// Hyperparameters of U slots stepped together, as [U] fp32 tensors on the
+// device, already combined into the factors the update uses.
+struct AdamWRows {
+  at::Tensor index;        // [U] int64: the slot rows
+  at::Tensor grad_scale;   // clip factor
+  at::Tensor decay;        // 1 − lr·wd
+  at::Tensor beta1, one_minus_beta1, beta2, one_minus_beta2;
+  at::Tensor inv_sqrt_bc2; // 1 / √(1 − β2^t)
+  at::Tensor eps;
+  at::Tensor step_size;    // lr / (1 − β1^t)
+
+  // steps[u] is the step number t of this update (≥ 1) for slots[u].
+  static AdamWRows Make(const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
+                        const std::vector<int64_t>& steps, const std::vector<double>& grad_scales,
+                        at::Device device);
+  int64_t size() const { return index.defined() ? index.size(0) : 0; }
+};
+
+// Steps rows.index of param (a [N, ...] tensor) in place with the matching
+// rows of grad (undefined = zero), exp_avg and exp_avg_sq. Other rows are
+// untouched.
+void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const AdamWRows& rows);
+
+// Invalid naming the field when a value is non-finite or out of range
+// (learning_rate ≥ 0, 0 ≤ beta < 1, eps ≥ 0, weight_decay ≥ 0, grad_clip_norm ≥ 0).
+Status ValidateAdamParams(const AdamParams& params);
+
+// SlotOptimizer: the moments of every slot of one bank and the per-slot step.
+class SlotOptimizer {
+ public:
+  struct Moments {
+    at::Tensor exp_avg;     // like the bank tensor, fp32
+    at::Tensor exp_avg_sq;
+  };
+
+  explicit SlotOptimizer(const SlotBank& bank);
+
+  Moments& a(size_t target) { return a_[target]; }
+  Moments& b(size_t target) { return b_[target]; }
+  const Moments& a(size_t target) const { return a_[target]; }
+  const Moments& b(size_t target) const { return b_[target]; }
+
+  // Zeroes slot s's moments (release, load without optimizer).
+  void Reset(int s);
+
+  // One AdamW step per call, batched across the calls' slots. A slot listed
+  // twice is stepped twice, in order. Each result: metrics "grad_norm"
+  // (before clipping; absent when not finite), "step", "learning_rate",
+  // "skipped"; skipped = true when the norm was not finite (the slot's
+  // gradients are zeroed and nothing else changes). After a step the slot's
+  // gradients are zero.
+  std::vector<Result<OptimStepOutput>> Step(SlotBank& bank, const std::vector<OptimStepCall>& calls);
+
+ private:
+  void StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls, const std::vector<size_t>& which,
+                 std::vector<Result<OptimStepOutput>>& results);
+  std::vector<Moments> a_, b_;
+};
+
+}  // namespace loom::engine::train

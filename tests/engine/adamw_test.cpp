@@ -1,0 +1,235 @@
+// Per-slot AdamW: the batched row update against a scalar double-precision
+// reference, global-norm clipping over a slot's trained targets, isolation
+// between slots (non-finite skip, unstepped slots), and parameter checks.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "engine/lora/slot_bank.h"
+#include "engine/train/adamw.h"
+
+namespace loom::engine::train {
+namespace {
+
+std::vector<double> ToVec(const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kDouble).contiguous().cpu();
+  return std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
+}
+
+// torch.optim.AdamW on one flat vector, in double, written out by hand.
+struct RefAdamW {
+  std::vector<double> p, m, v;
+  int64_t t = 0;
+  void Step(const std::vector<double>& g_in, const AdamParams& a, double scale) {
+    ++t;
+    for (size_t i = 0; i < p.size(); ++i) {
+      const double g = g_in[i] * scale;
+      p[i] *= 1 - a.learning_rate * a.weight_decay;
+      m[i] = a.beta1 * m[i] + (1 - a.beta1) * g;
+      v[i] = a.beta2 * v[i] + (1 - a.beta2) * g * g;
+      const double bc1 = 1 - std::pow(a.beta1, t), bc2 = 1 - std::pow(a.beta2, t);
+      p[i] -= a.learning_rate / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + a.eps);
+    }
+  }
+};
+
+void ExpectNearVec(const std::vector<double>& got, const std::vector<double>& want, double rel, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], rel * std::max(1e-3, std::abs(want[i]))) << what << " element " << i;
+}
+
+TEST(AdamWRows, MatchesHandReferenceOverSeveralSteps) {
+  at::manual_seed(3);
+  at::Tensor param = at::randn({3, 4, 5});
+  at::Tensor m = at::zeros_like(param), v = at::zeros_like(param);
+  const at::Tensor untouched = param.select(0, 1).clone();
+  AdamParams a0{1e-2, 0.9, 0.95, 1e-8, 0.1, 0};
+  AdamParams a2{3e-3, 0.8, 0.99, 1e-12, 0.0, 0};
+  RefAdamW r0{ToVec(param.select(0, 0)), std::vector<double>(20), std::vector<double>(20)};
+  RefAdamW r2{ToVec(param.select(0, 2)), std::vector<double>(20), std::vector<double>(20)};
+  for (int step = 1; step <= 4; ++step) {
+    at::Tensor grad = at::randn({3, 4, 5});
+    const double scale2 = 0.5;  // a clip factor for row 2
+    AdamWRows rows = AdamWRows::Make({0, 2}, {a0, a2}, {step, step}, {1.0, scale2}, at::kCPU);
+    AdamWUpdateRows(param, grad, m, v, rows);
+    r0.Step(ToVec(grad.select(0, 0)), a0, 1.0);
+    r2.Step(ToVec(grad.select(0, 2)), a2, scale2);
+    ExpectNearVec(ToVec(param.select(0, 0)), r0.p, 1e-5, "row 0 param");
+    ExpectNearVec(ToVec(m.select(0, 0)), r0.m, 1e-5, "row 0 exp_avg");
+    ExpectNearVec(ToVec(v.select(0, 2)), r2.v, 1e-5, "row 2 exp_avg_sq");
+    ExpectNearVec(ToVec(param.select(0, 2)), r2.p, 1e-5, "row 2 param");
+  }
+  EXPECT_TRUE(at::equal(param.select(0, 1), untouched));
+  EXPECT_EQ(at::count_nonzero(m.select(0, 1)).item<int64_t>(), 0);
+}
+
+TEST(AdamWParams, RejectNamesTheField) {
+  AdamParams p;
+  p.beta1 = 1.0;
+  Status s = ValidateAdamParams(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("beta1"), std::string::npos);
+  p = AdamParams{};
+  p.learning_rate = NAN;
+  s = ValidateAdamParams(p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("learning_rate"), std::string::npos);
+  p = AdamParams{};
+  p.grad_clip_norm = -1;
+  EXPECT_FALSE(ValidateAdamParams(p).ok());
+  EXPECT_TRUE(ValidateAdamParams(AdamParams{}).ok());
+}
+
+// A bank of three slots over three targets, one per group.
+struct SlotOptimizerTest : ::testing::Test {
+  SlotBank bank{3, 4, at::kCPU,
+                {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7}, {"lm_head", TargetGroup::kUnembed, 6, 9}}};
+  SlotOptimizer opt{bank};
+
+  void SetUp() override {
+    LoraConfig all;
+    all.rank = 2;
+    all.alpha = 4;
+    all.seed = 1;
+    LoraConfig attn_only;
+    attn_only.rank = 4;
+    attn_only.seed = 2;
+    attn_only.train_mlp = attn_only.train_unembed = false;
+    ASSERT_TRUE(bank.Bind(0, all).ok());
+    ASSERT_TRUE(bank.Bind(1, attn_only).ok());
+    ASSERT_TRUE(bank.Bind(2, all).ok());
+    at::manual_seed(5);
+    c10::NoGradGuard ng;
+    for (auto& t : bank.targets()) {
+      // Nonzero B so that "rows < rank only" is visible, and gradients that
+      // are zero outside each slot's rank (as autograd produces them).
+      t.B.normal_();
+      for (int s = 0; s < 3; ++s) t.B.select(0, s).narrow(1, bank.slot(s).config.rank, 4 - bank.slot(s).config.rank).zero_();
+      t.A.mutable_grad() = at::randn_like(t.A) * 0.1;
+      t.B.mutable_grad() = at::randn_like(t.B) * 0.1;
+      for (int s = 0; s < 3; ++s) {
+        const int r = bank.slot(s).config.rank;
+        t.A.mutable_grad().select(0, s).narrow(0, r, 4 - r).zero_();
+        t.B.mutable_grad().select(0, s).narrow(1, r, 4 - r).zero_();
+      }
+    }
+  }
+  // Flat values of slot s's trained rows (rank r) over its trained targets.
+  std::vector<double> Slot(int s, bool grads) {
+    std::vector<double> out;
+    const int r = bank.slot(s).config.rank;
+    for (auto& t : bank.targets()) {
+      if (!bank.trains(s, t.group)) continue;
+      for (auto a : {ToVec((grads ? t.A.grad() : t.A).select(0, s).narrow(0, 0, r)),
+                     ToVec((grads ? t.B.grad() : t.B).select(0, s).narrow(1, 0, r))})
+        out.insert(out.end(), a.begin(), a.end());
+    }
+    return out;
+  }
+};
+
+TEST_F(SlotOptimizerTest, StepMatchesReferenceWithGlobalNormClipping) {
+  const std::vector<double> g0 = Slot(0, true), g1 = Slot(1, true);
+  RefAdamW r0{Slot(0, false), std::vector<double>(g0.size()), std::vector<double>(g0.size())};
+  RefAdamW r1{Slot(1, false), std::vector<double>(g1.size()), std::vector<double>(g1.size())};
+  double n0 = 0, n1 = 0;
+  for (double g : g0) n0 += g * g;
+  for (double g : g1) n1 += g * g;
+  n0 = std::sqrt(n0);
+  n1 = std::sqrt(n1);
+  AdamParams p0{1e-2, 0.9, 0.95, 1e-12, 0.05, n0 / 3};  // clip active: scale ≈ 1/3
+  AdamParams p1{2e-2, 0.85, 0.9, 1e-8, 0.0, 0.0};       // clip off
+  const at::Tensor mlp_slot1 = bank.targets()[1].A.select(0, 1).clone();
+  auto res = opt.Step(bank, {{0, p0}, {1, p1}});
+  ASSERT_TRUE(res[0].ok() && res[1].ok());
+  EXPECT_NEAR(res[0]->metrics["grad_norm"], n0, 1e-5 * n0);
+  EXPECT_NEAR(res[1]->metrics["grad_norm"], n1, 1e-5 * n1);  // attn only: untrained groups excluded
+  EXPECT_EQ(res[0]->metrics["step"], 1);
+  EXPECT_FALSE(res[0]->skipped);
+  r0.Step(g0, p0, (n0 / 3) / (n0 + 1e-6));
+  r1.Step(g1, p1, 1.0);
+  ExpectNearVec(Slot(0, false), r0.p, 1e-5, "slot 0");
+  ExpectNearVec(Slot(1, false), r1.p, 1e-5, "slot 1");
+  // Untrained group of slot 1 stays as it was; rows ≥ rank stay zero.
+  EXPECT_TRUE(at::equal(bank.targets()[1].A.select(0, 1), mlp_slot1));
+  EXPECT_EQ(at::count_nonzero(bank.targets()[0].A.select(0, 0).narrow(0, 2, 2)).item<int64_t>(), 0);
+  EXPECT_EQ(at::count_nonzero(bank.targets()[0].B.select(0, 0).narrow(1, 2, 2)).item<int64_t>(), 0);
+  // Stepped slots' gradients are zero; slot 2 keeps its own.
+  EXPECT_EQ(at::count_nonzero(bank.targets()[0].A.grad().select(0, 0)).item<int64_t>(), 0);
+  EXPECT_GT(at::count_nonzero(bank.targets()[0].A.grad().select(0, 2)).item<int64_t>(), 0);
+  EXPECT_EQ(bank.slot(0).step, 1);
+  EXPECT_EQ(bank.slot(2).step, 0);
+  // A second step uses the slot's own bias correction (t = 2).
+  const std::vector<double> g0b(g0.size(), 0.0);
+  res = opt.Step(bank, {{0, p0}});
+  r0.Step(g0b, p0, 1.0);
+  ExpectNearVec(Slot(0, false), r0.p, 1e-5, "slot 0 step 2");
+  EXPECT_EQ(res[0]->metrics["step"], 2);
+}
+
+TEST_F(SlotOptimizerTest, NonFiniteGradientSkipsOnlyThatSlot) {
+  // Twin bank with the same state, where slot 1 steps alone.
+  SlotBank twin{3, 4, at::kCPU,
+                {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7}, {"lm_head", TargetGroup::kUnembed, 6, 9}}};
+  for (int s = 0; s < 3; ++s) ASSERT_TRUE(twin.Bind(s, bank.slot(s).config).ok());
+  {
+    c10::NoGradGuard ng;
+    for (size_t i = 0; i < 3; ++i) {
+      twin.targets()[i].A.copy_(bank.targets()[i].A);
+      twin.targets()[i].B.copy_(bank.targets()[i].B);
+      twin.targets()[i].A.mutable_grad() = bank.targets()[i].A.grad().clone();
+      twin.targets()[i].B.mutable_grad() = bank.targets()[i].B.grad().clone();
+    }
+  }
+  SlotOptimizer twin_opt{twin};
+  bank.targets()[2].B.mutable_grad()[0][3][1] = NAN;  // slot 0, lm_head
+  const at::Tensor a0 = bank.targets()[0].A.select(0, 0).clone();
+  const at::Tensor a2 = bank.targets()[0].A.select(0, 2).clone();
+  const at::Tensor g2 = bank.targets()[0].A.grad().select(0, 2).clone();
+  AdamParams p{1e-2, 0.9, 0.95, 1e-12, 0.0, 1.0};
+  auto res = opt.Step(bank, {{0, p}, {1, p}});
+  auto alone = twin_opt.Step(twin, {{1, p}});
+  ASSERT_TRUE(res[0].ok() && res[1].ok() && alone[0].ok());
+  EXPECT_TRUE(res[0]->skipped);
+  EXPECT_EQ(res[0]->metrics.count("grad_norm"), 0u);  // NaN never reaches JSON
+  EXPECT_EQ(res[0]->metrics["step"], 0);
+  EXPECT_EQ(bank.slot(0).step, 0);
+  EXPECT_TRUE(at::equal(bank.targets()[0].A.select(0, 0), a0));
+  for (auto& t : bank.targets()) {
+    EXPECT_EQ(at::count_nonzero(at::nan_to_num(t.B.grad().select(0, 0), 1.0)).item<int64_t>(), 0) << t.module;
+    EXPECT_EQ(at::count_nonzero(opt.a(0).exp_avg.select(0, 0)).item<int64_t>(), 0);
+  }
+  EXPECT_FALSE(res[1]->skipped);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::allclose(bank.targets()[i].A.select(0, 1), twin.targets()[i].A.select(0, 1), 1e-6, 1e-7));
+    EXPECT_TRUE(at::allclose(bank.targets()[i].B.select(0, 1), twin.targets()[i].B.select(0, 1), 1e-6, 1e-7));
+  }
+  EXPECT_NEAR(res[1]->metrics["grad_norm"], alone[0]->metrics["grad_norm"], 1e-9);
+  // Slot 2 was not in the call: weights and gradients untouched.
+  EXPECT_TRUE(at::equal(bank.targets()[0].A.select(0, 2), a2));
+  EXPECT_TRUE(at::equal(bank.targets()[0].A.grad().select(0, 2), g2));
+}
+
+TEST_F(SlotOptimizerTest, ErrorsFailOnlyTheirCallAndRepeatsStepTwice) {
+  AdamParams bad;
+  bad.beta2 = 1.5;
+  bank.Release(1);
+  auto res = opt.Step(bank, {{0, bad}, {1, AdamParams{}}, {7, AdamParams{}}, {2, AdamParams{}}, {2, AdamParams{}}});
+  ASSERT_EQ(res.size(), 5u);
+  EXPECT_FALSE(res[0].ok());
+  EXPECT_NE(res[0].status().message().find("beta2"), std::string::npos);
+  EXPECT_FALSE(res[1].ok());  // released slot
+  EXPECT_FALSE(res[2].ok());
+  EXPECT_NE(res[2].status().message().find("slot"), std::string::npos);
+  ASSERT_TRUE(res[3].ok() && res[4].ok());
+  EXPECT_EQ(res[3]->metrics["step"], 1);
+  EXPECT_EQ(res[4]->metrics["step"], 2);
+  EXPECT_EQ(res[4]->metrics["grad_norm"], 0.0);  // the first step zeroed the gradients
+  EXPECT_EQ(bank.slot(0).step, 0);
+}
+
+}  // namespace
+}  // namespace loom::engine::train
