@@ -1,0 +1,71 @@
+#include "service/sequencer.h"
+
+#include <algorithm>
+
+namespace loom::service {
+
+const char* OpKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::kCreateModel: return "CreateModel";
+    case OpKind::kForwardBackward: return "ForwardBackward";
+    case OpKind::kOptimStep: return "OptimStep";
+    case OpKind::kSaveWeights: return "SaveWeights";
+    case OpKind::kLoadWeights: return "LoadWeights";
+    case OpKind::kSaveForSampler: return "SaveWeightsForSampler";
+    case OpKind::kUnloadModel: return "UnloadModel";
+  }
+  return "Unknown";
+}
+
+std::optional<std::string> Sequencer::Lookup(int64_t seq_id) const {
+  auto it = seen_.find(seq_id);
+  if (it == seen_.end()) return std::nullopt;
+  return it->second;
+}
+
+Sequencer::AdmitResult Sequencer::Admit(TrainingOp op) {
+  if (auto prior = Lookup(op.seq_id)) return {Admission::kDuplicate, *prior};
+  if (op.seq_id < next_seq_) return {Admission::kStale, ""};
+  seen_[op.seq_id] = op.request_id;
+  std::string id = op.request_id;
+  const int64_t seq = op.seq_id;
+  early_.emplace(seq, std::move(op));
+  Promote();
+  return {Admission::kAccepted, id};
+}
+
+void Sequencer::Promote() {
+  for (auto it = early_.begin(); it != early_.end() && it->first == next_seq_; it = early_.begin()) {
+    ready_.push_back(std::move(it->second));
+    early_.erase(it);
+    ++next_seq_;
+  }
+}
+
+TrainingOp Sequencer::PopReady() {
+  TrainingOp op = std::move(ready_.front());
+  ready_.pop_front();
+  return op;
+}
+
+std::vector<TrainingOp> Sequencer::ExpireGap(Clock::time_point now, Clock::duration timeout) {
+  std::vector<TrainingOp> expired;
+  if (early_.empty()) return expired;
+  Clock::time_point oldest = Clock::time_point::max();
+  for (const auto& [seq, op] : early_) oldest = std::min(oldest, op.arrived);
+  if (now - oldest < timeout) return expired;
+  next_seq_ = early_.rbegin()->first + 1;
+  for (auto& [seq, op] : early_) expired.push_back(std::move(op));
+  early_.clear();
+  return expired;
+}
+
+std::vector<TrainingOp> Sequencer::DrainAll() {
+  std::vector<TrainingOp> all;
+  while (!ready_.empty()) all.push_back(PopReady());
+  for (auto& [seq, op] : early_) all.push_back(std::move(op));
+  early_.clear();
+  return all;
+}
+
+}  // namespace loom::service

@@ -1,0 +1,73 @@
+// Sequencer: puts one training model's requests into strict seq_id order.
+//
+// The SDK numbers a TrainingClient's requests 1, 2, 3, ... (create_model is
+// 0) and sends the chunks of one forward_backward concurrently, first chunk
+// last. Early arrivals wait here until every smaller seq_id has arrived; then
+// they move, in order, to the ready queue that the engine thread drains.
+//
+// Invariants: ready() holds consecutive seq_ids, all < next_seq(); every
+// seq_id ever admitted maps to the request_id of its first submission, so a
+// retry returns the original future and never runs twice. After a gap times
+// out, the waiting requests are failed and next_seq() jumps past them.
+//
+// Not thread-safe: the Service guards it with its lock.
+#pragma once
+#include <chrono>
+#include <deque>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "service/training_op.h"
+
+namespace loom::service {
+
+class Sequencer {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  explicit Sequencer(int64_t next_seq = 1) : next_seq_(next_seq) {}
+
+  enum class Admission {
+    kAccepted,   // queued (ready or waiting for a smaller seq_id)
+    kDuplicate,  // this seq_id was seen before: request_id is the original one
+    kStale,      // seq_id below next_seq() that was never seen (skipped by a gap timeout)
+  };
+  struct AdmitResult {
+    Admission admission;
+    std::string request_id;
+  };
+  // Admits op (op.request_id must be set unless the caller only checks for
+  // duplicates first with Lookup()).
+  AdmitResult Admit(TrainingOp op);
+
+  // The request_id first submitted with seq_id, if any.
+  std::optional<std::string> Lookup(int64_t seq_id) const;
+
+  bool HasReady() const { return !ready_.empty(); }
+  const TrainingOp& FrontReady() const { return ready_.front(); }
+  TrainingOp PopReady();
+
+  // Fails the waiting (early) requests if the oldest has waited longer than
+  // timeout for the gap at next_seq() to fill. Returns them (empty if none
+  // expired) and advances next_seq() past the largest of them.
+  std::vector<TrainingOp> ExpireGap(Clock::time_point now, Clock::duration timeout);
+
+  // Removes and returns everything queued (ready first, then waiting).
+  std::vector<TrainingOp> DrainAll();
+
+  int64_t next_seq() const { return next_seq_; }
+  size_t waiting() const { return early_.size(); }
+  size_t ready_count() const { return ready_.size(); }
+
+ private:
+  void Promote();
+
+  int64_t next_seq_;
+  std::map<int64_t, TrainingOp> early_;
+  std::deque<TrainingOp> ready_;
+  std::map<int64_t, std::string> seen_;
+};
+
+}  // namespace loom::service

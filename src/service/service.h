@@ -1,0 +1,224 @@
+// Service: Tinker's training semantics on top of one Engine. It owns the
+// sessions (heartbeat leases), the training models (slot, LoRA config,
+// seq_id ordering, dedup), the futures, the registry of runs/checkpoints, and
+// the engine thread that runs ready requests in packed batches.
+//
+// Invariants:
+//  - a model's requests take effect in seq_id order; a repeated (model_id,
+//    seq_id) or X-Idempotency-Key returns the first request's future;
+//  - every model, future, checkpoint and session has an owner (tenant); any
+//    other tenant gets NotFound with the same text as for an unknown id;
+//  - a slot is bound to at most one live model; a session without heartbeat
+//    for session_ttl loses its models' slots, and later calls on them fail
+//    with a FailedPrecondition that says "expired";
+//  - only the engine thread calls the Engine (except the pure Validate*()).
+//
+// Threading: every public method may be called from any thread (I/O threads);
+// one mutex guards the state and is never held across an engine call.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/api.h"
+#include "service/future_table.h"
+#include "service/sequencer.h"
+#include "store/registry.h"
+#include "wire/forward_backward.h"
+#include "wire/json_api.h"
+
+namespace loom::service {
+
+struct ServiceOptions {
+  std::string base_model_name = "loom/tiny-qwen3";  // --model-name: base_model clients send
+  std::string tokenizer_id;                          // "" = base_model_name
+  std::chrono::milliseconds session_ttl{std::chrono::seconds(300)};
+  std::chrono::milliseconds seq_gap_timeout{std::chrono::seconds(120)};
+  std::chrono::milliseconds janitor_period{std::chrono::milliseconds(500)};
+  std::chrono::seconds future_retention{std::chrono::hours(2)};
+  std::chrono::seconds archive_url_ttl{std::chrono::minutes(15)};
+  double lora_alpha = 32.0;
+  std::string instance_tag;  // prefix of request ids; "" = random
+};
+
+// Who is calling, as http/ authenticated it.
+struct Caller {
+  std::string tenant;
+  std::string idempotency_key;  // X-Idempotency-Key, "" when absent
+};
+
+// The answer to a submitted asynchronous request.
+struct Submitted {
+  std::string request_id;
+  std::string model_id;
+};
+
+class Service {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
+          std::unique_ptr<store::Registry> registry);
+  ~Service();
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
+
+  // Starts the engine thread; sweeps expired checkpoint TTLs once.
+  void Start();
+  // Lets the batch in flight finish, fails everything still queued with
+  // Unavailable ("server shutting down"), and joins the engine thread.
+  void Stop();
+
+  FutureTable& futures() { return futures_; }
+  const engine::ModelInfo& model_info() const { return engine_->info(); }
+  const ServiceOptions& options() const { return options_; }
+
+  // ---- sessions ----
+  Result<std::string> CreateSession(const Caller& caller, const wire::CreateSessionRequest& request);
+  Status Heartbeat(const Caller& caller, const std::string& session_id);
+
+  // ---- asynchronous training requests (answers carry a request_id) ----
+  Result<Submitted> CreateModel(const Caller& caller, const wire::CreateModelRequest& request);
+  Result<Submitted> ForwardBackward(const Caller& caller, wire::ForwardBackwardRequest request);
+  Result<Submitted> OptimStep(const Caller& caller, const wire::OptimStepRequest& request);
+  Result<Submitted> SaveWeights(const Caller& caller, const wire::SaveWeightsRequest& request);
+  Result<Submitted> LoadWeights(const Caller& caller, const wire::LoadWeightsRequest& request);
+  Result<Submitted> SaveWeightsForSampler(const Caller& caller, const wire::SaveWeightsForSamplerRequest& request);
+  Result<Submitted> UnloadModel(const Caller& caller, const std::string& model_id);
+
+  // ---- direct answers ----
+  Result<nlohmann::json> GetInfo(const Caller& caller, const std::string& model_id);
+  Result<nlohmann::json> WeightsInfo(const Caller& caller, const wire::TinkerPath& path);
+
+  // ---- REST ----
+  Result<nlohmann::json> ListTrainingRuns(const Caller& caller, wire::PageParams page);
+  Result<nlohmann::json> GetTrainingRun(const Caller& caller, const std::string& run_id);
+  Result<nlohmann::json> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
+  Result<nlohmann::json> ListUserCheckpoints(const Caller& caller, wire::PageParams page);
+  Status DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id);
+  Status SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
+                          std::optional<int64_t> ttl_seconds);
+  Status SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
+                             bool is_public);
+  // A one-time download token for the checkpoint's tar (unauthenticated GET);
+  // *expires_unix receives its expiry.
+  Result<std::string> CreateArchiveToken(const Caller& caller, const std::string& run_id,
+                                         const std::string& checkpoint_id, int64_t* expires_unix);
+  // The tar bytes for a token (NotFound when unknown or expired).
+  Result<std::string> ReadArchive(const std::string& token);
+  Result<nlohmann::json> ListSessions(const Caller& caller, wire::PageParams page);
+  Result<nlohmann::json> GetSession(const Caller& caller, const std::string& session_id);
+
+  // For tests and /metrics: slots currently bound to live models.
+  int slots_in_use() const;
+
+ private:
+  enum class ModelState { kActive, kFailed, kExpired, kUnloaded };
+  struct TrainingModel {
+    std::string model_id;
+    std::string owner;
+    std::string session_id;
+    std::string base_model;
+    engine::LoraConfig lora;
+    int slot = -1;
+    ModelState state = ModelState::kActive;
+    std::string state_reason;  // why it is not active
+    Sequencer sequencer{0};    // create_model is seq 0
+  };
+  struct Session {
+    std::string session_id;
+    std::string owner;
+    Clock::time_point last_seen;
+    bool expired = false;
+    std::vector<std::string> model_ids;
+    std::vector<std::string> sampler_ids;
+  };
+  struct Sampler {
+    std::string sampler_id;
+    std::string owner;
+    std::string base_model;
+    std::string model_path;
+  };
+  struct ArchiveGrant {
+    std::string dir;
+    std::string prefix;
+    Clock::time_point expires;
+  };
+  // Requests taken together by the engine thread (one per model).
+  struct Batch {
+    OpKind kind = OpKind::kForwardBackward;
+    std::vector<TrainingOp> ops;
+  };
+
+  Result<Submitted> CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
+                                      const std::string& load_path, bool with_optimizer);
+  // Admits op on its model: dedup, expiry check, ordering. Holds mu_.
+  Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
+  // Finds a live model of this tenant (NotFound / expired / failed errors).
+  Result<TrainingModel*> FindModelLocked(const std::string& tenant, const std::string& model_id, bool must_be_active);
+  Result<Submitted> SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op);
+  std::optional<Submitted> IdempotentLocked(const Caller& caller) const;
+  void RememberLocked(const Caller& caller, const Submitted& submitted);
+  void TouchSessionLocked(const std::string& session_id);
+
+  void EngineLoop();
+  bool AnyReadyLocked() const;
+  Batch TakeBatchLocked();
+  void JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_release);
+  void ExpireSessionLocked(Session& session, std::vector<int>* slots_to_release);
+  void RunBatch(Batch& batch);
+  void RunCreateModel(TrainingOp& op);
+  void RunSaveWeights(TrainingOp& op);
+  void RunLoadWeights(TrainingOp& op);
+  void RunSaveForSampler(TrainingOp& op);
+  // What the engine thread needs of a model, copied under mu_.
+  struct ModelRef {
+    std::string model_id;
+    std::string owner;
+    std::string session_id;
+    std::string base_model;
+    engine::LoraConfig lora;
+    int slot = -1;
+  };
+  Result<ModelRef> ModelForRun(const std::string& model_id);
+  void FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason,
+                       std::vector<int>* slots_to_release);
+
+  Result<store::Checkpoint> OwnedCheckpoint(const Caller& caller, const std::string& run_id,
+                                            const std::string& checkpoint_id);
+  wire::Checkpoint ToWire(const store::Checkpoint& c) const;
+  wire::TrainingRun ToWire(const store::TrainingRun& r);
+
+  const ServiceOptions options_;
+  std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<store::Registry> registry_;
+  FutureTable futures_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool started_ = false;
+  bool stopping_ = false;
+  std::thread engine_thread_;
+  uint64_t next_ticket_ = 1;
+  std::map<std::string, Session> sessions_;
+  std::map<std::string, std::unique_ptr<TrainingModel>> models_;
+  std::map<std::string, Sampler> samplers_;
+  std::map<std::pair<std::string, std::string>, Submitted> idempotent_;  // (tenant, key)
+  std::map<std::string, ArchiveGrant> archives_;
+  std::set<int> free_slots_;
+  std::vector<int> slots_to_release_;  // released on the engine thread
+  Clock::time_point last_janitor_{};
+};
+
+}  // namespace loom::service
