@@ -369,8 +369,10 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
   fs::create_directories(dest.parent_path(), ec);
   fs::rename(staging, dest, ec);
   if (ec) {
+    const std::string why = ec.message();
     discard_staging();
-    return Status::Internal("registry: cannot publish " + dest.string() + ": " + ec.message());
+    if (!old.empty()) fs::rename(old, dest, ec);  // put the previous version back
+    return Status::Internal("registry: cannot publish " + dest.string() + ": " + why);
   }
   if (Status s = SyncPath(dest.parent_path(), true); !s.ok()) return s;
 
