@@ -259,6 +259,16 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   return FromTensors(*config, weights, device, dtype);
 }
 
+std::vector<at::Tensor> Transformer::BaseWeights() const {
+  const Impl& m = *impl_;
+  std::vector<at::Tensor> w{m.embed, m.norm, m.lm_head};
+  for (const Impl::Layer& l : m.layers)
+    for (const at::Tensor& t : {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.gate_up_w,
+                                l.down_w})
+      if (t.defined()) w.push_back(t);
+  return w;
+}
+
 at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) const {
   const Impl& m = *impl_;
   const int64_t T = batch.num_tokens(), hd = m.head_dim;

@@ -69,6 +69,9 @@ class Transformer {
   // Full logits [T, vocab] fp32 for a few rows (sampler, tests).
   at::Tensor Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const;
 
+  // Every frozen base tensor (tests, memory accounting). None requires grad.
+  std::vector<at::Tensor> BaseWeights() const;
+
   // Attention kernel (default: DefaultAttentionKernel()). Both give the same
   // numbers to float tolerance; kMath is the reference.
   void set_attention_kernel(AttentionKernel k) { attention_kernel_ = k; }

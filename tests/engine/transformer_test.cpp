@@ -1,0 +1,360 @@
+// Transformer: packing invariance, attention kernels, chunked target
+// logprobs, LoRA routing and gradients, loader errors, and a naive
+// single-sequence reference written independently of the packed code.
+#include "engine/model/transformer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "engine/model/attention.h"
+
+namespace loom::engine {
+namespace {
+
+ModelConfig TinyConfig(const std::string& arch) {
+  ModelConfig c;
+  c.model_type = arch;
+  c.vocab_size = 61;
+  c.hidden_size = 32;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000.0;
+  c.max_position_embeddings = 128;
+  c.tie_word_embeddings = arch == "qwen3";
+  c.attention_bias = arch == "qwen2";
+  c.qk_norm = arch == "qwen3";
+  return c;
+}
+
+std::map<std::string, at::Tensor> RandomWeights(const ModelConfig& c, uint64_t seed) {
+  at::manual_seed(seed);
+  std::map<std::string, at::Tensor> w;
+  for (const auto& [name, shape] : Transformer::ExpectedWeights(c)) {
+    const bool norm = name.find("norm") != std::string::npos;
+    w[name] = norm ? 1.0 + 0.2 * at::randn(shape) : 0.3 * at::randn(shape);
+  }
+  return w;
+}
+
+std::unique_ptr<Transformer> Tiny(const std::string& arch, uint64_t seed = 1) {
+  auto t = Transformer::FromTensors(TinyConfig(arch), RandomWeights(TinyConfig(arch), seed), at::kCPU, at::kFloat);
+  EXPECT_TRUE(t.ok()) << t.status().message();
+  return std::move(t.value());
+}
+
+std::unique_ptr<SlotBank> Bank(const Transformer& t, int slots = 4, int rank = 4) {
+  return std::make_unique<SlotBank>(slots, rank, at::kCPU, t.LoraTargets());
+}
+
+void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t seed) {
+  LoraConfig c;
+  c.rank = rank;
+  c.alpha = alpha;
+  c.seed = seed;
+  ASSERT_TRUE(bank.Bind(s, c).ok());
+  at::manual_seed(seed);
+  c10::NoGradGuard no_grad;
+  for (auto& t : bank.targets()) t.B.select(0, s).narrow(1, 0, rank).copy_(0.2 * at::randn({t.d_out, rank}));
+}
+
+// Next-token targets within each sequence (the last token predicts token 0).
+at::Tensor NextTokens(const std::vector<std::vector<int32_t>>& seqs) {
+  std::vector<int64_t> v;
+  for (const auto& s : seqs)
+    for (size_t i = 0; i < s.size(); ++i) v.push_back(i + 1 < s.size() ? s[i + 1] : 0);
+  return at::tensor(v, at::TensorOptions().dtype(at::kLong));
+}
+
+at::Tensor Logprobs(const Transformer& model, const SlotBank& bank, const std::vector<std::vector<int32_t>>& seqs,
+                    const std::vector<int>& slots, int64_t chunk = 1024) {
+  const PackedBatch batch = PackedBatch::Make(seqs, slots, at::kCPU);
+  const at::Tensor hidden = model.Hidden(batch, bank);
+  return model.TargetLogprobs(hidden, NextTokens(seqs), batch, bank, chunk);
+}
+
+std::vector<int32_t> Seq(int len, int salt) {
+  std::vector<int32_t> s;
+  for (int i = 0; i < len; ++i) s.push_back((i * 7 + salt * 13 + 3) % 61);
+  return s;
+}
+
+double MaxDiff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+// Max difference relative to the reference's scale (at least 1): for
+// gradients summed over many terms in a different order.
+double RelDiff(const at::Tensor& a, const at::Tensor& ref) {
+  return MaxDiff(a, ref) / std::max(1.0, ref.abs().max().item<double>());
+}
+
+class TransformerArch : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TransformerArch, PackingInvariance) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  BindRandom(*bank, 0, 4, 8.0, 11);
+  BindRandom(*bank, 2, 2, 6.0, 12);
+  const std::vector<std::vector<int32_t>> seqs = {Seq(7, 1), Seq(3, 2), Seq(11, 3), Seq(5, 4), Seq(1, 5)};
+  const std::vector<int> slots = {0, 2, -1, 0, 2};
+  c10::NoGradGuard no_grad;
+  const at::Tensor packed = Logprobs(*model, *bank, seqs, slots, /*chunk=*/4);
+  int64_t offset = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const at::Tensor alone = Logprobs(*model, *bank, {seqs[i]}, {slots[i]});
+    const int64_t n = static_cast<int64_t>(seqs[i].size());
+    EXPECT_LT(MaxDiff(packed.narrow(0, offset, n), alone), 1e-5) << "sequence " << i;
+    offset += n;
+  }
+  EXPECT_TRUE(at::isfinite(packed).all().item<bool>());
+  EXPECT_LT(packed.max().item<double>(), 0.0);
+}
+
+TEST_P(TransformerArch, ChangingOneSequenceLeavesOthersUnchanged) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  BindRandom(*bank, 1, 4, 8.0, 5);
+  c10::NoGradGuard no_grad;
+  std::vector<std::vector<int32_t>> seqs = {Seq(6, 1), Seq(9, 2), Seq(4, 3)};
+  const std::vector<int> slots = {1, -1, 1};
+  const at::Tensor before = Logprobs(*model, *bank, seqs, slots);
+  seqs[0] = Seq(6, 9);
+  const at::Tensor after = Logprobs(*model, *bank, seqs, slots);
+  EXPECT_GT(MaxDiff(before.narrow(0, 0, 6), after.narrow(0, 0, 6)), 1e-3);  // the changed one moved
+  EXPECT_TRUE(at::equal(before.narrow(0, 6, 13), after.narrow(0, 6, 13)));  // the others did not, bit for bit
+}
+
+TEST_P(TransformerArch, MathAndSdpaAttentionAgree) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  BindRandom(*bank, 0, 4, 8.0, 3);
+  const PackedBatch batch = PackedBatch::Make({Seq(9, 1), Seq(4, 2), Seq(12, 3)}, {0, -1, 0}, at::kCPU);
+  c10::NoGradGuard no_grad;
+  model->set_attention_kernel(AttentionKernel::kMath);
+  const at::Tensor math = model->Hidden(batch, *bank);
+  model->set_attention_kernel(AttentionKernel::kSdpa);
+  const at::Tensor sdpa = model->Hidden(batch, *bank);
+  EXPECT_LT(MaxDiff(math, sdpa), 1e-5);
+  EXPECT_GT(math.abs().max().item<double>(), 0.1);
+}
+
+TEST_P(TransformerArch, FreshAdapterEqualsBase) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  LoraConfig c;
+  c.rank = 4;
+  c.alpha = 16;
+  c.seed = 9;
+  ASSERT_TRUE(bank->Bind(3, c).ok());  // A random, B = 0
+  const std::vector<std::vector<int32_t>> seqs = {Seq(8, 1), Seq(5, 2)};
+  const at::Tensor base = Logprobs(*model, *bank, seqs, {-1, -1});
+  const at::Tensor fresh = Logprobs(*model, *bank, seqs, {3, 3});
+  EXPECT_TRUE(at::equal(base, fresh));
+}
+
+TEST_P(TransformerArch, TargetLogprobsEqualsLogSoftmaxOfFullLogits) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  BindRandom(*bank, 0, 4, 8.0, 21);
+  BindRandom(*bank, 1, 3, 4.0, 22);
+  const std::vector<std::vector<int32_t>> seqs = {Seq(7, 1), Seq(6, 2), Seq(5, 3)};
+  const PackedBatch batch = PackedBatch::Make(seqs, {0, -1, 1}, at::kCPU);
+  const at::Tensor hidden = model->Hidden(batch, *bank);
+  const int64_t T = batch.num_tokens();
+  const at::Tensor targets = NextTokens(seqs);
+  const at::Tensor targets_k = at::randint(0, 61, {T, 3}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor w = at::randn({T}), wk = at::randn({T, 3});
+
+  // Chunked (5 does not divide 18), with the checkpointed backward.
+  const at::Tensor lp = model->TargetLogprobs(hidden, targets, batch, *bank, 5);
+  const at::Tensor lpk = model->TargetLogprobs(hidden, targets_k, batch, *bank, 5);
+  ASSERT_EQ(lpk.sizes(), (at::IntArrayRef{T, 3}));
+  ((lp * w).sum() + (lpk * wk).sum()).backward();
+  std::vector<at::Tensor> chunked_grads;
+  for (auto& t : bank->targets()) {
+    chunked_grads.push_back(t.A.grad().clone());
+    chunked_grads.push_back(t.B.grad().clone());
+    t.A.mutable_grad() = at::Tensor();
+    t.B.mutable_grad() = at::Tensor();
+  }
+
+  // Reference: full logits, log_softmax, gather — plain autograd.
+  const at::Tensor hidden2 = model->Hidden(batch, *bank);
+  const at::Tensor full = at::log_softmax(model->Logits(hidden2, batch, *bank), -1);
+  const at::Tensor ref = full.gather(1, targets.unsqueeze(1)).squeeze(1);
+  const at::Tensor refk = full.gather(1, targets_k);
+  EXPECT_LT(MaxDiff(lp, ref), 1e-5);
+  EXPECT_LT(MaxDiff(lpk, refk), 1e-5);
+  ((ref * w).sum() + (refk * wk).sum()).backward();
+  size_t i = 0;
+  for (auto& t : bank->targets()) {
+    EXPECT_LT(RelDiff(chunked_grads[i++], t.A.grad()), 1e-5) << t.module << ".A";
+    EXPECT_LT(RelDiff(chunked_grads[i++], t.B.grad()), 1e-5) << t.module << ".B";
+  }
+  EXPECT_GT(bank->find("lm_head")->B.grad()[1].abs().max().item<double>(), 0.0);
+  EXPECT_GT(bank->find("model.layers.0.self_attn.q_proj")->B.grad()[0].abs().max().item<double>(), 0.0);
+}
+
+TEST_P(TransformerArch, GradientsReachOnlyUsedSlotsNeverTheBase) {
+  auto model = Tiny(GetParam());
+  auto bank = Bank(*model);
+  for (int s = 0; s < 4; ++s) BindRandom(*bank, s, s == 2 ? 2 : 4, 8.0, 30 + s);
+  {
+    // With no adapter in play nothing needs a gradient.
+    const PackedBatch base_only = PackedBatch::Make({Seq(5, 1)}, {-1}, at::kCPU);
+    EXPECT_FALSE(model->Hidden(base_only, *bank).requires_grad());
+  }
+  const std::vector<std::vector<int32_t>> seqs = {Seq(6, 1), Seq(7, 2), Seq(3, 3)};
+  Logprobs(*model, *bank, seqs, {2, -1, 0}, 4).sum().backward();
+  for (const auto& t : bank->targets()) {
+    for (int s : {1, 3}) {
+      EXPECT_EQ(t.A.grad()[s].abs().max().item<double>(), 0.0) << t.module << " slot " << s;
+      EXPECT_EQ(t.B.grad()[s].abs().max().item<double>(), 0.0) << t.module << " slot " << s;
+    }
+    for (int s : {0, 2}) {
+      EXPECT_GT(t.A.grad()[s].abs().max().item<double>(), 0.0) << t.module << " slot " << s;
+      EXPECT_GT(t.B.grad()[s].abs().max().item<double>(), 0.0) << t.module << " slot " << s;
+    }
+    EXPECT_EQ(t.A.grad()[2].narrow(0, 2, 2).abs().max().item<double>(), 0.0) << t.module;
+    EXPECT_EQ(t.B.grad()[2].narrow(1, 2, 2).abs().max().item<double>(), 0.0) << t.module;
+  }
+  for (const at::Tensor& w : model->BaseWeights()) {
+    EXPECT_FALSE(w.requires_grad());
+    EXPECT_FALSE(w.grad().defined());
+  }
+}
+
+// A single-sequence forward written the long way (separate q/k/v, explicit
+// repeat of K/V heads, explicit [L, L] mask, RoPE from the formula), to catch
+// mistakes the packed path could share with itself.
+at::Tensor NaiveLogprobs(const ModelConfig& c, std::map<std::string, at::Tensor> w, const std::vector<int32_t>& seq) {
+  const int64_t L = seq.size(), hd = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads;
+  auto rms = [&](const at::Tensor& x, const at::Tensor& g) {
+    return g * (x / at::sqrt((x * x).mean(-1, true) + c.rms_norm_eps));
+  };
+  std::vector<int64_t> ids(seq.begin(), seq.end());
+  at::Tensor x = w["model.embed_tokens.weight"].index_select(0, at::tensor(ids, at::kLong));
+  at::Tensor ang = at::empty({L, hd});
+  for (int64_t p = 0; p < L; ++p)
+    for (int64_t j = 0; j < hd; ++j)
+      ang[p][j] = static_cast<double>(p) / std::pow(c.rope_theta, 2.0 * (j % (hd / 2)) / hd);
+  auto rope = [&](const at::Tensor& t) {  // [L, heads, hd]
+    const at::Tensor rot = at::cat({-t.narrow(-1, hd / 2, hd / 2), t.narrow(-1, 0, hd / 2)}, -1);
+    return t * ang.cos().unsqueeze(1) + rot * ang.sin().unsqueeze(1);
+  };
+  const at::Tensor mask = at::ones({L, L}).tril();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    const at::Tensor h = rms(x, w[p + "input_layernorm.weight"]);
+    auto proj = [&](const std::string& n) {
+      at::Tensor y = at::matmul(h, w[p + "self_attn." + n + ".weight"].t());
+      if (c.attention_bias) y = y + w[p + "self_attn." + n + ".bias"];
+      return y;
+    };
+    at::Tensor q = proj("q_proj").view({L, H, hd}), k = proj("k_proj").view({L, KV, hd}),
+               v = proj("v_proj").view({L, KV, hd});
+    if (c.qk_norm) {
+      q = rms(q, w[p + "self_attn.q_norm.weight"]);
+      k = rms(k, w[p + "self_attn.k_norm.weight"]);
+    }
+    q = rope(q);
+    k = rope(k);
+    std::vector<at::Tensor> heads;
+    for (int64_t head = 0; head < H; ++head) {
+      const int64_t kvh = head / (H / KV);
+      at::Tensor s = at::matmul(q.select(1, head), k.select(1, kvh).t()) / std::sqrt(double(hd));
+      s = s.masked_fill(mask == 0, -1e30);
+      heads.push_back(at::matmul(at::softmax(s, -1), v.select(1, kvh)));
+    }
+    x = x + at::matmul(at::cat(heads, 1), w[p + "self_attn.o_proj.weight"].t());
+    const at::Tensor h2 = rms(x, w[p + "post_attention_layernorm.weight"]);
+    const at::Tensor g = at::matmul(h2, w[p + "mlp.gate_proj.weight"].t());
+    const at::Tensor u = at::matmul(h2, w[p + "mlp.up_proj.weight"].t());
+    x = x + at::matmul(g * at::sigmoid(g) * u, w[p + "mlp.down_proj.weight"].t());
+  }
+  x = rms(x, w["model.norm.weight"]);
+  const at::Tensor head = c.tie_word_embeddings ? w["model.embed_tokens.weight"] : w["lm_head.weight"];
+  return at::log_softmax(at::matmul(x, head.t()), -1);
+}
+
+TEST_P(TransformerArch, MatchesNaiveReference) {
+  const ModelConfig c = TinyConfig(GetParam());
+  const auto weights = RandomWeights(c, 4);
+  auto model = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  auto bank = Bank(**model);
+  const std::vector<int32_t> seq = Seq(10, 7);
+  c10::NoGradGuard no_grad;
+  const at::Tensor want = NaiveLogprobs(c, weights, seq);
+  // Packed beside another sequence, so the reference also checks the restart of positions.
+  const PackedBatch batch = PackedBatch::Make({Seq(4, 1), seq}, {-1, -1}, at::kCPU);
+  const at::Tensor got = (*model)->Logits((*model)->Hidden(batch, *bank), batch, *bank).narrow(0, 4, 10);
+  EXPECT_LT(MaxDiff(at::log_softmax(got, -1), want), 1e-4);
+}
+
+TEST_P(TransformerArch, Bf16EngineIsCloseToFp32) {
+  const ModelConfig c = TinyConfig(GetParam());
+  const auto weights = RandomWeights(c, 2);
+  auto f32 = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  auto b16 = Transformer::FromTensors(c, weights, at::kCPU, at::kBFloat16);
+  ASSERT_TRUE(f32.ok() && b16.ok());
+  for (const at::Tensor& w : (*b16)->BaseWeights()) EXPECT_EQ(w.scalar_type(), at::kBFloat16);
+  auto bank = Bank(**f32);
+  BindRandom(*bank, 0, 4, 8.0, 1);
+  c10::NoGradGuard no_grad;
+  const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(5, 2)};
+  const at::Tensor a = Logprobs(**f32, *bank, seqs, {0, -1}), b = Logprobs(**b16, *bank, seqs, {0, -1});
+  EXPECT_EQ(b.scalar_type(), at::kFloat);
+  EXPECT_LT(MaxDiff(a, b), 0.25);  // bf16 rounding, not a different computation
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen, TransformerArch, ::testing::Values("qwen2", "qwen3"));
+
+TEST(TransformerLoad, ErrorsNameTheTensor) {
+  const ModelConfig c = TinyConfig("qwen2");
+  auto w = RandomWeights(c, 1);
+  w.erase("model.layers.1.self_attn.k_proj.bias");
+  auto r = Transformer::FromTensors(c, w, at::kCPU, at::kFloat);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("model.layers.1.self_attn.k_proj.bias"), std::string::npos)
+      << r.status().message();
+
+  w = RandomWeights(c, 1);
+  w["model.layers.0.mlp.up_proj.weight"] = at::zeros({40, 31});
+  r = Transformer::FromTensors(c, w, at::kCPU, at::kFloat);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("model.layers.0.mlp.up_proj.weight"), std::string::npos);
+  EXPECT_NE(r.status().message().find("[40, 31]"), std::string::npos) << r.status().message();
+
+  w = RandomWeights(c, 1);
+  w["model.layers.0.self_attn.q_norm.weight"] = at::ones({8});  // qwen2 has no q_norm
+  r = Transformer::FromTensors(c, w, at::kCPU, at::kFloat);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("model.layers.0.self_attn.q_norm.weight"), std::string::npos);
+
+  ModelConfig bad = c;
+  bad.num_key_value_heads = 3;
+  r = Transformer::FromTensors(bad, RandomWeights(c, 1), at::kCPU, at::kFloat);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("num_key_value_heads"), std::string::npos);
+
+  EXPECT_TRUE(Transformer::FromTensors(c, RandomWeights(c, 1), at::kCPU, at::kFloat).ok());
+}
+
+TEST(PackedBatchTest, PositionsRestartPerSequence) {
+  const PackedBatch b = PackedBatch::Make({{5, 6, 7}, {8}, {9, 10}}, {1, -1, 0}, at::kCPU);
+  EXPECT_EQ(b.num_tokens(), 6);
+  EXPECT_EQ(b.seq_begin, (std::vector<int64_t>{0, 3, 4, 6}));
+  EXPECT_TRUE(at::equal(b.positions, at::tensor(std::vector<int64_t>{0, 1, 2, 0, 0, 1}, at::kLong)));
+  EXPECT_TRUE(at::equal(b.tokens, at::tensor(std::vector<int64_t>{5, 6, 7, 8, 9, 10}, at::kLong)));
+}
+
+}  // namespace
+}  // namespace loom::engine
