@@ -59,15 +59,21 @@ float Bf16ToFloat(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t
 // Appends n values of a wire dtype from raw bytes to the Array's storage.
 void AppendValues(const char* p, size_t n, int dtype, engine::Array* a) {
   switch (dtype) {
-    case pb::DTYPE_FLOAT32:
-      for (size_t i = 0; i < n; ++i) a->f32.push_back(Load<float>(p + 4 * i));
+    case pb::DTYPE_FLOAT32: {
+      size_t old = a->f32.size();
+      a->f32.resize(old + n);
+      if (n) std::memcpy(a->f32.data() + old, p, 4 * n);
       break;
+    }
     case pb::DTYPE_BFLOAT16:
       for (size_t i = 0; i < n; ++i) a->f32.push_back(Bf16ToFloat(Load<uint16_t>(p + 2 * i)));
       break;
-    case pb::DTYPE_INT64:
-      for (size_t i = 0; i < n; ++i) a->i64.push_back(Load<int64_t>(p + 8 * i));
+    case pb::DTYPE_INT64: {
+      size_t old = a->i64.size();
+      a->i64.resize(old + n);
+      if (n) std::memcpy(a->i64.data() + old, p, 8 * n);
       break;
+    }
     case pb::DTYPE_INT32:
       for (size_t i = 0; i < n; ++i) a->i64.push_back(Load<int32_t>(p + 4 * i));
       break;
@@ -177,9 +183,9 @@ Status DecodeDatum(const pb::Datum& d, const std::string& where, const ForwardBa
         if (b.size() % 4 != 0)
           return Status::Invalid(cw + ": encoded_text tokens byte length " + std::to_string(b.size()) +
                                  " is not a multiple of 4 (int32)");
-        size_t n = b.size() / 4;
-        out->tokens.reserve(out->tokens.size() + n);
-        for (size_t k = 0; k < n; ++k) out->tokens.push_back(Load<int32_t>(b.data() + 4 * k));
+        size_t n = b.size() / 4, old = out->tokens.size();
+        out->tokens.resize(old + n);
+        if (n) std::memcpy(out->tokens.data() + old, b.data(), b.size());
         break;
       }
       case pb::Chunk::kImage:
