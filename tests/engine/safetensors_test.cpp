@@ -1,0 +1,376 @@
+// safetensors reader/writer and tensor_io: round trips, sharded model
+// directories, and clean errors for damaged files.
+#include "engine/model/safetensors.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/model/tensor_io.h"
+
+namespace loom::engine {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory under /tmp, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "loom_st_XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<uint8_t> Pattern(size_t n, uint8_t salt) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 31 + salt);
+  return v;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteRaw(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A file from a raw header text and payload (for hand-made corrupt files).
+std::string RawFile(const std::string& header, size_t payload) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(n >> (8 * i));
+  out += header;
+  out += std::string(payload, '\x01');
+  return out;
+}
+
+TEST(Safetensors, RoundTripsEveryDtypeWithMetadata) {
+  TempDir dir;
+  const std::vector<std::string> dtypes = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16",
+                                           "I8",  "U64", "U32", "U16",  "U8",  "BOOL"};
+  SafetensorsWriter w;
+  w.SetMetadata("format", "pt");
+  w.SetMetadata("note", "hello \"quoted\"");
+  std::map<std::string, std::vector<uint8_t>> expect;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    const size_t elem = SafetensorsDTypeSize(dtypes[i]);
+    ASSERT_GT(elem, 0u) << dtypes[i];
+    auto bytes = Pattern(3 * 5 * elem, static_cast<uint8_t>(i));
+    if (dtypes[i] == "BOOL") for (auto& b : bytes) b &= 1;
+    const std::string name = "t." + dtypes[i];
+    ASSERT_TRUE(w.Add(name, dtypes[i], {3, 5}, bytes.data(), bytes.size()).ok());
+    expect[name] = bytes;
+  }
+  const float scalar = 2.5f;
+  ASSERT_TRUE(w.Add("scalar", "F32", {}, &scalar, 4).ok());
+  ASSERT_TRUE(w.Add("empty", "F32", {0, 4}, nullptr, 0).ok());
+  const std::string path = dir / "all.safetensors";
+  ASSERT_TRUE(w.WriteAtomic(path).ok());
+  EXPECT_FALSE(fs::exists(path + ".tmp"));
+
+  // The data starts 8-byte aligned.
+  const std::string raw = ReadAll(path);
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(raw[i]);
+  EXPECT_EQ((8 + header_len) % 8, 0u);
+  EXPECT_EQ(raw.size(), 8 + header_len + w.payload_bytes());
+
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status().message();
+  const SafetensorsFile& f = *file.value();
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+  EXPECT_EQ(f.metadata().at("note"), "hello \"quoted\"");
+  EXPECT_EQ(f.tensors().size(), dtypes.size() + 2);
+  for (const auto& [name, bytes] : expect) {
+    const TensorView* v = f.find(name);
+    ASSERT_NE(v, nullptr) << name;
+    EXPECT_EQ(v->dtype, name.substr(2));
+    EXPECT_EQ(v->shape, (std::vector<int64_t>{3, 5}));
+    ASSERT_EQ(v->nbytes, bytes.size());
+    EXPECT_EQ(std::memcmp(v->data, bytes.data(), bytes.size()), 0) << name;
+  }
+  const TensorView* s = f.find("scalar");
+  ASSERT_NE(s, nullptr);
+  EXPECT_TRUE(s->shape.empty());
+  EXPECT_EQ(s->numel(), 1);
+  float got;
+  std::memcpy(&got, s->data, 4);
+  EXPECT_EQ(got, 2.5f);
+  EXPECT_EQ(f.find("empty")->nbytes, 0u);
+  EXPECT_EQ(f.find("missing"), nullptr);
+}
+
+TEST(Safetensors, ProducedTensorsStreamInOrderedChunks) {
+  TempDir dir;
+  SafetensorsWriter w;
+  const int64_t n = (17 << 20) / 4 + 3;  // over one 16 MiB chunk, odd tail
+  int64_t next = 0;
+  std::vector<size_t> chunk_sizes;
+  ASSERT_TRUE(w.AddProduced("big", "F32", {n},
+                            [&](uint8_t* dst, size_t bytes) {
+                              chunk_sizes.push_back(bytes);
+                              for (size_t i = 0; i < bytes; i += 4) {
+                                const float v = static_cast<float>(next++);
+                                std::memcpy(dst + i, &v, 4);
+                              }
+                            })
+                  .ok());
+  ASSERT_TRUE(w.Write(dir / "big.safetensors").ok());
+  ASSERT_GE(chunk_sizes.size(), 2u);
+  for (size_t i = 0; i + 1 < chunk_sizes.size(); ++i) EXPECT_EQ(chunk_sizes[i] % 8, 0u);
+  EXPECT_EQ(next, n);
+  auto f = SafetensorsFile::Open(dir / "big.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  const TensorView* v = f.value()->find("big");
+  ASSERT_NE(v, nullptr);
+  for (int64_t i : {int64_t{0}, int64_t{1}, n / 2, n - 1}) {
+    float x;
+    std::memcpy(&x, v->data + 4 * i, 4);
+    EXPECT_EQ(x, static_cast<float>(i));
+  }
+}
+
+TEST(Safetensors, WriterRejectsBadEntries) {
+  SafetensorsWriter w;
+  float x[4] = {};
+  EXPECT_TRUE(w.Add("a", "F32", {4}, x, 16).ok());
+  EXPECT_FALSE(w.Add("a", "F32", {4}, x, 16).ok());         // repeated name
+  EXPECT_FALSE(w.Add("b", "F8", {4}, x, 4).ok());           // unknown dtype
+  EXPECT_FALSE(w.Add("c", "F32", {4}, x, 12).ok());         // bytes disagree with shape
+  EXPECT_FALSE(w.Add("d", "F32", {-1}, x, 0).ok());         // negative dim
+  EXPECT_FALSE(w.Add("__metadata__", "F32", {4}, x, 16).ok());
+  EXPECT_FALSE(w.Add("", "F32", {4}, x, 16).ok());
+  Status s = w.Add("c", "F32", {4}, x, 12);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("'c'"), std::string::npos) << s.message();
+  EXPECT_EQ(w.num_tensors(), 1u);
+}
+
+TEST(Safetensors, CorruptHeaderIsInvalidNamingFile) {
+  TempDir dir;
+  const std::string p = dir / "bad.safetensors";
+  WriteRaw(p, RawFile("{\"a\": {\"dtype\": \"F32\", ", 16));
+  auto f = SafetensorsFile::Open(p);
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(f.status().message().find(p), std::string::npos) << f.status().message();
+
+  WriteRaw(p, "abc");  // shorter than the length prefix
+  EXPECT_EQ(SafetensorsFile::Open(p).status().code(), Code::kInvalidArgument);
+
+  WriteRaw(p, RawFile("[1, 2]", 0));  // not an object
+  EXPECT_FALSE(SafetensorsFile::Open(p).ok());
+
+  std::string huge = RawFile("{}", 0);
+  huge[5] = 1;  // header length ~ 2^40
+  WriteRaw(p, huge);
+  EXPECT_FALSE(SafetensorsFile::Open(p).ok());
+
+  WriteRaw(p, RawFile("{\"a\": {\"dtype\": \"Q4\", \"shape\": [2], \"data_offsets\": [0, 2]}}", 2));
+  auto q = SafetensorsFile::Open(p);
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("'a'"), std::string::npos) << q.status().message();
+
+  EXPECT_EQ(SafetensorsFile::Open(dir / "nope.safetensors").status().code(), Code::kNotFound);
+}
+
+TEST(Safetensors, TruncatedFileNamesTensor) {
+  TempDir dir;
+  SafetensorsWriter w;
+  auto a = Pattern(64, 1), b = Pattern(256, 2);
+  ASSERT_TRUE(w.Add("first", "F32", {16}, a.data(), a.size()).ok());
+  ASSERT_TRUE(w.Add("second", "F32", {64}, b.data(), b.size()).ok());
+  const std::string p = dir / "t.safetensors";
+  ASSERT_TRUE(w.Write(p).ok());
+  ASSERT_TRUE(SafetensorsFile::Open(p).ok());
+  fs::resize_file(p, fs::file_size(p) - 10);
+  auto f = SafetensorsFile::Open(p);
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("'second'"), std::string::npos) << f.status().message();
+  EXPECT_NE(f.status().message().find(p), std::string::npos);
+
+  fs::resize_file(p, 20);  // cut inside the header
+  EXPECT_EQ(SafetensorsFile::Open(p).status().code(), Code::kInvalidArgument);
+}
+
+TEST(Safetensors, OffsetsOutOfRangeOrInconsistent) {
+  TempDir dir;
+  const std::string p = dir / "o.safetensors";
+  struct Case {
+    std::string header;
+    size_t payload;
+  };
+  const std::vector<Case> cases = {
+      {R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 32]}})", 16},   // end past data
+      {R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}})", 16},   // size != shape
+      {R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}})", 16},   // begin > end
+      {R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [-4, 12]}})", 16},  // negative
+      {R"({"w": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}})", 16},  // negative dim
+      {R"({"w": {"dtype": "F32", "shape": [4]}})", 16},                             // no offsets
+      {R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 16]}})", 16},  // overflow
+  };
+  for (const Case& c : cases) {
+    WriteRaw(p, RawFile(c.header, c.payload));
+    auto f = SafetensorsFile::Open(p);
+    ASSERT_FALSE(f.ok()) << c.header;
+    EXPECT_EQ(f.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(f.status().message().find("'w'"), std::string::npos) << f.status().message();
+  }
+  // Two tensors sharing bytes.
+  WriteRaw(p, RawFile(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                      16));
+  EXPECT_FALSE(SafetensorsFile::Open(p).ok());
+  // The same layout without overlap opens.
+  WriteRaw(p, RawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                          "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                      16));
+  EXPECT_TRUE(SafetensorsFile::Open(p).ok());
+}
+
+// Writes two shards plus an index; returns the model directory.
+void WriteShardedModel(const TempDir& dir, const std::string& index_json) {
+  SafetensorsWriter s1, s2;
+  auto a = Pattern(8, 3), b = Pattern(12, 4), c = Pattern(4, 5);
+  ASSERT_TRUE(s1.Add("x.weight", "F32", {2}, a.data(), 8).ok());
+  ASSERT_TRUE(s1.Add("y.weight", "F16", {6}, b.data(), 12).ok());
+  ASSERT_TRUE(s2.Add("z.weight", "BF16", {2}, c.data(), 4).ok());
+  ASSERT_TRUE(s1.Write(dir / "model-00001-of-00002.safetensors").ok());
+  ASSERT_TRUE(s2.Write(dir / "model-00002-of-00002.safetensors").ok());
+  ASSERT_TRUE(WriteFileAtomic(dir / "model.safetensors.index.json", index_json).ok());
+}
+
+TEST(ModelWeights, OpensShardedIndexAsOneMap) {
+  TempDir dir;
+  WriteShardedModel(dir, R"({"metadata": {"total_size": 24}, "weight_map": {
+      "x.weight": "model-00001-of-00002.safetensors", "y.weight": "model-00001-of-00002.safetensors",
+      "z.weight": "model-00002-of-00002.safetensors"}})");
+  auto w = ModelWeights::Open(dir.path());
+  ASSERT_TRUE(w.ok()) << w.status().message();
+  EXPECT_EQ(w->num_files(), 2u);
+  EXPECT_EQ(w->tensors().size(), 3u);
+  const TensorView* z = w->find("z.weight");
+  ASSERT_NE(z, nullptr);
+  EXPECT_EQ(z->dtype, "BF16");
+  auto c = Pattern(4, 5);
+  EXPECT_EQ(std::memcmp(z->data, c.data(), 4), 0);
+  // Views stay valid after the ModelWeights is moved.
+  ModelWeights moved = std::move(w.value());
+  EXPECT_EQ(std::memcmp(moved.find("z.weight")->data, c.data(), 4), 0);
+}
+
+TEST(ModelWeights, IndexErrors) {
+  {
+    TempDir dir;  // index puts z in the wrong shard
+    WriteShardedModel(dir, R"({"weight_map": {"x.weight": "model-00001-of-00002.safetensors",
+        "z.weight": "model-00001-of-00002.safetensors"}})");
+    auto w = ModelWeights::Open(dir.path());
+    ASSERT_FALSE(w.ok());
+    EXPECT_NE(w.status().message().find("z.weight"), std::string::npos) << w.status().message();
+  }
+  {
+    TempDir dir;  // missing shard file
+    WriteShardedModel(dir, R"({"weight_map": {"x.weight": "model-00009-of-00009.safetensors"}})");
+    EXPECT_FALSE(ModelWeights::Open(dir.path()).ok());
+  }
+  {
+    TempDir dir;  // path escape
+    WriteShardedModel(dir, R"({"weight_map": {"x.weight": "../model-00001-of-00002.safetensors"}})");
+    EXPECT_EQ(ModelWeights::Open(dir.path()).status().code(), Code::kInvalidArgument);
+  }
+  {
+    TempDir dir;  // not JSON
+    WriteShardedModel(dir, "{weight_map");
+    EXPECT_EQ(ModelWeights::Open(dir.path()).status().code(), Code::kInvalidArgument);
+  }
+  {
+    TempDir dir;  // the same tensor in two shards
+    SafetensorsWriter s;
+    float v[2] = {1, 2};
+    ASSERT_TRUE(s.Add("x.weight", "F32", {2}, v, 8).ok());
+    ASSERT_TRUE(s.Write(dir / "a.safetensors").ok());
+    ASSERT_TRUE(s.Write(dir / "b.safetensors").ok());
+    ASSERT_TRUE(WriteFileAtomic(dir / "model.safetensors.index.json",
+                                R"({"weight_map": {"x.weight": "a.safetensors", "y": "b.safetensors"}})")
+                    .ok());
+    auto w = ModelWeights::Open(dir.path());
+    ASSERT_FALSE(w.ok());
+    EXPECT_NE(w.status().message().find("x.weight"), std::string::npos);
+  }
+  {
+    TempDir dir;  // nothing there
+    EXPECT_EQ(ModelWeights::Open(dir.path()).status().code(), Code::kNotFound);
+  }
+}
+
+TEST(TensorIO, LoadsAndConvertsFloatTypes) {
+  TempDir dir;
+  at::Tensor ref = at::arange(12, at::kFloat).reshape({3, 4}) * 0.25 - 1.0;  // exact in bf16/f16
+  SafetensorsWriter w;
+  ASSERT_TRUE(AddTensor(w, "f32", ref).ok());
+  ASSERT_TRUE(AddTensor(w, "bf16", ref, at::kBFloat16).ok());
+  ASSERT_TRUE(AddTensor(w, "f16", ref.to(at::kHalf)).ok());
+  ASSERT_TRUE(AddTensor(w, "i64", at::arange(5, at::kLong) * static_cast<int64_t>(1000000000000)).ok());
+  at::Tensor leaf = ref.clone().requires_grad_();
+  ASSERT_TRUE(AddTensor(w, "leaf_t", (leaf * 2).t()).ok());  // non-contiguous, has grad_fn
+  ASSERT_TRUE(w.Write(dir / "t.safetensors").ok());
+
+  auto f = SafetensorsFile::Open(dir / "t.safetensors");
+  ASSERT_TRUE(f.ok());
+  const auto& file = *f.value();
+  EXPECT_EQ(file.find("bf16")->dtype, "BF16");
+  EXPECT_EQ(file.find("f16")->dtype, "F16");
+  for (const char* name : {"f32", "bf16", "f16"}) {
+    auto t = LoadTensor(*file.find(name), at::kFloat, at::kCPU);
+    ASSERT_TRUE(t.ok()) << name;
+    EXPECT_EQ(t->scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(t.value(), ref)) << name;
+  }
+  auto as_bf16 = LoadTensor(*file.find("f32"), at::kBFloat16, at::kCPU);
+  ASSERT_TRUE(as_bf16.ok());
+  EXPECT_EQ(as_bf16->scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(as_bf16->to(at::kFloat), ref));
+  auto kept = LoadTensor(*file.find("bf16"), at::kCPU);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept->scalar_type(), at::kBFloat16);
+  auto i64 = LoadTensor(*file.find("i64"), at::kCPU);
+  ASSERT_TRUE(i64.ok());
+  EXPECT_EQ(i64->scalar_type(), at::kLong);
+  EXPECT_EQ(i64.value()[4].item<int64_t>(), 4000000000000LL);
+  auto lt = LoadTensor(*file.find("leaf_t"), at::kFloat, at::kCPU);
+  ASSERT_TRUE(lt.ok());
+  EXPECT_EQ(lt->sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_TRUE(at::equal(lt.value(), (ref * 2).t()));
+  EXPECT_FALSE(lt->requires_grad());
+  // Integer data cannot load as float and vice versa.
+  EXPECT_EQ(LoadTensor(*file.find("i64"), at::kFloat, at::kCPU).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(LoadTensor(*file.find("f32"), at::kLong, at::kCPU).status().code(), Code::kInvalidArgument);
+  // The loaded tensor owns its memory: it survives closing the file.
+  auto owned = LoadTensor(*file.find("f32"), at::kFloat, at::kCPU);
+  f.value().reset();
+  EXPECT_TRUE(at::equal(owned.value(), ref));
+}
+
+}  // namespace
+}  // namespace loom::engine
