@@ -1,0 +1,156 @@
+// FakeEngine: a tensor-free Engine test double for the service tests. It
+// records every call in order, can hold the engine thread inside
+// ForwardBackward (to let requests pile up and be packed), and writes small
+// marker files for saves. Thread-safe (tests read while the engine thread runs).
+#pragma once
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/api.h"
+
+namespace loom::testing {
+
+class FakeEngine : public engine::Engine {
+ public:
+  explicit FakeEngine(int slots = 4, int max_rank = 32) {
+    info_.model_type = "qwen3";
+    info_.device = "cpu";
+    info_.dtype = "float32";
+    info_.vocab_size = 100;
+    info_.context_window = 64;
+    info_.max_slots = slots;
+    info_.max_rank = max_rank;
+  }
+
+  const engine::ModelInfo& info() const override { return info_; }
+
+  loom::Status ValidateForwardBackward(const engine::ForwardBackwardCall& call) const override {
+    if (call.data.empty()) return Status::Invalid("data: at least one datum is required");
+    for (size_t i = 0; i < call.data.size(); ++i) {
+      for (int32_t t : call.data[i].tokens) {
+        if (t < 0 || t >= info_.vocab_size) return Status::Invalid("data[" + std::to_string(i) + "].tokens: out of vocabulary");
+      }
+    }
+    return Status::Ok();
+  }
+
+  Status BindSlot(int slot, const engine::LoraConfig& config) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back("bind:" + std::to_string(slot) + ":r" + std::to_string(config.rank));
+    return Status::Ok();
+  }
+  void ReleaseSlot(int slot) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back("release:" + std::to_string(slot));
+  }
+
+  std::vector<Result<engine::ForwardBackwardOutput>> ForwardBackward(
+      const std::vector<engine::ForwardBackwardCall>& calls) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++in_forward_;
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return !hold_; });
+      --in_forward_;
+      batch_sizes_.push_back(calls.size());
+      for (const auto& c : calls) {
+        // Tests tag each call by its first token.
+        log_.push_back("fb:" + std::to_string(c.slot) + ":" + std::to_string(c.data[0].tokens[0]));
+      }
+    }
+    std::vector<Result<engine::ForwardBackwardOutput>> out;
+    for (const auto& c : calls) {
+      if (c.data[0].tokens[0] == 99) {  // token 99 = injected failure of this call only
+        out.push_back(Status::Invalid("data[0]: injected failure"));
+        continue;
+      }
+      engine::ForwardBackwardOutput o;
+      for (const auto& d : c.data) {
+        std::map<std::string, engine::Array> m;
+        m["logprobs"] = engine::Array::Floats(std::vector<float>(d.tokens.size(), -1.0f));
+        o.outputs.push_back(std::move(m));
+      }
+      o.metrics["loss:sum"] = static_cast<double>(c.data.size());
+      out.push_back(std::move(o));
+    }
+    return out;
+  }
+
+  std::vector<Result<engine::OptimStepOutput>> OptimStep(const std::vector<engine::OptimStepCall>& calls) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    optim_batch_sizes_.push_back(calls.size());
+    std::vector<Result<engine::OptimStepOutput>> out;
+    for (const auto& c : calls) {
+      log_.push_back("optim:" + std::to_string(c.slot));
+      engine::OptimStepOutput o;
+      o.metrics["grad_norm"] = 0.5;
+      out.push_back(o);
+    }
+    return out;
+  }
+
+  Status SaveState(int slot, const std::string& dir) override {
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/state.txt") << "slot " << slot << "\n";
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back("save:" + std::to_string(slot));
+    return Status::Ok();
+  }
+  Status LoadState(int slot, const std::string& dir, bool with_optimizer) override {
+    if (!std::filesystem::exists(dir + "/state.txt")) return Status::NotFound("no state in " + dir);
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back("load:" + std::to_string(slot) + (with_optimizer ? ":opt" : ""));
+    return Status::Ok();
+  }
+  Status SaveForSampler(int slot, const std::string& dir, const std::string& base) override {
+    std::filesystem::create_directories(dir);
+    std::ofstream(dir + "/adapter_config.json") << "{\"base_model_name_or_path\":\"" << base << "\"}";
+    std::ofstream(dir + "/adapter_model.safetensors") << "x";
+    std::lock_guard<std::mutex> lock(mu_);
+    log_.push_back("sampler:" + std::to_string(slot));
+    return Status::Ok();
+  }
+
+  // ---- test controls ----
+  void Hold() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = true;
+  }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_ = false;
+    cv_.notify_all();
+  }
+  void WaitInForward() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return in_forward_ > 0; });
+  }
+  std::vector<std::string> log() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return log_;
+  }
+  std::vector<size_t> batch_sizes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return batch_sizes_;
+  }
+  std::vector<size_t> optim_batch_sizes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return optim_batch_sizes_;
+  }
+
+ private:
+  engine::ModelInfo info_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool hold_ = false;
+  int in_forward_ = 0;
+  std::vector<std::string> log_;
+  std::vector<size_t> batch_sizes_;
+  std::vector<size_t> optim_batch_sizes_;
+};
+
+}  // namespace loom::testing

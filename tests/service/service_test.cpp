@@ -1,0 +1,465 @@
+// Service semantics over a FakeEngine: seq_id ordering with out-of-order
+// chunks, dedup, gap timeout, tenant isolation, lease expiry, packing,
+// checkpoint name collisions, and a restart on the same data dir.
+#include "service/service.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <thread>
+
+#include "fake_engine.h"
+
+namespace loom::service {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::FakeEngine;
+
+std::string TempDir(const std::string& name) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("loom_service_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void Open(ServiceOptions options = {}, int slots = 4) {
+    options.base_model_name = "test/base";
+    if (options.janitor_period == ServiceOptions{}.janitor_period) options.janitor_period = 20ms;
+    auto engine = std::make_unique<FakeEngine>(slots);
+    engine_ = engine.get();
+    auto registry = store::Registry::Open(dir_);
+    ASSERT_TRUE(registry.ok()) << registry.status().message();
+    service_ = std::make_unique<Service>(options, std::move(engine), std::move(*registry));
+    service_->Start();
+  }
+  void TearDown() override { service_.reset(); }
+
+  // Waits until the future is finished; returns it.
+  FutureView Wait(const std::string& tenant, const std::string& id, std::chrono::milliseconds limit = 5s) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto v = service_->futures().Get(tenant, id);
+      EXPECT_TRUE(v.ok()) << v.status().message();
+      if (!v.ok()) return {};
+      if (v->state != FutureState::kPending) return *v;
+      std::this_thread::sleep_for(2ms);
+    }
+    ADD_FAILURE() << "future " << id << " still pending";
+    return {};
+  }
+
+  std::string NewSession(const std::string& tenant) {
+    auto s = service_->CreateSession({tenant, ""}, {});
+    EXPECT_TRUE(s.ok());
+    return *s;
+  }
+
+  std::string NewModel(const std::string& tenant, const std::string& session, int64_t seq = 0, int rank = 4) {
+    wire::CreateModelRequest req;
+    req.session_id = session;
+    req.model_seq_id = seq;
+    req.base_model = "test/base";
+    req.lora.rank = rank;
+    auto sub = service_->CreateModel({tenant, ""}, req);
+    EXPECT_TRUE(sub.ok()) << sub.status().message();
+    auto done = Wait(tenant, sub->request_id);
+    EXPECT_EQ(done.state, FutureState::kDone) << done.error.message();
+    return sub->model_id;
+  }
+
+  static wire::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
+                                         const std::string& loss = "cross_entropy") {
+    wire::ForwardBackwardRequest r;
+    r.model_id = model;
+    r.seq_id = seq;
+    engine::Datum d;
+    d.tokens = {tag, 1, 2};
+    r.call.data.push_back(d);
+    r.call.loss_fn = loss;
+    return r;
+  }
+
+  std::vector<std::string> FbLog() const {
+    std::vector<std::string> out;
+    for (const auto& e : engine_->log()) {
+      if (e.rfind("fb:", 0) == 0) out.push_back(e);
+    }
+    return out;
+  }
+
+  std::string dir_ = TempDir(::testing::UnitTest::GetInstance()->current_test_info()->name());
+  FakeEngine* engine_ = nullptr;
+  std::unique_ptr<Service> service_;
+};
+
+TEST_F(ServiceTest, ModelIdFollowsTinkerConventionAndBindsASlot) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s, 3, 8);
+  EXPECT_EQ(m, s + ":train:3");
+  EXPECT_EQ(service_->slots_in_use(), 1);
+  auto log = engine_->log();
+  EXPECT_NE(std::find(log.begin(), log.end(), "bind:0:r8"), log.end());
+}
+
+TEST_F(ServiceTest, ChunksArrivingOutOfOrderRunInSeqIdOrder) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  // The SDK sends the first chunk last.
+  std::vector<std::string> ids;
+  for (int seq : {3, 4, 2, 1}) {
+    auto sub = service_->ForwardBackward({"alice", ""}, Fb(m, seq, seq * 10));
+    ASSERT_TRUE(sub.ok()) << sub.status().message();
+    ids.push_back(sub->request_id);
+  }
+  for (const auto& id : ids) EXPECT_EQ(Wait("alice", id).state, FutureState::kDone);
+  EXPECT_EQ(FbLog(), (std::vector<std::string>{"fb:0:10", "fb:0:20", "fb:0:30", "fb:0:40"}));
+}
+
+TEST_F(ServiceTest, RepeatedSeqIdOrIdempotencyKeyReturnsTheOriginalFuture) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  auto a = service_->ForwardBackward({"alice", "k1"}, Fb(m, 1, 5));
+  ASSERT_TRUE(a.ok());
+  Wait("alice", a->request_id);
+  // A retry after completion, with a new idempotency key (execute_with_retries).
+  auto b = service_->ForwardBackward({"alice", "k2"}, Fb(m, 1, 5));
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(a->request_id, b->request_id);
+  // The same idempotency key on another endpoint returns the first future too.
+  wire::OptimStepRequest o;
+  o.model_id = m;
+  o.seq_id = 2;
+  auto c = service_->OptimStep({"alice", "k1"}, o);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->request_id, a->request_id);
+  EXPECT_EQ(FbLog().size(), 1u);  // ran once
+}
+
+TEST_F(ServiceTest, SeqIdGapFailsWaitingRequestsAfterTimeout) {
+  ServiceOptions o;
+  o.seq_gap_timeout = 150ms;
+  Open(o);
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  auto late = service_->ForwardBackward({"alice", ""}, Fb(m, 2, 7));
+  ASSERT_TRUE(late.ok());
+  auto t0 = std::chrono::steady_clock::now();
+  FutureView v = Wait("alice", late->request_id);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 140ms);
+  ASSERT_EQ(v.state, FutureState::kFailed);
+  EXPECT_NE(v.error.message().find("seq_id 1"), std::string::npos) << v.error.message();
+  EXPECT_NE(v.error.message().find("never arrived"), std::string::npos);
+  EXPECT_TRUE(FbLog().empty());
+  // The model continues after the skipped ids; the missing one is now stale.
+  auto next = service_->ForwardBackward({"alice", ""}, Fb(m, 3, 8));
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(Wait("alice", next->request_id).state, FutureState::kDone);
+  auto stale = service_->ForwardBackward({"alice", ""}, Fb(m, 1, 9));
+  EXPECT_EQ(stale.status().code(), Code::kInvalidArgument);
+}
+
+TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  wire::SaveWeightsRequest save;
+  save.model_id = m;
+  save.seq_id = 1;
+  save.name = "c1";
+  auto saved = service_->SaveWeights({"alice", ""}, save);
+  ASSERT_TRUE(saved.ok());
+  ASSERT_EQ(Wait("alice", saved->request_id).state, FutureState::kDone);
+
+  Caller bob{"bob", ""};
+  EXPECT_EQ(service_->futures().Get("bob", saved->request_id).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->GetInfo(bob, m).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->ForwardBackward(bob, Fb(m, 2, 1)).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->Heartbeat(bob, s).code(), Code::kNotFound);
+  EXPECT_EQ(service_->GetTrainingRun(bob, m).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->ListRunCheckpoints(bob, m).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->DeleteCheckpoint(bob, m, "weights/c1").code(), Code::kNotFound);
+  EXPECT_EQ(service_->GetSession(bob, s).status().code(), Code::kNotFound);
+  auto path = wire::ParseTinkerPath("tinker://" + m + "/weights/c1");
+  ASSERT_TRUE(path.ok());
+  EXPECT_EQ(service_->WeightsInfo(bob, *path).status().code(), Code::kNotFound);
+  // The unknown and the foreign answer alike (no existence leak).
+  std::string foreign = service_->GetInfo(bob, m).status().message();
+  std::string unknown = service_->GetInfo(bob, "nobody:train:0").status().message();
+  unknown.replace(unknown.find("nobody:train:0"), 14, m);
+  EXPECT_EQ(foreign, unknown);
+  // Bob's lists are empty; alice's are not.
+  auto runs = service_->ListTrainingRuns(bob, {});
+  ASSERT_TRUE(runs.ok());
+  EXPECT_EQ((*runs)["training_runs"].size(), 0u);
+  auto mine = service_->ListTrainingRuns({"alice", ""}, {});
+  ASSERT_TRUE(mine.ok());
+  EXPECT_EQ((*mine)["training_runs"].size(), 1u);
+}
+
+TEST_F(ServiceTest, LeaseExpiryReleasesTheSlotAndLaterCallsSayExpired) {
+  ServiceOptions o;
+  o.session_ttl = 200ms;
+  Open(o, /*slots=*/1);
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  EXPECT_EQ(service_->slots_in_use(), 1);
+  // Heartbeats keep it alive past the ttl.
+  for (int i = 0; i < 4; ++i) {
+    std::this_thread::sleep_for(100ms);
+    ASSERT_TRUE(service_->Heartbeat({"alice", ""}, s).ok());
+  }
+  EXPECT_EQ(service_->slots_in_use(), 1);
+  // Then silence.
+  const auto deadline = std::chrono::steady_clock::now() + 3s;
+  while (service_->slots_in_use() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(service_->slots_in_use(), 0);
+  auto log = engine_->log();
+  EXPECT_NE(std::find(log.begin(), log.end(), "release:0"), log.end());
+  auto fb = service_->ForwardBackward({"alice", ""}, Fb(m, 1, 1));
+  ASSERT_FALSE(fb.ok());
+  EXPECT_EQ(fb.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(fb.status().message().find("expired"), std::string::npos) << fb.status().message();
+  EXPECT_EQ(service_->Heartbeat({"alice", ""}, s).code(), Code::kFailedPrecondition);
+  // The freed slot serves a new client.
+  std::string s2 = NewSession("bob");
+  NewModel("bob", s2);
+  EXPECT_EQ(service_->slots_in_use(), 1);
+}
+
+TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
+  Open({}, /*slots=*/1);
+  std::string s = NewSession("alice");
+  NewModel("alice", s, 0);
+  wire::CreateModelRequest req;
+  req.session_id = s;
+  req.model_seq_id = 1;
+  req.base_model = "test/base";
+  req.lora.rank = 4;
+  auto sub = service_->CreateModel({"alice", ""}, req);
+  ASSERT_TRUE(sub.ok());
+  FutureView v = Wait("alice", sub->request_id);
+  ASSERT_EQ(v.state, FutureState::kFailed);
+  EXPECT_EQ(v.error.code(), Code::kResourceExhausted);
+  EXPECT_NE(v.error.message().find("no free adapter slot"), std::string::npos);
+}
+
+TEST_F(ServiceTest, ForwardBackwardsOfSeveralModelsPackIntoOnePass) {
+  Open();
+  std::vector<std::string> models;
+  for (const char* t : {"a", "b", "c"}) models.push_back(NewModel(t, NewSession(t)));
+  engine_->Hold();
+  auto first = service_->ForwardBackward({"a", ""}, Fb(models[0], 1, 1));
+  engine_->WaitInForward();  // the engine thread is busy with a's pass
+  auto b = service_->ForwardBackward({"b", ""}, Fb(models[1], 1, 2));
+  auto c = service_->ForwardBackward({"c", ""}, Fb(models[2], 1, 3));
+  auto other_loss = service_->ForwardBackward({"a", ""}, Fb(models[0], 2, 4, "importance_sampling"));
+  engine_->Release();
+  for (auto* r : {&first, &b, &c, &other_loss}) {
+    ASSERT_TRUE(r->ok());
+  }
+  EXPECT_EQ(Wait("a", first->request_id).state, FutureState::kDone);
+  EXPECT_EQ(Wait("b", b->request_id).state, FutureState::kDone);
+  EXPECT_EQ(Wait("c", c->request_id).state, FutureState::kDone);
+  EXPECT_EQ(Wait("a", other_loss->request_id).state, FutureState::kDone);
+  // a alone, then b+c together (same loss); a's importance_sampling separately.
+  EXPECT_EQ(engine_->batch_sizes(), (std::vector<size_t>{1, 2, 1}));
+}
+
+TEST_F(ServiceTest, FailureOfOneCallDoesNotFailItsBatchNeighbours) {
+  Open();
+  std::string ma = NewModel("a", NewSession("a"));
+  std::string mb = NewModel("b", NewSession("b"));
+  engine_->Hold();
+  auto warm = service_->ForwardBackward({"a", ""}, Fb(ma, 1, 1));
+  engine_->WaitInForward();
+  auto bad = service_->ForwardBackward({"a", ""}, Fb(ma, 2, 99));  // token 99: injected failure
+  auto good = service_->ForwardBackward({"b", ""}, Fb(mb, 1, 5));
+  engine_->Release();
+  EXPECT_EQ(Wait("a", bad->request_id).state, FutureState::kFailed);
+  FutureView g = Wait("b", good->request_id);
+  ASSERT_EQ(g.state, FutureState::kDone);
+  ASSERT_TRUE(g.result && g.result->forward_backward);
+  EXPECT_EQ(g.result->forward_backward->metrics.at("loss:sum"), 1.0);
+}
+
+TEST_F(ServiceTest, OptimStepsOfSeveralModelsMerge) {
+  Open();
+  std::string ma = NewModel("a", NewSession("a"));
+  std::string mb = NewModel("b", NewSession("b"));
+  engine_->Hold();
+  auto warm = service_->ForwardBackward({"a", ""}, Fb(ma, 1, 1));
+  engine_->WaitInForward();
+  wire::OptimStepRequest o;
+  o.model_id = ma;
+  o.seq_id = 2;
+  auto oa = service_->OptimStep({"a", ""}, o);
+  o.model_id = mb;
+  o.seq_id = 1;
+  auto ob = service_->OptimStep({"b", ""}, o);
+  engine_->Release();
+  FutureView va = Wait("a", oa->request_id);
+  ASSERT_EQ(va.state, FutureState::kDone);
+  EXPECT_EQ(va.result->json["metrics"]["grad_norm"], 0.5);
+  Wait("b", ob->request_id);
+  EXPECT_EQ(engine_->optim_batch_sizes(), (std::vector<size_t>{2}));
+}
+
+TEST_F(ServiceTest, CheckpointNameCollisionIsAUserErrorNotAConflict) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  wire::SaveWeightsRequest save;
+  save.model_id = m;
+  save.seq_id = 1;
+  save.name = "same";
+  auto first = service_->SaveWeights({"alice", ""}, save);
+  ASSERT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
+  EXPECT_EQ(first.ok() ? Wait("alice", first->request_id).result->json["path"] : "",
+            "tinker://" + m + "/weights/same");
+  save.seq_id = 2;
+  auto second = service_->SaveWeights({"alice", ""}, save);
+  FutureView v = Wait("alice", second->request_id);
+  ASSERT_EQ(v.state, FutureState::kFailed);
+  EXPECT_EQ(v.error.code(), Code::kInvalidArgument);
+  EXPECT_NE(v.error.message().find("already exists"), std::string::npos);
+  save.seq_id = 3;
+  save.overwrite = true;
+  auto third = service_->SaveWeights({"alice", ""}, save);
+  EXPECT_EQ(Wait("alice", third->request_id).state, FutureState::kDone);
+}
+
+TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  Caller alice{"alice", ""};
+  wire::SaveWeightsRequest save;
+  save.model_id = m;
+  save.seq_id = 1;
+  save.name = "step1";
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
+
+  wire::LoadWeightsRequest load;
+  load.model_id = m;
+  load.seq_id = 2;
+  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/step1");
+  load.optimizer = true;
+  FutureView lv = Wait("alice", service_->LoadWeights(alice, load)->request_id);
+  ASSERT_EQ(lv.state, FutureState::kDone) << lv.error.message();
+  EXPECT_EQ(lv.result->json["model_id"], m);
+
+  wire::SaveWeightsForSamplerRequest unnamed;
+  unnamed.model_id = m;
+  unnamed.seq_id = 3;
+  unnamed.sampling_session_seq_id = 0;
+  FutureView uv = Wait("alice", service_->SaveWeightsForSampler(alice, unnamed)->request_id);
+  ASSERT_EQ(uv.state, FutureState::kDone) << uv.error.message();
+  EXPECT_EQ(uv.result->json["sampling_session_id"], s + ":sample:0");
+
+  auto info = service_->WeightsInfo(alice, load.path);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ((*info)["lora_rank"], 4);
+  EXPECT_EQ((*info)["base_model"], "test/base");
+
+  // Restart on the same data dir.
+  service_.reset();
+  Open();
+  auto list = service_->ListUserCheckpoints(alice, {});
+  ASSERT_TRUE(list.ok());
+  EXPECT_EQ((*list)["checkpoints"].size(), 2u);
+  EXPECT_EQ((*list)["cursor"]["total_count"], 2);
+  // create_training_client_from_state: a new session's model loads it.
+  std::string s2 = NewSession("alice");
+  std::string m2 = NewModel("alice", s2);
+  load.model_id = m2;
+  load.seq_id = 1;
+  FutureView rv = Wait("alice", service_->LoadWeights(alice, load)->request_id);
+  EXPECT_EQ(rv.state, FutureState::kDone) << rv.error.message();
+  // Archive, then delete.
+  int64_t expires = 0;
+  auto token = service_->CreateArchiveToken(alice, m, "weights/step1", &expires);
+  ASSERT_TRUE(token.ok()) << token.status().message();
+  auto tar = service_->ReadArchive(*token);
+  ASSERT_TRUE(tar.ok()) << tar.status().message();
+  EXPECT_NE(tar->find("state.txt"), std::string::npos);
+  EXPECT_NE(tar->find("checkpoint_complete"), std::string::npos);
+  EXPECT_EQ(service_->ReadArchive("bogus").status().code(), Code::kNotFound);
+  EXPECT_TRUE(service_->DeleteCheckpoint(alice, m, "weights/step1").ok());
+  auto after = service_->ListRunCheckpoints(alice, m);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ((*after)["checkpoints"].size(), 1u);
+}
+
+TEST_F(ServiceTest, CreateFromStateViaLoadWeightsUsesTheCheckpointsLoraConfig) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s, 0, 8);
+  Caller alice{"alice", ""};
+  wire::SaveWeightsRequest save;
+  save.model_id = m;
+  save.seq_id = 1;
+  save.name = "ck";
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
+  wire::LoadWeightsRequest load;
+  load.mode = wire::LoadWeightsRequest::Mode::kCreateModel;
+  load.session_id = s;
+  load.model_seq_id = 1;
+  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/ck");
+  auto sub = service_->LoadWeights(alice, load);
+  ASSERT_TRUE(sub.ok()) << sub.status().message();
+  EXPECT_EQ(sub->model_id, s + ":train:1");
+  EXPECT_EQ(Wait("alice", sub->request_id).state, FutureState::kDone);
+  auto log = engine_->log();
+  EXPECT_NE(std::find(log.begin(), log.end(), "bind:1:r8"), log.end());
+  EXPECT_NE(std::find(log.begin(), log.end(), "load:1"), log.end());
+}
+
+TEST_F(ServiceTest, InvalidInputIsRejectedBeforeTheEngine) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  wire::ForwardBackwardRequest empty;
+  empty.model_id = m;
+  empty.seq_id = 1;
+  EXPECT_EQ(service_->ForwardBackward({"alice", ""}, empty).status().code(), Code::kInvalidArgument);
+  wire::CreateModelRequest big;
+  big.session_id = s;
+  big.model_seq_id = 1;
+  big.base_model = "test/base";
+  big.lora.rank = 64;
+  auto r = service_->CreateModel({"alice", ""}, big);
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("rank"), std::string::npos);
+  big.lora.rank = 4;
+  big.base_model = "other/model";
+  EXPECT_EQ(service_->CreateModel({"alice", ""}, big).status().code(), Code::kInvalidArgument);
+  EXPECT_TRUE(FbLog().empty());
+}
+
+TEST_F(ServiceTest, UnloadReleasesTheSlot) {
+  Open({}, 1);
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  auto u = service_->UnloadModel({"alice", ""}, m);
+  ASSERT_TRUE(u.ok());
+  EXPECT_EQ(Wait("alice", u->request_id).result->json["model_id"], m);
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  while (service_->slots_in_use() != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(service_->slots_in_use(), 0);
+  EXPECT_EQ(service_->ForwardBackward({"alice", ""}, Fb(m, 1, 1)).status().code(), Code::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace loom::service
