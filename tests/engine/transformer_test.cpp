@@ -6,19 +6,24 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 
 #include "engine/model/attention.h"
+#include "engine/model/make_model.h"
+#include "engine/model/safetensors.h"
 
 namespace loom::engine {
 namespace {
 
+// arch: "qwen2", "qwen3", or "qwen3-bias" (qwen3 with attention_bias: q/k/v/o biases).
 ModelConfig TinyConfig(const std::string& arch) {
   ModelConfig c;
-  c.model_type = arch;
+  c.model_type = arch.substr(0, 5);
   c.vocab_size = 61;
   c.hidden_size = 32;
   c.intermediate_size = 40;
@@ -30,8 +35,8 @@ ModelConfig TinyConfig(const std::string& arch) {
   c.rope_theta = 1000.0;
   c.max_position_embeddings = 128;
   c.tie_word_embeddings = arch == "qwen3";
-  c.attention_bias = arch == "qwen2";
-  c.qk_norm = arch == "qwen3";
+  c.attention_bias = arch != "qwen3";
+  c.qk_norm = c.model_type == "qwen3";
   return c;
 }
 
@@ -273,6 +278,7 @@ at::Tensor NaiveLogprobs(const ModelConfig& c, std::map<std::string, at::Tensor>
       heads.push_back(at::matmul(at::softmax(s, -1), v.select(1, kvh)));
     }
     x = x + at::matmul(at::cat(heads, 1), w[p + "self_attn.o_proj.weight"].t());
+    if (c.attention_bias && c.model_type == "qwen3") x = x + w[p + "self_attn.o_proj.bias"];
     const at::Tensor h2 = rms(x, w[p + "post_attention_layernorm.weight"]);
     const at::Tensor g = at::matmul(h2, w[p + "mlp.gate_proj.weight"].t());
     const at::Tensor u = at::matmul(h2, w[p + "mlp.up_proj.weight"].t());
@@ -314,7 +320,8 @@ TEST_P(TransformerArch, Bf16EngineIsCloseToFp32) {
   EXPECT_LT(MaxDiff(a, b), 0.25);  // bf16 rounding, not a different computation
 }
 
-INSTANTIATE_TEST_SUITE_P(Qwen, TransformerArch, ::testing::Values("qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Qwen, TransformerArch, ::testing::Values("qwen2", "qwen3", "qwen3-bias"),
+                         [](const auto& info) { return info.param == "qwen3-bias" ? std::string("qwen3_bias") : info.param; });
 
 TEST(TransformerLoad, ErrorsNameTheTensor) {
   const ModelConfig c = TinyConfig("qwen2");
@@ -346,6 +353,46 @@ TEST(TransformerLoad, ErrorsNameTheTensor) {
   EXPECT_NE(r.status().message().find("num_key_value_heads"), std::string::npos);
 
   EXPECT_TRUE(Transformer::FromTensors(c, RandomWeights(c, 1), at::kCPU, at::kFloat).ok());
+}
+
+// Loading a directory written by make-model: the names and shapes agree with
+// ExpectedWeights, and a file missing a tensor fails naming it.
+TEST(TransformerLoad, LoadsMakeModelDirectoriesAndNamesAMissingTensor) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("loom_transformer_load_" + std::to_string(::getpid()));
+  for (const std::string arch : {"qwen2", "qwen3"}) {
+    const fs::path dir = root / arch;
+    MakeModelOptions opts;
+    opts.arch = arch;
+    opts.preset = "tiny";
+    opts.seed = 3;
+    ASSERT_TRUE(MakeModel(opts, dir.string()).ok());
+    auto model = Transformer::Load(dir.string(), at::kCPU, at::kFloat);
+    ASSERT_TRUE(model.ok()) << arch << ": " << model.status().message();
+    EXPECT_EQ((*model)->config().model_type, arch);
+    auto bank = Bank(**model);
+    c10::NoGradGuard no_grad;
+    const at::Tensor lp = Logprobs(**model, *bank, {{1, 2, 3, 4}, {5, 6}}, {-1, -1});
+    EXPECT_TRUE(at::isfinite(lp).all().item<bool>());
+    EXPECT_LT(lp.max().item<double>(), 0.0);
+
+    // Rewrite the weights without one tensor.
+    const std::string missing = "model.layers.1.mlp.down_proj.weight";
+    {
+      auto weights = ModelWeights::Open(dir.string());
+      ASSERT_TRUE(weights.ok());
+      SafetensorsWriter writer;
+      for (const auto& [name, view] : weights->tensors())
+        if (name != missing) ASSERT_TRUE(writer.Add(name, view.dtype, view.shape, view.data, view.nbytes).ok());
+      for (const auto& entry : fs::directory_iterator(dir))
+        if (entry.path().string().find(".safetensors") != std::string::npos) fs::remove(entry.path());
+      ASSERT_TRUE(writer.Write((dir / "model.safetensors").string()).ok());
+    }
+    auto broken = Transformer::Load(dir.string(), at::kCPU, at::kFloat);
+    ASSERT_FALSE(broken.ok());
+    EXPECT_NE(broken.status().message().find(missing), std::string::npos) << broken.status().message();
+  }
+  fs::remove_all(root);
 }
 
 TEST(PackedBatchTest, PositionsRestartPerSequence) {

@@ -8,6 +8,7 @@
 
 #include "engine/model/safetensors.h"
 #include "engine/model/tensor_io.h"
+#include "engine/model/transformer_impl.h"
 #include "engine/model/unembed.h"
 
 namespace loom::engine {
@@ -69,25 +70,6 @@ Status CheckConfig(const ModelConfig& c) {
 
 }  // namespace
 
-// The frozen base weights. q/k/v and gate/up are stored fused (one matmul
-// each per layer); their LoRA deltas are added to the matching slices.
-struct Transformer::Impl {
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    at::Tensor qkv_w, qkv_b;  // [(H + 2 KVH) * hd, hidden]; bias may be undefined
-    at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
-    at::Tensor o_w;             // [hidden, H * hd]
-    at::Tensor gate_up_w;       // [2 * inter, hidden]
-    at::Tensor down_w;          // [hidden, inter]
-  };
-  at::Tensor embed;    // [vocab, hidden]
-  at::Tensor norm;     // [hidden]
-  at::Tensor lm_head;  // [vocab, hidden]; aliases embed when tied
-  at::Tensor inv_freq; // [hd / 2] fp32
-  std::vector<Layer> layers;
-  int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
-};
-
 PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
                               at::Device device) {
   PackedBatch b;
@@ -129,6 +111,8 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Transformer::ExpectedW
       w.push_back({p + "self_attn.v_proj.bias", {kv}});
     }
     w.push_back({p + "self_attn.o_proj.weight", {h, q}});
+    if (c.attention_bias && c.model_type == "qwen3")  // qwen2's o_proj never has a bias
+      w.push_back({p + "self_attn.o_proj.bias", {h}});
     if (c.qk_norm) {
       w.push_back({p + "self_attn.q_norm.weight", {hd}});
       w.push_back({p + "self_attn.k_norm.weight", {hd}});
@@ -219,6 +203,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
       l.k_norm = get(p + "self_attn.k_norm.weight");
     }
     l.o_w = get(p + "self_attn.o_proj.weight");
+    if (config.attention_bias && config.model_type == "qwen3") l.o_b = get(p + "self_attn.o_proj.bias");
     l.gate_up_w = at::cat({get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")}, 0);
     l.down_w = get(p + "mlp.down_proj.weight");
     impl->layers.push_back(std::move(l));
@@ -263,8 +248,8 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
   const Impl& m = *impl_;
   std::vector<at::Tensor> w{m.embed, m.norm, m.lm_head};
   for (const Impl::Layer& l : m.layers)
-    for (const at::Tensor& t : {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.gate_up_w,
-                                l.down_w})
+    for (const at::Tensor& t :
+         {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.gate_up_w, l.down_w})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -323,7 +308,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
     const at::Tensor attn = PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_);
-    at::Tensor o = at::linear(attn, l.o_w);
+    at::Tensor o = at::linear(attn, l.o_w, l.o_b);
     if (attn_lora) o = o + delta(target(base + 3, p + "self_attn.o_proj"), attn);
     x = x + o;
 
