@@ -1,0 +1,190 @@
+// TrainingEngine: the Engine of api.h over one Transformer, one SlotBank and
+// its per-slot AdamW state.
+//
+// Invariant: a slot's weights, gradients, moments and step change only
+// through calls naming that slot (BindSlot, ReleaseSlot, ForwardBackward,
+// OptimStep, LoadState). ForwardBackward runs all calls as ONE packed forward
+// and ONE backward of the sum of the calls' finite losses; each call's loss
+// depends only on its own sequences (attention is block-diagonal, LoRA is
+// routed per sequence), so each slot receives exactly its own gradient.
+//
+// Threading: engine thread only, except info() and ValidateForwardBackward().
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <exception>
+#include <thread>
+
+#include "engine/api.h"
+#include "engine/lora/slot_bank.h"
+#include "engine/model/transformer.h"
+#include "engine/train/adamw.h"
+#include "engine/train/atomic_dir.h"
+#include "engine/train/forward_backward.h"
+#include "engine/train/loss_spec.h"
+#include "engine/train/state.h"
+#if __has_include("engine/lora/peft.h")
+#include "engine/lora/peft.h"
+#define LOOM_HAVE_PEFT 1
+#endif
+
+namespace loom::engine {
+namespace {
+
+Status FromException(const char* op, const std::exception& e) {
+  return Status::Internal(fmt::format("{} failed in the engine: {}", op, e.what()));
+}
+
+class TrainingEngine final : public Engine {
+ public:
+  TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info)
+      : model_(std::move(model)),
+        info_(std::move(info)),
+        bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
+        optimizer_(bank_) {}
+
+  const ModelInfo& info() const override { return info_; }
+
+  Status ValidateForwardBackward(const ForwardBackwardCall& call) const override {
+    if (call.slot < 0 || call.slot >= info_.max_slots)
+      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", call.slot, info_.max_slots));
+    return train::ValidateCallData(call, info_.vocab_size, info_.context_window);
+  }
+
+  Status BindSlot(int slot, const LoraConfig& config) override {
+    if (slot < 0 || slot >= info_.max_slots)
+      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, info_.max_slots));
+    if (config.rank < 1 || config.rank > info_.max_rank)
+      return Status::Invalid(
+          fmt::format("rank: {} is outside [1, {}] (the server's max_rank)", config.rank, info_.max_rank));
+    if (!config.train_attn && !config.train_mlp && !config.train_unembed)
+      return Status::Invalid("train_attn/train_mlp/train_unembed: at least one must be true");
+    if (bank_.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is already bound", slot));
+    try {
+      Status s = bank_.Bind(slot, config);
+      optimizer_.Reset(slot);
+      return s;
+    } catch (const std::exception& e) {
+      return FromException("bind", e);
+    }
+  }
+
+  void ReleaseSlot(int slot) override {
+    if (slot < 0 || slot >= info_.max_slots) return;
+    bank_.Release(slot);
+    optimizer_.Reset(slot);
+  }
+
+  std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
+    std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
+    try {
+      results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window);
+    } catch (const std::exception& e) {
+      for (auto& r : results)
+        if (r.ok() || r.status().code() == Code::kInternal) r = FromException("forward_backward", e);
+    }
+    return results;
+  }
+
+  std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
+    try {
+      return optimizer_.Step(bank_, calls);
+    } catch (const std::exception& e) {
+      return std::vector<Result<OptimStepOutput>>(calls.size(), FromException("optim_step", e));
+    }
+  }
+
+  Status SaveState(int slot, const std::string& dir) override {
+    try {
+      return train::SaveSlotState(bank_, optimizer_, slot, dir);
+    } catch (const std::exception& e) {
+      return FromException("save_state", e);
+    }
+  }
+
+  Status LoadState(int slot, const std::string& dir, bool with_optimizer) override {
+    try {
+      return train::LoadSlotState(bank_, optimizer_, slot, dir, with_optimizer);
+    } catch (const std::exception& e) {
+      return FromException("load_state", e);
+    }
+  }
+
+  Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) override {
+    if (slot < 0 || slot >= info_.max_slots)
+      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, info_.max_slots));
+    if (!bank_.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", slot));
+#ifdef LOOM_HAVE_PEFT
+    try {
+      return train::PublishDirectory(
+          dir, [&](const std::string& tmp) { return SavePeft(bank_, slot, tmp, base_model_name); });
+    } catch (const std::exception& e) {
+      return FromException("save_weights_for_sampler", e);
+    }
+#else
+    (void)dir;
+    (void)base_model_name;
+    return Status::Internal("save_weights_for_sampler: PEFT export is not built in");
+#endif
+  }
+
+ private:
+  std::unique_ptr<Transformer> model_;
+  ModelInfo info_;
+  SlotBank bank_;
+  train::SlotOptimizer optimizer_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
+  if (options.max_slots < 1) return Status::Invalid(fmt::format("max_slots: {} must be >= 1", options.max_slots));
+  if (options.max_rank < 1) return Status::Invalid(fmt::format("max_rank: {} must be >= 1", options.max_rank));
+  if (options.context_window < 0)
+    return Status::Invalid(fmt::format("context_window: {} must be >= 0", options.context_window));
+  at::Device device = at::kCPU;
+  if (options.device == "cuda" || (options.device == "auto" && at::hasCUDA())) {
+    if (!at::hasCUDA()) return Status::Invalid("device: cuda was asked for but this build or machine has no CUDA");
+    device = at::Device(at::kCUDA, 0);
+  } else if (options.device != "cpu" && options.device != "auto") {
+    return Status::Invalid(fmt::format("device: '{}' is not auto, cpu or cuda", options.device));
+  }
+  at::ScalarType dtype;
+  if (options.dtype == "auto") {
+    dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+  } else if (options.dtype == "bf16" || options.dtype == "bfloat16") {
+    dtype = at::kBFloat16;
+  } else if (options.dtype == "fp32" || options.dtype == "float32") {
+    dtype = at::kFloat;
+  } else {
+    return Status::Invalid(fmt::format("dtype: '{}' is not auto, bf16 or fp32", options.dtype));
+  }
+  const int threads = options.threads > 0 ? options.threads
+                                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  at::set_num_threads(threads);
+  try {
+    auto model = Transformer::Load(options.model_dir, device, dtype);
+    if (!model.ok()) return model.status();
+    const ModelConfig& cfg = (*model)->config();
+    ModelInfo info;
+    info.model_type = cfg.model_type;
+    info.device = device.is_cuda() ? "cuda" : "cpu";
+    info.dtype = dtype == at::kBFloat16 ? "bfloat16" : "float32";
+    info.vocab_size = cfg.vocab_size;
+    info.context_window = options.context_window > 0 ? options.context_window : cfg.max_position_embeddings;
+    info.num_layers = cfg.num_hidden_layers;
+    info.hidden_size = cfg.hidden_size;
+    info.max_slots = options.max_slots;
+    info.max_rank = options.max_rank;
+    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info)));
+  } catch (const std::exception& e) {
+    return FromException("open", e);
+  }
+}
+
+Result<StateInfo> Engine::ReadStateInfo(const std::string& dir) { return train::ReadStateInfo(dir); }
+
+}  // namespace loom::engine

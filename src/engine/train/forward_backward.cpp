@@ -1,0 +1,154 @@
+#include "engine/train/forward_backward.h"
+
+#include <c10/core/GradMode.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <memory>
+
+#include "engine/train/loss_spec.h"
+#include "engine/train/losses.h"
+
+namespace loom::engine::train {
+namespace {
+
+// One call's share of the packed batch: rows [begin, begin + tokens).
+struct Part {
+  size_t call = 0;
+  LossSpec spec;
+  std::vector<const Datum*> data;
+  int64_t begin = 0;
+  int64_t tokens = 0;
+};
+
+Status CheckSlot(const SlotBank& bank, int slot) {
+  if (slot < 0 || slot >= bank.num_slots())
+    return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, bank.num_slots()));
+  if (!bank.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", slot));
+  return Status::Ok();
+}
+
+// Rows [begin, begin + n) of a host tensor ([T] or [T, K]) as an Array with
+// the datum's own shape: (n,) when k == 0, else (n, k).
+Array ToArray(const at::Tensor& host, int64_t begin, int64_t n, int64_t k) {
+  Array a;
+  a.dtype = Array::DType::kFloat32;
+  at::Tensor rows = host.narrow(0, begin, n);
+  if (k == 0) {
+    a.shape = {n};
+    if (rows.dim() == 2) rows = rows.select(1, 0);
+  } else {
+    a.shape = {n, k};
+    rows = rows.narrow(1, 0, k);
+  }
+  rows = rows.to(at::kFloat).contiguous();
+  a.f32.assign(rows.data_ptr<float>(), rows.data_ptr<float>() + rows.numel());
+  return a;
+}
+
+}  // namespace
+
+std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
+                                                           const std::vector<ForwardBackwardCall>& calls,
+                                                           int64_t vocab_size, int64_t context_window) {
+  std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
+  // 1. Validate; valid calls with data join the batch, in call order.
+  std::vector<Part> parts;
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int> seq_slots;
+  int64_t rows = 0, k_cols = 0;
+  bool any_backward = false;
+  for (size_t c = 0; c < calls.size(); ++c) {
+    const ForwardBackwardCall& call = calls[c];
+    Status s = CheckSlot(bank, call.slot);
+    if (s.ok()) s = ValidateCallData(call, vocab_size, context_window);
+    if (!s.ok()) {
+      results[c] = s;
+      continue;
+    }
+    if (call.data.empty()) {
+      ForwardBackwardOutput empty;
+      empty.metrics["loss:sum"] = 0.0;
+      results[c] = empty;
+      continue;
+    }
+    Part part;
+    part.call = c;
+    part.spec = LossSpec::Parse(call.loss_fn, call.loss_fn_config).value();
+    part.begin = rows;
+    for (const Datum& d : call.data) {
+      part.data.push_back(&d);
+      seqs.push_back(d.tokens);
+      seq_slots.push_back(call.slot);
+      part.tokens += static_cast<int64_t>(d.tokens.size());
+      k_cols = std::max(k_cols, TopK(d));
+    }
+    rows += part.tokens;
+    any_backward = any_backward || !call.forward_only;
+    parts.push_back(std::move(part));
+  }
+  if (parts.empty()) return results;
+
+  // 2. One packed forward (no autograd graph when nothing needs a backward).
+  const at::Device device = model.device();
+  std::unique_ptr<c10::NoGradGuard> no_grad;
+  if (!any_backward) no_grad = std::make_unique<c10::NoGradGuard>();
+  std::vector<const Datum*> all_data;
+  for (const Part& p : parts) all_data.insert(all_data.end(), p.data.begin(), p.data.end());
+  at::Tensor targets = PackTargets(all_data, k_cols).to(device);
+  PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
+  at::Tensor hidden = model.Hidden(batch, bank);
+  at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank);
+
+  // 3. Per-call losses; one host sync for all of them.
+  std::vector<at::Tensor> elementwise, losses;
+  for (const Part& p : parts) {
+    at::Tensor lp = logprobs.narrow(0, p.begin, p.tokens);
+    const bool top_k = p.spec.AllowsTopK() && k_cols > 0;
+    if (!top_k && lp.dim() == 2) lp = lp.select(1, 0);
+    LossInputs in = PackLossInputs(p.spec, p.data, top_k ? k_cols : 0, device);
+    at::Tensor elem = ElementwiseLoss(p.spec, lp, in);
+    elementwise.push_back(elem);
+    losses.push_back(elem.sum());
+  }
+  at::Tensor loss_host = at::stack(losses).detach().to(at::kDouble).cpu();
+  const double* loss_values = loss_host.data_ptr<double>();
+
+  // 4. One backward of the finite losses of calls that want gradients.
+  at::Tensor total;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (calls[parts[i].call].forward_only || !std::isfinite(loss_values[i])) continue;
+    total = total.defined() ? total + losses[i] : losses[i];
+  }
+  if (total.defined() && total.requires_grad()) total.backward();
+
+  // 5. Outputs in datum order.
+  at::Tensor lp_host = logprobs.detach().cpu();
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& p = parts[i];
+    if (!std::isfinite(loss_values[i])) {
+      results[p.call] = Status::Invalid(fmt::format(
+          "loss_fn_inputs: the {} loss is not finite for this request's data (e.g. logprobs far below the "
+          "model's, overflowing the ratio); no gradient was accumulated",
+          p.spec.name));
+      continue;
+    }
+    at::Tensor elem_host = elementwise[i].detach().cpu();
+    ForwardBackwardOutput out;
+    int64_t row = 0;
+    for (const Datum* d : p.data) {
+      const int64_t n = static_cast<int64_t>(d->tokens.size());
+      const int64_t k = TopK(*d);
+      std::map<std::string, Array> o;
+      o["logprobs"] = ToArray(lp_host, p.begin + row, n, k);
+      o["elementwise_loss"] = ToArray(elem_host, row, n, k);
+      out.outputs.push_back(std::move(o));
+      row += n;
+    }
+    out.metrics["loss:sum"] = loss_values[i];
+    results[p.call] = std::move(out);
+  }
+  return results;
+}
+
+}  // namespace loom::engine::train
