@@ -1,0 +1,462 @@
+#include "http/router.h"
+
+#include <fmt/format.h>
+
+#include <cctype>
+#include <string_view>
+
+#include "common/log.h"
+#include "wire/errors.h"
+#include "wire/forward_backward.h"
+#include "wire/json_api.h"
+#include "wire/zstd.h"
+
+namespace loom::http {
+
+namespace {
+
+using Json = nlohmann::json;
+constexpr std::string_view kApi = "/api/v1/";
+
+HttpResponse JsonAnswer(const Json& j, int status = 200) {
+  HttpResponse r;
+  r.status = status;
+  r.body = wire::DumpJson(j);
+  return r;
+}
+
+std::string PercentDecode(std::string_view s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '%' && i + 2 < s.size() && std::isxdigit(static_cast<unsigned char>(s[i + 1])) &&
+        std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+      out.push_back(static_cast<char>(std::stoi(std::string(s.substr(i + 1, 2)), nullptr, 16)));
+      i += 2;
+    } else if (s[i] == '+') {
+      out.push_back(' ');
+    } else {
+      out.push_back(s[i]);
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> Split(std::string_view s, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    size_t pos = s.find(sep, start);
+    parts.emplace_back(s.substr(start, pos == std::string_view::npos ? std::string_view::npos : pos - start));
+    if (pos == std::string_view::npos) break;
+    start = pos + 1;
+  }
+  return parts;
+}
+
+std::string Join(const std::vector<std::string>& parts, size_t from, size_t to, char sep) {
+  std::string out;
+  for (size_t i = from; i < to; ++i) {
+    if (i > from) out.push_back(sep);
+    out += parts[i];
+  }
+  return out;
+}
+
+// Sampling belongs to a later issue; these routes answer a clear 501.
+bool IsSamplingRoute(const std::string& route) {
+  return route == "create_sampling_session" || route == "asample" || route == "sample" ||
+         route.rfind("samplers/", 0) == 0 || route == "compute_logprobs";
+}
+
+// ForwardBackwardOutput as pre-0.25 SDKs read it from JSON (spec §8.12).
+Json LegacyForwardBackwardJson(const engine::ForwardBackwardOutput& out) {
+  Json outputs = Json::array();
+  for (const auto& datum : out.outputs) {
+    Json m = Json::object();
+    for (const auto& [name, a] : datum) {
+      Json data = Json::array();
+      if (a.dtype == engine::Array::DType::kFloat32) {
+        for (float v : a.f32) data.push_back(wire::JsonNumber(v));
+      } else {
+        for (int64_t v : a.i64) data.push_back(v);
+      }
+      m[name] = {{"data", data},
+                 {"dtype", a.dtype == engine::Array::DType::kFloat32 ? "float32" : "int64"},
+                 {"shape", a.shape}};
+    }
+    outputs.push_back(m);
+  }
+  Json metrics = Json::object();
+  for (const auto& [k, v] : out.metrics) metrics[k] = wire::JsonNumber(v);
+  return {{"loss_fn_output_type", "ArrayRecord"}, {"loss_fn_outputs", outputs}, {"metrics", metrics}};
+}
+
+}  // namespace
+
+// What one request carries through dispatch.
+struct Router::Context {
+  const HttpRequest& request;
+  std::string path;                          // without query
+  std::map<std::string, std::string> query;  // decoded
+  std::string route;                         // the part after /api/v1/
+  std::string body;                          // zstd-decoded
+  service::Caller caller;
+
+  std::string q(const std::string& key) const {
+    auto it = query.find(key);
+    return it == query.end() ? std::string() : it->second;
+  }
+};
+
+int Router::HttpStatusOf(Code code) {
+  switch (code) {
+    case Code::kOk: return 200;
+    case Code::kInvalidArgument: return 400;
+    case Code::kNotFound: return 404;
+    case Code::kAlreadyExists: return 400;  // 409 would make the SDK retry for minutes
+    case Code::kResourceExhausted: return 429;
+    case Code::kFailedPrecondition: return 400;
+    case Code::kUnauthenticated: return 401;
+    case Code::kPayloadTooLarge: return 413;
+    case Code::kInternal: return 500;
+    case Code::kUnavailable: return 503;
+  }
+  return 500;
+}
+
+HttpResponse Router::Error(const Status& status) {
+  HttpResponse r;
+  r.status = HttpStatusOf(status.code());
+  r.body = wire::ErrorBody(status);
+  if (status.code() == Code::kResourceExhausted) r.headers.emplace_back("Retry-After", "1");
+  if (status.code() == Code::kUnauthenticated || status.code() == Code::kNotFound ||
+      status.code() == Code::kInvalidArgument) {
+    r.headers.emplace_back("x-should-retry", "false");
+  }
+  return r;
+}
+
+Router::Router(service::Service& service, const ApiKeys& keys, RouterOptions options)
+    : service_(service), keys_(keys), options_(options) {}
+
+RouteOutcome Router::Handle(const HttpRequest& request) {
+  Context ctx{request, {}, {}, {}, {}, {}};
+  const std::string& target = request.target;
+  const size_t qpos = target.find('?');
+  ctx.path = PercentDecode(std::string_view(target).substr(0, qpos));
+  if (qpos != std::string::npos) {
+    for (const std::string& kv : Split(std::string_view(target).substr(qpos + 1), '&')) {
+      if (kv.empty()) continue;
+      const size_t eq = kv.find('=');
+      ctx.query[PercentDecode(kv.substr(0, eq))] = eq == std::string::npos ? "" : PercentDecode(kv.substr(eq + 1));
+    }
+  }
+  RouteOutcome out;
+  const size_t api = ctx.path.find(kApi);
+  if (api == std::string::npos) {
+    out.response = Error(Status::NotFound("no such route: " + request.method + " " + ctx.path +
+                                          " (the Tinker API lives under /api/v1/)"));
+    return out;
+  }
+  ctx.route = ctx.path.substr(api + kApi.size());
+  while (!ctx.route.empty() && ctx.route.back() == '/') ctx.route.pop_back();
+
+  // Unauthenticated routes: health and archive downloads (the token is the credential).
+  if (ctx.route == "healthz") {
+    out.response = JsonAnswer(wire::HealthzJson());
+    return out;
+  }
+  if (ctx.route.rfind("archives/", 0) == 0 && request.method == "GET") {
+    auto tar = service_.ReadArchive(ctx.route.substr(9));
+    if (!tar.ok()) {
+      out.response = Error(tar.status());
+    } else {
+      out.response.content_type = "application/x-tar";
+      out.response.body = std::move(*tar);
+    }
+    return out;
+  }
+
+  auto tenant = keys_.Authenticate(request.header("x-api-key"));
+  if (!tenant.ok()) {
+    out.response = Error(tenant.status());
+    return out;
+  }
+  ctx.caller.tenant = *tenant;
+  ctx.caller.idempotency_key = request.header("x-idempotency-key");
+
+  ctx.body = request.body;
+  const std::string encoding = request.header("content-encoding");
+  if (encoding == "zstd") {
+    auto raw = wire::ZstdDecompress(request.body, options_.max_body_bytes);
+    if (!raw.ok()) {
+      out.response = Error(raw.status().code() == Code::kPayloadTooLarge
+                               ? Status(Code::kPayloadTooLarge,
+                                        fmt::format("body: decompressed size exceeds --max-body-bytes {}",
+                                                    options_.max_body_bytes))
+                               : raw.status());
+      return out;
+    }
+    ctx.body = std::move(*raw);
+  } else if (!encoding.empty() && encoding != "identity") {
+    out.response = Error(Status::Invalid("Content-Encoding: '" + encoding + "' is not supported (zstd is)"));
+    return out;
+  }
+
+  if (ctx.route == "retrieve_future" && request.method == "POST") {
+    out.response = RetrieveFuture(ctx, /*final_answer=*/false);
+    if (out.response.status == 0) {  // pending: park
+      auto parsed = wire::ParseJsonObject(ctx.body, "retrieve_future");
+      out.park_request_id = wire::ParseRetrieveFutureRequest(*parsed)->request_id;
+    }
+    return out;
+  }
+  try {
+    out.response = Dispatch(ctx);
+  } catch (const std::exception& e) {  // a bug; never take the server down
+    log::Error("route_exception route={} what={}", ctx.route, e.what());
+    out.response = Error(Status::Internal(std::string("internal error: ") + e.what()));
+  }
+  return out;
+}
+
+HttpResponse Router::AnswerPoll(const HttpRequest& request) {
+  Context ctx{request, {}, {}, "retrieve_future", request.body, {}};
+  auto tenant = keys_.Authenticate(request.header("x-api-key"));
+  if (!tenant.ok()) return Error(tenant.status());
+  ctx.caller.tenant = *tenant;
+  if (request.header("content-encoding") == "zstd") {
+    auto raw = wire::ZstdDecompress(request.body, options_.max_body_bytes);
+    if (!raw.ok()) return Error(raw.status());
+    ctx.body = std::move(*raw);
+  }
+  return RetrieveFuture(ctx, /*final_answer=*/true);
+}
+
+HttpResponse Router::RetrieveFuture(Context& ctx, bool final_answer) {
+  auto body = wire::ParseJsonObject(ctx.body, "retrieve_future");
+  if (!body.ok()) return Error(body.status());
+  auto req = wire::ParseRetrieveFutureRequest(*body);
+  if (!req.ok()) return Error(req.status());
+  auto view = service_.futures().Get(ctx.caller.tenant, req->request_id);
+  if (!view.ok()) {
+    if (service_.futures().IsFromEarlierInstance(req->request_id)) {
+      HttpResponse r = JsonAnswer(
+          {{"error", "request_id '" + req->request_id + "' belongs to an earlier run of this server; resubmit"},
+           {"category", "server"}},
+          410);
+      return r;
+    }
+    return Error(view.status());
+  }
+  switch (view->state) {
+    case service::FutureState::kPending:
+      if (!final_answer) {
+        HttpResponse park;
+        park.status = 0;
+        return park;
+      }
+      return JsonAnswer(wire::TryAgainJson(req->request_id));
+    case service::FutureState::kFailed:
+      return JsonAnswer(wire::FutureErrorJson(view->error));
+    case service::FutureState::kDone:
+      break;
+  }
+  const service::FutureResult& result = *view->result;
+  if (result.forward_backward) {
+    if (ctx.request.header("accept").find("application/x-protobuf") != std::string::npos) {
+      auto bytes = wire::EncodeForwardBackwardOutput(*result.forward_backward);
+      if (!bytes.ok()) return JsonAnswer(wire::FutureErrorJson(bytes.status()));
+      HttpResponse r;
+      r.content_type = "application/x-protobuf";
+      r.body = std::move(*bytes);
+      return r;
+    }
+    return JsonAnswer(LegacyForwardBackwardJson(*result.forward_backward));
+  }
+  return JsonAnswer(result.json);
+}
+
+HttpResponse Router::Dispatch(Context& ctx) {
+  const std::string& m = ctx.request.method;
+  const std::string& route = ctx.route;
+  const service::Caller& caller = ctx.caller;
+
+  if (IsSamplingRoute(route)) {
+    return JsonAnswer({{"error", "'" + route +
+                                     "' is not implemented yet: sampling (create_sampling_session, asample, "
+                                     "samplers/{id}) is not served by this loom build"},
+                       {"category", "server"},
+                       {"code", "unimplemented"}},
+                      501);
+  }
+  auto parse = [&](std::string_view endpoint) { return wire::ParseJsonObject(ctx.body, endpoint); };
+  auto future_answer = [&](const Result<service::Submitted>& sub) {
+    if (!sub.ok()) return Error(sub.status());
+    return JsonAnswer(wire::UntypedFutureJson(sub.value().request_id, sub.value().model_id));
+  };
+#define LOOM_PARSE(var, endpoint, parser)      \
+  auto var##_json = parse(endpoint);           \
+  if (!var##_json.ok()) return Error(var##_json.status()); \
+  auto var = parser(*var##_json);              \
+  if (!var.ok()) return Error(var.status());
+
+  if (m == "POST") {
+    if (route == "client/config") {
+      LOOM_PARSE(req, "client/config", wire::ParseClientConfigRequest);
+      return JsonAnswer(wire::ClientConfigJson());
+    }
+    if (route == "client/dynamic_config") {
+      LOOM_PARSE(req, "client/dynamic_config", wire::ParseClientConfigRequest);
+      return JsonAnswer(wire::DynamicConfigJson());
+    }
+    if (route == "create_session") {
+      LOOM_PARSE(req, "create_session", wire::ParseCreateSessionRequest);
+      auto id = service_.CreateSession(caller, *req);
+      if (!id.ok()) return Error(id.status());
+      return JsonAnswer(wire::CreateSessionJson(*id));
+    }
+    if (route == "session_heartbeat") {
+      LOOM_PARSE(req, "session_heartbeat", wire::ParseSessionHeartbeatRequest);
+      Status st = service_.Heartbeat(caller, req->session_id);
+      return st.ok() ? JsonAnswer(wire::SessionHeartbeatJson()) : Error(st);
+    }
+    if (route == "telemetry") {
+      LOOM_PARSE(req, "telemetry", wire::ParseTelemetryRequest);
+      return JsonAnswer(wire::TelemetryAcceptedJson());
+    }
+    if (route == "create_model") {
+      LOOM_PARSE(req, "create_model", wire::ParseCreateModelRequest);
+      return future_answer(service_.CreateModel(caller, *req));
+    }
+    if (route == "get_info") {
+      LOOM_PARSE(req, "get_info", wire::ParseGetInfoRequest);
+      auto info = service_.GetInfo(caller, req->model_id);
+      return info.ok() ? JsonAnswer(*info) : Error(info.status());
+    }
+    if (route == "unload_model") {
+      LOOM_PARSE(req, "unload_model", wire::ParseUnloadModelRequest);
+      return future_answer(service_.UnloadModel(caller, req->model_id));
+    }
+    if (route == "weights_info") {
+      LOOM_PARSE(req, "weights_info", wire::ParseWeightsInfoRequest);
+      auto info = service_.WeightsInfo(caller, req->path);
+      return info.ok() ? JsonAnswer(*info) : Error(info.status());
+    }
+    if (route == "forward_backward") {
+      const std::string type = ctx.request.header("content-type");
+      if (type.find("json") != std::string::npos) {
+        return Error(Status::Invalid(
+            "forward_backward: body must be protobuf tinker_public.ForwardBackwardRequest "
+            "(Content-Type: application/x-protobuf), as tinker>=0.25 sends it"));
+      }
+      wire::ForwardBackwardDecodeOptions opts;
+      opts.max_decoded_bytes = options_.max_body_bytes;
+      auto req = wire::DecodeForwardBackwardRequest(ctx.body, opts);
+      if (!req.ok()) return Error(req.status());
+      return future_answer(service_.ForwardBackward(caller, std::move(*req)));
+    }
+    if (route == "optim_step") {
+      LOOM_PARSE(req, "optim_step", wire::ParseOptimStepRequest);
+      return future_answer(service_.OptimStep(caller, *req));
+    }
+    if (route == "save_weights") {
+      LOOM_PARSE(req, "save_weights", wire::ParseSaveWeightsRequest);
+      return future_answer(service_.SaveWeights(caller, *req));
+    }
+    if (route == "load_weights") {
+      LOOM_PARSE(req, "load_weights", wire::ParseLoadWeightsRequest);
+      return future_answer(service_.LoadWeights(caller, *req));
+    }
+    if (route == "save_weights_for_sampler") {
+      LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
+      return future_answer(service_.SaveWeightsForSampler(caller, *req));
+    }
+    if (route == "auth/token") {
+      return JsonAnswer({{"error", "auth/token: JWT exchange is not offered (client/config says "
+                                   "pjwt_auth_enabled=false); send the API key in X-API-Key"},
+                         {"category", "user"}},
+                        501);
+    }
+  }
+  if (m == "GET" && route == "get_server_capabilities") {
+    wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
+    return JsonAnswer(wire::ServerCapabilitiesJson({model}));
+  }
+#undef LOOM_PARSE
+  if (route.rfind("training_runs", 0) == 0 || route.rfind("checkpoints", 0) == 0 ||
+      route.rfind("sessions", 0) == 0) {
+    return Rest(ctx);
+  }
+  return Error(Status::NotFound("no such route: " + m + " /api/v1/" + route));
+}
+
+HttpResponse Router::Rest(Context& ctx) {
+  const std::string& m = ctx.request.method;
+  const service::Caller& caller = ctx.caller;
+  const std::vector<std::string> parts = Split(ctx.route, '/');
+  auto page = [&](int64_t default_limit) { return wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), default_limit); };
+  auto json_or_error = [](const Result<nlohmann::json>& r) { return r.ok() ? JsonAnswer(r.value()) : Error(r.status()); };
+  auto empty_or_error = [](const Status& st) { return st.ok() ? JsonAnswer(Json::object()) : Error(st); };
+
+  if (parts[0] == "training_runs") {
+    if (parts.size() == 1 && m == "GET") {
+      auto p = page(20);
+      if (!p.ok()) return Error(p.status());
+      return json_or_error(service_.ListTrainingRuns(caller, *p));
+    }
+    const std::string& run = parts[1];
+    if (parts.size() == 2 && m == "GET") return json_or_error(service_.GetTrainingRun(caller, run));
+    if (parts.size() == 3 && parts[2] == "checkpoints" && m == "GET") {
+      return json_or_error(service_.ListRunCheckpoints(caller, run));
+    }
+    if (parts.size() >= 5 && parts[2] == "checkpoints") {
+      // checkpoint_id is "<kind>/<name>" and is not URL-encoded.
+      const std::string& last = parts.back();
+      if (parts.size() == 6 && last == "archive" && m == "GET") {
+        int64_t expires = 0;
+        auto token = service_.CreateArchiveToken(caller, run, Join(parts, 3, 5, '/'), &expires);
+        if (!token.ok()) return Error(token.status());
+        std::string host = ctx.request.header("host");
+        if (host.empty()) host = "127.0.0.1";
+        return JsonAnswer(wire::CheckpointArchiveUrlJson("http://" + host + "/api/v1/archives/" + *token, expires));
+      }
+      if (parts.size() == 6 && last == "publish" && (m == "POST" || m == "DELETE")) {
+        return empty_or_error(service_.SetCheckpointPublic(caller, run, Join(parts, 3, 5, '/'), m == "POST"));
+      }
+      if (parts.size() == 6 && last == "ttl" && m == "PUT") {
+        auto body = wire::ParseJsonObject(ctx.body, "checkpoint ttl");
+        if (!body.ok()) return Error(body.status());
+        auto req = wire::ParseCheckpointTtlRequest(*body);
+        if (!req.ok()) return Error(req.status());
+        return empty_or_error(service_.SetCheckpointTtl(caller, run, Join(parts, 3, 5, '/'), req->ttl_seconds));
+      }
+      if (parts.size() == 5 && m == "DELETE") {
+        return empty_or_error(service_.DeleteCheckpoint(caller, run, Join(parts, 3, 5, '/')));
+      }
+    }
+  }
+  if (parts[0] == "checkpoints" && parts.size() == 1 && m == "GET") {
+    auto p = page(100);
+    if (!p.ok()) return Error(p.status());
+    return json_or_error(service_.ListUserCheckpoints(caller, *p));
+  }
+  if (parts[0] == "sessions") {
+    if (parts.size() == 1 && m == "GET") {
+      auto p = page(20);
+      if (!p.ok()) return Error(p.status());
+      return json_or_error(service_.ListSessions(caller, *p));
+    }
+    if (parts.size() == 2 && m == "GET") return json_or_error(service_.GetSession(caller, parts[1]));
+    if (parts.size() == 3 && parts[2] == "project" && m == "PUT") {
+      auto s = service_.GetSession(caller, parts[1]);
+      return s.ok() ? JsonAnswer(Json::object()) : Error(s.status());
+    }
+    if (parts.size() == 3 && parts[2] == "trace_export") {
+      return JsonAnswer({{"status", "failed"}, {"error", "trace export is not offered by loom"}});
+    }
+  }
+  return Error(Status::NotFound("no such route: " + m + " /api/v1/" + ctx.route));
+}
+
+}  // namespace loom::http
