@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Regenerates tests/golden/{qwen2,qwen3} with HF transformers + PEFT.
+# Needs: a built `loom` (for make-model) and python3 with torch, transformers,
+# peft, safetensors, numpy. Usage, from the repository root:
+#   tools/reference/make_all_golden.sh [path/to/loom] [cpu|cuda]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+loom=${1:-build/loom}
+device=${2:-cpu}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+for arch in qwen2 qwen3; do
+  "$loom" make-model --arch "$arch" --preset tiny --seed 1 --out "$tmp/$arch"
+  rm -rf "tests/golden/$arch"
+  python3 tools/reference/make_golden.py --model "$tmp/$arch" --out "tests/golden/$arch" --device "$device"
+done
