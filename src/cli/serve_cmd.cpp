@@ -1,10 +1,154 @@
+// `loom serve`: the Tinker-compatible service. Opens the engine on one model,
+// the registry in --data-dir, and serves HTTP until SIGTERM/SIGINT; then it
+// stops accepting, lets the batch in flight finish (queued requests fail
+// cleanly with "shutting down"), and exits 0.
+#include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdio>
+#include <filesystem>
+#include <pthread.h>
+#include <string>
 
 #include "cli/commands.h"
+#include "common/log.h"
+#include "engine/api.h"
+#include "engine/model/make_model.h"
+#include "http/auth.h"
+#include "http/router.h"
+#include "http/server.h"
+#include "service/service.h"
+#include "store/registry.h"
 
 namespace loom::cli {
-int Serve(int, char**) {
-  std::fprintf(stderr, "loom: 'serve' is not implemented yet\n");
+
+namespace {
+
+int Fail(const std::string& message) {
+  std::fprintf(stderr, "loom serve: %s\n", message.c_str());
   return 2;
 }
+
+// The embedded default: a tiny qwen3 written once into the data dir (same
+// seed, same bytes on every machine).
+Result<std::string> DefaultModel(const std::string& data_dir) {
+  const std::string dir = data_dir + "/default-model";
+  if (std::filesystem::exists(dir + "/config.json")) return dir;
+  engine::MakeModelOptions opt;
+  opt.arch = "qwen3";
+  opt.preset = "tiny";
+  opt.seed = 1;
+  const std::string tmp = data_dir + "/default-model.tmp";
+  std::error_code ec;
+  std::filesystem::remove_all(tmp, ec);
+  if (Status st = engine::MakeModel(opt, tmp); !st.ok()) return st;
+  std::filesystem::rename(tmp, dir, ec);
+  if (ec) return Status::Internal("cannot move the default model into " + dir + ": " + ec.message());
+  return dir;
+}
+
+}  // namespace
+
+int Serve(int argc, char** argv) {
+  CLI::App app{"Serve the Tinker API (default model: an embedded tiny qwen3)", "loom serve"};
+  std::string model_dir, model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
+  int port = 8080, max_adapters = 8, max_rank = 32, io_threads = 2;
+  double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
+  size_t max_body_bytes = size_t{512} << 20;
+  app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
+  app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
+  app.add_option("--host", host, "address to bind")->default_val(host);
+  app.add_option("--port", port, "port to bind (0 = any free port)")->default_val(port)->check(CLI::Range(0, 65535));
+  app.add_option("--data-dir", data_dir, "registry, checkpoints and the default model live here")->default_val(data_dir);
+  app.add_option("--device", device, "auto | cpu | cuda")->default_val(device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients)")->default_val(max_adapters)->check(CLI::Range(1, 4096));
+  app.add_option("--max-rank", max_rank, "largest LoRA rank a client may ask for")->default_val(max_rank)->check(CLI::Range(1, 1024));
+  app.add_option("--lora-alpha", lora_alpha, "LoRA alpha of every adapter (scale = alpha / rank)")->default_val(lora_alpha);
+  app.add_option("--api-keys", api_keys_file, "file of 'key tenant' lines; without it any tml- key is its own tenant (loopback only)");
+  app.add_option("--session-ttl", session_ttl, "seconds without heartbeat before a session's slots are released")->default_val(session_ttl);
+  app.add_option("--seq-gap-timeout", seq_gap_timeout, "seconds a missing seq_id may hold up later requests")->default_val(seq_gap_timeout);
+  app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
+  app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
+  app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (poll_hold <= 0 || poll_hold >= 45) return Fail("--poll-hold: must be in (0, 45) seconds (the SDK times out at 45 s)");
+  if (session_ttl <= 0) return Fail("--session-ttl: must be > 0 seconds");
+  if (seq_gap_timeout <= 0) return Fail("--seq-gap-timeout: must be > 0 seconds");
+
+  http::ApiKeys keys;
+  if (!api_keys_file.empty()) {
+    auto loaded = http::ApiKeys::Load(api_keys_file);
+    if (!loaded.ok()) return Fail(loaded.status().message());
+    keys = std::move(*loaded);
+  }
+  if (Status st = keys.AllowedOn(host); !st.ok()) return Fail(st.message());
+
+  std::error_code ec;
+  std::filesystem::create_directories(data_dir, ec);
+  if (ec) return Fail("--data-dir: cannot create '" + data_dir + "': " + ec.message());
+  data_dir = std::filesystem::absolute(data_dir).string();
+  if (model_dir.empty()) {
+    auto dir = DefaultModel(data_dir);
+    if (!dir.ok()) return Fail("default model: " + dir.status().message());
+    model_dir = *dir;
+    if (model_name.empty()) model_name = "loom/tiny-qwen3";
+  }
+  if (model_name.empty()) model_name = std::filesystem::path(model_dir).filename().string();
+
+  // Signals go to the waiting main thread only: block them before any thread starts.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  engine::EngineOptions eopt;
+  eopt.model_dir = model_dir;
+  eopt.device = device;
+  eopt.max_slots = max_adapters;
+  eopt.max_rank = max_rank;
+  auto engine = engine::Engine::Open(eopt);
+  if (!engine.ok()) return Fail("--model: " + engine.status().message());
+  auto registry = store::Registry::Open(data_dir);
+  if (!registry.ok()) return Fail("--data-dir: " + registry.status().message());
+
+  service::ServiceOptions sopt;
+  sopt.base_model_name = model_name;
+  sopt.lora_alpha = lora_alpha;
+  sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
+  sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
+  service::Service service(sopt, std::move(*engine), std::move(*registry));
+  service.Start();
+
+  http::RouterOptions ropt;
+  ropt.max_body_bytes = max_body_bytes;
+  http::Router router(service, keys, ropt);
+  http::ServerOptions hopt;
+  hopt.host = host;
+  hopt.port = static_cast<uint16_t>(port);
+  hopt.io_threads = io_threads;
+  hopt.max_body_bytes = max_body_bytes;
+  hopt.poll_hold = std::chrono::milliseconds(static_cast<int64_t>(poll_hold * 1000));
+  http::HttpServer server(router, service.futures(), hopt);
+  if (Status st = server.Start(); !st.ok()) return Fail(st.message());
+
+  const auto& info = service.model_info();
+  std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d data_dir=%s%s\n",
+              host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
+              info.dtype.c_str(), info.max_slots, info.max_rank, data_dir.c_str(),
+              keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys");
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  log::Info("shutdown signal={}", sig);
+  service.Stop();   // the batch in flight finishes; queued requests fail with "shutting down"
+  server.Stop();    // parked polls answer, connections close
+  log::Info("shutdown complete");
+  return 0;
+}
+
 }  // namespace loom::cli

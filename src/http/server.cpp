@@ -143,7 +143,7 @@ struct HttpServer::Impl {
       }
       const auto ms =
           std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count();
-      if (outcome.response.status >= 500) {
+      if (outcome.response.status >= 500 && outcome.response.status != 501) {
         log::Warn("http method={} target={} status={} ms={}", request.method, request.target,
                   outcome.response.status, ms);
       } else {
