@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "engine/api.h"
+#include "engine/lora/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
 #include "engine/train/adamw.h"
@@ -26,10 +27,6 @@
 #include "engine/train/forward_backward.h"
 #include "engine/train/loss_spec.h"
 #include "engine/train/state.h"
-#if __has_include("engine/lora/peft.h")
-#include "engine/lora/peft.h"
-#define LOOM_HAVE_PEFT 1
-#endif
 
 namespace loom::engine {
 namespace {
@@ -117,18 +114,12 @@ class TrainingEngine final : public Engine {
     if (slot < 0 || slot >= info_.max_slots)
       return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, info_.max_slots));
     if (!bank_.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", slot));
-#ifdef LOOM_HAVE_PEFT
     try {
       return train::PublishDirectory(
           dir, [&](const std::string& tmp) { return SavePeft(bank_, slot, tmp, base_model_name); });
     } catch (const std::exception& e) {
       return FromException("save_weights_for_sampler", e);
     }
-#else
-    (void)dir;
-    (void)base_model_name;
-    return Status::Internal("save_weights_for_sampler: PEFT export is not built in");
-#endif
   }
 
  private:

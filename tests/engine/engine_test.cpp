@@ -567,7 +567,6 @@ TEST(Engine, SaveForSamplerWritesPeftTrimmedToRank) {
   TrainStep(*e, 1, Batch(1));
   const std::string dir = tmp.path + "/sampler";
   Status s = e->SaveForSampler(1, dir, "Qwen/Qwen3-tiny");
-  if (s.message().find("not built in") != std::string::npos) GTEST_SKIP() << "TEMPORARY: lora/peft.h has not landed";
   ASSERT_TRUE(s.ok()) << s.message();
   EXPECT_TRUE(fs::exists(dir + "/adapter_config.json"));
   auto f = SafetensorsFile::Open(dir + "/adapter_model.safetensors");
@@ -575,6 +574,8 @@ TEST(Engine, SaveForSamplerWritesPeftTrimmedToRank) {
   int lora_a = 0;
   for (const auto& [name, view] : (*f)->tensors()) {
     EXPECT_EQ(name.find("lm_head"), std::string::npos) << "unembed is not trained: " << name;
+    EXPECT_EQ(name.rfind("base_model.model.model.layers.", 0), 0u) << name;
+    EXPECT_EQ(name.substr(name.size() - 7), ".weight") << name;
     if (name.find("lora_A") != std::string::npos) {
       ++lora_a;
       EXPECT_EQ(view.shape[0], 4) << name;
@@ -586,6 +587,8 @@ TEST(Engine, SaveForSamplerWritesPeftTrimmedToRank) {
   std::ifstream cfg(dir + "/adapter_config.json");
   std::string text((std::istreambuf_iterator<char>(cfg)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("Qwen/Qwen3-tiny"), std::string::npos);
+  EXPECT_NE(text.find("\"r\": 4"), std::string::npos) << text;
+  EXPECT_NE(text.find("q_proj"), std::string::npos) << text;
   EXPECT_EQ(e->SaveForSampler(1, dir, "Qwen/Qwen3-tiny").code(), Code::kAlreadyExists);  // immutable
 }
 
