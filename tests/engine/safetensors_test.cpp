@@ -192,6 +192,7 @@ TEST(Safetensors, CorruptHeaderIsInvalidNamingFile) {
   EXPECT_NE(q.status().message().find("'a'"), std::string::npos) << q.status().message();
 
   EXPECT_EQ(SafetensorsFile::Open(dir / "nope.safetensors").status().code(), Code::kNotFound);
+  EXPECT_EQ(SafetensorsFile::Open(dir.path()).status().code(), Code::kInvalidArgument);  // a directory
 }
 
 TEST(Safetensors, TruncatedFileNamesTensor) {

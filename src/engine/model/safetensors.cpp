@@ -99,6 +99,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
   }
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) return Status::Internal("stat " + path + ": " + ErrnoText());
+  if (!S_ISREG(st.st_mode)) return Status::Invalid("safetensors file " + path + " is not a regular file");
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size < 8) {
     return Status::Invalid("safetensors file " + path + " is truncated: " + std::to_string(size) +
