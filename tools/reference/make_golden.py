@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 # name, rank, alpha: distinct ranks and scales (alpha / r = 8, 2, 4).
-ADAPTERS = [("a0", 4, 32.0), ("a1", 8, 16.0), ("a2", 8, 32.0)]
+ADAPTERS = [("a0", 4, 32), ("a1", 8, 16), ("a2", 8, 32)]
 SEQ_LENGTHS = [7, 13, 5, 11]
 SEQ_ADAPTERS = ["a0", "a1", "a0", "a2"]
 SEED = 20240601
