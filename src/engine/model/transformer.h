@@ -20,6 +20,9 @@
 
 namespace loom::engine {
 
+struct CachedBatch;  // engine/model/cached_batch.h: the sampler's rows over a paged KV cache
+struct KvCache;
+
 struct PackedBatch {
   at::Tensor tokens;                  // [T] int64 on device
   at::Tensor positions;               // [T] int64 on device, restarting per sequence
@@ -68,6 +71,12 @@ class Transformer {
 
   // Full logits [T, vocab] fp32 for a few rows (sampler, tests).
   at::Tensor Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const;
+
+  // The sampler's incremental forward (defined in transformer_decode.cpp):
+  // runs each row's new tokens over its cached keys/values, writes the new
+  // keys/values into cache, and returns final-normed hidden states
+  // [new tokens, hidden] fp32. Same math as Hidden(); not differentiable.
+  at::Tensor ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const;
 
   // Every frozen base tensor (tests, memory accounting). None requires grad.
   std::vector<at::Tensor> BaseWeights() const;

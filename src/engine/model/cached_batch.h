@@ -1,0 +1,55 @@
+// CachedBatch and KvCache: the inputs of Transformer::ForwardCached, the
+// sampler's incremental forward over a paged KV cache.
+//
+// The cache is block-allocated (paged): per layer one K and one V pool of
+// num_blocks * block_size rows, each row one token's [KVH, hd] keys or
+// values in the model dtype. A sequence owns a list of blocks (its block
+// table, kept by the sampler's BlockManager); token position p of the
+// sequence lives at row table[p / block_size] * block_size + p % block_size.
+// This file knows rows only; which rows belong to whom is the sampler's.
+//
+// Threading: the sampler's decode thread only.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace loom::engine {
+
+struct KvCache {
+  std::vector<at::Tensor> k, v;  // per layer [rows, KVH, hd], model dtype
+  int64_t rows() const { return k.empty() ? 0 : k[0].size(0); }
+  // Zero-filled pools of `rows` token rows for a model of these sizes.
+  static KvCache Allocate(int64_t layers, int64_t rows, int64_t kv_heads, int64_t head_dim, at::Device device,
+                          at::ScalarType dtype) {
+    KvCache c;
+    const auto opts = at::TensorOptions().dtype(dtype).device(device);
+    for (int64_t i = 0; i < layers; ++i) {
+      c.k.push_back(at::zeros({rows, kv_heads, head_dim}, opts));
+      c.v.push_back(at::zeros({rows, kv_heads, head_dim}, opts));
+    }
+    return c;
+  }
+};
+
+// S rows (sequences), each contributing its new tokens, packed on one axis.
+// Two kinds of step (as nano-vllm): prefill, where every row starts at
+// position 0 and attends causally to its own new tokens only; and decode,
+// where every row has exactly one new token that attends to its whole
+// context (cached rows plus itself) through context_rows.
+struct CachedBatch {
+  at::Tensor tokens;               // [T] int64
+  at::Tensor positions;            // [T] int64
+  std::vector<int64_t> seq_begin;  // S+1 offsets of the rows' new tokens
+  std::vector<int> seq_slot;       // S adapter slots of the bank (-1 = base); rows of one slot adjacent
+  at::Tensor write_rows;           // [T] int64: the cache row each new token's K/V goes to
+  bool prefill = false;
+  // Decode only: [S, Lmax] int64 cache rows of each row's context in
+  // position order (padding: any valid row), and [S, Lmax] bool, true where
+  // the column is part of the row's context.
+  at::Tensor context_rows;
+  at::Tensor context_mask;
+};
+
+}  // namespace loom::engine

@@ -1,0 +1,164 @@
+#include "engine/sample/model_runner.h"
+
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <limits>
+
+namespace loom::engine::sample {
+namespace {
+
+int64_t HeadDim(const ModelConfig& c) { return c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads; }
+
+at::Tensor LongTensor(const std::vector<int64_t>& v, at::Device d) {
+  return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(d);
+}
+
+// A PackedBatch that only routes rows to slots (Logits / TargetLogprobs use
+// seq_begin and seq_slot, not the tokens).
+PackedBatch Routing(std::vector<int64_t> seq_begin, std::vector<int> seq_slot) {
+  PackedBatch b;
+  b.seq_begin = std::move(seq_begin);
+  b.seq_slot = std::move(seq_slot);
+  return b;
+}
+
+}  // namespace
+
+ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* bank, int64_t num_blocks,
+                         int64_t block_size)
+    : model_(std::move(model)), bank_(bank), block_size_(block_size) {
+  const ModelConfig& c = model_->config();
+  cache_ = KvCache::Allocate(c.num_hidden_layers, num_blocks * block_size, c.num_key_value_heads, HeadDim(c),
+                             model_->device(), model_->dtype());
+}
+
+int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {
+  const ModelConfig& c = model.config();
+  return 2 * c.num_hidden_layers * c.num_key_value_heads * HeadDim(c) *
+         static_cast<int64_t>(c10::elementSize(model.dtype()));
+}
+
+int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {
+  return static_cast<int64_t>(s.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
+}
+
+at::Tensor ModelRunner::Prefill(const std::vector<SampleRequest*>& requests) {
+  c10::NoGradGuard no_grad;
+  const at::Device dev = model_->device();
+  std::vector<int64_t> tokens, positions, rows, seq_begin{0}, last;
+  std::vector<int> slots;
+  for (SampleRequest* r : requests) {
+    const Sequence& s0 = *r->sequences[0];
+    for (int64_t p = 0; p < r->prompt_len(); ++p) {
+      tokens.push_back(r->call.prompt[p]);
+      positions.push_back(p);
+      rows.push_back(Row(s0, p));
+    }
+    seq_begin.push_back(static_cast<int64_t>(tokens.size()));
+    last.push_back(seq_begin.back() - 1);
+    slots.push_back(r->slot);
+  }
+  CachedBatch b;
+  b.tokens = LongTensor(tokens, dev);
+  b.positions = LongTensor(positions, dev);
+  b.write_rows = LongTensor(rows, dev);
+  b.seq_begin = seq_begin;
+  b.seq_slot = slots;
+  b.prefill = true;
+  const at::Tensor hidden = model_->ForwardCached(b, cache_, *bank_);
+  for (size_t i = 0; i < requests.size(); ++i) PromptLogprobs(*requests[i], hidden, seq_begin[i]);
+  std::vector<int64_t> one_each(requests.size() + 1);
+  for (size_t i = 0; i < one_each.size(); ++i) one_each[i] = static_cast<int64_t>(i);
+  return model_->Logits(hidden.index_select(0, LongTensor(last, dev)), Routing(one_each, slots), *bank_);
+}
+
+void ModelRunner::PromptLogprobs(SampleRequest& r, const at::Tensor& hidden, int64_t begin) {
+  const int64_t P = r.prompt_len();
+  const int64_t K = r.call.topk_prompt_logprobs;
+  if (!r.call.prompt_logprobs && K <= 0) return;
+  const at::Device dev = model_->device();
+  const at::Tensor h = hidden.narrow(0, begin, P - 1);  // position t predicts prompt[t + 1]
+  if (r.call.prompt_logprobs) {
+    std::vector<float> out(static_cast<size_t>(P), std::numeric_limits<float>::quiet_NaN());
+    if (P > 1) {
+      std::vector<int64_t> targets(r.call.prompt.begin() + 1, r.call.prompt.end());
+      const at::Tensor lp =
+          model_->TargetLogprobs(h, LongTensor(targets, dev), Routing({0, P - 1}, {r.slot}), *bank_)
+              .to(at::kCPU)
+              .contiguous();
+      std::copy(lp.data_ptr<float>(), lp.data_ptr<float>() + (P - 1), out.begin() + 1);
+    }
+    r.output.prompt_logprobs = std::move(out);
+  }
+  if (K > 0) {
+    const int64_t k = std::min<int64_t>(K, model_->config().vocab_size);
+    SampleOutput& o = r.output;
+    o.topk = static_cast<int32_t>(K);
+    o.topk_token_ids.assign(static_cast<size_t>(P * K), 0);
+    o.topk_logprobs.assign(static_cast<size_t>(P * K), SampleOutput::kTopkPad);
+    const int64_t chunk = 256;
+    for (int64_t c0 = 0; c0 < P - 1; c0 += chunk) {
+      const int64_t n = std::min(chunk, P - 1 - c0);
+      const at::Tensor logits = model_->Logits(h.narrow(0, c0, n), Routing({0, n}, {r.slot}), *bank_);
+      at::Tensor vals, ids;
+      std::tie(vals, ids) = at::log_softmax(logits, -1).topk(k, -1);
+      vals = vals.to(at::kCPU).contiguous();
+      ids = ids.to(at::kCPU).contiguous();
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < k; ++j) {
+          const size_t at_cell = static_cast<size_t>((c0 + i + 1) * K + j);
+          o.topk_token_ids[at_cell] = static_cast<int32_t>(ids.data_ptr<int64_t>()[i * k + j]);
+          o.topk_logprobs[at_cell] = vals.data_ptr<float>()[i * k + j];
+        }
+    }
+  }
+}
+
+at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
+  c10::NoGradGuard no_grad;
+  const at::Device dev = model_->device();
+  const int64_t S = static_cast<int64_t>(seqs.size());
+  int64_t L = 0;
+  for (const Sequence* s : seqs) L = std::max(L, s->cached + 1);
+  std::vector<int64_t> tokens(S), positions(S), rows(S), seq_begin(S + 1), ctx(static_cast<size_t>(S * L), 0);
+  std::vector<uint8_t> mask(static_cast<size_t>(S * L), 0);
+  std::vector<int> slots(S);
+  for (int64_t i = 0; i < S; ++i) {
+    const Sequence& s = *seqs[i];
+    tokens[i] = s.tokens.back();
+    positions[i] = s.cached;
+    rows[i] = Row(s, s.cached);
+    seq_begin[i + 1] = i + 1;
+    slots[i] = s.request->slot;
+    for (int64_t p = 0; p <= s.cached; ++p) {
+      ctx[i * L + p] = Row(s, p);
+      mask[i * L + p] = 1;
+    }
+  }
+  CachedBatch b;
+  b.tokens = LongTensor(tokens, dev);
+  b.positions = LongTensor(positions, dev);
+  b.write_rows = LongTensor(rows, dev);
+  b.seq_begin = seq_begin;
+  b.seq_slot = slots;
+  b.prefill = false;
+  b.context_rows = LongTensor(ctx, dev).view({S, L});
+  b.context_mask = at::tensor(at::ArrayRef<uint8_t>(mask), at::TensorOptions().dtype(at::kByte))
+                       .to(at::kBool)
+                       .to(dev)
+                       .view({S, L});
+  const at::Tensor hidden = model_->ForwardCached(b, cache_, *bank_);
+  return model_->Logits(hidden, Routing(seq_begin, slots), *bank_);
+}
+
+void ModelRunner::CopyBlock(int src, int dst, int64_t rows) {
+  if (rows <= 0) return;
+  c10::NoGradGuard no_grad;
+  for (size_t l = 0; l < cache_.k.size(); ++l) {
+    cache_.k[l].narrow(0, dst * block_size_, rows).copy_(cache_.k[l].narrow(0, src * block_size_, rows));
+    cache_.v[l].narrow(0, dst * block_size_, rows).copy_(cache_.v[l].narrow(0, src * block_size_, rows));
+  }
+}
+
+}  // namespace loom::engine::sample

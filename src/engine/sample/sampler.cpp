@@ -1,0 +1,237 @@
+// SamplerImpl: the Sampler of sample_api.h. It owns the decode thread, the
+// inbox that Submit() fills from any thread, and the Scheduler that only
+// the decode thread touches.
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/model/transformer.h"
+#include "engine/sample/scheduler.h"
+#include "engine/sample_api.h"
+
+namespace loom::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using sample::Detokenizer;
+using sample::SampleRequest;
+using sample::Scheduler;
+
+// eos_token_id of generation_config.json (int or list), else of the config.
+std::vector<int32_t> EosTokens(const std::string& model_dir, const ModelConfig& config) {
+  std::vector<int32_t> eos;
+  std::ifstream in(fs::path(model_dir) / "generation_config.json");
+  if (!model_dir.empty() && in) {
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
+    if (!j.is_discarded() && j.is_object() && j.contains("eos_token_id")) {
+      const auto& e = j["eos_token_id"];
+      if (e.is_number_integer()) eos.push_back(e.get<int32_t>());
+      if (e.is_array())
+        for (const auto& x : e)
+          if (x.is_number_integer()) eos.push_back(x.get<int32_t>());
+    }
+  }
+  if (config.eos_token_id >= 0 && std::find(eos.begin(), eos.end(), config.eos_token_id) == eos.end())
+    eos.push_back(static_cast<int32_t>(config.eos_token_id));
+  return eos;
+}
+
+class SamplerImpl final : public Sampler {
+ public:
+  SamplerImpl(std::shared_ptr<const Transformer> model, const SamplerOptions& options,
+              std::unique_ptr<Detokenizer> detok, SamplerInfo info)
+      : options_(options), detok_(std::move(detok)), info_(std::move(info)) {
+    auto bank = std::make_unique<SlotBank>(options.sampler_adapters, options.max_rank, model->device(),
+                                           model->LoraTargets());
+    sample::SchedulerLimits limits;
+    limits.max_batch_rows = options.max_batch_rows;
+    limits.max_prefill_tokens = options.max_prefill_tokens;
+    scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
+                                             limits, detok_.get(), info_.eos_token_ids);
+    stats_ = scheduler_->stats();
+    thread_ = std::thread([this] { Loop(); });
+  }
+
+  ~SamplerImpl() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  const SamplerInfo& info() const override { return info_; }
+
+  Status Validate(const SampleCall& c) const override {
+    const int64_t P = static_cast<int64_t>(c.prompt.size()), W = info_.context_window;
+    if (P == 0) return Status::Invalid("prompt must have at least one token");
+    for (size_t i = 0; i < c.prompt.size(); ++i)
+      if (c.prompt[i] < 0 || c.prompt[i] >= info_.vocab_size)
+        return Status::Invalid("prompt token " + std::to_string(i) + " is " + std::to_string(c.prompt[i]) +
+                               ", outside the vocabulary [0, " + std::to_string(info_.vocab_size) + ")");
+    const int32_t max_samples = std::min(options_.max_num_samples, options_.max_batch_rows);
+    if (c.num_samples < 1 || c.num_samples > max_samples)
+      return Status::Invalid("num_samples " + std::to_string(c.num_samples) + " must be in [1, " +
+                             std::to_string(max_samples) + "]");
+    const SamplingParams& p = c.params;
+    if (p.max_tokens && *p.max_tokens < 0)
+      return Status::Invalid("sampling_params.max_tokens " + std::to_string(*p.max_tokens) + " must be >= 0");
+    if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
+      return Status::Invalid("sampling_params.temperature must be a finite number >= 0");
+    if (p.top_k != -1 && p.top_k < 1)
+      return Status::Invalid("sampling_params.top_k " + std::to_string(p.top_k) + " must be -1 (off) or >= 1");
+    if (!(p.top_p > 0 && p.top_p <= 1)) return Status::Invalid("sampling_params.top_p must be in (0, 1]");
+    for (int32_t t : p.stop_tokens)
+      if (t < 0 || t >= info_.vocab_size)
+        return Status::Invalid("sampling_params.stop token " + std::to_string(t) + " is outside the vocabulary [0, " +
+                               std::to_string(info_.vocab_size) + ")");
+    if (!p.stop_strings.empty() && !detok_)
+      return Status::Invalid("sampling_params.stop: stop strings need tokenizer.json in the model directory");
+    for (const std::string& s : p.stop_strings)
+      if (s.empty()) return Status::Invalid("sampling_params.stop: a stop string is empty");
+    if (c.topk_prompt_logprobs < 0 || c.topk_prompt_logprobs > info_.vocab_size)
+      return Status::Invalid("topk_prompt_logprobs " + std::to_string(c.topk_prompt_logprobs) + " must be in [0, " +
+                             std::to_string(info_.vocab_size) + "]");
+    if (P > W)
+      return Status::Invalid("prompt has " + std::to_string(P) + " tokens, more than the context window of " +
+                             std::to_string(W));
+    const int64_t max_tokens = p.max_tokens ? *p.max_tokens : W - P;
+    if (P + max_tokens > W)
+      return Status::Invalid("prompt (" + std::to_string(P) + " tokens) + max_tokens (" + std::to_string(max_tokens) +
+                             ") = " + std::to_string(P + max_tokens) + " exceeds the context window of " +
+                             std::to_string(W));
+    const sample::BlockManager& blocks = scheduler_->blocks();  // num_blocks/block_size are immutable
+    const int64_t need = blocks.WorstCase(P, max_tokens, c.num_samples);
+    if (need > info_.kv_blocks)
+      return Status::Invalid("the request needs " + std::to_string(need * info_.block_size) +
+                             " KV cache tokens (prompt + max_tokens for each of num_samples), more than the "
+                             "sampler's KV budget of " + std::to_string(info_.kv_tokens));
+    if (!c.adapter_dir.empty() && !fs::exists(fs::path(c.adapter_dir) / "adapter_config.json"))
+      return Status::NotFound("sampler snapshot " + c.adapter_dir + " has no adapter_config.json");
+    return Status::Ok();
+  }
+
+  void Submit(SampleCall call, SampleCallback done) override {
+    if (Status s = Validate(call); !s.ok()) {
+      if (done) done(s);
+      return;
+    }
+    auto r = std::make_unique<SampleRequest>();
+    const int64_t P = static_cast<int64_t>(call.prompt.size());
+    r->max_tokens = call.params.max_tokens ? *call.params.max_tokens : info_.context_window - P;
+    if (call.params.seed) {
+      r->seed = *call.params.seed;
+    } else {
+      std::random_device rd;
+      r->seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+    }
+    r->call = std::move(call);
+    r->done = std::move(done);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) {
+        r->done(Status::Unavailable("the sampler is shutting down"));
+        return;
+      }
+      r->id = next_id_++;
+      inbox_.push_back(std::move(r));
+    }
+    cv_.notify_one();
+  }
+
+  SamplerStats stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  void Loop() {
+    c10::NoGradGuard no_grad;
+    if (options_.threads > 0) at::set_num_threads(options_.threads);
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !scheduler_->idle(); });
+        if (stop_) break;
+        for (auto& r : inbox_) scheduler_->Add(std::move(r));
+        inbox_.clear();
+      }
+      scheduler_->Step();
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_ = scheduler_->stats();
+    }
+    std::vector<std::unique_ptr<SampleRequest>> left;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      left = std::move(inbox_);
+    }
+    for (auto& r : left) scheduler_->Add(std::move(r));
+    scheduler_->FailAll(Status::Unavailable("the sampler is shutting down"));
+  }
+
+  SamplerOptions options_;
+  std::unique_ptr<Detokenizer> detok_;
+  SamplerInfo info_;
+  std::unique_ptr<Scheduler> scheduler_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  uint64_t next_id_ = 0;
+  std::vector<std::unique_ptr<SampleRequest>> inbox_;
+  SamplerStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer> model,
+                                               const SamplerOptions& options) {
+  if (!model) return Status::Invalid("sampler: no model");
+  if (options.sampler_adapters < 1) return Status::Invalid("sampler_adapters must be >= 1");
+  if (options.max_rank < 1) return Status::Invalid("sampler max_rank must be >= 1");
+  if (options.block_size < 1) return Status::Invalid("sampler block_size must be >= 1");
+  if (options.max_batch_rows < 1) return Status::Invalid("max_batch_rows must be >= 1");
+  const ModelConfig& c = model->config();
+  SamplerInfo info;
+  info.vocab_size = c.vocab_size;
+  info.context_window = options.context_window > 0 ? options.context_window : c.max_position_embeddings;
+  if (info.context_window <= 0) return Status::Invalid("context window is unknown: set context_window");
+  info.block_size = options.block_size;
+  int64_t tokens = options.kv_budget_tokens;
+  if (tokens <= 0 && options.kv_budget_bytes > 0)
+    tokens = options.kv_budget_bytes / sample::ModelRunner::KvBytesPerToken(*model);
+  if (tokens <= 0) tokens = 65536;
+  info.kv_blocks = tokens / options.block_size;
+  if (info.kv_blocks < 1) return Status::Invalid("the KV budget holds less than one block");
+  info.kv_tokens = info.kv_blocks * options.block_size;
+  info.sampler_adapters = options.sampler_adapters;
+  info.eos_token_ids = EosTokens(options.model_dir, c);
+  std::unique_ptr<Detokenizer> detok;
+  if (!options.model_dir.empty()) {
+    const fs::path tj = fs::path(options.model_dir) / "tokenizer.json";
+    if (fs::exists(tj)) {
+      Result<std::unique_ptr<Detokenizer>> d = Detokenizer::Load(tj.string());
+      if (!d.ok()) return d.status();
+      detok = std::move(d.value());
+    }
+  }
+  info.has_tokenizer = detok != nullptr;
+  return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), options, std::move(detok), std::move(info)));
+}
+
+}  // namespace loom::engine

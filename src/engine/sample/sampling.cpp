@@ -1,0 +1,72 @@
+#include "engine/sample/sampling.h"
+
+#include <algorithm>
+
+namespace loom::engine::sample {
+namespace {
+
+uint64_t Mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+double UniformDraw(uint64_t seed, uint64_t sample_index, uint64_t step) {
+  const uint64_t h = Mix(Mix(Mix(seed) ^ (sample_index * 0xD1B54A32D192ED03ull)) ^ (step * 0x8CB92BA72F3D8DD7ull));
+  return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams>& rows) {
+  const int64_t S = logits.size(0), V = logits.size(1);
+  const auto cpu_long = at::TensorOptions().dtype(at::kLong);
+  const auto cpu_f = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor chosen = logits.argmax(-1);  // greedy for every row; stochastic rows overwritten below
+
+  std::vector<int64_t> stoch;
+  for (int64_t r = 0; r < S; ++r)
+    if (rows[r].temperature > 0) stoch.push_back(r);
+  if (!stoch.empty()) {
+    const int64_t n = static_cast<int64_t>(stoch.size());
+    std::vector<float> inv_t(n), top_p(n), u(n);
+    std::vector<int64_t> top_k(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const RowChoiceParams& p = rows[stoch[i]];
+      inv_t[i] = static_cast<float>(1.0 / p.temperature);
+      top_k[i] = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
+      top_p[i] = static_cast<float>(p.top_p);
+      u[i] = static_cast<float>(p.u);
+    }
+    const at::Device dev = logits.device();
+    const at::Tensor idx = at::tensor(stoch, cpu_long).to(dev);
+    const at::Tensor scaled = logits.index_select(0, idx) * at::tensor(inv_t, cpu_f).to(dev).unsqueeze(1);
+    at::Tensor sorted, order;
+    std::tie(sorted, order) = at::sort(scaled, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+    const at::Tensor probs = at::softmax(sorted, -1);
+    const at::Tensor rank = at::arange(V, cpu_long.device(dev)).unsqueeze(0);
+    at::Tensor keep = rank < at::tensor(top_k, cpu_long).to(dev).unsqueeze(1);
+    const at::Tensor before = at::cumsum(probs, -1) - probs;  // mass of the more likely tokens
+    keep = keep.logical_and(before < at::tensor(top_p, cpu_f).to(dev).unsqueeze(1));
+    keep.select(1, 0).fill_(true);
+    const at::Tensor cdf = at::cumsum(probs * keep.to(at::kFloat), -1);
+    const at::Tensor threshold = at::tensor(u, cpu_f).to(dev) * cdf.select(1, V - 1);
+    at::Tensor pick = (cdf <= threshold.unsqueeze(1)).sum(-1);
+    pick = at::minimum(pick, keep.sum(-1) - 1);
+    chosen.index_copy_(0, idx, order.gather(1, pick.unsqueeze(1)).squeeze(1));
+  }
+  const at::Tensor lp = at::log_softmax(logits, -1).gather(1, chosen.unsqueeze(1)).squeeze(1);
+  const at::Tensor tok_cpu = chosen.to(at::kCPU).contiguous();
+  const at::Tensor lp_cpu = lp.to(at::kCPU).contiguous();
+  Choices c;
+  c.tokens.resize(S);
+  c.logprobs.resize(S);
+  for (int64_t r = 0; r < S; ++r) {
+    c.tokens[r] = static_cast<int32_t>(tok_cpu.data_ptr<int64_t>()[r]);
+    c.logprobs[r] = lp_cpu.data_ptr<float>()[r];
+  }
+  return c;
+}
+
+}  // namespace loom::engine::sample

@@ -1,0 +1,255 @@
+#include "engine/sample/scheduler.h"
+
+#include <algorithm>
+#include <exception>
+
+#include "engine/sample/sampling.h"
+
+namespace loom::engine::sample {
+
+Scheduler::Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<SlotBank> bank, int64_t num_blocks,
+                     int64_t block_size, SchedulerLimits limits, const Detokenizer* detok, std::vector<int32_t> eos)
+    : bank_(std::move(bank)),
+      adapters_(bank_.get()),
+      blocks_(num_blocks, block_size),
+      runner_(std::move(model), bank_.get(), num_blocks, block_size),
+      limits_(limits),
+      detok_(detok),
+      eos_(std::move(eos)) {}
+
+void Scheduler::EnsureBlock(Sequence& s, int64_t pos) {
+  while (pos / blocks_.block_size() >= static_cast<int64_t>(s.block_table.size())) {
+    s.block_table.push_back(blocks_.Allocate());
+    --s.request->reserved_blocks;
+  }
+}
+
+std::vector<SampleRequest*> Scheduler::Admit() {
+  std::vector<SampleRequest*> fresh;
+  int64_t prefill_tokens = 0;
+  while (!waiting_.empty()) {
+    SampleRequest& r = *waiting_.front();
+    const int64_t n = r.call.num_samples, P = r.prompt_len();
+    if (rows_in_use_ + n > limits_.max_batch_rows) break;
+    if (!fresh.empty() && prefill_tokens + P > limits_.max_prefill_tokens) break;
+    const int64_t need = blocks_.WorstCase(P, r.max_tokens, n);
+    auto wait = [&] {
+      if (head_waited_ != r.id + 1) ++stats_.admission_waits;
+      head_waited_ = r.id + 1;
+    };
+    if (need > blocks_.free_count() - blocks_.reserved()) {
+      wait();
+      break;
+    }
+    int slot = -1;
+    if (!r.call.adapter_dir.empty()) {
+      Result<int> got = adapters_.Acquire(r.call.adapter_dir);
+      if (!got.ok() && got.status().code() == Code::kResourceExhausted) {
+        wait();
+        break;
+      }
+      if (!got.ok()) {
+        std::unique_ptr<SampleRequest> failed = std::move(waiting_.front());
+        waiting_.pop_front();
+        failed->reserved_blocks = 0;
+        if (failed->done) failed->done(got.status());
+        ++stats_.requests_done;
+        continue;
+      }
+      slot = *got;
+    }
+    blocks_.Reserve(need);
+    r.reserved_blocks = need;
+    r.slot = slot;
+    r.output.sequences.assign(static_cast<size_t>(n), SampledSequence{});
+    for (int64_t j = 0; j < n; ++j) {
+      auto s = std::make_unique<Sequence>();
+      s->request = &r;
+      s->index = static_cast<int>(j);
+      s->tokens = r.call.prompt;
+      r.sequences.push_back(std::move(s));
+    }
+    EnsureBlock(*r.sequences[0], P - 1);
+    rows_in_use_ += n;
+    prefill_tokens += P;
+    fresh.push_back(&r);
+    admitted_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+  return fresh;
+}
+
+void Scheduler::PrefillStep(const std::vector<SampleRequest*>& fresh_in) {
+  std::vector<SampleRequest*> fresh = fresh_in;
+  std::stable_sort(fresh.begin(), fresh.end(), [](auto* a, auto* b) { return a->slot < b->slot; });
+  const at::Tensor logits = runner_.Prefill(fresh);
+  ++stats_.prefill_steps;
+  const int64_t bs = blocks_.block_size();
+  std::vector<int64_t> from;
+  std::vector<RowChoiceParams> params;
+  std::vector<Sequence*> rows;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    SampleRequest& r = *fresh[i];
+    const int64_t P = r.prompt_len();
+    Sequence& s0 = *r.sequences[0];
+    s0.cached = P;
+    for (size_t j = 1; j < r.sequences.size(); ++j) {  // fork from the one prefill
+      Sequence& s = *r.sequences[j];
+      for (int64_t b = 0; b < P / bs; ++b) {
+        blocks_.Share(s0.block_table[b]);
+        s.block_table.push_back(s0.block_table[b]);
+      }
+      if (P % bs != 0) {
+        EnsureBlock(s, P - 1);
+        runner_.CopyBlock(s0.block_table[P / bs], s.block_table.back(), P % bs);
+      }
+      s.cached = P;
+    }
+    for (auto& s : r.sequences) {
+      if (r.max_tokens <= 0) {
+        Finish(*s, SampleStopReason::kLength);
+        continue;
+      }
+      from.push_back(static_cast<int64_t>(i));
+      const SamplingParams& p = r.call.params;
+      params.push_back({p.temperature, p.top_k, p.top_p, UniformDraw(r.seed, s->index, 0)});
+      rows.push_back(s.get());
+    }
+  }
+  if (rows.empty()) return;
+  const at::Tensor expanded =
+      logits.index_select(0, at::tensor(from, at::TensorOptions().dtype(at::kLong)).to(logits.device()));
+  const Choices c = ChooseTokens(expanded, params);
+  for (size_t k = 0; k < rows.size(); ++k) Append(*rows[k], c.tokens[k], c.logprobs[k]);
+}
+
+void Scheduler::DecodeStep() {
+  std::vector<Sequence*> rows;
+  for (auto& r : admitted_)
+    for (auto& s : r->sequences)
+      if (!s->finished) rows.push_back(s.get());
+  if (rows.empty()) return;
+  std::stable_sort(rows.begin(), rows.end(), [](const Sequence* a, const Sequence* b) {
+    if (a->request->slot != b->request->slot) return a->request->slot < b->request->slot;
+    return a->request->id < b->request->id;
+  });
+  std::vector<RowChoiceParams> params;
+  int64_t adapters = 0;
+  int last_slot = -2;
+  for (Sequence* s : rows) {
+    EnsureBlock(*s, s->cached);
+    const SampleRequest& r = *s->request;
+    const SamplingParams& p = r.call.params;
+    const uint64_t step = r.output.sequences[s->index].tokens.size();
+    params.push_back({p.temperature, p.top_k, p.top_p, UniformDraw(r.seed, s->index, step)});
+    if (r.slot != last_slot) ++adapters, last_slot = r.slot;
+  }
+  const at::Tensor logits = runner_.Decode(rows);
+  const Choices c = ChooseTokens(logits, params);
+  ++stats_.decode_steps;
+  stats_.max_rows_in_step = std::max<int64_t>(stats_.max_rows_in_step, static_cast<int64_t>(rows.size()));
+  stats_.max_adapters_in_step = std::max(stats_.max_adapters_in_step, adapters);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    ++rows[k]->cached;
+    Append(*rows[k], c.tokens[k], c.logprobs[k]);
+  }
+}
+
+bool Scheduler::Append(Sequence& s, int32_t token, float logprob) {
+  SampleRequest& r = *s.request;
+  SampledSequence& out = r.output.sequences[s.index];
+  s.tokens.push_back(token);
+  out.tokens.push_back(token);
+  out.logprobs.push_back(logprob);
+  ++stats_.tokens_generated;
+  const SamplingParams& p = r.call.params;
+  bool stop = std::find(p.stop_tokens.begin(), p.stop_tokens.end(), token) != p.stop_tokens.end() ||
+              std::find(eos_.begin(), eos_.end(), token) != eos_.end();
+  if (!stop && !p.stop_strings.empty() && detok_) {
+    const std::string& bytes = detok_->Bytes(token);
+    s.text += bytes;
+    stop = EndsWithStop(s.text, bytes.size(), p.stop_strings);
+  }
+  if (stop) {
+    Finish(s, SampleStopReason::kStop);
+    return true;
+  }
+  if (static_cast<int64_t>(out.tokens.size()) >= r.max_tokens) {
+    Finish(s, SampleStopReason::kLength);
+    return true;
+  }
+  return false;
+}
+
+void Scheduler::Finish(Sequence& s, SampleStopReason why) {
+  if (s.finished) return;
+  s.finished = true;
+  s.request->output.sequences[s.index].stop_reason = why;
+  for (int b : s.block_table) blocks_.Release(b);
+  s.block_table.clear();
+  --rows_in_use_;
+}
+
+void Scheduler::Complete(SampleRequest& r, Result<SampleOutput> result) {
+  for (auto& s : r.sequences)
+    if (!s->finished) Finish(*s, SampleStopReason::kLength);
+  if (r.slot >= 0) adapters_.Release(r.slot);
+  r.slot = -1;
+  blocks_.Unreserve(r.reserved_blocks);
+  r.reserved_blocks = 0;
+  ++stats_.requests_done;
+  if (r.done) r.done(std::move(result));
+}
+
+void Scheduler::CompleteDone() {
+  for (size_t i = 0; i < admitted_.size();) {
+    SampleRequest& r = *admitted_[i];
+    const bool done = std::all_of(r.sequences.begin(), r.sequences.end(), [](auto& s) { return s->finished; });
+    if (!done) {
+      ++i;
+      continue;
+    }
+    std::unique_ptr<SampleRequest> owned = std::move(admitted_[i]);
+    admitted_.erase(admitted_.begin() + static_cast<std::ptrdiff_t>(i));
+    SampleOutput out = std::move(owned->output);
+    Complete(*owned, std::move(out));
+  }
+}
+
+void Scheduler::Step() {
+  try {
+    const std::vector<SampleRequest*> fresh = Admit();
+    if (!fresh.empty()) {
+      PrefillStep(fresh);
+    } else {
+      DecodeStep();
+    }
+    CompleteDone();
+  } catch (const std::exception& e) {
+    const Status failed = Status::Internal(std::string("sampler step failed: ") + e.what());
+    std::vector<std::unique_ptr<SampleRequest>> admitted = std::move(admitted_);
+    admitted_.clear();
+    for (auto& r : admitted) Complete(*r, failed);
+  }
+}
+
+void Scheduler::FailAll(const Status& status) {
+  std::vector<std::unique_ptr<SampleRequest>> admitted = std::move(admitted_);
+  admitted_.clear();
+  for (auto& r : admitted) Complete(*r, status);
+  while (!waiting_.empty()) {
+    std::unique_ptr<SampleRequest> r = std::move(waiting_.front());
+    waiting_.pop_front();
+    Complete(*r, status);
+  }
+}
+
+SamplerStats Scheduler::stats() const {
+  SamplerStats s = stats_;
+  s.adapter_loads = adapters_.loads();
+  s.adapter_evictions = adapters_.evictions();
+  s.kv_blocks_free = blocks_.free_count();
+  return s;
+}
+
+}  // namespace loom::engine::sample

@@ -1,0 +1,71 @@
+// Scheduler: continuous batching (as nano-vllm's scheduler.py). Requests
+// wait in arrival order; between decode steps the head of the queue is
+// admitted when its adapter has a slot (AdapterCache) and its worst-case KV
+// blocks can be reserved (BlockManager), and the rows fit max_batch_rows.
+// A step is either the prefill of newly admitted requests (each prompt run
+// once; its num_samples rows fork from that one prefill) or one decode step
+// over every running row of every adapter, sorted by adapter slot.
+// Invariant: every admitted request holds its adapter slot and its block
+// reservation until its last sequence finishes; then its callback runs.
+//
+// Threading: the decode thread only.
+#pragma once
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "engine/sample/adapter_cache.h"
+#include "engine/sample/block_manager.h"
+#include "engine/sample/detokenizer.h"
+#include "engine/sample/model_runner.h"
+#include "engine/sample/sequence.h"
+
+namespace loom::engine::sample {
+
+struct SchedulerLimits {
+  int max_batch_rows = 64;
+  int64_t max_prefill_tokens = 8192;
+};
+
+class Scheduler {
+ public:
+  Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<SlotBank> bank, int64_t num_blocks,
+            int64_t block_size, SchedulerLimits limits, const Detokenizer* detok, std::vector<int32_t> eos);
+
+  void Add(std::unique_ptr<SampleRequest> r) { waiting_.push_back(std::move(r)); }
+  bool idle() const { return waiting_.empty() && admitted_.empty(); }
+  // One prefill or decode step; completes finished requests. On a device
+  // error every admitted request fails with it.
+  void Step();
+  // Completes every request, queued or admitted, with status.
+  void FailAll(const Status& status);
+
+  SamplerStats stats() const;
+  const BlockManager& blocks() const { return blocks_; }
+
+ private:
+  std::vector<SampleRequest*> Admit();
+  void PrefillStep(const std::vector<SampleRequest*>& fresh);
+  void DecodeStep();
+  // Appends a chosen token; true when the sequence is done.
+  bool Append(Sequence& s, int32_t token, float logprob);
+  void Finish(Sequence& s, SampleStopReason why);
+  void CompleteDone();
+  void Complete(SampleRequest& r, Result<SampleOutput> result);
+  void EnsureBlock(Sequence& s, int64_t pos);
+
+  std::unique_ptr<SlotBank> bank_;
+  AdapterCache adapters_;
+  BlockManager blocks_;
+  ModelRunner runner_;
+  SchedulerLimits limits_;
+  const Detokenizer* detok_;
+  std::vector<int32_t> eos_;
+  std::deque<std::unique_ptr<SampleRequest>> waiting_;
+  std::vector<std::unique_ptr<SampleRequest>> admitted_;
+  int64_t rows_in_use_ = 0;
+  uint64_t head_waited_ = 0;  // id of the last head request counted in admission_waits
+  SamplerStats stats_;
+};
+
+}  // namespace loom::engine::sample

@@ -1,0 +1,46 @@
+// SampleRequest and Sequence: the sampler's bookkeeping for one Submit()
+// and for one of its num_samples rows (as nano-vllm's sequence.py).
+//
+// A request owns its sequences. Sequence 0 holds the prompt's KV blocks
+// from the prefill; the others share its full prompt blocks (refcounted)
+// and get a copy of the partial last one, so the prompt is computed once.
+// Invariant: seq.cached tokens of seq.tokens have K/V in the cache, at rows
+// given by block_table; the last token of a running sequence is not cached.
+//
+// Threading: the decode thread only.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/sample_api.h"
+
+namespace loom::engine::sample {
+
+struct SampleRequest;
+
+struct Sequence {
+  SampleRequest* request = nullptr;
+  int index = 0;                   // sample index within the request (keys its PRNG)
+  std::vector<int32_t> tokens;     // prompt followed by generated tokens
+  int64_t cached = 0;              // tokens whose K/V is in the cache
+  std::vector<int> block_table;    // KV blocks in position order
+  std::string text;                // generated text as bytes (kept only when stop strings are set)
+  bool finished = false;
+};
+
+struct SampleRequest {
+  uint64_t id = 0;                 // arrival order
+  SampleCall call;
+  SampleCallback done;
+  int64_t max_tokens = 0;          // resolved (unset -> context window - prompt)
+  uint64_t seed = 0;               // resolved (unset -> fresh entropy)
+  int slot = -1;                   // adapter slot while admitted (-1 = base)
+  int64_t reserved_blocks = 0;     // KV blocks promised and not yet allocated
+  std::vector<std::unique_ptr<Sequence>> sequences;
+  SampleOutput output;
+  int64_t prompt_len() const { return static_cast<int64_t>(call.prompt.size()); }
+};
+
+}  // namespace loom::engine::sample

@@ -1,0 +1,132 @@
+// The sampler's public face: plain C++ types, no tensors (like engine/api.h).
+// service/ submits SampleCalls and gets SampleOutputs back through a
+// callback; everything with tensors lives behind Sampler in engine/sample/.
+//
+// Threading: Submit(), Validate(), info() and the destructor may be called
+// from any thread. Callbacks run on the sampler's own decode thread: they
+// must be quick (post the result to the caller's executor and return).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace loom::engine {
+
+class Transformer;
+
+// Tinker's SamplingParams, already parsed (wire/sample.h does the JSON).
+struct SamplingParams {
+  // Tokens to generate at most; unset = up to the context window.
+  std::optional<int32_t> max_tokens;
+  double temperature = 1.0;        // 0 = greedy (argmax)
+  int32_t top_k = -1;              // -1 = off, else >= 1
+  double top_p = 1.0;              // in (0, 1]
+  std::optional<uint64_t> seed;    // same seed + same inputs -> same tokens; unset = fresh entropy
+  std::vector<int32_t> stop_tokens;
+  std::vector<std::string> stop_strings;  // matched on detokenized generated text (needs tokenizer.json)
+};
+
+struct SampleCall {
+  std::string adapter_dir;         // PEFT snapshot directory; empty = the base model
+  std::vector<int32_t> prompt;
+  int32_t num_samples = 1;
+  SamplingParams params;
+  bool prompt_logprobs = false;
+  int32_t topk_prompt_logprobs = 0;  // 0 = off
+};
+
+enum class SampleStopReason { kStop, kLength };  // kStop: EOS, stop token or stop string
+
+struct SampledSequence {
+  std::vector<int32_t> tokens;     // generated tokens, the stop token / string's last token included
+  std::vector<float> logprobs;     // per token: log_softmax of the adapter's unscaled logits
+  SampleStopReason stop_reason = SampleStopReason::kLength;
+};
+
+struct SampleOutput {
+  std::vector<SampledSequence> sequences;  // num_samples of them, in sample order
+  // One per prompt token; [0] is NaN (nothing predicts the first token).
+  std::optional<std::vector<float>> prompt_logprobs;
+  // N x K row-major (N = prompt length, K = topk_prompt_logprobs), best
+  // first; row 0 is padding: token id 0, logprob kTopkPad.
+  static constexpr float kTopkPad = -99999.0f;
+  int32_t topk = 0;
+  std::vector<int32_t> topk_token_ids;
+  std::vector<float> topk_logprobs;
+};
+
+struct SamplerOptions {
+  std::string model_dir;          // for tokenizer.json and generation_config.json (may be empty)
+  int sampler_adapters = 4;       // adapter cache slots (--sampler-adapters)
+  int max_rank = 32;              // the largest LoRA rank a snapshot may have
+  int64_t kv_budget_tokens = 0;   // KV cache size in tokens; 0 = from kv_budget_bytes
+  int64_t kv_budget_bytes = 0;    // used when kv_budget_tokens is 0; both 0 = 65536 tokens
+  int block_size = 16;            // tokens per KV block
+  int max_batch_rows = 64;        // decode rows (sequences) per step
+  int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step (one prompt always fits)
+  int64_t context_window = 0;     // 0 = the model's max_position_embeddings
+  int32_t max_num_samples = 128;
+  int threads = 0;                // CPU intra-op threads of the decode thread; 0 = leave as is
+};
+
+struct SamplerInfo {
+  int64_t vocab_size = 0;
+  int64_t context_window = 0;
+  int64_t kv_tokens = 0;          // KV cache capacity in tokens
+  int64_t kv_blocks = 0;
+  int block_size = 0;
+  int sampler_adapters = 0;
+  bool has_tokenizer = false;
+  std::vector<int32_t> eos_token_ids;
+};
+
+// Counters for tests, metrics and the bench. Read with stats().
+struct SamplerStats {
+  int64_t requests_done = 0;
+  int64_t decode_steps = 0;
+  int64_t prefill_steps = 0;
+  int64_t tokens_generated = 0;
+  int64_t adapter_loads = 0;      // snapshot loads from disk (first loads + reloads after eviction)
+  int64_t adapter_evictions = 0;
+  int64_t max_rows_in_step = 0;   // the most sequences one decode step carried
+  int64_t max_adapters_in_step = 0;  // the most distinct adapters one decode step carried
+  int64_t admission_waits = 0;    // times the head request waited for KV blocks
+  int64_t kv_blocks_free = 0;
+};
+
+using SampleCallback = std::function<void(Result<SampleOutput>)>;
+
+// Sampler: a continuous-batching decoder over one frozen base model with an
+// LRU cache of LoRA snapshots. Invariant: a call's tokens depend only on
+// (model, snapshot, prompt, params, seed), never on the other calls sharing
+// its decode steps (to float tolerance of the logits).
+class Sampler {
+ public:
+  // model: the shared frozen base (the trainer's copy, held once). The
+  // decode thread starts here and stops in the destructor; calls still
+  // queued or running then complete with Status::Unavailable.
+  static Result<std::unique_ptr<Sampler>> Open(std::shared_ptr<const Transformer> model,
+                                               const SamplerOptions& options);
+  virtual ~Sampler() = default;
+
+  virtual const SamplerInfo& info() const = 0;
+
+  // Tensor-free checks: prompt non-empty and in the vocabulary, num_samples,
+  // parameter ranges, prompt + max_tokens <= the context window, stop strings
+  // only with a tokenizer.json, the request fits the KV budget at all.
+  // Status::Invalid naming the field and the limit.
+  virtual Status Validate(const SampleCall& call) const = 0;
+
+  // Validates, queues and returns; done(result) runs later on the decode
+  // thread (or at once, with the error, when validation fails).
+  virtual void Submit(SampleCall call, SampleCallback done) = 0;
+
+  virtual SamplerStats stats() const = 0;
+};
+
+}  // namespace loom::engine
