@@ -119,6 +119,9 @@ void Service::JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_re
     }
   }
   futures_.Sweep(now);
+  for (auto it = idempotent_.begin(); it != idempotent_.end();) {
+    it = now - it->second.second > std::chrono::hours(1) ? idempotent_.erase(it) : std::next(it);
+  }
   for (auto it = archives_.begin(); it != archives_.end();) {
     it = it->second.expires < now ? archives_.erase(it) : std::next(it);
   }

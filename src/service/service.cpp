@@ -59,12 +59,12 @@ std::optional<Submitted> Service::IdempotentLocked(const Caller& caller) const {
   if (caller.idempotency_key.empty()) return std::nullopt;
   auto it = idempotent_.find({caller.tenant, caller.idempotency_key});
   if (it == idempotent_.end()) return std::nullopt;
-  return it->second;
+  return it->second.first;
 }
 
 void Service::RememberLocked(const Caller& caller, const Submitted& submitted) {
   if (caller.idempotency_key.empty()) return;
-  idempotent_[{caller.tenant, caller.idempotency_key}] = submitted;
+  idempotent_[{caller.tenant, caller.idempotency_key}] = {submitted, Clock::now()};
 }
 
 // ---------------------------------------------------------------- sessions
@@ -226,7 +226,11 @@ Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::C
 
 Result<Submitted> Service::ForwardBackward(const Caller& caller, wire::ForwardBackwardRequest request) {
   // Pure checks first, on this I/O thread: nothing invalid reaches the engine.
-  if (Status st = engine_->ValidateForwardBackward(request.call); !st.ok()) return st;
+  // The slot is bound later, on the engine thread; validate as if slot 0.
+  request.call.slot = 0;
+  Status valid = engine_->ValidateForwardBackward(request.call);
+  request.call.slot = -1;
+  if (!valid.ok()) return valid;
   TrainingOp op;
   op.kind = OpKind::kForwardBackward;
   op.seq_id = request.seq_id;

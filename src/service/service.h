@@ -214,7 +214,8 @@ class Service {
   std::map<std::string, Session> sessions_;
   std::map<std::string, std::unique_ptr<TrainingModel>> models_;
   std::map<std::string, Sampler> samplers_;
-  std::map<std::pair<std::string, std::string>, Submitted> idempotent_;  // (tenant, key)
+  // (tenant, X-Idempotency-Key) -> first answer and when; pruned after an hour.
+  std::map<std::pair<std::string, std::string>, std::pair<Submitted, Clock::time_point>> idempotent_;
   std::map<std::string, ArchiveGrant> archives_;
   std::set<int> free_slots_;
   std::vector<int> slots_to_release_;  // released on the engine thread

@@ -1,0 +1,255 @@
+// End to end: starts the real `loom serve` binary (LOOM_BINARY) on the
+// embedded tiny qwen3 over loopback and drives the Tinker training flow with
+// loom's own HTTP client: create -> forward_backward (protobuf) -> optim_step
+// -> save_state -> load_state -> save_weights_for_sampler -> REST
+// list/delete/archive -> SIGTERM (exit 0) -> restart -> still listed and
+// loadable, with the loaded adapter giving the same loss as before.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+
+#include "../http/test_client.h"
+#include "wire/forward_backward.h"
+
+namespace loom {
+namespace {
+
+using Json = nlohmann::json;
+using namespace std::chrono_literals;
+constexpr const char* kKey = "tml-integration-tenant";
+
+// A `loom serve` child process on an ephemeral port.
+class LoomServer {
+ public:
+  explicit LoomServer(const std::string& data_dir) {
+    int out[2];
+    if (pipe(out) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      close(out[0]);
+      close(out[1]);
+      execl(LOOM_BINARY, LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", data_dir.c_str(),
+            "--max-adapters", "2", "--max-rank", "8", "--poll-hold", "2", "--device", "cpu", nullptr);
+      _exit(127);
+    }
+    close(out[1]);
+    // First stdout line: "loom serve: listening on http://127.0.0.1:PORT ..."
+    std::string line;
+    pollfd pfd{out[0], POLLIN, 0};
+    const auto deadline = std::chrono::steady_clock::now() + 120s;
+    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+      if (poll(&pfd, 1, 500) > 0) {
+        char buf[512];
+        ssize_t n = read(out[0], buf, sizeof buf);
+        if (n <= 0) break;
+        line.append(buf, n);
+      }
+    }
+    close(out[0]);
+    const std::string marker = "http://127.0.0.1:";
+    auto pos = line.find(marker);
+    if (pos != std::string::npos) port_ = static_cast<uint16_t>(std::stoi(line.substr(pos + marker.size())));
+    banner_ = line;
+  }
+  ~LoomServer() {
+    if (pid_ > 0 && !stopped_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+  uint16_t port() const { return port_; }
+  const std::string& banner() const { return banner_; }
+  // SIGTERM; returns the exit status (or -1).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    stopped_ = true;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  uint16_t port_ = 0;
+  bool stopped_ = false;
+  std::string banner_;
+};
+
+class Flow {
+ public:
+  explicit Flow(uint16_t port) : client_("127.0.0.1", port) {}
+
+  testing::Reply Post(const std::string& route, const Json& body) {
+    return client_.Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", kKey}});
+  }
+  Json PostOk(const std::string& route, const Json& body) {
+    auto r = Post(route, body);
+    EXPECT_EQ(r.status, 200) << route << ": " << r.body;
+    return Json::parse(r.body, nullptr, false);
+  }
+  testing::Reply Get(const std::string& target) { return client_.Call("GET", target, "", {{"X-API-Key", kKey}}); }
+  testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", kKey}}); }
+
+  testing::Reply Retrieve(const std::string& id, bool proto = false) {
+    for (int i = 0; i < 200; ++i) {
+      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", kKey}};
+      if (proto) h.emplace_back("Accept", "application/x-protobuf");
+      auto r = client_.Call("POST", "/api/v1/retrieve_future", Json{{"request_id", id}}.dump(), h);
+      if (r.content_type.find("json") != std::string::npos) {
+        Json j = Json::parse(r.body, nullptr, false);
+        if (j.is_object() && j.value("type", "") == "try_again") continue;
+      }
+      return r;
+    }
+    ADD_FAILURE() << "future " << id << " never finished";
+    return {};
+  }
+  Json Result(const Json& submitted) {
+    auto r = Retrieve(submitted["request_id"]);
+    EXPECT_EQ(r.status, 200) << r.body;
+    Json j = Json::parse(r.body, nullptr, false);
+    EXPECT_FALSE(j.contains("error")) << r.body;
+    return j;
+  }
+
+  std::string NewModel() {
+    Json s = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
+                                       {"sdk_version", "0.26.2"}, {"type", "create_session"}});
+    Json m = Result(PostOk("create_model", {{"session_id", s["session_id"]}, {"model_seq_id", 0},
+                                            {"base_model", "loom/tiny-qwen3"},
+                                            {"lora_config", {{"rank", 4}, {"seed", 7}, {"train_unembed", true},
+                                                             {"train_mlp", true}, {"train_attn", true}}},
+                                            {"type", "create_model"}}));
+    return m.value("model_id", "");
+  }
+
+  // forward_backward (or forward) of one fixed datum; returns the loss:sum and checks the logprobs.
+  double ForwardBackward(const std::string& model, int seq, bool forward_only) {
+    wire::ForwardBackwardRequest req;
+    req.model_id = model;
+    req.seq_id = seq;
+    engine::Datum d;
+    d.tokens = {5, 17, 42, 9, 3};
+    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({17, 42, 9, 3, 8});
+    d.loss_fn_inputs["weights"] = engine::Array::Floats({0, 1, 1, 1, 1});
+    req.call.data.push_back(d);
+    req.call.loss_fn = "cross_entropy";
+    req.call.forward_only = forward_only;
+    auto sub = client_.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(req),
+                            {{"X-API-Key", kKey}, {"Content-Type", "application/x-protobuf"}});
+    EXPECT_EQ(sub.status, 200) << sub.body;
+    if (sub.status != 200) return NAN;
+    auto res = Retrieve(Json::parse(sub.body)["request_id"], /*proto=*/true);
+    EXPECT_EQ(res.content_type, "application/x-protobuf") << res.body;
+    auto out = wire::DecodeForwardBackwardOutput(res.body);
+    EXPECT_TRUE(out.ok()) << out.status().message();
+    if (!out.ok() || out->outputs.size() != 1) return NAN;
+    const auto& lp = out->outputs[0].at("logprobs").f32;
+    EXPECT_EQ(lp.size(), 5u);
+    double expect = 0;
+    for (size_t t = 0; t < lp.size(); ++t) {
+      EXPECT_TRUE(std::isfinite(lp[t]) && lp[t] <= 0) << lp[t];
+      expect += -lp[t] * (t == 0 ? 0.0 : 1.0);
+    }
+    const double loss = out->metrics.at("loss:sum");
+    EXPECT_NEAR(loss, expect, 1e-4 * std::max(1.0, std::abs(expect)));  // loss = sum of -logprob * weight
+    return loss;
+  }
+
+ private:
+  testing::HttpClient client_;
+};
+
+std::string Adam(double lr) {
+  return Json{{"learning_rate", lr}, {"beta1", 0.9}, {"beta2", 0.95}, {"eps", 1e-12}, {"weight_decay", 0.0},
+              {"grad_clip_norm", 0.0}}
+      .dump();
+}
+
+TEST(ServeFlow, TrainSaveLoadRestListArchiveRestart) {
+  const std::string data_dir =
+      (std::filesystem::temp_directory_path() / ("loom_integration_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(data_dir);
+  double loss_after_step = 0;
+  std::string model;
+  {
+    LoomServer server(data_dir);
+    ASSERT_NE(server.port(), 0) << "no listening banner: " << server.banner();
+    Flow f(server.port());
+    EXPECT_EQ(f.Get("/api/v1/healthz").status, 200);
+    EXPECT_EQ(f.PostOk("client/config", {{"sdk_version", "0.26.2"}}).is_object(), true);
+    model = f.NewModel();
+    ASSERT_FALSE(model.empty());
+    Json info = f.PostOk("get_info", {{"model_id", model}, {"type", "get_info"}});
+    EXPECT_EQ(info["model_data"]["arch"], "qwen3");
+    EXPECT_EQ(info["lora_rank"], 4);
+
+    const double loss0 = f.ForwardBackward(model, 1, /*forward_only=*/false);
+    Json step = f.Result(f.PostOk("optim_step", {{"model_id", model}, {"seq_id", 2},
+                                                 {"adam_params", Json::parse(Adam(1e-2))}, {"type", "optim_step"}}));
+    EXPECT_TRUE(step.contains("metrics")) << step.dump();
+    Json saved = f.Result(f.PostOk("save_weights", {{"model_id", model}, {"path", "ck1"}, {"seq_id", 3},
+                                                    {"overwrite", false}, {"type", "save_weights"}}));
+    EXPECT_EQ(saved["path"], "tinker://" + model + "/weights/ck1");
+    Json loaded = f.Result(f.PostOk("load_weights", {{"model_id", model}, {"seq_id", 4}, {"path", saved["path"]},
+                                                     {"optimizer", true}, {"type", "load_weights"}}));
+    EXPECT_EQ(loaded["model_id"], model);
+    loss_after_step = f.ForwardBackward(model, 5, /*forward_only=*/true);
+    EXPECT_LT(loss_after_step, loss0) << "one AdamW step on this datum should lower its loss";
+
+    Json named = f.Result(f.PostOk("save_weights_for_sampler", {{"model_id", model}, {"path", "s1"}, {"seq_id", 6},
+                                                                {"type", "save_weights_for_sampler"}}));
+    EXPECT_EQ(named["path"], "tinker://" + model + "/sampler_weights/s1");
+    Json unnamed = f.Result(f.PostOk("save_weights_for_sampler", {{"model_id", model}, {"seq_id", 7},
+                                                                  {"sampling_session_seq_id", 0},
+                                                                  {"type", "save_weights_for_sampler"}}));
+    EXPECT_TRUE(unnamed.contains("sampling_session_id")) << unnamed.dump();
+
+    const std::string run = "/api/v1/training_runs/" + model;
+    Json list = Json::parse(f.Get(run + "/checkpoints").body);
+    EXPECT_EQ(list["checkpoints"].size(), 3u) << list.dump();
+    auto archive = f.Get(run + "/checkpoints/sampler_weights/s1/archive");
+    ASSERT_EQ(archive.status, 200) << archive.body;
+    std::string url = Json::parse(archive.body)["url"];
+    auto tar = testing::HttpClient("127.0.0.1", server.port()).Call("GET", url.substr(url.find("/api/v1/")));
+    ASSERT_EQ(tar.status, 200);
+    for (const char* file : {"adapter_config.json", "adapter_model.safetensors", "checkpoint_complete"}) {
+      EXPECT_NE(tar.body.find(file), std::string::npos) << file;
+    }
+    EXPECT_EQ(f.Delete(run + "/checkpoints/sampler_weights/s1").status, 200);
+    EXPECT_EQ(Json::parse(f.Get(run + "/checkpoints").body)["checkpoints"].size(), 2u);
+    EXPECT_EQ(server.Terminate(), 0);
+  }
+  {
+    LoomServer server(data_dir);
+    ASSERT_NE(server.port(), 0) << server.banner();
+    Flow f(server.port());
+    Json mine = Json::parse(f.Get("/api/v1/checkpoints?limit=100&offset=0").body);
+    ASSERT_EQ(mine["cursor"]["total_count"], 2) << mine.dump();
+    Json runs = Json::parse(f.Get("/api/v1/training_runs?limit=20&offset=0").body);
+    EXPECT_EQ(runs["training_runs"][0]["training_run_id"], model);
+    // create_training_client_from_state: weights_info, create_model, load_weights.
+    const std::string path = "tinker://" + model + "/weights/ck1";
+    Json winfo = f.PostOk("weights_info", {{"tinker_path", path}});
+    EXPECT_EQ(winfo["lora_rank"], 4);
+    std::string resumed = f.NewModel();
+    f.Result(f.PostOk("load_weights", {{"model_id", resumed}, {"seq_id", 1}, {"path", path}, {"optimizer", true},
+                                       {"type", "load_weights"}}));
+    const double loss_resumed = f.ForwardBackward(resumed, 2, /*forward_only=*/true);
+    EXPECT_NEAR(loss_resumed, loss_after_step, 1e-5) << "the restored adapter must equal the saved one";
+    EXPECT_EQ(server.Terminate(), 0);
+  }
+  std::filesystem::remove_all(data_dir);
+}
+
+}  // namespace
+}  // namespace loom
