@@ -44,8 +44,14 @@ std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
   return {d};
 }
 
-// Seconds per step of `steps` steps over the given slots (after one warm-up).
-Result<double> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
+struct StepTimes {
+  double forward_backward = 0;  // seconds per step
+  double optim_step = 0;
+  double total() const { return forward_backward + optim_step; }
+};
+
+// Mean times of `steps` steps over the given slots (after one warm-up).
+Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
                          const std::vector<std::vector<Datum>>& data, int steps) {
   std::vector<engine::ForwardBackwardCall> calls;
   std::vector<engine::OptimStepCall> optim;
@@ -56,17 +62,20 @@ Result<double> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
     calls.push_back(c);
     optim.push_back({s, engine::AdamParams{}});
   }
-  double elapsed = 0;
+  StepTimes t;
   for (int i = 0; i <= steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& r : e.ForwardBackward(calls))
       if (!r.ok()) return r.status();
+    const auto t1 = std::chrono::steady_clock::now();
     for (auto& r : e.OptimStep(optim))
       if (!r.ok()) return r.status();
-    const auto t1 = std::chrono::steady_clock::now();
-    if (i > 0) elapsed += std::chrono::duration<double>(t1 - t0).count();  // step 0 warms up
+    const auto t2 = std::chrono::steady_clock::now();
+    if (i == 0) continue;  // warm-up
+    t.forward_backward += std::chrono::duration<double>(t1 - t0).count() / steps;
+    t.optim_step += std::chrono::duration<double>(t2 - t1).count() / steps;
   }
-  return elapsed / steps;
+  return t;
 }
 
 int BenchTrain(const TrainBenchOptions& o) {
@@ -133,12 +142,13 @@ int BenchTrain(const TrainBenchOptions& o) {
     std::fprintf(stderr, "loom bench train: %s\n", packed.status().message().c_str());
     return 1;
   }
-  const double tps_one = o.tokens_per_tenant / *one;
-  const double tps_packed = static_cast<double>(o.tenants) * o.tokens_per_tenant / *packed;
-  std::printf("%-28s %12s %14s\n", "forward_backward+optim_step", "ms/step", "tokens/s");
-  std::printf("%-28s %12.1f %14.0f\n", "1 tenant", *one * 1e3, tps_one);
-  std::printf("%-28s %12.1f %14.0f\n", (std::to_string(o.tenants) + " tenants packed").c_str(), *packed * 1e3,
-              tps_packed);
+  const double tps_one = o.tokens_per_tenant / one->total();
+  const double tps_packed = static_cast<double>(o.tenants) * o.tokens_per_tenant / packed->total();
+  std::printf("%-20s %14s %14s %12s %12s\n", "per step", "fwd_bwd ms", "optim ms", "total ms", "tokens/s");
+  std::printf("%-20s %14.1f %14.1f %12.1f %12.0f\n", "1 tenant", one->forward_backward * 1e3,
+              one->optim_step * 1e3, one->total() * 1e3, tps_one);
+  std::printf("%-20s %14.1f %14.1f %12.1f %12.0f\n", (std::to_string(o.tenants) + " tenants packed").c_str(),
+              packed->forward_backward * 1e3, packed->optim_step * 1e3, packed->total() * 1e3, tps_packed);
   std::printf("packed / alone throughput ratio: %.2fx (%d tokens per tenant per step)\n", tps_packed / tps_one,
               o.tokens_per_tenant);
   return 0;
