@@ -29,7 +29,7 @@ constexpr const char* kKey = "tml-integration-tenant";
 // A `loom serve` child process on an ephemeral port.
 class LoomServer {
  public:
-  explicit LoomServer(const std::string& data_dir) {
+  explicit LoomServer(const std::string& data_dir, std::vector<std::string> extra = {}) {
     int out[2];
     if (pipe(out) != 0) return;
     pid_ = fork();
@@ -37,8 +37,14 @@ class LoomServer {
       dup2(out[1], STDOUT_FILENO);
       close(out[0]);
       close(out[1]);
-      execl(LOOM_BINARY, LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", data_dir.c_str(),
-            "--max-adapters", "2", "--max-rank", "8", "--poll-hold", "2", "--device", "cpu", nullptr);
+      std::vector<std::string> args = {LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0",
+                                       "--data-dir", data_dir, "--max-adapters", "2", "--max-rank", "8",
+                                       "--poll-hold", "2", "--device", "cpu"};
+      args.insert(args.end(), extra.begin(), extra.end());
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(LOOM_BINARY, argv.data());
       _exit(127);
     }
     close(out[1]);
@@ -86,22 +92,22 @@ class LoomServer {
 
 class Flow {
  public:
-  explicit Flow(uint16_t port) : client_("127.0.0.1", port) {}
+  explicit Flow(uint16_t port, const char* key = kKey) : client_("127.0.0.1", port), key_(key) {}
 
   testing::Reply Post(const std::string& route, const Json& body) {
-    return client_.Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", kKey}});
+    return client_.Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", key_}});
   }
   Json PostOk(const std::string& route, const Json& body) {
     auto r = Post(route, body);
     EXPECT_EQ(r.status, 200) << route << ": " << r.body;
     return Json::parse(r.body, nullptr, false);
   }
-  testing::Reply Get(const std::string& target) { return client_.Call("GET", target, "", {{"X-API-Key", kKey}}); }
-  testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", kKey}}); }
+  testing::Reply Get(const std::string& target) { return client_.Call("GET", target, "", {{"X-API-Key", key_}}); }
+  testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", key_}}); }
 
   testing::Reply Retrieve(const std::string& id, bool proto = false) {
     for (int i = 0; i < 200; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", kKey}};
+      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key_}};
       if (proto) h.emplace_back("Accept", "application/x-protobuf");
       auto r = client_.Call("POST", "/api/v1/retrieve_future", Json{{"request_id", id}}.dump(), h);
       if (r.content_type.find("json") != std::string::npos) {
@@ -145,7 +151,7 @@ class Flow {
     req.call.loss_fn = "cross_entropy";
     req.call.forward_only = forward_only;
     auto sub = client_.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(req),
-                            {{"X-API-Key", kKey}, {"Content-Type", "application/x-protobuf"}});
+                            {{"X-API-Key", key_}, {"Content-Type", "application/x-protobuf"}});
     EXPECT_EQ(sub.status, 200) << sub.body;
     if (sub.status != 200) return NAN;
     auto res = Retrieve(Json::parse(sub.body)["request_id"], /*proto=*/true);
@@ -167,6 +173,7 @@ class Flow {
 
  private:
   testing::HttpClient client_;
+  const char* key_;
 };
 
 std::string Adam(double lr) {
@@ -248,6 +255,58 @@ TEST(ServeFlow, TrainSaveLoadRestListArchiveRestart) {
     EXPECT_NEAR(loss_resumed, loss_after_step, 1e-5) << "the restored adapter must equal the saved one";
     EXPECT_EQ(server.Terminate(), 0);
   }
+  std::filesystem::remove_all(data_dir);
+}
+
+TEST(ServeFlow, BadRequestsGet4xxJsonWhileAnotherTenantTrains) {
+  const std::string data_dir =
+      (std::filesystem::temp_directory_path() / ("loom_integration_bad_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(data_dir);
+  LoomServer server(data_dir, {"--max-body-bytes", "65536"});
+  ASSERT_NE(server.port(), 0) << server.banner();
+  Flow good(server.port());
+  Flow evil(server.port(), "tml-someone-else");
+  const std::string model = good.NewModel();
+  ASSERT_FALSE(model.empty());
+  const double before = good.ForwardBackward(model, 1, false);
+
+  testing::HttpClient raw("127.0.0.1", server.port());
+  auto expect_json_4xx = [](const testing::Reply& r, int status) {
+    EXPECT_EQ(r.status, status) << r.body;
+    Json j = Json::parse(r.body, nullptr, false);
+    EXPECT_TRUE(j.is_object() && j.contains("error") && !j["error"].get<std::string>().empty()) << r.body;
+  };
+  const std::vector<std::pair<std::string, std::string>> key{{"X-API-Key", "tml-someone-else"}};
+  expect_json_4xx(raw.Call("POST", "/api/v1/create_session", "{\"tags\": [", key), 400);              // malformed JSON
+  expect_json_4xx(raw.Call("POST", "/api/v1/optim_step", "{\"model_id\": 5, \"seq_id\": \"x\"}", key), 400);  // wrong types
+  auto proto_key = key;
+  proto_key.emplace_back("Content-Type", "application/x-protobuf");
+  expect_json_4xx(raw.Call("POST", "/api/v1/forward_backward", std::string("\x0a\xff\xff\xff\x0f", 5), proto_key), 400);
+  expect_json_4xx(raw.Call("POST", "/api/v1/get_info", Json{{"model_id", model}}.dump(), key), 404);  // foreign id
+  expect_json_4xx(raw.Call("GET", "/api/v1/training_runs/" + model + "/checkpoints", "", key), 404);
+  expect_json_4xx(raw.Call("POST", "/api/v1/create_session", "{}", {{"X-API-Key", "sk-wrong"}}), 401);  // bad key
+  expect_json_4xx(raw.Call("POST", "/api/v1/create_session", "{}"), 401);                               // no key
+  expect_json_4xx(raw.Call("POST", "/api/v1/create_session", std::string(100000, ' '), key), 413);     // oversized
+  // Out-of-vocabulary tokens are refused before the engine, naming the field.
+  wire::ForwardBackwardRequest oov;
+  oov.model_id = evil.NewModel();
+  oov.seq_id = 1;
+  engine::Datum d;
+  d.tokens = {1, 1 << 30};
+  d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({1, 2});
+  d.loss_fn_inputs["weights"] = engine::Array::Floats({1, 1});
+  oov.call.data.push_back(d);
+  auto r = raw.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(oov), proto_key);
+  expect_json_4xx(r, 400);
+  EXPECT_NE(r.body.find("data[0]"), std::string::npos) << r.body;
+
+  // The good tenant carries on: its next step and its result are unaffected.
+  Json step = good.Result(good.PostOk("optim_step", {{"model_id", model}, {"seq_id", 2},
+                                                     {"adam_params", Json::parse(Adam(1e-2))}}));
+  EXPECT_TRUE(step.contains("metrics"));
+  const double after = good.ForwardBackward(model, 3, true);
+  EXPECT_LT(after, before);
+  EXPECT_EQ(server.Terminate(), 0);
   std::filesystem::remove_all(data_dir);
 }
 
