@@ -37,8 +37,9 @@ Status FromException(const char* op, const std::exception& e) {
 
 class TrainingEngine final : public Engine {
  public:
-  TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info)
-      : model_(std::move(model)),
+  TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info, int threads)
+      : threads_(threads),
+        model_(std::move(model)),
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
         optimizer_(bank_) {}
@@ -76,6 +77,7 @@ class TrainingEngine final : public Engine {
   }
 
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
+    UseThisThread();
     std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
     try {
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window);
@@ -87,6 +89,7 @@ class TrainingEngine final : public Engine {
   }
 
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
+    UseThisThread();
     try {
       return optimizer_.Step(bank_, calls);
     } catch (const std::exception& e) {
@@ -123,6 +126,17 @@ class TrainingEngine final : public Engine {
   }
 
  private:
+  // OpenMP's thread count is a per-thread setting: a new engine thread would
+  // otherwise run with the runtime's default rather than options.threads.
+  void UseThisThread() {
+    const std::thread::id me = std::this_thread::get_id();
+    if (me == configured_thread_) return;
+    at::set_num_threads(threads_);
+    configured_thread_ = me;
+  }
+
+  int threads_;
+  std::thread::id configured_thread_ = std::this_thread::get_id();
   std::unique_ptr<Transformer> model_;
   ModelInfo info_;
   SlotBank bank_;
@@ -170,7 +184,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     info.hidden_size = cfg.hidden_size;
     info.max_slots = options.max_slots;
     info.max_rank = options.max_rank;
-    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info)));
+    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info), threads));
   } catch (const std::exception& e) {
     return FromException("open", e);
   }
