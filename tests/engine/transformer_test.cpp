@@ -395,6 +395,38 @@ TEST(TransformerLoad, LoadsMakeModelDirectoriesAndNamesAMissingTensor) {
   fs::remove_all(root);
 }
 
+// The same model on CUDA (where the build has it) gives the CPU's logprobs
+// and gradients; bf16 on CUDA stays close. Skipped on CPU-only builds.
+TEST(TransformerCuda, AgreesWithCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const ModelConfig c = TinyConfig("qwen3");
+  const auto weights = RandomWeights(c, 6);
+  const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(4, 2), Seq(13, 3)};
+  const std::vector<int> slots = {0, -1, 1};
+  std::vector<at::Tensor> lps, grads;
+  for (const at::Device device : {at::Device(at::kCPU), at::Device(at::kCUDA, 0)}) {
+    auto model = Transformer::FromTensors(c, weights, device, at::kFloat);
+    ASSERT_TRUE(model.ok());
+    SlotBank bank(2, 4, device, (*model)->LoraTargets());
+    for (int s = 0; s < 2; ++s) {
+      BindRandom(bank, s, 4, 8.0, 40 + s);
+      c10::NoGradGuard no_grad;
+      at::manual_seed(50 + s);
+      for (auto& t : bank.targets()) t.B.select(0, s).copy_(0.2 * at::randn({t.d_out, 4}).to(device));
+    }
+    const PackedBatch batch = PackedBatch::Make(seqs, slots, device);
+    const at::Tensor lp = (*model)->TargetLogprobs((*model)->Hidden(batch, bank), NextTokens(seqs).to(device), batch,
+                                                   bank, 8);
+    lp.sum().backward();
+    lps.push_back(lp.cpu());
+    grads.push_back(bank.find("model.layers.0.self_attn.q_proj")->A.grad().cpu());
+    grads.push_back(bank.find("lm_head")->B.grad().cpu());
+  }
+  EXPECT_LT(MaxDiff(lps[0], lps[1]), 1e-4);
+  EXPECT_LT(RelDiff(grads[2], grads[0]), 1e-4);
+  EXPECT_LT(RelDiff(grads[3], grads[1]), 1e-4);
+}
+
 TEST(PackedBatchTest, PositionsRestartPerSequence) {
   const PackedBatch b = PackedBatch::Make({{5, 6, 7}, {8}, {9, 10}}, {1, -1, 0}, at::kCPU);
   EXPECT_EQ(b.num_tokens(), 6);
