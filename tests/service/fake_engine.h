@@ -116,6 +116,7 @@ class FakeEngine : public engine::Engine {
   }
 
   // ---- test controls ----
+  void set_vocab_size(int64_t n) { info_.vocab_size = n; }
   void Hold() {
     std::lock_guard<std::mutex> lock(mu_);
     hold_ = true;
