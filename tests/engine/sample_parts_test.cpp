@@ -1,0 +1,87 @@
+// The sampler's torch-free parts: block accounting and reservations, the
+// byte-level detokenizer, stop-string matching, the counter-based PRNG.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <stdexcept>
+
+#include "engine/model/make_model.h"
+#include "engine/sample/block_manager.h"
+#include "engine/sample/detokenizer.h"
+#include "engine/sample/sampling.h"
+
+namespace loom::engine::sample {
+namespace {
+
+TEST(SampleBlockManager, WorstCaseCountsSharedPromptBlocksOnce) {
+  BlockManager m(100, 16);
+  // prompt 21, 18 new: 38 positions -> 3 blocks each; 1 full prompt block shared.
+  EXPECT_EQ(m.WorstCase(21, 18, 1), 3);
+  EXPECT_EQ(m.WorstCase(21, 18, 4), 3 + 3 * 2);
+  EXPECT_EQ(m.WorstCase(16, 1, 2), 1 + 0);   // 16 positions, all shared
+  EXPECT_EQ(m.WorstCase(16, 2, 2), 2 + 1);   // 17 positions
+  EXPECT_EQ(m.WorstCase(5, 0, 1), 1);        // the prompt is prefilled even with max_tokens 0
+}
+
+TEST(SampleBlockManager, ReservationsAndRefcounts) {
+  BlockManager m(4, 8);
+  EXPECT_TRUE(m.Reserve(3));
+  EXPECT_FALSE(m.Reserve(2));  // only 1 unpromised block left
+  const int a = m.Allocate(), b = m.Allocate();
+  EXPECT_NE(a, b);
+  EXPECT_EQ(m.free_count(), 2);
+  EXPECT_EQ(m.reserved(), 1);
+  m.Share(a);
+  m.Release(a);
+  EXPECT_EQ(m.free_count(), 2);  // still one owner
+  m.Release(a);
+  m.Release(b);
+  EXPECT_EQ(m.free_count(), 4);
+  m.Unreserve(1);
+  EXPECT_EQ(m.reserved(), 0);
+  EXPECT_TRUE(m.Reserve(4));
+  EXPECT_THROW({ m.Unreserve(4); m.Allocate(); }, std::logic_error);
+}
+
+TEST(SampleDetokenizer, DecodesByteLevelVocabAndAddedTokens) {
+  auto d = Detokenizer::Parse(MakeTokenizerJson(512));
+  ASSERT_TRUE(d.ok()) << d.status().message();
+  EXPECT_EQ((*d)->size(), 512);
+  for (int b = 0; b < 256; ++b) EXPECT_EQ((*d)->Bytes(b), std::string(1, static_cast<char>(b))) << b;
+  EXPECT_EQ((*d)->Bytes(511), "<|endoftext|>");
+  // ids 256.. are two-symbol strings over {space, a..z}: 256 = "  ", 257 = " a".
+  EXPECT_EQ((*d)->Bytes(256), "  ");
+  EXPECT_EQ((*d)->Bytes(257), " a");
+  EXPECT_EQ((*d)->Decode({'h', 'i', 257}), "hi a");
+  EXPECT_EQ((*d)->Bytes(9999), "");
+  EXPECT_FALSE(Detokenizer::Parse("{\"model\": {}}").ok());
+  EXPECT_EQ(Detokenizer::Load("/nonexistent/tokenizer.json").status().code(), Code::kNotFound);
+}
+
+TEST(SampleStopStrings, MatchOnlyWhenTheNewestBytesCompleteIt) {
+  EXPECT_TRUE(EndsWithStop("hello world", 3, {"wor"}));     // ends inside the new bytes "rld"
+  EXPECT_TRUE(EndsWithStop("hello world", 2, {"world"}));
+  EXPECT_FALSE(EndsWithStop("hello world", 2, {"hello"}));  // completed earlier
+  EXPECT_FALSE(EndsWithStop("hello", 5, {"xyz", ""}));
+  EXPECT_TRUE(EndsWithStop("ab", 1, {"zzz", "ab"}));
+}
+
+TEST(SamplePrng, DrawsAreKeyedAndUniform) {
+  EXPECT_EQ(UniformDraw(1, 2, 3), UniformDraw(1, 2, 3));
+  std::set<double> seen;
+  double sum = 0;
+  for (uint64_t step = 0; step < 4000; ++step) {
+    const double u = UniformDraw(7, 0, step);
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    sum += u;
+    seen.insert(u);
+  }
+  EXPECT_EQ(seen.size(), 4000u);
+  EXPECT_NEAR(sum / 4000, 0.5, 0.02);
+  EXPECT_NE(UniformDraw(7, 0, 5), UniformDraw(7, 1, 5));
+  EXPECT_NE(UniformDraw(7, 0, 5), UniformDraw(8, 0, 5));
+}
+
+}  // namespace
+}  // namespace loom::engine::sample
