@@ -12,7 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
-#include <fmt/format.h>
+#include "engine/train/text.h"
 
 #include <cmath>
 #include <exception>
@@ -31,8 +31,10 @@
 namespace loom::engine {
 namespace {
 
+using train::Cat;
+
 Status FromException(const char* op, const std::exception& e) {
-  return Status::Internal(fmt::format("{} failed in the engine: {}", op, e.what()));
+  return Status::Internal(Cat(op, " failed in the engine: ", e.what()));
 }
 
 class TrainingEngine final : public Engine {
@@ -48,19 +50,19 @@ class TrainingEngine final : public Engine {
 
   Status ValidateForwardBackward(const ForwardBackwardCall& call) const override {
     if (call.slot < 0 || call.slot >= info_.max_slots)
-      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", call.slot, info_.max_slots));
+      return Status::Invalid(Cat("slot: ", call.slot, " is outside [0, ", info_.max_slots, ")"));
     return train::ValidateCallData(call, info_.vocab_size, info_.context_window);
   }
 
   Status BindSlot(int slot, const LoraConfig& config) override {
     if (slot < 0 || slot >= info_.max_slots)
-      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, info_.max_slots));
+      return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
     if (config.rank < 1 || config.rank > info_.max_rank)
       return Status::Invalid(
-          fmt::format("rank: {} is outside [1, {}] (the server's max_rank)", config.rank, info_.max_rank));
+          Cat("rank: ", config.rank, " is outside [1, ", info_.max_rank, "] (the server's max_rank)"));
     if (!config.train_attn && !config.train_mlp && !config.train_unembed)
       return Status::Invalid("train_attn/train_mlp/train_unembed: at least one must be true");
-    if (bank_.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is already bound", slot));
+    if (bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is already bound"));
     try {
       Status s = bank_.Bind(slot, config);
       optimizer_.Reset(slot);
@@ -115,8 +117,8 @@ class TrainingEngine final : public Engine {
 
   Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) override {
     if (slot < 0 || slot >= info_.max_slots)
-      return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, info_.max_slots));
-    if (!bank_.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", slot));
+      return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
+    if (!bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
     try {
       return train::PublishDirectory(
           dir, [&](const std::string& tmp) { return SavePeft(bank_, slot, tmp, base_model_name); });
@@ -146,16 +148,16 @@ class TrainingEngine final : public Engine {
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
-  if (options.max_slots < 1) return Status::Invalid(fmt::format("max_slots: {} must be >= 1", options.max_slots));
-  if (options.max_rank < 1) return Status::Invalid(fmt::format("max_rank: {} must be >= 1", options.max_rank));
+  if (options.max_slots < 1) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1"));
+  if (options.max_rank < 1) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1"));
   if (options.context_window < 0)
-    return Status::Invalid(fmt::format("context_window: {} must be >= 0", options.context_window));
+    return Status::Invalid(Cat("context_window: ", options.context_window, " must be >= 0"));
   at::Device device = at::kCPU;
   if (options.device == "cuda" || (options.device == "auto" && at::hasCUDA())) {
     if (!at::hasCUDA()) return Status::Invalid("device: cuda was asked for but this build or machine has no CUDA");
     device = at::Device(at::kCUDA, 0);
   } else if (options.device != "cpu" && options.device != "auto") {
-    return Status::Invalid(fmt::format("device: '{}' is not auto, cpu or cuda", options.device));
+    return Status::Invalid(Cat("device: '", options.device, "' is not auto, cpu or cuda"));
   }
   at::ScalarType dtype;
   if (options.dtype == "auto") {
@@ -165,7 +167,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   } else if (options.dtype == "fp32" || options.dtype == "float32") {
     dtype = at::kFloat;
   } else {
-    return Status::Invalid(fmt::format("dtype: '{}' is not auto, bf16 or fp32", options.dtype));
+    return Status::Invalid(Cat("dtype: '", options.dtype, "' is not auto, bf16 or fp32"));
   }
   const int threads = options.threads > 0 ? options.threads
                                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));

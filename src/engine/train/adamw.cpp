@@ -1,7 +1,7 @@
 #include "engine/train/adamw.h"
 
 #include <c10/core/GradMode.h>
-#include <fmt/format.h>
+#include "engine/train/text.h"
 
 #include <cmath>
 #include <set>
@@ -78,8 +78,7 @@ void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::
 Status ValidateAdamParams(const AdamParams& p) {
   auto check = [](const char* name, double v, double lo, double hi, bool hi_open) -> Status {
     if (!std::isfinite(v) || v < lo || (hi_open ? v >= hi : v > hi)) {
-      return Status::Invalid(fmt::format("adam_params.{}: {} is outside [{}, {}{}", name, v, lo, hi,
-                                         hi_open ? ")" : "]"));
+      return Status::Invalid(Cat("adam_params.", name, ": ", v, " is outside [", lo, ", ", hi, hi_open ? ")" : "]"));
     }
     return Status::Ok();
   };
@@ -134,11 +133,11 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   for (size_t i : which) {
     const OptimStepCall& c = calls[i];
     if (c.slot < 0 || c.slot >= bank.num_slots()) {
-      results[i] = Status::Invalid(fmt::format("slot: {} is outside [0, {})", c.slot, bank.num_slots()));
+      results[i] = Status::Invalid(Cat("slot: ", c.slot, " is outside [0, ", bank.num_slots(), ")"));
       continue;
     }
     if (!bank.slot(c.slot).bound) {
-      results[i] = Status::Precondition(fmt::format("slot {} is not bound to a model", c.slot));
+      results[i] = Status::Precondition(Cat("slot ", c.slot, " is not bound to a model"));
       continue;
     }
     Status s = ValidateAdamParams(c.params);

@@ -1,7 +1,7 @@
 #include "engine/train/forward_backward.h"
 
 #include <c10/core/GradMode.h>
-#include <fmt/format.h>
+#include "engine/train/text.h"
 
 #include <cmath>
 #include <memory>
@@ -23,8 +23,8 @@ struct Part {
 
 Status CheckSlot(const SlotBank& bank, int slot) {
   if (slot < 0 || slot >= bank.num_slots())
-    return Status::Invalid(fmt::format("slot: {} is outside [0, {})", slot, bank.num_slots()));
-  if (!bank.slot(slot).bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", slot));
+    return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", bank.num_slots(), ")"));
+  if (!bank.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
   return Status::Ok();
 }
 
@@ -127,10 +127,7 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
   for (size_t i = 0; i < parts.size(); ++i) {
     const Part& p = parts[i];
     if (!std::isfinite(loss_values[i])) {
-      results[p.call] = Status::Invalid(fmt::format(
-          "loss_fn_inputs: the {} loss is not finite for this request's data (e.g. logprobs far below the "
-          "model's, overflowing the ratio); no gradient was accumulated",
-          p.spec.name));
+      results[p.call] = Status::Invalid(Cat("loss_fn_inputs: the ", p.spec.name, " loss is not finite for this request's data (e.g. logprobs far below the model's, overflowing the ratio); no gradient was accumulated"));
       continue;
     }
     at::Tensor elem_host = elementwise[i].detach().cpu();

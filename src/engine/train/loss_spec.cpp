@@ -1,6 +1,6 @@
 #include "engine/train/loss_spec.h"
 
-#include <fmt/format.h>
+#include "engine/train/text.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,7 +21,7 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 }
 
 Status Bad(size_t index, const std::string& field, const std::string& what) {
-  return Status::Invalid(fmt::format("data[{}].{}: {}", index, field, what));
+  return Status::Invalid(Cat("data[", index, "].", field, ": ", what));
 }
 
 }  // namespace
@@ -49,16 +49,14 @@ Result<LossSpec> LossSpec::Parse(const std::string& loss_fn, const std::map<std:
     spec.beta = 0.05;
     keys = {"beta"};
   } else {
-    return Status::Invalid(fmt::format(
-        "loss_fn: unknown loss '{}' (expected cross_entropy, importance_sampling, ppo, cispo or dro)", loss_fn));
+    return Status::Invalid(Cat("loss_fn: unknown loss '", loss_fn, "' (expected cross_entropy, importance_sampling, ppo, cispo or dro)"));
   }
   for (const auto& [key, value] : config) {
     if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-      return Status::Invalid(fmt::format("loss_fn_config: unknown key '{}' for loss {} (accepted: {})", key,
-                                         loss_fn, keys.empty() ? std::string("none") : Join(keys)));
+      return Status::Invalid(Cat("loss_fn_config: unknown key '", key, "' for loss ", loss_fn, " (accepted: ", keys.empty() ? std::string("none") : Join(keys), ")"));
     }
     if (!std::isfinite(value)) {
-      return Status::Invalid(fmt::format("loss_fn_config.{}: must be finite", key));
+      return Status::Invalid(Cat("loss_fn_config.", key, ": must be finite"));
     }
     if (key == "clip_low_threshold") spec.clip_low = value;
     if (key == "clip_high_threshold") spec.clip_high = value;
@@ -66,8 +64,7 @@ Result<LossSpec> LossSpec::Parse(const std::string& loss_fn, const std::map<std:
   }
   if (spec.clip_low < 0) return Status::Invalid("loss_fn_config.clip_low_threshold: must be >= 0");
   if (spec.clip_low > spec.clip_high) {
-    return Status::Invalid(fmt::format("loss_fn_config: clip_low_threshold {} > clip_high_threshold {}",
-                                       spec.clip_low, spec.clip_high));
+    return Status::Invalid(Cat("loss_fn_config: clip_low_threshold ", spec.clip_low, " > clip_high_threshold ", spec.clip_high));
   }
   if (spec.beta < 0) return Status::Invalid("loss_fn_config.beta: must be >= 0");
   return spec;
@@ -95,20 +92,20 @@ Status ValidateDatum(const LossSpec& spec, const Datum& datum, size_t index, int
   if (n == 0) return Bad(index, "model_input", "empty datum (no input tokens)");
   if (context_window > 0 && n > context_window) {
     return Bad(index, "model_input",
-               fmt::format("{} tokens exceed the context window of {} tokens", n, context_window));
+               Cat(n, " tokens exceed the context window of ", context_window, " tokens"));
   }
   for (int64_t t = 0; t < n; ++t) {
     const int32_t tok = datum.tokens[t];
     if (tok < 0 || tok >= vocab_size) {
       return Bad(index, "model_input",
-                 fmt::format("token id {} at position {} is outside the vocabulary [0, {})", tok, t, vocab_size));
+                 Cat("token id ", tok, " at position ", t, " is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
   const auto required = spec.RequiredInputs();
   const auto optional = spec.OptionalInputs();
   for (const auto& key : required) {
     if (!datum.loss_fn_inputs.count(key)) {
-      return Bad(index, "loss_fn_inputs." + key, fmt::format("missing; loss {} needs {}", spec.name, Join(required)));
+      return Bad(index, "loss_fn_inputs." + key, Cat("missing; loss ", spec.name, " needs ", Join(required)));
     }
   }
   std::vector<int64_t> target_shape;
@@ -119,7 +116,7 @@ Status ValidateDatum(const LossSpec& spec, const Datum& datum, size_t index, int
     if (!known) {
       auto accepted = required;
       accepted.insert(accepted.end(), optional.begin(), optional.end());
-      return Bad(index, field, fmt::format("unknown input for loss {} (accepted: {})", spec.name, Join(accepted)));
+      return Bad(index, field, Cat("unknown input for loss ", spec.name, " (accepted: ", Join(accepted), ")"));
     }
     for (int64_t d : array.shape) {
       if (d < 0) return Bad(index, field, "negative dimension in shape " + ShapeText(array.shape));
@@ -128,17 +125,16 @@ Status ValidateDatum(const LossSpec& spec, const Datum& datum, size_t index, int
     const size_t stored = is_int ? array.i64.size() : array.f32.size();
     if (static_cast<int64_t>(stored) != array.numel()) {
       return Bad(index, field,
-                 fmt::format("{} values do not fill shape {}", stored, ShapeText(array.shape)));
+                 Cat(stored, " values do not fill shape ", ShapeText(array.shape)));
     }
     const size_t max_rank = (key == "target_tokens" || key == "weights") && spec.AllowsTopK() ? 2 : 1;
     if (array.shape.empty() || array.shape.size() > max_rank) {
       return Bad(index, field,
-                 fmt::format("shape {} must be (N,){} with N = {} input tokens", ShapeText(array.shape),
-                             max_rank == 2 ? " or (N, K)" : "", n));
+                 Cat("shape ", ShapeText(array.shape), " must be (N,)", max_rank == 2 ? " or (N, K)" : "", " with N = ", n, " input tokens"));
     }
     if (array.shape[0] != n) {
       return Bad(index, field,
-                 fmt::format("length {} does not match the {} input tokens", array.shape[0], n));
+                 Cat("length ", array.shape[0], " does not match the ", n, " input tokens"));
     }
     if (array.shape.size() == 2 && array.shape[1] < 1) {
       return Bad(index, field, "K must be at least 1 in shape " + ShapeText(array.shape));
@@ -148,15 +144,14 @@ Status ValidateDatum(const LossSpec& spec, const Datum& datum, size_t index, int
       for (size_t j = 0; j < array.i64.size(); ++j) {
         if (array.i64[j] < 0 || array.i64[j] >= vocab_size) {
           return Bad(index, field,
-                     fmt::format("token id {} at flat index {} is outside the vocabulary [0, {})", array.i64[j], j,
-                                 vocab_size));
+                     Cat("token id ", array.i64[j], " at flat index ", j, " is outside the vocabulary [0, ", vocab_size, ")"));
         }
       }
       target_shape = array.shape;
     } else if (!is_int) {
       for (size_t j = 0; j < array.f32.size(); ++j) {
         if (!std::isfinite(array.f32[j])) {
-          return Bad(index, field, fmt::format("value at flat index {} is not finite", j));
+          return Bad(index, field, Cat("value at flat index ", j, " is not finite"));
         }
       }
     }
@@ -164,8 +159,7 @@ Status ValidateDatum(const LossSpec& spec, const Datum& datum, size_t index, int
   auto w = datum.loss_fn_inputs.find("weights");
   if (w != datum.loss_fn_inputs.end() && w->second.shape != target_shape) {
     return Bad(index, "loss_fn_inputs.weights",
-               fmt::format("shape {} differs from target_tokens shape {}", ShapeText(w->second.shape),
-                           ShapeText(target_shape)));
+               Cat("shape ", ShapeText(w->second.shape), " differs from target_tokens shape ", ShapeText(target_shape)));
   }
   return Status::Ok();
 }

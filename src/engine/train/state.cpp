@@ -1,8 +1,7 @@
 #include "engine/train/state.h"
 
 #include <c10/core/GradMode.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include "engine/train/text.h"
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -35,9 +34,9 @@ at::Tensor Trim(const at::Tensor& t, int s, int64_t r, bool is_a) {
 }  // namespace
 
 Status SaveSlotState(const SlotBank& bank, const SlotOptimizer& optimizer, int s, const std::string& dir) {
-  if (s < 0 || s >= bank.num_slots()) return Status::Invalid(fmt::format("slot {} is outside [0, {})", s, bank.num_slots()));
+  if (s < 0 || s >= bank.num_slots()) return Status::Invalid(Cat("slot ", s, " is outside [0, ", bank.num_slots(), ")"));
   const SlotState& st = bank.slot(s);
-  if (!st.bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", s));
+  if (!st.bound) return Status::Precondition(Cat("slot ", s, " is not bound to a model"));
   const int64_t r = st.config.rank;
   SafetensorsWriter writer;
   json targets = json::array();
@@ -72,13 +71,13 @@ Status SaveSlotState(const SlotBank& bank, const SlotOptimizer& optimizer, int s
 Result<StateInfo> ReadStateInfo(const std::string& dir) {
   const std::string path = dir + "/" + kStateJson;
   std::ifstream in(path);
-  if (!in) return Status::NotFound(fmt::format("{}: no training state here (missing {})", dir, kStateJson));
+  if (!in) return Status::NotFound(Cat(dir, ": no training state here (missing ", kStateJson, ")"));
   std::stringstream text;
   text << in.rdbuf();
   json j = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + ": not a JSON object");
   if (j.value("format", std::string()) != kFormat) return Status::Invalid(path + ": format is not " + kFormat);
-  if (j.value("version", 0) != kVersion) return Status::Invalid(fmt::format("{}: version must be {}", path, kVersion));
+  if (j.value("version", 0) != kVersion) return Status::Invalid(Cat(path, ": version must be ", kVersion));
   try {
     StateInfo info;
     const json& l = j.at("lora");
@@ -94,26 +93,24 @@ Result<StateInfo> ReadStateInfo(const std::string& dir) {
     if (info.step < 0) return Status::Invalid(path + ": step must be >= 0");
     return info;
   } catch (const json::exception& e) {
-    return Status::Invalid(fmt::format("{}: {}", path, e.what()));
+    return Status::Invalid(Cat(path, ": ", e.what()));
   }
 }
 
 Status LoadSlotState(SlotBank& bank, SlotOptimizer& optimizer, int s, const std::string& dir, bool with_optimizer) {
-  if (s < 0 || s >= bank.num_slots()) return Status::Invalid(fmt::format("slot {} is outside [0, {})", s, bank.num_slots()));
+  if (s < 0 || s >= bank.num_slots()) return Status::Invalid(Cat("slot ", s, " is outside [0, ", bank.num_slots(), ")"));
   SlotState& st = bank.slot(s);
-  if (!st.bound) return Status::Precondition(fmt::format("slot {} is not bound to a model", s));
+  if (!st.bound) return Status::Precondition(Cat("slot ", s, " is not bound to a model"));
   Result<StateInfo> info = ReadStateInfo(dir);
   if (!info.ok()) return info.status();
   const LoraConfig& want = info->lora;
   const LoraConfig& have = st.config;
   if (want.rank != have.rank)
-    return Status::Invalid(fmt::format("rank: checkpoint has rank {}, the model has rank {}", want.rank, have.rank));
+    return Status::Invalid(Cat("rank: checkpoint has rank ", want.rank, ", the model has rank ", have.rank));
   if (want.alpha != have.alpha)
-    return Status::Invalid(fmt::format("alpha: checkpoint has alpha {}, the model has alpha {}", want.alpha, have.alpha));
+    return Status::Invalid(Cat("alpha: checkpoint has alpha ", want.alpha, ", the model has alpha ", have.alpha));
   if (want.train_attn != have.train_attn || want.train_mlp != have.train_mlp || want.train_unembed != have.train_unembed)
-    return Status::Invalid(fmt::format(
-        "train_attn/train_mlp/train_unembed: checkpoint trains {}/{}/{}, the model trains {}/{}/{}", want.train_attn,
-        want.train_mlp, want.train_unembed, have.train_attn, have.train_mlp, have.train_unembed));
+    return Status::Invalid(Cat("train_attn/train_mlp/train_unembed: checkpoint trains ", want.train_attn, "/", want.train_mlp, "/", want.train_unembed, ", the model trains ", have.train_attn, "/", have.train_mlp, "/", have.train_unembed));
   if (with_optimizer && !info->has_optimizer)
     return Status::Invalid(dir + ": the checkpoint holds no optimizer state");
   auto file = SafetensorsFile::Open(dir + "/" + kStateTensors);
@@ -141,11 +138,10 @@ Status LoadSlotState(SlotBank& bank, SlotOptimizer& optimizer, int s, const std:
       const std::string name = t.module + suffix;
       const bool is_a = suffix.rfind(".lora_A", 0) == 0;
       const TensorView* view = (*file)->find(name);
-      if (!view) return Status::Invalid(fmt::format("{}: tensor {} is missing", dir, name));
+      if (!view) return Status::Invalid(Cat(dir, ": tensor ", name, " is missing"));
       const std::vector<int64_t> shape = is_a ? std::vector<int64_t>{r, t.d_in} : std::vector<int64_t>{t.d_out, r};
       if (view->shape != shape)
-        return Status::Invalid(fmt::format("{}: tensor {} has shape [{}], expected [{}]", dir, name,
-                                           fmt::join(view->shape, ", "), fmt::join(shape, ", ")));
+        return Status::Invalid(Cat(dir, ": tensor ", name, " has shape [", JoinInts(view->shape), "], expected [", JoinInts(shape), "]"));
       auto src = LoadTensor(*view, at::kFloat, t.A.device());
       if (!src.ok()) return src.status();
       pending.push_back({Trim(*tensor, s, r, is_a), *src});
