@@ -37,6 +37,7 @@ using engine::SampleOutput;
 
 struct Options {
   std::string model_dir;
+  std::string preset = "tiny";  // generated when model_dir is empty
   std::string device = "auto";
   std::string dtype = "auto";
   std::vector<int> batches = {1, 64};
@@ -116,7 +117,7 @@ int Run(const Options& o) {
   if (model_dir.empty()) {
     model_dir = scratch + "/model";
     engine::MakeModelOptions m;
-    m.preset = "tiny";
+    m.preset = o.preset;
     if (Status s = engine::MakeModel(m, model_dir); !s.ok())
       return std::fprintf(stderr, "loom bench sample: %s\n", s.message().c_str()), 1;
   }
@@ -146,7 +147,7 @@ int Run(const Options& o) {
   engine::Sampler& s = **sampler;
 
   std::printf("model %s  device %s  dtype %s  weights %.1f MB  prompt %d  new tokens %d  rank %d\n",
-              o.model_dir.empty() ? "tiny (generated)" : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
+              o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
               bf16 ? "bf16" : "fp32", weight_bytes / 1e6, o.prompt_len, o.new_tokens, o.rank);
   if (cuda) std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms\n", weight_bytes / 4.3e12 * 1e3);
   std::printf("%-10s %6s %12s %12s %14s\n", "adapters", "batch", "tokens/s", "ms/step", "vs base");
@@ -177,6 +178,7 @@ int BenchSample(int argc, char** argv) {
   CLI::App app{"Decode tokens/s of the sampler: base, 1 adapter, 8 distinct adapters", "loom bench sample"};
   Options o;
   app.add_option("--model", o.model_dir, "model directory (default: a generated tiny model)");
+  app.add_option("--preset", o.preset, "make-model preset generated when --model is absent")->default_val(o.preset);
   app.add_option("--device", o.device, "auto | cpu | cuda")->default_val(o.device);
   app.add_option("--dtype", o.dtype, "auto | bf16 | fp32")->default_val(o.dtype);
   app.add_option("--batch", o.batches, "decode batch sizes (default: 1 64)");
