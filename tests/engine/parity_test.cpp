@@ -7,6 +7,7 @@
 // tests/golden/<arch>/. The base model is regenerated here by make-model from
 // the identity recorded in batch.json, so only the small adapters and numbers
 // are stored. Without golden files the golden tests skip.
+#include <cstdio>
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -154,6 +155,7 @@ TEST_P(ParityTest, PackedMultiAdapterPassMatchesHuggingFacePeft) {
   auto golden = SafetensorsFile::Open((golden_dir / "golden.safetensors").string());
   ASSERT_TRUE(golden.ok()) << golden.status().message();
   const SafetensorsFile& g = *golden.value();
+  double worst_lp = 0, worst_grad_rel = 0;
   for (size_t i = 0; i < seqs.size(); ++i) {
     const TensorView* v = g.find("seq" + std::to_string(i) + ".logprobs");
     ASSERT_NE(v, nullptr) << i;
@@ -163,6 +165,7 @@ TEST_P(ParityTest, PackedMultiAdapterPassMatchesHuggingFacePeft) {
     ASSERT_EQ(got.numel(), ref->numel()) << "seq" << i;
     const double diff = (got - ref.value()).abs().max().item<double>();
     EXPECT_LE(diff, kLogprobAbsTol) << "seq" << i << " logprobs differ from HF+PEFT by " << diff;
+    worst_lp = std::max(worst_lp, diff);
   }
 
   // Gradient of the summed cross-entropy into every adapter's A and B.
@@ -190,9 +193,15 @@ TEST_P(ParityTest, PackedMultiAdapterPassMatchesHuggingFacePeft) {
       const double scale = ref->abs().max().item<double>();
       const double diff = (got - ref.value()).abs().max().item<double>();
       EXPECT_LE(diff, kGradRelTol * scale) << key << ": max diff " << diff << ", max |ref| " << scale;
+      worst_grad_rel = std::max(worst_grad_rel, diff / scale);
       ++compared;
     }
   }
+  // The figures docs/compatibility.md quotes.
+  std::printf("parity %s: max |logprob diff| %.3g, max grad diff / max |ref grad| %.3g\n", std::string(GetParam()).c_str(), worst_lp,
+              worst_grad_rel);
+  RecordProperty("max_logprob_abs_diff", std::to_string(worst_lp));
+  RecordProperty("max_grad_rel_diff", std::to_string(worst_grad_rel));
   // 3 adapters x (7 per layer x layers + lm_head) x {A, B}.
   EXPECT_EQ(compared, static_cast<int>(slot_of.size()) * 2 *
                           (7 * static_cast<int>(model.value()->config().num_hidden_layers) + 1));

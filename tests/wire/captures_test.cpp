@@ -225,7 +225,7 @@ bool CheckJson(const std::string& path, const json& want, const std::string& bod
     EXPECT_EQ(r->session_id.value_or(""), want["session_id"].get<std::string>());
     EXPECT_EQ(r->process_uuid.value_or(""), want["process_uuid"].get<std::string>());
     EXPECT_EQ(r->event_kinds.size(), want["events"].size());
-    for (size_t i = 0; i < r->event_kinds.size() && i < want["events"].size(); ++i) EXPECT_EQ(r->event_kinds[i], want["events"][i]["event"]);
+    for (size_t i = 0; i < r->event_kinds.size() && i < want["events"].size(); ++i) EXPECT_EQ(r->event_kinds[i], want["events"][i]["event"].get<std::string>());
   } else if (endpoint == "asample") {
     CheckSample(want, body, where);
   } else {
