@@ -11,6 +11,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "cli/bench_sample.h"
 #include "cli/commands.h"
 #include "engine/api.h"
 #include "engine/model/make_model.h"
@@ -157,6 +158,8 @@ int BenchTrain(const TrainBenchOptions& o) {
 }  // namespace
 
 int Bench(int argc, char** argv) {
+  // `loom bench sample ...` has its own flags (cli/bench_sample.cpp), argv[0] = "sample".
+  if (argc >= 2 && std::string(argv[1]) == "sample") return BenchSample(argc - 1, argv + 1);
   CLI::App app{"Benchmarks on the engine's own code paths", "loom bench"};
   app.require_subcommand(1);
   TrainBenchOptions t;
@@ -176,7 +179,7 @@ int Bench(int argc, char** argv) {
     return app.exit(e);
   }
   if (train->parsed()) return BenchTrain(t);
-  std::fprintf(stderr, "loom bench: only 'train' is implemented\n");
+  std::fprintf(stderr, "loom bench: use 'train' or 'sample'\n");
   return 2;
 }
 
