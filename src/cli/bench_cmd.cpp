@@ -30,6 +30,8 @@ struct TrainBenchOptions {
   int rank = 8;
   int threads = 0;
   std::string device = "auto";
+  double lr = 1e-4;
+  std::string save_adapter;  // after timing, tenant 0's PEFT snapshot goes here
 };
 
 std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
@@ -53,7 +55,7 @@ struct StepTimes {
 
 // Mean times of `steps` steps over the given slots (after one warm-up).
 Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
-                         const std::vector<std::vector<Datum>>& data, int steps) {
+                         const std::vector<std::vector<Datum>>& data, int steps, double lr) {
   std::vector<engine::ForwardBackwardCall> calls;
   std::vector<engine::OptimStepCall> optim;
   for (int s : slots) {
@@ -61,7 +63,9 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
     c.slot = s;
     c.data = data[s];
     calls.push_back(c);
-    optim.push_back({s, engine::AdamParams{}});
+    engine::AdamParams adam;
+    adam.learning_rate = lr;
+    optim.push_back({s, adam});
   }
   StepTimes t;
   for (int i = 0; i <= steps; ++i) {
@@ -136,8 +140,17 @@ int BenchTrain(const TrainBenchOptions& o) {
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
               info.dtype.c_str(), o.rank, o.steps);
-  auto one = TimeSteps(e, {0}, data, o.steps);
-  auto packed = one.ok() ? TimeSteps(e, all, data, o.steps) : one;
+  auto one = TimeSteps(e, {0}, data, o.steps, o.lr);
+  auto packed = one.ok() ? TimeSteps(e, all, data, o.steps, o.lr) : one;
+  if (packed.ok() && !o.save_adapter.empty()) {
+    // A trained (non-zero B) adapter for tools/reference/check_snapshot.py.
+    if (Status st = e.SaveForSampler(0, o.save_adapter, model_dir); !st.ok()) {
+      std::fprintf(stderr, "loom bench train: --save-adapter: %s\n", st.message().c_str());
+      cleanup();
+      return 1;
+    }
+    std::printf("saved tenant 0's adapter to %s\n", o.save_adapter.c_str());
+  }
   cleanup();
   if (!packed.ok()) {
     std::fprintf(stderr, "loom bench train: %s\n", packed.status().message().c_str());
@@ -173,6 +186,8 @@ int Bench(int argc, char** argv) {
   train->add_option("--rank", t.rank, "LoRA rank of every tenant")->default_val(t.rank)->check(CLI::Range(1, 1024));
   train->add_option("--threads", t.threads, "CPU threads (0 = all cores)")->default_val(t.threads);
   train->add_option("--device", t.device, "auto | cpu | cuda")->default_val(t.device);
+  train->add_option("--lr", t.lr, "AdamW learning rate")->default_val(t.lr);
+  train->add_option("--save-adapter", t.save_adapter, "write tenant 0's trained adapter (PEFT) to this new directory");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
