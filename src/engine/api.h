@@ -16,6 +16,8 @@
 
 namespace loom::engine {
 
+class Transformer;  // engine/model/transformer.h; opaque here (no tensors above engine/)
+
 // A dense row-major array, as carried by Tinker's TensorData (loss_fn_inputs
 // and per-datum outputs). Exactly one of f32 / i64 holds numel() values.
 struct Array {
@@ -159,6 +161,10 @@ class Engine {
 
   // Immutable PEFT snapshot (adapter_config.json + adapter_model.safetensors).
   virtual Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) = 0;
+
+  // The frozen base model, for a Sampler to share (so it is held once).
+  // Read-only; safe to use from another thread. nullptr for test doubles.
+  virtual std::shared_ptr<const Transformer> SharedModel() const { return nullptr; }
 };
 
 }  // namespace loom::engine

@@ -47,6 +47,7 @@ class TrainingEngine final : public Engine {
         optimizer_(bank_) {}
 
   const ModelInfo& info() const override { return info_; }
+  std::shared_ptr<const Transformer> SharedModel() const override { return model_; }
 
   Status ValidateForwardBackward(const ForwardBackwardCall& call) const override {
     if (call.slot < 0 || call.slot >= info_.max_slots)
@@ -139,7 +140,7 @@ class TrainingEngine final : public Engine {
 
   int threads_;
   std::thread::id configured_thread_ = std::this_thread::get_id();
-  std::unique_ptr<Transformer> model_;
+  std::shared_ptr<Transformer> model_;  // shared with the Sampler (SharedModel)
   ModelInfo info_;
   SlotBank bank_;
   train::SlotOptimizer optimizer_;
