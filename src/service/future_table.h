@@ -26,6 +26,7 @@
 
 #include "common/status.h"
 #include "engine/api.h"
+#include "wire/sample.h"
 
 namespace loom::service {
 
@@ -34,6 +35,7 @@ namespace loom::service {
 struct FutureResult {
   nlohmann::json json;
   std::optional<engine::ForwardBackwardOutput> forward_backward;
+  std::optional<wire::SampleResult> sample;  // asample (protobuf SampleResponse, or legacy JSON)
 };
 
 enum class FutureState { kPending, kDone, kFailed };

@@ -32,7 +32,10 @@
 
 #include "common/status.h"
 #include "engine/api.h"
+#include "sched/planner.h"
 #include "service/future_table.h"
+#include "service/metrics.h"
+#include "service/sampling.h"
 #include "service/sequencer.h"
 #include "store/registry.h"
 #include "wire/forward_backward.h"
@@ -50,6 +53,7 @@ struct ServiceOptions {
   std::chrono::seconds archive_url_ttl{std::chrono::minutes(15)};
   double lora_alpha = 32.0;
   std::string instance_tag;  // prefix of request ids; "" = random
+  int64_t token_budget = 8192;  // --token-budget: tokens per packed forward(_backward) pass
 };
 
 // Who is calling, as http/ authenticated it.
@@ -97,6 +101,14 @@ class Service {
   Result<Submitted> SaveWeightsForSampler(const Caller& caller, const wire::SaveWeightsForSamplerRequest& request);
   Result<Submitted> UnloadModel(const Caller& caller, const std::string& model_id);
 
+  // ---- sampling (sampling.cpp) ----
+  // Serves sampling with this Sampler (built on engine's SharedModel()); call
+  // before Start(). Without one, asample answers Unavailable.
+  void AttachSampler(std::unique_ptr<engine::Sampler> sampler);
+  Result<std::string> CreateSamplingSession(const Caller& caller, const wire::CreateSamplingSessionRequest& request);
+  Result<SampleSubmitted> Sample(const Caller& caller, const wire::SampleRequest& request);
+  Result<nlohmann::json> GetSampler(const Caller& caller, const std::string& sampler_id);
+
   // ---- direct answers ----
   Result<nlohmann::json> GetInfo(const Caller& caller, const std::string& model_id);
   Result<nlohmann::json> WeightsInfo(const Caller& caller, const wire::TinkerPath& path);
@@ -122,6 +134,10 @@ class Service {
 
   // For tests and /metrics: slots currently bound to live models.
   int slots_in_use() const;
+  // Counters other layers feed (router: responses; sampler: tokens).
+  Metrics& metrics() { return metrics_; }
+  // GET /metrics: Prometheus text with the live queue gauges.
+  std::string MetricsText() const;
 
  private:
   enum class ModelState { kActive, kFailed, kExpired, kUnloaded };
@@ -155,10 +171,26 @@ class Service {
     std::string prefix;
     Clock::time_point expires;
   };
-  // Requests taken together by the engine thread (one per model).
-  struct Batch {
-    OpKind kind = OpKind::kForwardBackward;
-    std::vector<TrainingOp> ops;
+  // A ready request handed to the planner; its datums leave it piece by
+  // piece, and the outputs of finished pieces gather in `partial`.
+  struct Planned {
+    TrainingOp op;
+    Clock::time_point ready_at;
+    bool started = false;  // a piece has run (its queue wait is recorded)
+    std::optional<engine::ForwardBackwardOutput> partial;
+  };
+  // One planned piece, with everything the engine thread needs to run it
+  // outside the lock (see engine_loop.cpp).
+  struct PieceWork {
+    uint64_t plan_id = 0;
+    sched::Piece piece;
+    int slot = -1;
+    TrainingOp op;  // exclusive/optim: the whole op; packable: call params + this piece's datums
+    std::optional<engine::ForwardBackwardOutput> partial;  // last piece: outputs of earlier pieces
+  };
+  struct PassWork {
+    sched::Pass pass;
+    std::vector<PieceWork> pieces;
   };
 
   Result<Submitted> CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
@@ -174,10 +206,16 @@ class Service {
 
   void EngineLoop();
   bool AnyReadyLocked() const;
-  Batch TakeBatchLocked();
+  void FeedPlannerLocked();
+  PassWork TakePassLocked(sched::Pass pass);
+  // Ends a piece on the engine thread: keeps or joins its output, answers the request.
+  void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
+  void FailPlannedLocked(uint64_t plan_id, const Status& status);
   void JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_release);
   void ExpireSessionLocked(Session& session, std::vector<int>* slots_to_release);
-  void RunBatch(Batch& batch);
+  void RunPass(PassWork& work);
+  void RunForwardBackwardPass(PassWork& work);
+  void RunOptimPass(PassWork& work);
   void RunCreateModel(TrainingOp& op);
   void RunSaveWeights(TrainingOp& op);
   void RunLoadWeights(TrainingOp& op);
@@ -211,6 +249,10 @@ class Service {
   bool stopping_ = false;
   std::thread engine_thread_;
   uint64_t next_ticket_ = 1;
+  sched::Planner planner_;
+  std::map<uint64_t, Planned> planned_;  // planner request id -> payload
+  uint64_t next_plan_id_ = 1;
+  Metrics metrics_;
   std::map<std::string, Session> sessions_;
   std::map<std::string, std::unique_ptr<TrainingModel>> models_;
   std::map<std::string, Sampler> samplers_;
@@ -220,6 +262,8 @@ class Service {
   std::set<int> free_slots_;
   std::vector<int> slots_to_release_;  // released on the engine thread
   Clock::time_point last_janitor_{};
+  // Declared last: its Sampler (whose callbacks complete futures_) stops first.
+  SamplingState sampling_;
 };
 
 }  // namespace loom::service

@@ -1,0 +1,225 @@
+// Service's sampling side (I/O threads): sampling sessions, asample admission
+// (ownership, dedup, validation before queueing) and the hand-off to the
+// engine Sampler, whose decode thread completes the futures.
+#include "service/sampling.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "common/log.h"
+#include "service/service.h"
+#include "service/util.h"
+#include "wire/json_api.h"
+
+namespace loom::service {
+
+// ------------------------------------------------------------ translation
+
+engine::SampleCall ToSampleCall(const wire::SampleRequest& request) {
+  engine::SampleCall call;
+  call.prompt = request.prompt;
+  call.num_samples = request.num_samples;
+  call.prompt_logprobs = request.prompt_logprobs;
+  call.topk_prompt_logprobs = request.topk_prompt_logprobs;
+  const wire::SamplingParams& p = request.sampling_params;
+  call.params.max_tokens = p.max_tokens;
+  call.params.temperature = p.temperature;
+  call.params.top_k = p.top_k;
+  call.params.top_p = p.top_p;
+  call.params.seed = p.seed;
+  call.params.stop_tokens = p.stop_tokens;
+  call.params.stop_strings = p.stop_strings;
+  return call;
+}
+
+wire::SampleResult ToSampleResult(const engine::SampleOutput& output) {
+  wire::SampleResult r;
+  for (const engine::SampledSequence& s : output.sequences) {
+    wire::SampledSequence w;
+    w.stop_reason = s.stop_reason == engine::SampleStopReason::kStop ? wire::StopReason::kStop
+                                                                     : wire::StopReason::kLength;
+    w.tokens = s.tokens;
+    w.logprobs = s.logprobs;
+    r.sequences.push_back(std::move(w));
+  }
+  r.prompt_logprobs = output.prompt_logprobs;
+  if (output.topk > 0) {
+    wire::TopkPromptLogprobs t;
+    t.k = static_cast<uint32_t>(output.topk);
+    t.prompt_length = static_cast<uint32_t>(output.topk_token_ids.size() / static_cast<size_t>(output.topk));
+    t.token_ids = output.topk_token_ids;
+    t.logprobs = output.topk_logprobs;
+    r.topk_prompt_logprobs = std::move(t);
+  }
+  return r;
+}
+
+nlohmann::json LegacySampleResponseJson(const wire::SampleResult& result) {
+  using Json = nlohmann::json;
+  Json sequences = Json::array();
+  for (const wire::SampledSequence& s : result.sequences) {
+    Json lps = Json::array();
+    for (float v : s.logprobs) lps.push_back(wire::JsonNumber(v));
+    sequences.push_back({{"stop_reason", s.stop_reason == wire::StopReason::kStop ? "stop" : "length"},
+                         {"tokens", s.tokens},
+                         {"logprobs", lps}});
+  }
+  Json j = {{"type", "sample"}, {"sequences", sequences}, {"prompt_cache_hit_tokens", result.prompt_cache_hit_tokens}};
+  if (result.prompt_logprobs) {
+    Json p = Json::array();
+    for (float v : *result.prompt_logprobs) p.push_back(std::isnan(v) ? Json(nullptr) : wire::JsonNumber(v));
+    j["prompt_logprobs"] = p;
+  }
+  if (const auto& t = result.topk_prompt_logprobs) {
+    Json rows = Json::array();
+    for (uint32_t i = 0; i < t->prompt_length; ++i) {
+      if (i == 0) {  // nothing predicts the first token
+        rows.push_back(nullptr);
+        continue;
+      }
+      Json row = Json::array();
+      for (uint32_t k = 0; k < t->k; ++k) {
+        const size_t at = static_cast<size_t>(i) * t->k + k;
+        if (t->logprobs[at] == wire::TopkPromptLogprobs::kTopkPadLogprob) continue;
+        row.push_back(Json::array({t->token_ids[at], wire::JsonNumber(t->logprobs[at])}));
+      }
+      rows.push_back(row);
+    }
+    j["topk_prompt_logprobs"] = rows;
+  }
+  return j;
+}
+
+// ------------------------------------------------------------ the service
+
+void Service::AttachSampler(std::unique_ptr<engine::Sampler> sampler) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sampling_.sampler = std::move(sampler);
+}
+
+Result<std::string> Service::CreateSamplingSession(const Caller& caller,
+                                                   const wire::CreateSamplingSessionRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return Status::Unavailable("server is shutting down");
+  auto sit = sessions_.find(request.session_id);
+  if (sit == sessions_.end() || sit->second.owner != caller.tenant) {
+    return Status::NotFound("create_sampling_session.session_id: session '" + request.session_id + "' not found");
+  }
+  if (sit->second.expired) {
+    return Status::Precondition("create_sampling_session.session_id: session '" + request.session_id +
+                                "' expired (no heartbeat); create a new ServiceClient");
+  }
+  if (request.sampling_session_seq_id < 0) {
+    return Status::Invalid(fmt::format("create_sampling_session.sampling_session_seq_id: {} must be >= 0",
+                                       request.sampling_session_seq_id));
+  }
+  const std::string id = fmt::format("{}:sample:{}", request.session_id, request.sampling_session_seq_id);
+  if (auto it = samplers_.find(id); it != samplers_.end() && it->second.owner == caller.tenant) {
+    TouchSessionLocked(request.session_id);
+    return id;  // a retried create answers the same session
+  }
+  if (request.base_model && *request.base_model != options_.base_model_name) {
+    return Status::Invalid(fmt::format("create_sampling_session.base_model: '{}' is not served here; this server "
+                                       "serves '{}'", *request.base_model, options_.base_model_name));
+  }
+  Sampler s{id, caller.tenant, options_.base_model_name, ""};
+  if (request.model_path) {
+    const std::string& path = *request.model_path;
+    auto parsed = wire::ParseTinkerPath(path);
+    if (!parsed.ok()) return Status::Invalid("create_sampling_session.model_path: " + parsed.status().message());
+    if (parsed->kind != wire::TinkerPath::Kind::kSampler) {
+      return Status::Invalid("create_sampling_session.model_path: '" + path +
+                             "' is a training-state (/weights/) checkpoint; sampling needs a /sampler_weights/ "
+                             "checkpoint from save_weights_for_sampler");
+    }
+    auto ckpt = registry_->GetCheckpointByPath(path);
+    if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
+      return Status::NotFound("create_sampling_session.model_path: checkpoint '" + path + "' not found");
+    }
+    s.model_path = ckpt->tinker_path;
+    if (auto run = registry_->GetRun(ckpt->model_id); run.ok()) s.base_model = run->base_model;
+  } else if (!request.base_model) {
+    return Status::Invalid("create_sampling_session: one of base_model / model_path is required");
+  }
+  samplers_[id] = s;
+  sit->second.sampler_ids.push_back(id);
+  TouchSessionLocked(request.session_id);
+  log::Info("sampling_session_created id={} tenant={} model_path={}", id, caller.tenant, s.model_path);
+  return id;
+}
+
+Result<nlohmann::json> Service::GetSampler(const Caller& caller, const std::string& sampler_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = samplers_.find(sampler_id);
+  if (it == samplers_.end() || it->second.owner != caller.tenant) {
+    return Status::NotFound("samplers/" + sampler_id + ": sampling session '" + sampler_id + "' not found");
+  }
+  const Sampler& s = it->second;
+  return wire::GetSamplerJson(s.sampler_id, s.base_model,
+                              s.model_path.empty() ? std::nullopt : std::optional<std::string>(s.model_path));
+}
+
+Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::SampleRequest& request) {
+  engine::SampleCall call = ToSampleCall(request);
+  engine::Sampler* sampler = nullptr;
+  SampleSubmitted out;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return Status::Unavailable("server is shutting down");
+    auto it = samplers_.find(request.sampling_session_id);
+    if (it == samplers_.end() || it->second.owner != caller.tenant) {
+      return Status::NotFound("asample.sampling_session_id: sampling session '" + request.sampling_session_id +
+                              "' not found");
+    }
+    const Sampler& session = it->second;
+    const auto key = std::make_pair(request.sampling_session_id, request.seq_id);
+    const auto now = Clock::now();
+    if (auto prior = sampling_.admitted.find(key); prior != sampling_.admitted.end()) return prior->second.first;
+    if (!sampling_.sampler) {
+      return Status::Unavailable("asample: sampling is not served by this server (no sampler was started)");
+    }
+    if (request.base_model && *request.base_model != session.base_model) {
+      return Status::Invalid(fmt::format("asample.base_model: '{}' differs from the sampling session's '{}'",
+                                         *request.base_model, session.base_model));
+    }
+    if (!session.model_path.empty()) {
+      // Resolved now, not at session creation: a deleted or unpublished
+      // snapshot stops being sampleable.
+      auto ckpt = registry_->GetCheckpointByPath(session.model_path);
+      if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
+        return Status::NotFound("asample: checkpoint '" + session.model_path + "' of sampling session '" +
+                                session.sampler_id + "' not found (deleted or no longer public)");
+      }
+      call.adapter_dir = ckpt->dir;
+    }
+    sampler = sampling_.sampler.get();
+    if (Status st = sampler->Validate(call); !st.ok()) {
+      return Status(st.code(), "asample." + st.message());
+    }
+    out.request_id = futures_.Create(caller.tenant, "Sample");
+    for (int32_t i = 0; i < call.num_samples; ++i) out.sample_sequence_ids.push_back(fmt::format("{}:{}", out.request_id, i));
+    if (now - sampling_.last_prune > std::chrono::minutes(1)) {
+      for (auto a = sampling_.admitted.begin(); a != sampling_.admitted.end();) {
+        a = now - a->second.second > std::chrono::hours(1) ? sampling_.admitted.erase(a) : std::next(a);
+      }
+      sampling_.last_prune = now;
+    }
+    sampling_.admitted[key] = {out, now};
+    TouchSessionLocked(session.sampler_id.substr(0, session.sampler_id.rfind(":sample:")));
+  }
+  // The sampler lives until ~Service (after Stop), so the pointer stays valid.
+  // The callback runs on the decode thread; FutureTable is thread-safe and
+  // wakes parked polls from there, as the engine thread's completions do.
+  FutureTable* futures = &futures_;
+  const std::string request_id = out.request_id;
+  sampler->Submit(std::move(call), [futures, request_id](Result<engine::SampleOutput> result) {
+    if (!result.ok()) return futures->Fail(request_id, result.status());
+    FutureResult r;
+    r.sample = ToSampleResult(*result);
+    futures->Complete(request_id, std::move(r));
+  });
+  return out;
+}
+
+}  // namespace loom::service

@@ -1,0 +1,54 @@
+// Sampling sessions on the Service (spec §5.18-5.20): the state Service keeps
+// for create_sampling_session / asample / samplers/{id}, and the translation
+// between the wire's sampling types and the engine Sampler's. The Service
+// methods themselves are implemented in sampling.cpp.
+//
+// Invariants: a sampling session id is "{session_id}:sample:{n}", made once
+// per (session, n) (by create_sampling_session or an unnamed
+// save_weights_for_sampler) and owned by its session's tenant; one
+// (sampling_session_id, seq_id) is admitted at most once (a repeat answers
+// the first request's future and sequence ids).
+//
+// Threading: SamplingState is guarded by Service's mutex; the Sampler it owns
+// is thread-safe and completes futures on its own decode thread.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "engine/sample_api.h"
+#include "wire/sample.h"
+
+namespace loom::service {
+
+// The answer to an admitted asample: the future and one id per sample, in
+// the order of the result's sequences.
+struct SampleSubmitted {
+  std::string request_id;
+  std::vector<std::string> sample_sequence_ids;
+};
+
+// What Service holds for sampling (guarded by Service::mu_).
+struct SamplingState {
+  std::unique_ptr<engine::Sampler> sampler;  // null: sampling is not served
+  // (sampling_session_id, seq_id) -> first answer and when (pruned after an hour).
+  std::map<std::pair<std::string, int64_t>, std::pair<SampleSubmitted, std::chrono::steady_clock::time_point>>
+      admitted;
+  std::chrono::steady_clock::time_point last_prune{};
+};
+
+// wire -> engine: the parsed asample body as a SampleCall (adapter_dir unset).
+engine::SampleCall ToSampleCall(const wire::SampleRequest& request);
+// engine -> wire: the sampler's output as the SampleResponse to encode.
+wire::SampleResult ToSampleResult(const engine::SampleOutput& output);
+// SampleResponse as SDKs <= 0.24 read it from JSON (spec §8.12).
+nlohmann::json LegacySampleResponseJson(const wire::SampleResult& result);
+
+}  // namespace loom::service
