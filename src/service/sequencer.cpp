@@ -26,6 +26,7 @@ std::optional<std::string> Sequencer::Lookup(int64_t seq_id) const {
 Sequencer::AdmitResult Sequencer::Admit(TrainingOp op) {
   if (auto prior = Lookup(op.seq_id)) return {Admission::kDuplicate, *prior};
   if (op.seq_id < next_seq_) return {Admission::kStale, ""};
+  skipped_.erase(op.seq_id);
   seen_[op.seq_id] = op.request_id;
   std::string id = op.request_id;
   const int64_t seq = op.seq_id;
@@ -34,10 +35,22 @@ Sequencer::AdmitResult Sequencer::Admit(TrainingOp op) {
   return {Admission::kAccepted, id};
 }
 
+void Sequencer::Skip(int64_t seq_id) {
+  if (seq_id < next_seq_ || seen_.count(seq_id)) return;
+  skipped_.insert(seq_id);
+  Promote();
+}
+
 void Sequencer::Promote() {
-  for (auto it = early_.begin(); it != early_.end() && it->first == next_seq_; it = early_.begin()) {
-    ready_.push_back(std::move(it->second));
-    early_.erase(it);
+  for (;;) {
+    if (auto it = early_.begin(); it != early_.end() && it->first == next_seq_) {
+      ready_.push_back(std::move(it->second));
+      early_.erase(it);
+    } else if (!skipped_.empty() && *skipped_.begin() == next_seq_) {
+      skipped_.erase(skipped_.begin());
+    } else {
+      return;
+    }
     ++next_seq_;
   }
 }
@@ -57,6 +70,8 @@ std::vector<TrainingOp> Sequencer::ExpireGap(Clock::time_point now, Clock::durat
   next_seq_ = early_.rbegin()->first + 1;
   for (auto& [seq, op] : early_) expired.push_back(std::move(op));
   early_.clear();
+  skipped_.erase(skipped_.begin(), skipped_.lower_bound(next_seq_));
+  Promote();
   return expired;
 }
 

@@ -9,6 +9,8 @@
 // seq_id ever admitted maps to the request_id of its first submission, so a
 // retry returns the original future and never runs twice. After a gap times
 // out, the waiting requests are failed and next_seq() jumps past them.
+// A seq_id whose request was rejected before admission (a 4xx) is Skip()ped:
+// the SDK never resends it, so later requests must not wait for it.
 //
 // Not thread-safe: the Service guards it with its lock.
 #pragma once
@@ -16,6 +18,7 @@
 #include <deque>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -41,6 +44,11 @@ class Sequencer {
   // Admits op (op.request_id must be set unless the caller only checks for
   // duplicates first with Lookup()).
   AdmitResult Admit(TrainingOp op);
+
+  // Marks seq_id as used by a request that was rejected before admission, so
+  // the requests after it do not wait for it. No-op if seq_id was admitted or
+  // is below next_seq(). A later Admit() of the same seq_id still succeeds.
+  void Skip(int64_t seq_id);
 
   // The request_id first submitted with seq_id, if any.
   std::optional<std::string> Lookup(int64_t seq_id) const;
@@ -68,6 +76,7 @@ class Sequencer {
   std::map<int64_t, TrainingOp> early_;
   std::deque<TrainingOp> ready_;
   std::map<int64_t, std::string> seen_;
+  std::set<int64_t> skipped_;  // rejected seq_ids >= next_seq_, never in early_
 };
 
 }  // namespace loom::service

@@ -145,7 +145,8 @@ Result<Submitted> Service::AdmitLocked(const Caller& caller, TrainingModel& mode
   return out;
 }
 
-Result<Submitted> Service::SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op) {
+Result<Submitted> Service::SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op,
+                                         Status precheck) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return Status::Unavailable("server is shutting down");
   if (auto prior = IdempotentLocked(caller)) return *prior;
@@ -154,6 +155,11 @@ Result<Submitted> Service::SubmitOnModel(const Caller& caller, const std::string
   if (op.seq_id < 1) {
     return Status::Invalid(fmt::format("seq_id: must be >= 1 (got {}); seq_id 0 is the model's create_model",
                                        op.seq_id));
+  }
+  if (!precheck.ok()) {
+    (*model)->sequencer.Skip(op.seq_id);
+    if ((*model)->sequencer.HasReady()) cv_.notify_all();
+    return precheck;
   }
   return AdmitLocked(caller, **model, std::move(op));
 }
@@ -230,12 +236,11 @@ Result<Submitted> Service::ForwardBackward(const Caller& caller, wire::ForwardBa
   request.call.slot = 0;
   Status valid = engine_->ValidateForwardBackward(request.call);
   request.call.slot = -1;
-  if (!valid.ok()) return valid;
   TrainingOp op;
   op.kind = OpKind::kForwardBackward;
   op.seq_id = request.seq_id;
   op.forward_backward = std::move(request.call);
-  return SubmitOnModel(caller, request.model_id, std::move(op));
+  return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::OptimStep(const Caller& caller, const wire::OptimStepRequest& request) {
@@ -251,16 +256,18 @@ Result<Submitted> Service::SaveWeights(const Caller& caller, const wire::SaveWei
   op.kind = OpKind::kSaveWeights;
   op.seq_id = request.seq_id;
   op.name = request.name.value_or(fmt::format("seq-{}", request.seq_id));
-  if (Status st = store::ValidateCheckpointName(op.name, "save_weights.path"); !st.ok()) return st;
+  Status valid = store::ValidateCheckpointName(op.name, "save_weights.path");
   op.ttl_seconds = request.ttl_seconds;
   op.overwrite = request.overwrite;
-  return SubmitOnModel(caller, request.model_id, std::move(op));
+  return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWeightsRequest& request) {
+  Status valid;
   if (request.path.kind != wire::TinkerPath::Kind::kTraining) {
-    return Status::Invalid("load_weights.path: '" + request.path.ToString() +
-                           "' is a sampler_weights checkpoint; load_state needs a /weights/ checkpoint");
+    valid = Status::Invalid("load_weights.path: '" + request.path.ToString() +
+                            "' is a sampler_weights checkpoint; load_state needs a /weights/ checkpoint");
+    if (request.mode != wire::LoadWeightsRequest::Mode::kTrainingClient) return valid;
   }
   TrainingOp op;
   op.kind = OpKind::kLoadWeights;
@@ -268,7 +275,7 @@ Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWei
   op.with_optimizer = request.optimizer;
   if (request.mode == wire::LoadWeightsRequest::Mode::kTrainingClient) {
     op.seq_id = request.seq_id;
-    return SubmitOnModel(caller, request.model_id, std::move(op));
+    return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
   }
   // create_model_via_load_weights: a new model whose LoRA config is the
   // checkpoint's, created and loaded as its seq 0.
@@ -297,13 +304,14 @@ Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
   op.kind = OpKind::kSaveForSampler;
   op.seq_id = request.seq_id;
   op.ttl_seconds = request.ttl_seconds;
+  Status valid;
   if (request.named()) {
     op.name = *request.name;
-    if (Status st = store::ValidateCheckpointName(op.name, "save_weights_for_sampler.path"); !st.ok()) return st;
+    valid = store::ValidateCheckpointName(op.name, "save_weights_for_sampler.path");
   } else {
     op.sampling_session_seq_id = request.sampling_session_seq_id;
   }
-  return SubmitOnModel(caller, request.model_id, std::move(op));
+  return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& model_id) {

@@ -199,7 +199,11 @@ class Service {
   Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
   // Finds a live model of this tenant (NotFound / expired / failed errors).
   Result<TrainingModel*> FindModelLocked(const std::string& tenant, const std::string& model_id, bool must_be_active);
-  Result<Submitted> SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op);
+  // Locks mu_ and admits op on its model. A failed precheck (bad input found
+  // before admission) is returned as is, and op.seq_id is skipped in the
+  // model's sequencer: the SDK never resends a rejected seq_id.
+  Result<Submitted> SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op,
+                                  Status precheck = Status::Ok());
   std::optional<Submitted> IdempotentLocked(const Caller& caller) const;
   void RememberLocked(const Caller& caller, const Submitted& submitted);
   void TouchSessionLocked(const std::string& session_id);
