@@ -3,7 +3,9 @@
 // and does the periodic chores (lease expiry, seq gaps, TTLs, slot release).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <set>
 
 #include "common/log.h"
 #include "service/service.h"
@@ -15,14 +17,67 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Forward_backwards pack together when they share loss, config and mode.
-bool SamePass(const TrainingOp& a, const TrainingOp& b) {
-  if (a.kind != b.kind) return false;
-  if (a.kind == OpKind::kOptimStep) return true;
-  if (a.kind != OpKind::kForwardBackward) return false;
-  return a.forward_backward.loss_fn == b.forward_backward.loss_fn &&
-         a.forward_backward.forward_only == b.forward_backward.forward_only &&
-         a.forward_backward.loss_fn_config == b.forward_backward.loss_fn_config;
+// What the planner needs to know of a ready request.
+sched::Request PlanRequest(uint64_t id, const TrainingOp& op, int64_t arrival_ms) {
+  sched::Request r;
+  r.id = id;
+  r.model_id = op.model_id;
+  r.arrival_ms = arrival_ms;
+  switch (op.kind) {
+    case OpKind::kForwardBackward: {
+      const auto& fb = op.forward_backward;
+      r.kind = sched::OpKind::kPackable;
+      r.batch_key = sched::BatchKey(fb.forward_only ? "forward" : "forward_backward", fb.loss_fn, fb.loss_fn_config);
+      for (const auto& d : fb.data) r.datum_tokens.push_back(static_cast<int64_t>(d.tokens.size()));
+      break;
+    }
+    case OpKind::kOptimStep: r.kind = sched::OpKind::kOptim; break;
+    default: r.kind = sched::OpKind::kExclusive; break;
+  }
+  return r;
+}
+
+// Joins a split request's piece outputs: datums in order; "x:sum" metrics
+// add up, "x:max"/"x:min" take the extreme, others (means) weigh by datums.
+void JoinOutput(engine::ForwardBackwardOutput& into, engine::ForwardBackwardOutput&& more) {
+  const double n0 = static_cast<double>(into.outputs.size());
+  const double n1 = static_cast<double>(more.outputs.size());
+  for (auto& [key, v] : more.metrics) {
+    auto it = into.metrics.find(key);
+    if (it == into.metrics.end()) {
+      into.metrics[key] = v;
+    } else if (key.ends_with(":sum")) {
+      it->second += v;
+    } else if (key.ends_with(":max")) {
+      it->second = std::max(it->second, v);
+    } else if (key.ends_with(":min")) {
+      it->second = std::min(it->second, v);
+    } else if (n0 + n1 > 0) {
+      it->second = (it->second * n0 + v * n1) / (n0 + n1);
+    }
+  }
+  for (auto& o : more.outputs) into.outputs.push_back(std::move(o));
+}
+
+// A failure of the whole engine call (an exception such as out-of-memory)
+// rather than of one call's data: worth retrying the calls one at a time.
+bool WholePassFailed(const std::vector<Result<engine::ForwardBackwardOutput>>& results) {
+  if (results.size() < 2) return false;
+  for (const auto& r : results) {
+    if (r.ok()) return false;
+    if (r.status().code() != Code::kInternal && r.status().code() != Code::kResourceExhausted) return false;
+  }
+  return true;
+}
+
+const char* PassKindName(const sched::Pass& pass) {
+  switch (pass.kind) {
+    case sched::OpKind::kPackable:
+      return pass.batch_key.starts_with("forward|") ? "forward" : "forward_backward";
+    case sched::OpKind::kOptim: return "optim_step";
+    case sched::OpKind::kExclusive: return "exclusive";
+  }
+  return "?";
 }
 
 wire::TinkerPath ToWirePath(const store::TinkerPath& p) {
@@ -36,34 +91,98 @@ wire::TinkerPath ToWirePath(const store::TinkerPath& p) {
 }  // namespace
 
 bool Service::AnyReadyLocked() const {
+  if (!planner_.empty()) return true;
   for (const auto& [id, m] : models_) {
     if (m->sequencer.HasReady()) return true;
   }
   return false;
 }
 
-Service::Batch Service::TakeBatchLocked() {
-  Batch batch;
-  // The oldest ready request decides the kind of pass; every other model
-  // whose next ready request fits the same pass joins it (one per model, so
-  // each model still advances strictly in seq_id order).
-  TrainingModel* first = nullptr;
+void Service::FeedPlannerLocked() {
+  // Everything the sequencers released, each model's in seq_id order; models
+  // are fed oldest ready head first, so the planner's anchor tickets follow
+  // arrival across models.
+  std::vector<TrainingModel*> feeding;
   for (auto& [id, m] : models_) {
-    if (!m->sequencer.HasReady()) continue;
-    if (!first || m->sequencer.FrontReady().ticket < first->sequencer.FrontReady().ticket) first = m.get();
+    if (m->sequencer.HasReady()) feeding.push_back(m.get());
   }
-  if (!first) return batch;
-  TrainingOp head = first->sequencer.PopReady();
-  batch.kind = head.kind;
-  const bool packs = head.kind == OpKind::kForwardBackward || head.kind == OpKind::kOptimStep;
-  if (packs) {
-    for (auto& [id, m] : models_) {
-      if (m.get() == first || !m->sequencer.HasReady()) continue;
-      if (SamePass(head, m->sequencer.FrontReady())) batch.ops.push_back(m->sequencer.PopReady());
+  std::stable_sort(feeding.begin(), feeding.end(), [](const TrainingModel* a, const TrainingModel* b) {
+    return a->sequencer.FrontReady().ticket < b->sequencer.FrontReady().ticket;
+  });
+  std::vector<TrainingOp> ready;
+  for (TrainingModel* m : feeding) {
+    while (m->sequencer.HasReady()) ready.push_back(m->sequencer.PopReady());
+  }
+  const auto now = Clock::now();
+  for (TrainingOp& op : ready) {
+    const uint64_t id = next_plan_id_++;
+    Status st = planner_.Push(PlanRequest(id, op, NowMs()));
+    if (!st.ok()) {
+      futures_.Fail(op.request_id, st);
+      continue;
     }
+    planned_.emplace(id, Planned{std::move(op), now, false, std::nullopt});
   }
-  batch.ops.insert(batch.ops.begin(), std::move(head));
-  return batch;
+}
+
+void Service::FailPlannedLocked(uint64_t plan_id, const Status& status) {
+  planner_.Remove(plan_id);  // its later pieces, if any, will not run
+  auto it = planned_.find(plan_id);
+  if (it == planned_.end()) return;
+  futures_.Fail(it->second.op.request_id, status);
+  planned_.erase(it);
+}
+
+Service::PassWork Service::TakePassLocked(sched::Pass pass) {
+  PassWork work;
+  const auto now = Clock::now();
+  for (const sched::Piece& piece : pass.pieces) {
+    auto pit = planned_.find(piece.request_id);
+    if (pit == planned_.end()) continue;  // its model was dropped meanwhile
+    Planned& planned = pit->second;
+    auto mit = models_.find(piece.model_id);
+    if (mit == models_.end() || mit->second->state != ModelState::kActive ||
+        (planned.op.kind != OpKind::kCreateModel && mit->second->slot < 0)) {
+      FailPlannedLocked(piece.request_id,
+                        mit == models_.end() ? Status::NotFound("model_id '" + piece.model_id + "' not found")
+                        : mit->second->state != ModelState::kActive ? Status::Precondition(mit->second->state_reason)
+                                                                      : Status::Precondition("model has no adapter slot"));
+      continue;
+    }
+    if (!planned.started) {
+      planned.started = true;
+      metrics_.RecordQueueWait(piece.model_id, std::chrono::duration<double>(now - planned.ready_at).count());
+    }
+    PieceWork pw;
+    pw.plan_id = piece.request_id;
+    pw.piece = piece;
+    pw.slot = mit->second->slot;
+    if (pass.kind == sched::OpKind::kPackable && !piece.last) {
+      // Copy the call's parameters; move only this piece's datums out.
+      TrainingOp& src = planned.op;
+      pw.op.kind = src.kind;
+      pw.op.request_id = src.request_id;
+      pw.op.model_id = src.model_id;
+      pw.op.seq_id = src.seq_id;
+      pw.op.forward_backward.loss_fn = src.forward_backward.loss_fn;
+      pw.op.forward_backward.loss_fn_config = src.forward_backward.loss_fn_config;
+      pw.op.forward_backward.forward_only = src.forward_backward.forward_only;
+      for (size_t d = piece.datum_begin; d < piece.datum_end; ++d) {
+        pw.op.forward_backward.data.push_back(std::move(src.forward_backward.data[d]));
+      }
+    } else {
+      pw.op = std::move(planned.op);
+      pw.partial = std::move(planned.partial);
+      if (pass.kind == sched::OpKind::kPackable && !piece.first) {
+        auto& data = pw.op.forward_backward.data;
+        data.erase(data.begin(), data.begin() + static_cast<std::ptrdiff_t>(piece.datum_begin));
+      }
+      planned_.erase(pit);
+    }
+    work.pieces.push_back(std::move(pw));
+  }
+  work.pass = std::move(pass);
+  return work;
 }
 
 void Service::EngineLoop() {
@@ -86,6 +205,11 @@ void Service::EngineLoop() {
       for (int s : release) free_slots_.insert(s);
     }
     if (stopping_) {
+      for (auto& [id, planned] : planned_) {
+        futures_.Fail(planned.op.request_id, Status::Unavailable("server is shutting down; request was not run"));
+      }
+      planned_.clear();
+      planner_ = sched::Planner(sched::PlannerOptions{options_.token_budget});
       for (auto& [id, m] : models_) {
         for (TrainingOp& op : m->sequencer.DrainAll()) {
           futures_.Fail(op.request_id, Status::Unavailable("server is shutting down; request was not run"));
@@ -93,10 +217,13 @@ void Service::EngineLoop() {
       }
       break;
     }
-    Batch batch = TakeBatchLocked();
-    if (batch.ops.empty()) continue;
+    FeedPlannerLocked();
+    auto pass = planner_.Next();
+    if (!pass) continue;
+    PassWork work = TakePassLocked(std::move(*pass));
+    if (work.pieces.empty()) continue;
     lock.unlock();
-    RunBatch(batch);
+    RunPass(work);
     lock.lock();
   }
 }
@@ -157,73 +284,135 @@ Result<Service::ModelRef> Service::ModelForRun(const std::string& model_id) {
   return ModelRef{m.model_id, m.owner, m.session_id, m.base_model, m.lora, m.slot};
 }
 
-void Service::RunBatch(Batch& batch) {
-  switch (batch.kind) {
-    case OpKind::kForwardBackward: {
-      std::vector<engine::ForwardBackwardCall> calls;
-      std::vector<const TrainingOp*> owners;
-      for (TrainingOp& op : batch.ops) {
-        auto ref = ModelForRun(op.model_id);
-        if (!ref.ok() || ref->slot < 0) {
-          futures_.Fail(op.request_id, ref.ok() ? Status::Precondition("model has no adapter slot") : ref.status());
-          continue;
-        }
-        op.forward_backward.slot = ref->slot;
-        calls.push_back(std::move(op.forward_backward));
-        owners.push_back(&op);
-      }
-      if (calls.empty()) return;
-      auto results = engine_->ForwardBackward(calls);
-      for (size_t i = 0; i < owners.size(); ++i) {
-        if (i >= results.size()) {
-          futures_.Fail(owners[i]->request_id, Status::Internal("engine returned too few results"));
-        } else if (!results[i].ok()) {
-          futures_.Fail(owners[i]->request_id, results[i].status());
-        } else {
-          futures_.Complete(owners[i]->request_id, FutureResult{nullptr, std::move(results[i].value())});
+void Service::RunPass(PassWork& work) {
+  const auto t0 = Clock::now();
+  switch (work.pass.kind) {
+    case sched::OpKind::kPackable: RunForwardBackwardPass(work); break;
+    case sched::OpKind::kOptim: RunOptimPass(work); break;
+    case sched::OpKind::kExclusive:
+      for (PieceWork& pw : work.pieces) {
+        switch (pw.op.kind) {
+          case OpKind::kCreateModel: RunCreateModel(pw.op); break;
+          case OpKind::kSaveWeights: RunSaveWeights(pw.op); break;
+          case OpKind::kLoadWeights: RunLoadWeights(pw.op); break;
+          case OpKind::kSaveForSampler: RunSaveForSampler(pw.op); break;
+          default: futures_.Fail(pw.op.request_id, Status::Internal("unexpected request kind")); break;
         }
       }
-      return;
-    }
-    case OpKind::kOptimStep: {
-      std::vector<engine::OptimStepCall> calls;
-      std::vector<const TrainingOp*> owners;
-      for (TrainingOp& op : batch.ops) {
-        auto ref = ModelForRun(op.model_id);
-        if (!ref.ok() || ref->slot < 0) {
-          futures_.Fail(op.request_id, ref.ok() ? Status::Precondition("model has no adapter slot") : ref.status());
-          continue;
-        }
-        calls.push_back(engine::OptimStepCall{ref->slot, op.adam});
-        owners.push_back(&op);
-      }
-      if (calls.empty()) return;
-      auto results = engine_->OptimStep(calls);
-      for (size_t i = 0; i < owners.size(); ++i) {
-        if (i >= results.size()) {
-          futures_.Fail(owners[i]->request_id, Status::Internal("engine returned too few results"));
-        } else if (!results[i].ok()) {
-          futures_.Fail(owners[i]->request_id, results[i].status());
-        } else {
-          auto metrics = results[i]->metrics;
-          if (results[i]->skipped) metrics["skipped"] = 1.0;
-          futures_.Complete(owners[i]->request_id, FutureResult{wire::OptimStepResultJson(metrics), std::nullopt});
-        }
-      }
-      return;
-    }
-    default:
       break;
   }
-  for (TrainingOp& op : batch.ops) {
-    switch (op.kind) {
-      case OpKind::kCreateModel: RunCreateModel(op); break;
-      case OpKind::kSaveWeights: RunSaveWeights(op); break;
-      case OpKind::kLoadWeights: RunLoadWeights(op); break;
-      case OpKind::kSaveForSampler: RunSaveForSampler(op); break;
-      default: futures_.Fail(op.request_id, Status::Internal("unexpected request kind")); break;
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::set<std::string> models;
+  for (const PieceWork& pw : work.pieces) models.insert(pw.piece.model_id);
+  const char* kind = PassKindName(work.pass);
+  metrics_.RecordPass(kind, work.pass.tokens, work.pass.fill_ratio(), models.size(), seconds);
+  if (work.pass.kind != sched::OpKind::kExclusive) {
+    log::Info("pass kind={} models={} pieces={} tokens={} budget={} fill={:.3f} ms={:.1f}", kind, models.size(),
+              work.pieces.size(), work.pass.tokens, work.pass.token_budget, work.pass.fill_ratio(), seconds * 1e3);
+  }
+}
+
+void Service::RunForwardBackwardPass(PassWork& work) {
+  std::vector<engine::ForwardBackwardCall> calls;
+  calls.reserve(work.pieces.size());
+  for (PieceWork& pw : work.pieces) {
+    engine::ForwardBackwardCall call = std::move(pw.op.forward_backward);
+    call.slot = pw.slot;
+    calls.push_back(std::move(call));
+  }
+  auto results = engine_->ForwardBackward(calls);
+  if (WholePassFailed(results)) {
+    // One tenant's batch may have exhausted memory for everybody: run each
+    // call alone so that only the culprit fails.
+    log::Warn("pass_failed calls={} error=\"{}\" retrying_one_by_one", calls.size(), results[0].status().message());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      auto alone = engine_->ForwardBackward({calls[i]});
+      results[i] = alone.empty() ? Result<engine::ForwardBackwardOutput>(Status::Internal("engine returned no result"))
+                                 : std::move(alone[0]);
     }
   }
+  for (size_t i = 0; i < work.pieces.size(); ++i) {
+    FinishPiece(work.pieces[i], i < results.size() ? std::move(results[i])
+                                                   : Result<engine::ForwardBackwardOutput>(
+                                                         Status::Internal("engine returned too few results")));
+  }
+}
+
+void Service::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput> result) {
+  const bool split = !(pw.piece.first && pw.piece.last);
+  if (!result.ok()) {
+    Status st = result.status();
+    if (split) {
+      st = Status(st.code(), fmt::format("{} (datums [{}, {}) of a request split over passes by --token-budget; "
+                                         "gradients of its earlier datums stay accumulated)",
+                                         st.message(), pw.piece.datum_begin, pw.piece.datum_end));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pw.piece.last) {
+      futures_.Fail(pw.op.request_id, st);
+    } else {
+      FailPlannedLocked(pw.plan_id, st);
+    }
+    return;
+  }
+  if (!pw.piece.last) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = planned_.find(pw.plan_id);
+    if (it == planned_.end()) return;  // dropped meanwhile (its future was failed)
+    if (it->second.partial) {
+      JoinOutput(*it->second.partial, std::move(*result));
+    } else {
+      it->second.partial = std::move(*result);
+    }
+    return;
+  }
+  engine::ForwardBackwardOutput out = std::move(*result);
+  if (pw.partial) {
+    JoinOutput(*pw.partial, std::move(out));
+    out = std::move(*pw.partial);
+  }
+  futures_.Complete(pw.op.request_id, FutureResult{nullptr, std::move(out)});
+}
+
+void Service::RunOptimPass(PassWork& work) {
+  std::vector<engine::OptimStepCall> calls;
+  for (PieceWork& pw : work.pieces) calls.push_back(engine::OptimStepCall{pw.slot, pw.op.adam});
+  auto results = engine_->OptimStep(calls);
+  for (size_t i = 0; i < work.pieces.size(); ++i) {
+    const std::string& rid = work.pieces[i].op.request_id;
+    if (i >= results.size()) {
+      futures_.Fail(rid, Status::Internal("engine returned too few results"));
+    } else if (!results[i].ok()) {
+      futures_.Fail(rid, results[i].status());
+    } else {
+      auto metrics = results[i]->metrics;
+      if (results[i]->skipped) metrics["skipped"] = 1.0;
+      futures_.Complete(rid, FutureResult{wire::OptimStepResultJson(metrics), std::nullopt});
+    }
+  }
+}
+
+std::string Service::MetricsText() const {
+  QueueSnapshot live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t now_ms = NowMs();
+    for (const auto& [id, m] : models_) {
+      if (m->state != ModelState::kActive) continue;
+      QueueSnapshot::Model q;
+      q.queued = m->sequencer.ready_count() + m->sequencer.waiting();
+      live.models[id] = q;
+    }
+    for (const auto& [model, depth] : planner_.QueueDepths()) {
+      auto& q = live.models[model];
+      q.queued += depth;
+      q.oldest_wait_s = static_cast<double>(planner_.OldestWaitMs(model, now_ms)) / 1000.0;
+    }
+    live.slots_total = engine_->info().max_slots;
+    live.slots_in_use = live.slots_total - static_cast<int>(free_slots_.size());
+    live.token_budget = planner_.token_budget();
+  }
+  return metrics_.Render(live);
 }
 
 void Service::RunCreateModel(TrainingOp& op) {

@@ -22,6 +22,7 @@ Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
       registry_(std::move(registry)),
       futures_(options_.instance_tag.empty() ? RandomTag() : options_.instance_tag, options_.future_retention) {
   for (int s = 0; s < engine_->info().max_slots; ++s) free_slots_.insert(s);
+  planner_ = sched::Planner(sched::PlannerOptions{options_.token_budget});
 }
 
 Service::~Service() { Stop(); }
@@ -339,6 +340,7 @@ void Service::FailModelLocked(TrainingModel& model, ModelState state, const std:
     model.slot = -1;
   }
   for (TrainingOp& op : model.sequencer.DrainAll()) futures_.Fail(op.request_id, Status::Precondition(reason));
+  for (uint64_t id : planner_.DropModel(model.model_id)) FailPlannedLocked(id, Status::Precondition(reason));
 }
 
 Result<nlohmann::json> Service::GetInfo(const Caller& caller, const std::string& model_id) {

@@ -1,0 +1,138 @@
+// Prometheus text rendering and the windowed rates of service/metrics.h.
+#include "service/metrics.h"
+
+#include <fmt/format.h>
+
+namespace loom::service {
+
+namespace {
+// Label values escape backslash, quote and newline (exposition format).
+std::string Label(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+void Head(std::string& out, const char* name, const char* type, const char* help) {
+  out += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+}
+}  // namespace
+
+void Metrics::TrimLocked(std::deque<Sample>& samples, Clock::time_point now) const {
+  while (!samples.empty() && now - samples.front().at > window_) samples.pop_front();
+}
+
+double Metrics::RateLocked(const std::deque<Sample>& samples, Clock::time_point now) const {
+  int64_t tokens = 0;
+  for (const Sample& s : samples) {
+    if (now - s.at <= window_) tokens += s.tokens;
+  }
+  return static_cast<double>(tokens) / std::chrono::duration<double>(window_).count();
+}
+
+void Metrics::RecordPass(const std::string& kind, int64_t tokens, double fill_ratio, size_t models, double seconds) {
+  (void)models;
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  ++passes_[kind];
+  pass_seconds_[kind] += seconds;
+  if (kind == "forward_backward" || kind == "forward") {
+    training_tokens_ += tokens;
+    training_recent_.push_back({now, tokens});
+    TrimLocked(training_recent_, now);
+    fill_sum_ += fill_ratio;
+    ++fill_count_;
+    last_fill_ = fill_ratio;
+  }
+}
+
+void Metrics::RecordQueueWait(const std::string& model_id, double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& w = wait_[model_id];
+  w.first += seconds;
+  ++w.second;
+}
+
+void Metrics::AddSamplingTokens(int64_t tokens) {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  sampling_tokens_ += tokens;
+  sampling_recent_.push_back({now, tokens});
+  TrimLocked(sampling_recent_, now);
+}
+
+void Metrics::CountResponse(int status_code) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++responses_[status_code];
+}
+
+double Metrics::TrainingTokensPerSecond() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RateLocked(training_recent_, Clock::now());
+}
+
+double Metrics::SamplingTokensPerSecond() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return RateLocked(sampling_recent_, Clock::now());
+}
+
+int64_t Metrics::responses(int status_code) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = responses_.find(status_code);
+  return it == responses_.end() ? 0 : it->second;
+}
+
+std::string Metrics::Render(const QueueSnapshot& live) const {
+  const auto now = Clock::now();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  Head(out, "loom_queue_depth", "gauge", "Requests of a model queued (ready or waiting for an earlier seq_id).");
+  for (const auto& [model, m] : live.models) {
+    out += fmt::format("loom_queue_depth{{model_id=\"{}\"}} {}\n", Label(model), m.queued);
+  }
+  Head(out, "loom_queue_oldest_wait_seconds", "gauge", "Age of a model's oldest ready request.");
+  for (const auto& [model, m] : live.models) {
+    out += fmt::format("loom_queue_oldest_wait_seconds{{model_id=\"{}\"}} {:.6f}\n", Label(model), m.oldest_wait_s);
+  }
+  Head(out, "loom_queue_wait_seconds", "summary", "Time from ready to first engine pass, per model.");
+  for (const auto& [model, w] : wait_) {
+    out += fmt::format("loom_queue_wait_seconds_sum{{model_id=\"{}\"}} {:.6f}\n", Label(model), w.first);
+    out += fmt::format("loom_queue_wait_seconds_count{{model_id=\"{}\"}} {}\n", Label(model), w.second);
+  }
+  Head(out, "loom_passes_total", "counter", "Engine passes by kind.");
+  for (const auto& [kind, n] : passes_) out += fmt::format("loom_passes_total{{kind=\"{}\"}} {}\n", kind, n);
+  Head(out, "loom_pass_seconds_total", "counter", "Engine time by pass kind.");
+  for (const auto& [kind, s] : pass_seconds_) {
+    out += fmt::format("loom_pass_seconds_total{{kind=\"{}\"}} {:.6f}\n", kind, s);
+  }
+  Head(out, "loom_batch_fill_ratio", "gauge", "Tokens / token budget of the last forward(_backward) pass.");
+  out += fmt::format("loom_batch_fill_ratio {:.6f}\n", last_fill_);
+  Head(out, "loom_batch_fill_ratio_mean", "gauge", "Mean fill ratio over all forward(_backward) passes.");
+  out += fmt::format("loom_batch_fill_ratio_mean {:.6f}\n", fill_count_ ? fill_sum_ / fill_count_ : 0.0);
+  Head(out, "loom_token_budget", "gauge", "Tokens per packed pass (--token-budget).");
+  out += fmt::format("loom_token_budget {}\n", live.token_budget);
+  Head(out, "loom_training_tokens_total", "counter", "Tokens run through forward(_backward) passes.");
+  out += fmt::format("loom_training_tokens_total {}\n", training_tokens_);
+  Head(out, "loom_training_tokens_per_second", "gauge", "Training tokens per second over the recent window.");
+  out += fmt::format("loom_training_tokens_per_second {:.3f}\n", RateLocked(training_recent_, now));
+  Head(out, "loom_sampling_tokens_total", "counter", "Tokens generated by samplers.");
+  out += fmt::format("loom_sampling_tokens_total {}\n", sampling_tokens_);
+  Head(out, "loom_sampling_tokens_per_second", "gauge", "Sampled tokens per second over the recent window.");
+  out += fmt::format("loom_sampling_tokens_per_second {:.3f}\n", RateLocked(sampling_recent_, now));
+  Head(out, "loom_slots_in_use", "gauge", "Adapter slots bound to live models.");
+  out += fmt::format("loom_slots_in_use {}\n", live.slots_in_use);
+  Head(out, "loom_slots_total", "gauge", "Adapter slots (--max-adapters).");
+  out += fmt::format("loom_slots_total {}\n", live.slots_total);
+  Head(out, "loom_http_responses_total", "counter", "HTTP responses by status code.");
+  for (const auto& [code, n] : responses_) out += fmt::format("loom_http_responses_total{{code=\"{}\"}} {}\n", code, n);
+  return out;
+}
+
+}  // namespace loom::service

@@ -1,0 +1,79 @@
+// Metrics: the service's counters and gauges for GET /metrics, rendered as
+// Prometheus text (exposition format 0.0.4, written by hand). The engine loop
+// records passes and per-model queue waits, the sampler records generated
+// tokens, the router counts responses by status code; the service adds the
+// live gauges (queue depths, slots in use) when it renders.
+//
+// Invariant: counters only grow; the tokens/s gauges are rates over the last
+// `window` of recorded work (0 when nothing ran in that window).
+//
+// Threading: every method may be called from any thread (one internal mutex).
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace loom::service {
+
+// Live state the service reads under its own lock when /metrics is scraped.
+struct QueueSnapshot {
+  struct Model {
+    size_t queued = 0;          // requests ready or waiting for a smaller seq_id
+    double oldest_wait_s = 0;   // age of its oldest ready request
+  };
+  std::map<std::string, Model> models;
+  int slots_in_use = 0;
+  int slots_total = 0;
+  int64_t token_budget = 0;
+};
+
+class Metrics {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Metrics(std::chrono::seconds window = std::chrono::seconds(10)) : window_(window) {}
+
+  // One engine pass: kind is "forward_backward", "forward", "optim_step" or
+  // "exclusive"; tokens and fill ratio matter for the first two.
+  void RecordPass(const std::string& kind, int64_t tokens, double fill_ratio, size_t models, double seconds);
+  // How long a request waited from ready to its first pass.
+  void RecordQueueWait(const std::string& model_id, double seconds);
+  // Tokens a sampler generated (the sampling layer calls this).
+  void AddSamplingTokens(int64_t tokens);
+  // One HTTP response (the router calls this).
+  void CountResponse(int status_code);
+
+  // Rates over the window, tokens per second.
+  double TrainingTokensPerSecond() const;
+  double SamplingTokensPerSecond() const;
+  int64_t responses(int status_code) const;
+
+  // The whole exposition, with the live gauges of `live`.
+  std::string Render(const QueueSnapshot& live) const;
+
+ private:
+  struct Sample {
+    Clock::time_point at;
+    int64_t tokens;
+  };
+  double RateLocked(const std::deque<Sample>& samples, Clock::time_point now) const;
+  void TrimLocked(std::deque<Sample>& samples, Clock::time_point now) const;
+
+  const Clock::duration window_;
+  mutable std::mutex mu_;
+  std::map<std::string, int64_t> passes_;       // by kind
+  std::map<std::string, double> pass_seconds_;  // by kind
+  int64_t training_tokens_ = 0;
+  int64_t sampling_tokens_ = 0;
+  double fill_sum_ = 0;
+  int64_t fill_count_ = 0;
+  double last_fill_ = 0;
+  std::map<std::string, std::pair<double, int64_t>> wait_;  // model -> (sum s, count)
+  std::map<int, int64_t> responses_;
+  mutable std::deque<Sample> training_recent_;
+  mutable std::deque<Sample> sampling_recent_;
+};
+
+}  // namespace loom::service
