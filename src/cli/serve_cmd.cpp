@@ -68,6 +68,8 @@ int Serve(int argc, char** argv) {
   app.add_option("--seq-gap-timeout", seq_gap_timeout, "seconds a missing seq_id may hold up later requests")->default_val(seq_gap_timeout);
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
+  int64_t token_budget = 8192;
+  app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   try {
     app.parse(argc, argv);
@@ -118,6 +120,7 @@ int Serve(int argc, char** argv) {
   service::ServiceOptions sopt;
   sopt.base_model_name = model_name;
   sopt.lora_alpha = lora_alpha;
+  sopt.token_budget = token_budget;
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
   service::Service service(sopt, std::move(*engine), std::move(*registry));

@@ -152,6 +152,20 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
     }
   }
   RouteOutcome out;
+  // Every answer counts by status code for /metrics (a parked poll when it is answered).
+  struct CountResponse {
+    service::Metrics& metrics;
+    const RouteOutcome& outcome;
+    ~CountResponse() {
+      if (outcome.park_request_id.empty()) metrics.CountResponse(outcome.response.status);
+    }
+  } count_response{service_.metrics(), out};
+  // Prometheus scrape (unauthenticated, like healthz).
+  if (ctx.path == "/metrics" && request.method == "GET") {
+    out.response.content_type = "text/plain; version=0.0.4; charset=utf-8";
+    out.response.body = service_.MetricsText();
+    return out;
+  }
   const size_t api = ctx.path.find(kApi);
   if (api == std::string::npos) {
     out.response = Error(Status::NotFound("no such route: " + request.method + " " + ctx.path +
@@ -230,7 +244,9 @@ HttpResponse Router::AnswerPoll(const HttpRequest& request) {
     if (!raw.ok()) return Error(raw.status());
     ctx.body = std::move(*raw);
   }
-  return RetrieveFuture(ctx, /*final_answer=*/true);
+  HttpResponse answer = RetrieveFuture(ctx, /*final_answer=*/true);
+  service_.metrics().CountResponse(answer.status);
+  return answer;
 }
 
 HttpResponse Router::RetrieveFuture(Context& ctx, bool final_answer) {
