@@ -12,6 +12,7 @@
 #include "cli/commands.h"
 #include "common/log.h"
 #include "engine/api.h"
+#include "engine/sample_api.h"
 #include "engine/model/make_model.h"
 #include "http/auth.h"
 #include "http/router.h"
@@ -54,6 +55,8 @@ int Serve(int argc, char** argv) {
   int port = 8080, max_adapters = 8, max_rank = 32, io_threads = 2;
   double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
   size_t max_body_bytes = size_t{512} << 20;
+  int sampler_adapters = 16;
+  int64_t kv_budget_tokens = 0, context_window = 0;
   app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
   app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
   app.add_option("--host", host, "address to bind")->default_val(host);
@@ -71,6 +74,9 @@ int Serve(int argc, char** argv) {
   int64_t token_budget = 8192;
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
+  app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
+  app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--context-window", context_window, "context window W for training and sampling (0 = the model config's)")->default_val(context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -112,6 +118,7 @@ int Serve(int argc, char** argv) {
   eopt.device = device;
   eopt.max_slots = max_adapters;
   eopt.max_rank = max_rank;
+  eopt.context_window = context_window;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return Fail("--model: " + engine.status().message());
   auto registry = store::Registry::Open(data_dir);
@@ -123,7 +130,17 @@ int Serve(int argc, char** argv) {
   sopt.token_budget = token_budget;
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
+  // The sampler shares the trainer's frozen base (held once).
+  engine::SamplerOptions samp;
+  samp.model_dir = model_dir;
+  samp.sampler_adapters = sampler_adapters;
+  samp.max_rank = max_rank;
+  samp.kv_budget_tokens = kv_budget_tokens;
+  samp.context_window = (*engine)->info().context_window;
+  auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
+  if (!sampler.ok()) return Fail("sampler: " + sampler.status().message());
   service::Service service(sopt, std::move(*engine), std::move(*registry));
+  service.AttachSampler(std::move(*sampler));
   service.Start();
 
   http::RouterOptions ropt;

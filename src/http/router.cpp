@@ -9,6 +9,7 @@
 #include "wire/errors.h"
 #include "wire/forward_backward.h"
 #include "wire/json_api.h"
+#include "wire/sample.h"
 #include "wire/zstd.h"
 
 namespace loom::http {
@@ -60,12 +61,6 @@ std::string Join(const std::vector<std::string>& parts, size_t from, size_t to, 
     out += parts[i];
   }
   return out;
-}
-
-// Sampling belongs to a later issue; these routes answer a clear 501.
-bool IsSamplingRoute(const std::string& route) {
-  return route == "create_sampling_session" || route == "asample" || route == "sample" ||
-         route.rfind("samplers/", 0) == 0 || route == "compute_logprobs";
 }
 
 // ForwardBackwardOutput as pre-0.25 SDKs read it from JSON (spec §8.12).
@@ -290,6 +285,17 @@ HttpResponse Router::RetrieveFuture(Context& ctx, bool final_answer) {
     }
     return JsonAnswer(LegacyForwardBackwardJson(*result.forward_backward));
   }
+  if (result.sample) {  // asample: protobuf SampleResponse, or the legacy JSON shape
+    if (ctx.request.header("accept").find("application/x-protobuf") != std::string::npos) {
+      auto bytes = wire::EncodeSampleResponse(*result.sample);
+      if (!bytes.ok()) return JsonAnswer(wire::FutureErrorJson(bytes.status()));
+      HttpResponse r;
+      r.content_type = "application/x-protobuf";
+      r.body = std::move(*bytes);
+      return r;
+    }
+    return JsonAnswer(service::LegacySampleResponseJson(*result.sample));
+  }
   return JsonAnswer(result.json);
 }
 
@@ -298,14 +304,6 @@ HttpResponse Router::Dispatch(Context& ctx) {
   const std::string& route = ctx.route;
   const service::Caller& caller = ctx.caller;
 
-  if (IsSamplingRoute(route)) {
-    return JsonAnswer({{"error", "'" + route +
-                                     "' is not implemented yet: sampling (create_sampling_session, asample, "
-                                     "samplers/{id}) is not served by this loom build"},
-                       {"category", "server"},
-                       {"code", "unimplemented"}},
-                      501);
-  }
   auto parse = [&](std::string_view endpoint) { return wire::ParseJsonObject(ctx.body, endpoint); };
   auto future_answer = [&](const Result<service::Submitted>& sub) {
     if (!sub.ok()) return Error(sub.status());
@@ -388,12 +386,28 @@ HttpResponse Router::Dispatch(Context& ctx) {
       LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
       return future_answer(service_.SaveWeightsForSampler(caller, *req));
     }
+    if (route == "create_sampling_session") {
+      LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
+      auto id = service_.CreateSamplingSession(caller, *req);
+      if (!id.ok()) return Error(id.status());
+      return JsonAnswer(wire::CreateSamplingSessionJson(*id));
+    }
+    if (route == "asample") {
+      LOOM_PARSE(req, "asample", wire::ParseSampleRequest);
+      auto sub = service_.Sample(caller, *req);
+      if (!sub.ok()) return Error(sub.status());
+      return JsonAnswer(wire::UntypedFutureJson(sub->request_id, std::nullopt, sub->sample_sequence_ids));
+    }
     if (route == "auth/token") {
       return JsonAnswer({{"error", "auth/token: JWT exchange is not offered (client/config says "
                                    "pjwt_auth_enabled=false); send the API key in X-API-Key"},
                          {"category", "user"}},
                         501);
     }
+  }
+  if (m == "GET" && route.rfind("samplers/", 0) == 0 && route.size() > 9) {
+    auto sampler = service_.GetSampler(caller, route.substr(9));
+    return sampler.ok() ? JsonAnswer(*sampler) : Error(sampler.status());
   }
   if (m == "GET" && route == "get_server_capabilities") {
     wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
