@@ -4,12 +4,11 @@
 //   tenants 0..N-2  memorise a different token sequence (cross_entropy)
 //   tenant N-1      RL-flavoured: importance_sampling on its own sequence with
 //                   advantage +1 and on-policy sampling logprobs (forward first)
-// A live table shows each tenant's step, loss per token, tokens/s and mean
-// queue wait (from /metrics' counters). At the end each adapter is compared
-// with the base model on its own sequence: mean probability of the next
-// token and the share of positions where it is certainly the argmax (p > 0.5).
-// Greedy continuations via asample are not shown: this driver talks to the
-// service in-process, where sampling needs a Sampler attached (see sampling.h).
+// A live table shows each tenant's step, loss per token, mean p(target),
+// tokens/s and mean queue wait (from /metrics' counters). At the end each
+// adapter is compared with the base model on its own sequence: the greedy
+// continuation (asample, temperature 0) of its first 4 tokens from the
+// adapter and from the base, and the mean next-token probability.
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <chrono>
@@ -25,6 +24,7 @@
 
 #include "cli/commands.h"
 #include "cli/service_driver.h"
+#include "common/log.h"
 
 namespace loom::cli {
 namespace {
@@ -35,6 +35,7 @@ using Clock = std::chrono::steady_clock;
 struct Progress {
   int step = 0;
   double loss_per_token = NAN;
+  double p_target = NAN;  // mean probability of the target tokens in the last step
   double tokens_per_s = 0;
   std::string error;
   bool done = false;
@@ -98,6 +99,10 @@ Status TrainTenant(ServiceDriver& d, Tenant& t, const std::vector<int32_t>& seq,
     progress.step = s;
     progress.loss_per_token = fb_view->result->forward_backward->metrics.at("loss:sum") / static_cast<double>(tokens);
     progress.tokens_per_s = static_cast<double>(tokens * (rl ? 2 : 1)) / seconds;
+    double p = 0;
+    const auto& lp = fb_view->result->forward_backward->outputs.at(0).at("logprobs").f32;
+    for (float v : lp) p += std::exp(v) / static_cast<double>(lp.size());
+    progress.p_target = p;
   }
   return Status::Ok();
 }
@@ -117,7 +122,7 @@ std::map<std::string, double> MeanWaitMs(const std::string& text) {
 
 int Demo(int argc, char** argv) {
   CLI::App app{"N tenants fine-tune their own adapters at once on the embedded tiny model", "loom demo"};
-  int tenants = 4, steps = 30, length = 17, threads = 0;
+  int tenants = 4, steps = 60, length = 17, threads = 0;
   double lr = 1e-2;
   std::string model_dir;
   app.add_option("--tenants", tenants, "concurrent tenants (the last one uses importance_sampling)")->default_val(tenants)->check(CLI::Range(1, 64));
@@ -132,6 +137,7 @@ int Demo(int argc, char** argv) {
     return app.exit(e);
   }
   const auto start = Clock::now();
+  log::SetLevel(log::Level::kWarn);  // the table is the output; pass logs would drown it
   const std::string data_dir = (fs::temp_directory_path() / ("loom-demo-" + std::to_string(::getpid()))).string();
   DriverOptions opt;
   opt.model_dir = model_dir;
@@ -139,6 +145,7 @@ int Demo(int argc, char** argv) {
   opt.max_slots = tenants + 1;  // + the base-model reference (an untrained adapter: B = 0)
   opt.max_rank = 16;
   opt.threads = threads;
+  opt.with_sampler = true;
   auto driver = ServiceDriver::Open(opt);
   if (!driver.ok()) {
     std::fprintf(stderr, "loom demo: %s\n", driver.status().message().c_str());
@@ -182,12 +189,13 @@ int Demo(int argc, char** argv) {
   auto print_table = [&] {
     auto waits = MeanWaitMs(d.service().MetricsText());
     std::lock_guard<std::mutex> lock(mu);
-    std::printf("  %-9s %-20s %6s %12s %10s %11s\n", "tenant", "task", "step", "loss/token", "tokens/s", "queue wait");
+    std::printf("  %-9s %-20s %6s %11s %10s %10s %11s\n", "tenant", "task", "step", "loss/token", "p(target)",
+                "tokens/s", "queue wait");
     for (int i = 0; i < tenants; ++i) {
       const Progress& p = progress[i];
       const bool rl = tenants > 1 && i == tenants - 1;
-      std::printf("  %-9s %-20s %6d %12.4f %10.1f %9.1fms%s\n", ts[i].name.c_str(),
-                  rl ? "importance_sampling" : "memorise (CE)", p.step, p.loss_per_token, p.tokens_per_s,
+      std::printf("  %-9s %-20s %6d %11.4f %10.4f %10.1f %9.1fms%s\n", ts[i].name.c_str(),
+                  rl ? "importance_sampling" : "memorise (CE)", p.step, p.loss_per_token, p.p_target, p.tokens_per_s,
                   waits.count(ts[i].model_id) ? waits[ts[i].model_id] : 0.0,
                   p.error.empty() ? "" : ("  ERROR " + p.error).c_str());
     }
@@ -195,7 +203,7 @@ int Demo(int argc, char** argv) {
   };
   while (true) {
     bool all_done = true;
-    for (int k = 0; k < 15; ++k) {
+    for (int k = 0; k < 10; ++k) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       std::lock_guard<std::mutex> lock(mu);
       all_done = true;
@@ -208,38 +216,55 @@ int Demo(int argc, char** argv) {
   }
   for (auto& w : workers) w.join();
 
-  std::printf("\nEach adapter vs the base model on its own sequence (next-token prediction):\n");
-  std::printf("  %-9s %18s %18s %16s %16s\n", "tenant", "adapter p(target)", "base p(target)", "adapter argmax",
-              "base argmax");
+  std::printf("\nGreedy continuation (asample, temperature 0) of each task's first 4 tokens, own adapter vs base:\n");
+  auto ids = [](const std::vector<int32_t>& v, size_t from) {
+    std::string out;
+    for (size_t i = from; i < v.size(); ++i) out += (out.empty() ? "" : " ") + std::to_string(v[i]);
+    return out;
+  };
+  auto matches = [](const std::vector<int32_t>& got, const std::vector<int32_t>& seq, size_t from) {
+    size_t n = 0;
+    for (size_t i = 0; i < got.size() && from + i < seq.size(); ++i) n += got[i] == seq[from + i];
+    return n;
+  };
   int failures = 0;
+  const size_t prompt_len = 4;
   for (int i = 0; i < tenants; ++i) {
-    auto own = TargetLogprobs(d, ts[i], seqs[i]);
-    auto ref = TargetLogprobs(d, *base, seqs[i]);
-    if (!own.ok() || !ref.ok()) {
-      std::printf("  %-9s forward failed: %s\n", ts[i].name.c_str(),
-                  (!own.ok() ? own.status() : ref.status()).message().c_str());
+    if (!progress[i].error.empty()) ++failures;
+    const std::vector<int32_t> prompt(seqs[i].begin(), seqs[i].begin() + prompt_len);
+    const int want = static_cast<int>(seqs[i].size() - prompt_len);
+    auto own = d.Greedy(ts[i], prompt, want, "demo-final");
+    auto ref = d.Greedy(*base, prompt, want, "");
+    auto own_lp = TargetLogprobs(d, ts[i], seqs[i]);
+    auto ref_lp = TargetLogprobs(d, *base, seqs[i]);
+    if (!own.ok() || !ref.ok() || !own_lp.ok() || !ref_lp.ok()) {
+      Status st = !own.ok() ? own.status() : !ref.ok() ? ref.status() : !own_lp.ok() ? own_lp.status() : ref_lp.status();
+      std::printf("  %s: %s\n", ts[i].name.c_str(), st.message().c_str());
       ++failures;
       continue;
     }
-    auto summarise = [](const std::vector<float>& lp, double* mean_p, int* sure) {
-      *mean_p = 0;
-      *sure = 0;
-      for (float v : lp) {
-        *mean_p += std::exp(v) / lp.size();
-        if (v > std::log(0.5)) ++*sure;
-      }
+    auto mean_p = [](const std::vector<float>& lp) {
+      double p = 0;
+      for (float v : lp) p += std::exp(v) / static_cast<double>(lp.size());
+      return p;
     };
-    double p_own, p_ref;
-    int s_own, s_ref;
-    summarise(*own, &p_own, &s_own);
-    summarise(*ref, &p_ref, &s_ref);
-    std::printf("  %-9s %18.4f %18.6f %11d/%-4zu %11d/%-4zu\n", ts[i].name.c_str(), p_own, p_ref, s_own, own->size(),
-                s_ref, ref->size());
-    if (!progress[i].error.empty()) ++failures;
+    std::printf("  %s (%s)\n", ts[i].name.c_str(), tenants > 1 && i == tenants - 1 ? "importance_sampling" : "cross_entropy");
+    std::printf("    prompt     %s\n", ids(prompt, 0).c_str());
+    std::printf("    task       %s\n", ids(seqs[i], prompt_len).c_str());
+    std::printf("    adapter    %s   (%zu/%d tokens right, mean p(target) %.3f)\n", ids(*own, 0).c_str(),
+                matches(*own, seqs[i], prompt_len), want, mean_p(*own_lp));
+    std::printf("    base       %s   (%zu/%d tokens right, mean p(target) %.4f)\n", ids(*ref, 0).c_str(),
+                matches(*ref, seqs[i], prompt_len), want, mean_p(*ref_lp));
   }
-  std::printf("(argmax = positions where the target is certainly the greedy choice, p > 0.5. Greedy text\n"
-              " continuations need the sampler, which this in-process demo does not attach.)\n");
-  std::printf("\n%s", d.service().MetricsText().c_str());
+  const std::string metrics = d.service().MetricsText();
+  std::printf("\nscheduler (/metrics):");
+  for (const char* series : {"loom_passes_total", "loom_batch_fill_ratio_mean", "loom_training_tokens_total"}) {
+    std::regex re(std::string("\n(") + series + R"re((\{[^}]*\})? [0-9.eE+-]+))re");
+    for (std::sregex_iterator it(metrics.begin(), metrics.end(), re), e; it != e; ++it) {
+      std::printf(" %s", (*it)[1].str().c_str());
+    }
+  }
+  std::printf("\n");
   driver->reset();
   std::error_code ec;
   fs::remove_all(data_dir, ec);

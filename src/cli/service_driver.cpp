@@ -50,8 +50,21 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   service::ServiceOptions sopt;
   sopt.base_model_name = "loom/tiny-qwen3";
   sopt.token_budget = options.token_budget;
+  std::unique_ptr<engine::Sampler> sampler;
+  if (options.with_sampler) {
+    auto shared = (*engine)->SharedModel();
+    if (!shared) return Status::Unavailable("this engine does not share its base model with a sampler");
+    engine::SamplerOptions samp;
+    samp.model_dir = model_dir;
+    samp.max_rank = options.max_rank;
+    samp.sampler_adapters = options.max_slots;
+    auto opened = engine::Sampler::Open(shared, samp);
+    if (!opened.ok()) return opened.status();
+    sampler = std::move(*opened);
+  }
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
+  if (sampler) d->service_->AttachSampler(std::move(sampler));
   d->service_->Start();
   return d;
 }
@@ -71,7 +84,7 @@ Result<Tenant> ServiceDriver::NewTenant(const std::string& name, int rank, uint6
   req.seed_given = true;
   auto sub = service_->CreateModel({name, ""}, req);
   if (!sub.ok()) return sub.status();
-  Tenant t{name, sub->model_id, 1};
+  Tenant t{name, sub->model_id, *session, 1, 0};
   auto done = Await(t, sub->request_id);
   if (!done.ok()) return done.status();
   return t;
@@ -120,6 +133,42 @@ Result<service::FutureView> ServiceDriver::Await(const Tenant& t, const std::str
     signal->cv.wait(lock, [&] { return signal->done; });
     signal->done = false;
   }
+}
+
+Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
+                                                   const std::string& snapshot) {
+  wire::CreateSamplingSessionRequest session;
+  session.session_id = t.session_id;
+  session.sampling_session_seq_id = t.next_sampling_seq++;
+  if (snapshot.empty()) {
+    session.base_model = service_->options().base_model_name;
+  } else {
+    wire::SaveWeightsForSamplerRequest save;
+    save.model_id = t.model_id;
+    save.seq_id = t.next_seq++;
+    save.name = snapshot;
+    auto sub = service_->SaveWeightsForSampler({t.name, ""}, save);
+    if (!sub.ok()) return sub.status();
+    auto saved = Await(t, sub->request_id);
+    if (!saved.ok()) return saved.status();
+    session.model_path = saved->result->json.value("path", "");
+  }
+  auto sampling_id = service_->CreateSamplingSession({t.name, ""}, session);
+  if (!sampling_id.ok()) return sampling_id.status();
+  wire::SampleRequest req;
+  req.sampling_session_id = *sampling_id;
+  req.seq_id = 0;
+  req.prompt = prompt;
+  req.sampling_params.max_tokens = max_tokens;
+  req.sampling_params.temperature = 0.0;
+  auto sub = service_->Sample({t.name, ""}, req);
+  if (!sub.ok()) return sub.status();
+  auto done = Await(t, sub->request_id);
+  if (!done.ok()) return done.status();
+  if (!done->result->sample || done->result->sample->sequences.empty()) {
+    return Status::Internal("asample answered without a sequence");
+  }
+  return done->result->sample->sequences[0].tokens;
 }
 
 }  // namespace loom::cli

@@ -25,12 +25,15 @@ struct DriverOptions {
   int max_rank = 16;
   int threads = 0;              // CPU intra-op threads, 0 = all cores
   int64_t token_budget = 8192;
+  bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
 };
 
 struct Tenant {
   std::string name;
   std::string model_id;
+  std::string session_id;
   int64_t next_seq = 1;
+  int64_t next_sampling_seq = 0;  // sampling sessions made in this tenant's session
 };
 
 class ServiceDriver {
@@ -48,6 +51,12 @@ class ServiceDriver {
   Result<std::string> SubmitOptimStep(Tenant& t, const engine::AdamParams& adam);
   // Blocks until the future finishes; its error when it failed.
   Result<service::FutureView> Await(const Tenant& t, const std::string& request_id);
+
+  // Greedy continuation (temperature 0) of prompt, max_tokens long: from the
+  // tenant's current adapter (saved for the sampler as `snapshot`), or from
+  // the base model when snapshot is "". Needs with_sampler.
+  Result<std::vector<int32_t>> Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
+                                      const std::string& snapshot);
 
  private:
   ServiceDriver() = default;
