@@ -205,6 +205,9 @@ TEST(MultiTenant, EightConcurrentTenantsTrainExactlyAsTheyDoAlone) {
   EXPECT_GT(fb_passes, 0);
   EXPECT_LT(fb_passes + std::max(0.0, fwd_passes), kTenants * (kSteps + 1)) << scrape.body;
   EXPECT_EQ(Metric(scrape.body, "loom_slots_in_use"), kTenants);
+  // Every create_session/create_model/fwd-bwd/optim/retrieve answered 200 was counted.
+  EXPECT_GE(Metric(scrape.body, "loom_http_responses_total{code=\"200\"}"), kTenants * (2 + 2 * (2 * kSteps + 1)));
+  EXPECT_EQ(scrape.content_type.rfind("text/plain", 0), 0u) << scrape.content_type;
 
   for (int i = 0; i < kTenants; ++i) {
     std::vector<double> alone = TenantClient(server.port(), i).Train();  // same seed, same data, nobody else
