@@ -1,6 +1,7 @@
 // `loom demo`: the README's main job. Starts the service in-process on the
-// embedded tiny model and runs N tenants at once, each fine-tuning its own
-// LoRA adapter on its own task through the scheduler:
+// embedded tiny model, serves it over HTTP on a free loopback port, and runs
+// N tenants at once with loom's own Tinker HTTP client (cli/tinker_client.h),
+// each fine-tuning its own LoRA adapter on its own task through the scheduler:
 //   tenants 0..N-2  memorise a different token sequence (cross_entropy)
 //   tenant N-1      RL-flavoured: importance_sampling on its own sequence with
 //                   advantage +1 and on-policy sampling logprobs (forward first)
@@ -24,6 +25,10 @@
 
 #include "cli/commands.h"
 #include "cli/service_driver.h"
+#include "cli/tinker_client.h"
+#include "http/auth.h"
+#include "http/router.h"
+#include "http/server.h"
 #include "common/log.h"
 
 namespace loom::cli {
@@ -59,18 +64,18 @@ engine::Datum NextTokenDatum(const std::vector<int32_t>& seq) {
 }
 
 // Target-token logprobs of seq under the tenant's adapter (forward only).
-Result<std::vector<float>> TargetLogprobs(ServiceDriver& d, Tenant& t, const std::vector<int32_t>& seq) {
+Result<std::vector<float>> TargetLogprobs(TinkerClient& c, const std::vector<int32_t>& seq) {
   engine::ForwardBackwardCall call;
   call.forward_only = true;
   call.data.push_back(NextTokenDatum(seq));
-  auto id = d.SubmitForwardBackward(t, std::move(call));
+  auto id = c.SubmitForwardBackward(call);
   if (!id.ok()) return id.status();
-  auto view = d.Await(t, *id);
-  if (!view.ok()) return view.status();
-  return view->result->forward_backward->outputs.at(0).at("logprobs").f32;
+  auto out = c.AwaitForwardBackward(*id);
+  if (!out.ok()) return out.status();
+  return out->outputs.at(0).at("logprobs").f32;
 }
 
-Status TrainTenant(ServiceDriver& d, Tenant& t, const std::vector<int32_t>& seq, bool rl, int steps, double lr,
+Status TrainTenant(TinkerClient& c, const std::vector<int32_t>& seq, bool rl, int steps, double lr,
                    Progress& progress, std::mutex& mu) {
   engine::AdamParams adam;
   adam.learning_rate = lr;
@@ -80,27 +85,27 @@ Status TrainTenant(ServiceDriver& d, Tenant& t, const std::vector<int32_t>& seq,
     engine::ForwardBackwardCall call;
     engine::Datum datum = NextTokenDatum(seq);
     if (rl) {
-      auto lp = TargetLogprobs(d, t, seq);  // the "policy" that produced these tokens: on-policy ratio 1
+      auto lp = TargetLogprobs(c, seq);  // the "policy" that produced these tokens: on-policy ratio 1
       if (!lp.ok()) return lp.status();
       datum.loss_fn_inputs["logprobs"] = engine::Array::Floats(*lp);
       datum.loss_fn_inputs["advantages"] = engine::Array::Floats(std::vector<float>(tokens, 1.0f));
       call.loss_fn = "importance_sampling";
     }
     call.data.push_back(std::move(datum));
-    auto fb = d.SubmitForwardBackward(t, std::move(call));
+    auto fb = c.SubmitForwardBackward(call);
     if (!fb.ok()) return fb.status();
-    auto op = d.SubmitOptimStep(t, adam);
+    auto op = c.SubmitOptimStep(adam);
     if (!op.ok()) return op.status();
-    auto fb_view = d.Await(t, *fb);
-    if (!fb_view.ok()) return fb_view.status();
-    if (auto r = d.Await(t, *op); !r.ok()) return r.status();
+    auto fb_out = c.AwaitForwardBackward(*fb);
+    if (!fb_out.ok()) return fb_out.status();
+    if (auto r = c.AwaitJson(*op); !r.ok()) return r.status();
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     std::lock_guard<std::mutex> lock(mu);
     progress.step = s;
-    progress.loss_per_token = fb_view->result->forward_backward->metrics.at("loss:sum") / static_cast<double>(tokens);
+    progress.loss_per_token = fb_out->metrics.at("loss:sum") / static_cast<double>(tokens);
     progress.tokens_per_s = static_cast<double>(tokens * (rl ? 2 : 1)) / seconds;
     double p = 0;
-    const auto& lp = fb_view->result->forward_backward->outputs.at(0).at("logprobs").f32;
+    const auto& lp = fb_out->outputs.at(0).at("logprobs").f32;
     for (float v : lp) p += std::exp(v) / static_cast<double>(lp.size());
     progress.p_target = p;
   }
@@ -147,32 +152,63 @@ int Demo(int argc, char** argv) {
   opt.threads = threads;
   opt.with_sampler = true;
   auto driver = ServiceDriver::Open(opt);
+  if (!driver.ok()) {  // e.g. no KV room on this device: train anyway, compare by logprobs only
+    std::printf("loom demo: sampler unavailable (%s); continuations will be skipped\n",
+                driver.status().message().c_str());
+    opt.with_sampler = false;
+    driver = ServiceDriver::Open(opt);
+  }
   if (!driver.ok()) {
     std::fprintf(stderr, "loom demo: %s\n", driver.status().message().c_str());
     return 2;
   }
   ServiceDriver& d = **driver;
-  const auto& info = d.info();
-  std::printf("loom demo: service in-process on %s (%s, %s, %lld layers), %d tenants x %d steps, %d-token tasks\n",
-              info.model_type.c_str(), info.device.c_str(), info.dtype.c_str(),
-              static_cast<long long>(info.num_layers), tenants, steps, length);
-
-  std::vector<Tenant> ts;
-  std::vector<std::vector<int32_t>> seqs;
-  for (int i = 0; i < tenants; ++i) {
-    auto t = d.NewTenant("tenant-" + std::to_string(i), 16, 100 + i);
-    if (!t.ok()) {
-      std::fprintf(stderr, "loom demo: create_model: %s\n", t.status().message().c_str());
-      return 2;
-    }
-    ts.push_back(*t);
-    seqs.push_back(TaskSequence(i, length, info.vocab_size));
-  }
-  auto base = d.NewTenant("base-reference", 16, 1);
-  if (!base.ok()) {
-    std::fprintf(stderr, "loom demo: create_model: %s\n", base.status().message().c_str());
+  // The Tinker API over loopback HTTP; every tenant uses its own tml- key (open mode).
+  http::ApiKeys keys;
+  http::Router router(d.service(), keys, http::RouterOptions{});
+  http::ServerOptions hopt;
+  hopt.host = "127.0.0.1";
+  hopt.port = 0;
+  hopt.io_threads = 2;
+  hopt.poll_hold = std::chrono::seconds(5);
+  http::HttpServer server(router, d.service().futures(), hopt);
+  if (Status st = server.Start(); !st.ok()) {
+    std::fprintf(stderr, "loom demo: %s\n", st.message().c_str());
     return 2;
   }
+  const auto& info = d.info();
+  const std::string base_model = d.service().options().base_model_name;
+  std::printf("loom demo: serving %s (%s, %s, %s, %lld layers) on http://127.0.0.1:%u; %d tenants x %d steps, "
+              "%d-token tasks\n",
+              base_model.c_str(), info.model_type.c_str(), info.device.c_str(), info.dtype.c_str(),
+              static_cast<long long>(info.num_layers), server.port(), tenants, steps, length);
+
+  struct Named {
+    std::string name;
+    TinkerClient client;
+  };
+  std::vector<Named> ts;
+  std::vector<std::vector<int32_t>> seqs;
+  for (int i = 0; i < tenants; ++i) {
+    const std::string name = "tenant-" + std::to_string(i);
+    ts.push_back(Named{name, TinkerClient("127.0.0.1", server.port(), "tml-demo-" + name)});
+    if (Status st = ts.back().client.CreateModel(base_model, 16, 100 + i); !st.ok()) {
+      std::fprintf(stderr, "loom demo: create_model: %s\n", st.message().c_str());
+      return 2;
+    }
+    seqs.push_back(TaskSequence(i, length, info.vocab_size));
+  }
+  // The base model's reference: an untrained adapter (B = 0) for logprobs, base_model for sampling.
+  TinkerClient base("127.0.0.1", server.port(), "tml-demo-base-reference");
+  if (Status st = base.CreateModel(base_model, 16, 1); !st.ok()) {
+    std::fprintf(stderr, "loom demo: create_model: %s\n", st.message().c_str());
+    return 2;
+  }
+  TinkerClient scraper("127.0.0.1", server.port(), "tml-demo-metrics");
+  auto scrape = [&]() -> std::string {
+    auto r = scraper.Call("GET", "/metrics", "");
+    return r.ok() ? r->body : "";
+  };
 
   std::vector<Progress> progress(tenants);
   std::mutex mu;
@@ -180,14 +216,14 @@ int Demo(int argc, char** argv) {
   for (int i = 0; i < tenants; ++i) {
     workers.emplace_back([&, i] {
       const bool rl = tenants > 1 && i == tenants - 1;
-      Status st = TrainTenant(d, ts[i], seqs[i], rl, steps, lr, progress[i], mu);
+      Status st = TrainTenant(ts[i].client, seqs[i], rl, steps, lr, progress[i], mu);
       std::lock_guard<std::mutex> lock(mu);
       if (!st.ok()) progress[i].error = st.message();
       progress[i].done = true;
     });
   }
   auto print_table = [&] {
-    auto waits = MeanWaitMs(d.service().MetricsText());
+    auto waits = MeanWaitMs(scrape());
     std::lock_guard<std::mutex> lock(mu);
     std::printf("  %-9s %-20s %6s %11s %10s %10s %11s\n", "tenant", "task", "step", "loss/token", "p(target)",
                 "tokens/s", "queue wait");
@@ -196,7 +232,7 @@ int Demo(int argc, char** argv) {
       const bool rl = tenants > 1 && i == tenants - 1;
       std::printf("  %-9s %-20s %6d %11.4f %10.4f %10.1f %9.1fms%s\n", ts[i].name.c_str(),
                   rl ? "importance_sampling" : "memorise (CE)", p.step, p.loss_per_token, p.p_target, p.tokens_per_s,
-                  waits.count(ts[i].model_id) ? waits[ts[i].model_id] : 0.0,
+                  waits.count(ts[i].client.model_id()) ? waits[ts[i].client.model_id()] : 0.0,
                   p.error.empty() ? "" : ("  ERROR " + p.error).c_str());
     }
     std::fflush(stdout);
@@ -233,15 +269,21 @@ int Demo(int argc, char** argv) {
     if (!progress[i].error.empty()) ++failures;
     const std::vector<int32_t> prompt(seqs[i].begin(), seqs[i].begin() + prompt_len);
     const int want = static_cast<int>(seqs[i].size() - prompt_len);
-    auto own = d.Greedy(ts[i], prompt, want, "demo-final");
-    auto ref = d.Greedy(*base, prompt, want, "");
-    auto own_lp = TargetLogprobs(d, ts[i], seqs[i]);
-    auto ref_lp = TargetLogprobs(d, *base, seqs[i]);
-    if (!own.ok() || !ref.ok() || !own_lp.ok() || !ref_lp.ok()) {
-      Status st = !own.ok() ? own.status() : !ref.ok() ? ref.status() : !own_lp.ok() ? own_lp.status() : ref_lp.status();
-      std::printf("  %s: %s\n", ts[i].name.c_str(), st.message().c_str());
+    auto own = ts[i].client.Greedy(prompt, want, "demo-final", base_model);
+    auto ref = base.Greedy(prompt, want, "", base_model);
+    auto own_lp = TargetLogprobs(ts[i].client, seqs[i]);
+    auto ref_lp = TargetLogprobs(base, seqs[i]);
+    if (!own_lp.ok() || !ref_lp.ok()) {
+      std::printf("  %s: forward failed: %s\n", ts[i].name.c_str(),
+                  (!own_lp.ok() ? own_lp.status() : ref_lp.status()).message().c_str());
       ++failures;
       continue;
+    }
+    if (!own.ok() || !ref.ok()) {  // training worked; only the sampler is missing
+      const std::string why = (!own.ok() ? own.status() : ref.status()).message();
+      std::printf("  (%s: no greedy continuation: %s)\n", ts[i].name.c_str(), why.c_str());
+      own = std::vector<int32_t>{};
+      ref = std::vector<int32_t>{};
     }
     auto mean_p = [](const std::vector<float>& lp) {
       double p = 0;
@@ -256,7 +298,7 @@ int Demo(int argc, char** argv) {
     std::printf("    base       %s   (%zu/%d tokens right, mean p(target) %.4f)\n", ids(*ref, 0).c_str(),
                 matches(*ref, seqs[i], prompt_len), want, mean_p(*ref_lp));
   }
-  const std::string metrics = d.service().MetricsText();
+  const std::string metrics = scrape();
   std::printf("\nscheduler (/metrics):");
   for (const char* series : {"loom_passes_total", "loom_batch_fill_ratio_mean", "loom_training_tokens_total"}) {
     std::regex re(std::string("\n(") + series + R"re((\{[^}]*\})? [0-9.eE+-]+))re");
@@ -265,6 +307,7 @@ int Demo(int argc, char** argv) {
     }
   }
   std::printf("\n");
+  server.Stop();
   driver->reset();
   std::error_code ec;
   fs::remove_all(data_dir, ec);
