@@ -129,10 +129,11 @@ TEST_F(SchedulerTest, OptimStepsMergeAndExclusiveOpsRunAlone) {
   EXPECT_EQ(total, 3u);
   EXPECT_GE(widest, 2u);
   EXPECT_LT(optim.size(), 3u);
-  // The save ran in its own pass: never inside a forward_backward call list.
+  // The save ran in a pass of its own: 3 create_models + 1 save = 4 exclusive passes.
   auto log = engine_->log();
-  auto save_at = std::find(log.begin(), log.end(), "save:" + std::to_string(1));
-  EXPECT_NE(save_at, log.end());
+  EXPECT_EQ(std::count(log.begin(), log.end(), "save:1"), 1);
+  EXPECT_NE(service_->MetricsText().find("\nloom_passes_total{kind=\"exclusive\"} 4\n"), std::string::npos)
+      << service_->MetricsText();
 }
 
 TEST_F(SchedulerTest, MetricsReportPassesWaitsFillAndSlots) {
