@@ -5,48 +5,27 @@
 #include <cmath>
 #include <string>
 
+#include "common/hash.h"
+
 namespace loom::engine {
 namespace {
 
-// SplitMix64: a tiny, well-mixed 64-bit generator. Its output is fixed by
-// its definition, so an adapter's initial weights are the same on every
-// libtorch version and device.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-bound, bound) from the top 53 bits.
-  double Uniform(double bound) {
-    const double u = static_cast<double>(Next() >> 11) * (1.0 / 9007199254740992.0);
-    return (2.0 * u - 1.0) * bound;
-  }
-
- private:
-  uint64_t state_;
-};
-
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
+// Uniform in [-bound, bound) from the top 53 bits of splitmix64. Its output
+// is fixed by its definition, so an adapter's initial weights are the same on
+// every libtorch version and device.
+double UniformSym(uint64_t& state, double bound) {
+  const double u = static_cast<double>(SplitMix64Next(state) >> 11) * (1.0 / 9007199254740992.0);
+  return (2.0 * u - 1.0) * bound;
 }
 
 // Rows [0, rank) of A for one target: kaiming_uniform(a=sqrt(5)) as PEFT
 // initialises lora_A, i.e. U(-1/sqrt(d_in), 1/sqrt(d_in)).
 at::Tensor KaimingRows(uint64_t seed, const std::string& module, int64_t rank, int64_t d_in) {
-  SplitMix64 rng(seed * 0x9E3779B97F4A7C15ull ^ Fnv1a(module));
+  uint64_t state = seed * 0x9E3779B97F4A7C15ull ^ Fnv1a64(module);
   const double bound = 1.0 / std::sqrt(static_cast<double>(d_in));
   at::Tensor rows = at::empty({rank, d_in}, at::TensorOptions().dtype(at::kFloat));
   float* p = rows.data_ptr<float>();
-  for (int64_t i = 0; i < rank * d_in; ++i) p[i] = static_cast<float>(rng.Uniform(bound));
+  for (int64_t i = 0; i < rank * d_in; ++i) p[i] = static_cast<float>(UniformSym(state, bound));
   return rows;
 }
 

@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "common/hash.h"
 #include "engine/model/safetensors.h"
 
 // The generator's floating-point must be the same on every machine: forbid
@@ -18,22 +19,6 @@ namespace loom::engine {
 namespace {
 
 // ------------------------------------------------------------ random numbers
-
-uint64_t SplitMix64(uint64_t& x) {
-  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-uint64_t Fnv1a64(const std::string& s) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001B3ull;
-  }
-  return h;
-}
 
 uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
@@ -60,7 +45,7 @@ double PortableLog(double s) {
 class NormalStream {
  public:
   explicit NormalStream(uint64_t seed) {
-    for (auto& w : s_) w = SplitMix64(seed);
+    for (auto& w : s_) w = SplitMix64Next(seed);
   }
   uint64_t NextU64() {
     const uint64_t result = Rotl(s_[1] * 5, 7) * 9;
@@ -327,7 +312,7 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
 
   const uint64_t seed_base = [&] {
     uint64_t x = options.seed;
-    return SplitMix64(x);
+    return SplitMix64Next(x);
   }();
   nlohmann::json weight_map = nlohmann::json::object();
   for (size_t si = 0; si < shards.size(); ++si) {
