@@ -172,8 +172,11 @@ class SamplerImpl final : public Sampler {
         inbox_.clear();
       }
       scheduler_->Step();
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_ = scheduler_->stats();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stats_ = scheduler_->stats();
+      }
+      RunCompleted();
     }
     std::vector<std::unique_ptr<SampleRequest>> left;
     {
@@ -182,6 +185,12 @@ class SamplerImpl final : public Sampler {
     }
     for (auto& r : left) scheduler_->Add(std::move(r));
     scheduler_->FailAll(Status::Unavailable("the sampler is shutting down"));
+    RunCompleted();
+  }
+
+  // Callbacks run outside mu_ (they may call stats() or Submit()).
+  void RunCompleted() {
+    for (auto& [done, result] : scheduler_->TakeCompleted()) done(std::move(result));
   }
 
   SamplerOptions options_;

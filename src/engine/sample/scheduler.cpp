@@ -198,7 +198,7 @@ void Scheduler::Complete(SampleRequest& r, Result<SampleOutput> result) {
   blocks_.Unreserve(r.reserved_blocks);
   r.reserved_blocks = 0;
   ++stats_.requests_done;
-  if (r.done) r.done(std::move(result));
+  if (r.done) completed_.emplace_back(std::move(r.done), std::move(result));
 }
 
 void Scheduler::CompleteDone() {

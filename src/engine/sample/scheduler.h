@@ -39,6 +39,10 @@ class Scheduler {
   void Step();
   // Completes every request, queued or admitted, with status.
   void FailAll(const Status& status);
+  // The callbacks of requests completed since the last call, with their
+  // results. The caller runs them after publishing stats(), so a callback
+  // never observes the scheduler's state from before its own completion.
+  std::vector<std::pair<SampleCallback, Result<SampleOutput>>> TakeCompleted() { return std::move(completed_); }
 
   SamplerStats stats() const;
   const BlockManager& blocks() const { return blocks_; }
@@ -66,6 +70,7 @@ class Scheduler {
   int64_t rows_in_use_ = 0;
   uint64_t head_waited_ = 0;  // id of the last head request counted in admission_waits
   SamplerStats stats_;
+  std::vector<std::pair<SampleCallback, Result<SampleOutput>>> completed_;
 };
 
 }  // namespace loom::engine::sample
