@@ -93,6 +93,7 @@ Status ValidateAdamParams(const AdamParams& p) {
 }
 
 SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
+  if (!bank.targets().empty() && bank.targets()[0].A.device().is_cuda()) path_ = Path::kForeach;
   for (const LoraTarget& t : bank.targets()) {
     a_.push_back({at::zeros_like(t.A.detach()), at::zeros_like(t.A.detach())});
     b_.push_back({at::zeros_like(t.B.detach()), at::zeros_like(t.B.detach())});
@@ -126,6 +127,97 @@ std::vector<Result<OptimStepOutput>> SlotOptimizer::Step(SlotBank& bank, const s
   return results;
 }
 
+at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                       const at::Tensor& index) const {
+  const auto& targets = bank.targets();
+  const at::Device device = index.device();
+  const int64_t u = static_cast<int64_t>(slots.size());
+  at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
+  if (path_ == Path::kForeach) {
+    // One norm per (target, slot it trains) view, then a segment sum per slot.
+    std::vector<at::Tensor> views;
+    std::vector<int64_t> owner;
+    for (const LoraTarget& t : targets)
+      for (const at::Tensor* p : {&t.A, &t.B}) {
+        const at::Tensor& grad = p->grad();
+        if (!grad.defined()) continue;
+        for (int64_t k = 0; k < u; ++k) {
+          if (!bank.trains(static_cast<int>(slots[k]), t.group)) continue;
+          views.push_back(grad.select(0, slots[k]));
+          owner.push_back(k);
+        }
+      }
+    if (views.empty()) return sq;
+    const at::Tensor norms = at::stack(at::_foreach_norm(views), 0).to(at::kDouble);
+    return sq.index_add_(0, at::tensor(owner, at::kLong).to(device), norms * norms);
+  }
+  // Per target: the rows of every slot, masked by whether the slot trains it.
+  const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+  at::Tensor group_mask[3];
+  for (int g = 0; g < 3; ++g) {
+    std::vector<double> mask;
+    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), groups[g]) ? 1.0 : 0.0);
+    group_mask[g] = at::tensor(mask, at::kDouble).to(device);
+  }
+  for (const LoraTarget& t : targets) {
+    for (const at::Tensor* p : {&t.A, &t.B}) {
+      const at::Tensor& grad = p->grad();
+      if (!grad.defined()) continue;
+      at::Tensor rows = grad.index_select(0, index).to(at::kDouble);
+      sq.add_(rows.pow(2).flatten(1).sum(1) * group_mask[static_cast<int>(t.group)]);
+    }
+  }
+  return sq;
+}
+
+void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots,
+                                  const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                  const std::vector<double>& scales, TargetGroup group) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> p, g, m, v;
+  std::vector<at::Scalar> gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step;
+  auto& targets = bank.targets();
+  for (size_t ti = 0; ti < targets.size(); ++ti) {
+    const LoraTarget& t = targets[ti];
+    if (t.group != group) continue;
+    for (int ab = 0; ab < 2; ++ab) {
+      const at::Tensor& param = ab == 0 ? t.A : t.B;
+      const Moments& mo = ab == 0 ? a_[ti] : b_[ti];
+      const at::Tensor& grad = param.grad();
+      for (size_t k = 0; k < slots.size(); ++k) {
+        const int64_t s = slots[k];
+        const AdamParams& a = params[k];
+        const double step = static_cast<double>(steps[k]);
+        p.push_back(param.detach().select(0, s));
+        g.push_back(grad.defined() ? grad.select(0, s) : at::zeros_like(p.back()));
+        m.push_back(mo.exp_avg.select(0, s));
+        v.push_back(mo.exp_avg_sq.select(0, s));
+        // The same fp32 factors AdamWRows::Make computes.
+        gscale.push_back(static_cast<float>(scales[k]));
+        decay.push_back(static_cast<float>(1.0 - a.learning_rate * a.weight_decay));
+        b1.push_back(static_cast<float>(a.beta1));
+        omb1.push_back(static_cast<float>(1.0 - a.beta1));
+        b2.push_back(static_cast<float>(a.beta2));
+        omb2.push_back(static_cast<float>(1.0 - a.beta2));
+        inv_bc2.push_back(static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(a.beta2, step))));
+        eps.push_back(static_cast<float>(a.eps));
+        neg_step.push_back(-static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step))));
+      }
+    }
+  }
+  if (p.empty()) return;
+  const std::vector<at::Tensor> gs = at::_foreach_mul(g, gscale);
+  at::_foreach_mul_(p, decay);
+  at::_foreach_mul_(m, b1);
+  at::_foreach_add_(m, at::_foreach_mul(gs, omb1));
+  at::_foreach_mul_(v, b2);
+  at::_foreach_addcmul_(v, gs, gs, omb2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+  at::_foreach_mul_(denom, inv_bc2);
+  at::_foreach_add_(denom, eps);
+  at::_foreach_addcdiv_(p, m, denom, neg_step);
+}
+
 void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
                               const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
   c10::NoGradGuard no_grad;
@@ -155,23 +247,8 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   for (size_t i : live) slots.push_back(calls[i].slot);
   at::Tensor all_index = at::tensor(slots, at::kLong).to(device);
 
-  // Global squared gradient norm per slot over the targets it trains.
+  at::Tensor sq = SquaredNorms(bank, slots, all_index);
   const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
-  at::Tensor group_mask[3];
-  for (int g = 0; g < 3; ++g) {
-    std::vector<double> mask;
-    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), groups[g]) ? 1.0 : 0.0);
-    group_mask[g] = at::tensor(mask, at::kDouble).to(device);
-  }
-  at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
-  for (const LoraTarget& t : targets) {
-    for (const at::Tensor* p : {&t.A, &t.B}) {
-      const at::Tensor& grad = p->grad();
-      if (!grad.defined()) continue;
-      at::Tensor rows = grad.index_select(0, all_index).to(at::kDouble);
-      sq.add_(rows.pow(2).flatten(1).sum(1) * group_mask[static_cast<int>(t.group)]);
-    }
-  }
   at::Tensor norms_host = sq.sqrt().cpu();
   const double* norms = norms_host.data_ptr<double>();
 
@@ -196,18 +273,34 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
       steps.push_back(bank.slot(s).step + 1);
       scales.push_back(scale[k]);
     }
-    if (!s_idx.empty()) rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+    if (s_idx.empty()) continue;
+    if (path_ == Path::kForeach) {
+      ForeachUpdate(bank, s_idx, params, steps, scales, groups[g]);
+    } else {
+      rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+    }
   }
-  for (size_t ti = 0; ti < targets.size(); ++ti) {
-    const LoraTarget& t = targets[ti];
-    const AdamWRows& r = rows[static_cast<int>(t.group)];
-    AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
-    AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+  if (path_ == Path::kRows) {
+    for (size_t ti = 0; ti < targets.size(); ++ti) {
+      const LoraTarget& t = targets[ti];
+      const AdamWRows& r = rows[static_cast<int>(t.group)];
+      AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
+      AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+    }
   }
   // Every stepped or skipped slot starts its next accumulation from zero.
-  for (LoraTarget& t : targets) {
-    for (at::Tensor* p : {&t.A, &t.B}) {
-      if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+  if (path_ == Path::kForeach) {
+    std::vector<at::Tensor> grads;
+    for (LoraTarget& t : targets)
+      for (at::Tensor* p : {&t.A, &t.B})
+        if (p->grad().defined())
+          for (int64_t s : slots) grads.push_back(p->mutable_grad().select(0, s));
+    if (!grads.empty()) at::_foreach_zero_(grads);
+  } else {
+    for (LoraTarget& t : targets) {
+      for (at::Tensor* p : {&t.A, &t.B}) {
+        if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+      }
     }
   }
   for (size_t k = 0; k < live.size(); ++k) {
