@@ -19,8 +19,9 @@ TEST(PaddedAttention, LayoutIndexesRoundTrip) {
   // Every packed row comes back from its own padded slot.
   EXPECT_TRUE(at::equal(l.gather.index_select(0, l.scatter), at::arange(10, at::kLong)));
   // Pads repeat the sequence's first row: sequence 2 is rows [8, 10).
-  EXPECT_EQ(l.gather[12].item<int64_t>(), 9);
-  EXPECT_EQ(l.gather[13].item<int64_t>(), 8);
+  EXPECT_EQ(l.gather[11].item<int64_t>(), 9);
+  EXPECT_EQ(l.gather[12].item<int64_t>(), 8);
+  EXPECT_EQ(l.gather[14].item<int64_t>(), 8);
   EXPECT_FALSE(PaddedLayout::Prefer(seq_begin, at::kCPU));
 }
 

@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include "engine/train/text.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -134,22 +135,22 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
   const int64_t u = static_cast<int64_t>(slots.size());
   at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
   if (path_ == Path::kForeach) {
-    // One norm per (target, slot it trains) view, then a segment sum per slot.
-    std::vector<at::Tensor> views;
-    std::vector<int64_t> owner;
-    for (const LoraTarget& t : targets)
-      for (const at::Tensor* p : {&t.A, &t.B}) {
-        const at::Tensor& grad = p->grad();
-        if (!grad.defined()) continue;
-        for (int64_t k = 0; k < u; ++k) {
-          if (!bank.trains(static_cast<int>(slots[k]), t.group)) continue;
-          views.push_back(grad.select(0, slots[k]));
-          owner.push_back(k);
-        }
-      }
-    if (views.empty()) return sq;
-    const at::Tensor norms = at::stack(at::_foreach_norm(views), 0).to(at::kDouble);
-    return sq.index_add_(0, at::tensor(owner, at::kLong).to(device), norms * norms);
+    // Per group: every target's gradient side by side as [N, P_g] (one cat),
+    // the live rows, one fp64-accumulated sum of squares; masked by group.
+    const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+    for (TargetGroup g : groups) {
+      std::vector<at::Tensor> flat;
+      for (const LoraTarget& t : targets)
+        if (t.group == g)
+          for (const at::Tensor* p : {&t.A, &t.B})
+            if (p->grad().defined()) flat.push_back(p->grad().flatten(1));
+      if (flat.empty()) continue;
+      std::vector<double> mask;
+      for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), g) ? 1.0 : 0.0);
+      const at::Tensor rows = at::cat(flat, 1).index_select(0, index);
+      sq.add_(rows.square().sum({1}, false, at::kDouble) * at::tensor(mask, at::kDouble).to(device));
+    }
+    return sq;
   }
   // Per target: the rows of every slot, masked by whether the slot trains it.
   const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
@@ -176,6 +177,41 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> p, g, m, v;
   std::vector<at::Scalar> gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step;
+  // Runs of consecutive slot indices with identical factors step as one
+  // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
+  // tensor rather than one per slot.
+  struct Run {
+    int64_t first = 0, len = 0;
+    float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
+  };
+  std::vector<size_t> order(slots.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return slots[x] < slots[y]; });
+  std::vector<Run> runs;
+  for (size_t k : order) {
+    const AdamParams& a = params[k];
+    const double step = static_cast<double>(steps[k]);
+    // The same fp32 factors AdamWRows::Make computes.
+    Run r;
+    r.first = slots[k];
+    r.len = 1;
+    const float f[9] = {static_cast<float>(scales[k]),
+                        static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
+                        static_cast<float>(a.beta1),
+                        static_cast<float>(1.0 - a.beta1),
+                        static_cast<float>(a.beta2),
+                        static_cast<float>(1.0 - a.beta2),
+                        static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(a.beta2, step))),
+                        static_cast<float>(a.eps),
+                        -static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step)))};
+    std::copy(f, f + 9, r.f);
+    if (!runs.empty() && runs.back().first + runs.back().len == r.first &&
+        std::equal(f, f + 9, runs.back().f)) {
+      ++runs.back().len;
+      continue;
+    }
+    runs.push_back(r);
+  }
   auto& targets = bank.targets();
   for (size_t ti = 0; ti < targets.size(); ++ti) {
     const LoraTarget& t = targets[ti];
@@ -184,24 +220,20 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
       const at::Tensor& param = ab == 0 ? t.A : t.B;
       const Moments& mo = ab == 0 ? a_[ti] : b_[ti];
       const at::Tensor& grad = param.grad();
-      for (size_t k = 0; k < slots.size(); ++k) {
-        const int64_t s = slots[k];
-        const AdamParams& a = params[k];
-        const double step = static_cast<double>(steps[k]);
-        p.push_back(param.detach().select(0, s));
-        g.push_back(grad.defined() ? grad.select(0, s) : at::zeros_like(p.back()));
-        m.push_back(mo.exp_avg.select(0, s));
-        v.push_back(mo.exp_avg_sq.select(0, s));
-        // The same fp32 factors AdamWRows::Make computes.
-        gscale.push_back(static_cast<float>(scales[k]));
-        decay.push_back(static_cast<float>(1.0 - a.learning_rate * a.weight_decay));
-        b1.push_back(static_cast<float>(a.beta1));
-        omb1.push_back(static_cast<float>(1.0 - a.beta1));
-        b2.push_back(static_cast<float>(a.beta2));
-        omb2.push_back(static_cast<float>(1.0 - a.beta2));
-        inv_bc2.push_back(static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(a.beta2, step))));
-        eps.push_back(static_cast<float>(a.eps));
-        neg_step.push_back(-static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step))));
+      for (const Run& r : runs) {
+        p.push_back(param.detach().narrow(0, r.first, r.len));
+        g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(p.back()));
+        m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
+        v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
+        gscale.push_back(r.f[0]);
+        decay.push_back(r.f[1]);
+        b1.push_back(r.f[2]);
+        omb1.push_back(r.f[3]);
+        b2.push_back(r.f[4]);
+        omb2.push_back(r.f[5]);
+        inv_bc2.push_back(r.f[6]);
+        eps.push_back(r.f[7]);
+        neg_step.push_back(r.f[8]);
       }
     }
   }
@@ -290,11 +322,18 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   }
   // Every stepped or skipped slot starts its next accumulation from zero.
   if (path_ == Path::kForeach) {
+    std::vector<int64_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first slot, count) of consecutive slots
+    for (int64_t s : sorted) {
+      if (!runs.empty() && runs.back().first + runs.back().second == s) ++runs.back().second;
+      else runs.push_back({s, 1});
+    }
     std::vector<at::Tensor> grads;
     for (LoraTarget& t : targets)
       for (at::Tensor* p : {&t.A, &t.B})
         if (p->grad().defined())
-          for (int64_t s : slots) grads.push_back(p->mutable_grad().select(0, s));
+          for (const auto& [first, len] : runs) grads.push_back(p->mutable_grad().narrow(0, first, len));
     if (!grads.empty()) at::_foreach_zero_(grads);
   } else {
     for (LoraTarget& t : targets) {
