@@ -11,6 +11,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "cli/bench_multitenant.h"
 #include "cli/bench_sample.h"
 #include "cli/commands.h"
 #include "engine/api.h"
@@ -173,6 +174,7 @@ int BenchTrain(const TrainBenchOptions& o) {
 int Bench(int argc, char** argv) {
   // `loom bench sample ...` has its own flags (cli/bench_sample.cpp), argv[0] = "sample".
   if (argc >= 2 && std::string(argv[1]) == "sample") return BenchSample(argc - 1, argv + 1);
+  if (argc >= 2 && std::string(argv[1]) == "multi-tenant") return BenchMultiTenant(argc - 1, argv + 1);
   CLI::App app{"Benchmarks on the engine's own code paths", "loom bench"};
   app.require_subcommand(1);
   TrainBenchOptions t;
@@ -194,7 +196,7 @@ int Bench(int argc, char** argv) {
     return app.exit(e);
   }
   if (train->parsed()) return BenchTrain(t);
-  std::fprintf(stderr, "loom bench: use 'train' or 'sample'\n");
+  std::fprintf(stderr, "loom bench: use 'train', 'multi-tenant' or 'sample'\n");
   return 2;
 }
 

@@ -271,11 +271,12 @@ TEST_F(GatewayTest, OtherTenantsGet404AndOldIdsGet410) {
   EXPECT_EQ(Retrieve(rid, kAlice, true).status, 200);
 }
 
-TEST_F(GatewayTest, SamplingRoutesAreNotImplementedYetWithJson) {
-  ExpectJsonError(Post("create_sampling_session", {{"session_id", "s"}, {"sampling_session_seq_id", 0}}), 501,
-                  "not implemented");
-  ExpectJsonError(Post("asample", Json::object()), 501);
-  ExpectJsonError(client_->Call("GET", "/api/v1/samplers/x:sample:0", "", {{"X-API-Key", kAlice}}), 501);
+TEST_F(GatewayTest, SamplingRoutesAnswerJsonErrorsForUnknownIds) {
+  // Served now (tests/http/sampling_http_test.cpp covers the flow); unknown ids are 404 JSON.
+  ExpectJsonError(Post("create_sampling_session", {{"session_id", "s"}, {"sampling_session_seq_id", 0},
+                                                   {"base_model", "test/base"}}), 404, "session_id");
+  ExpectJsonError(Post("asample", Json::object()), 400);
+  ExpectJsonError(client_->Call("GET", "/api/v1/samplers/x:sample:0", "", {{"X-API-Key", kAlice}}), 404);
 }
 
 TEST_F(GatewayTest, CheckpointRestListArchiveTtlPublishDelete) {

@@ -1,0 +1,174 @@
+// The in-process Tinker client of service_driver.h.
+#include "cli/service_driver.h"
+
+#include <condition_variable>
+#include <filesystem>
+#include <mutex>
+
+#include "engine/model/make_model.h"
+#include "store/registry.h"
+
+namespace loom::cli {
+
+namespace fs = std::filesystem;
+
+Result<std::string> EmbeddedModel(const std::string& data_dir) {
+  const std::string dir = data_dir + "/default-model";
+  if (fs::exists(dir + "/config.json")) return dir;
+  engine::MakeModelOptions opt;
+  opt.arch = "qwen3";
+  opt.preset = "tiny";
+  opt.seed = 1;
+  const std::string tmp = dir + ".tmp";
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  if (Status st = engine::MakeModel(opt, tmp); !st.ok()) return st;
+  fs::rename(tmp, dir, ec);
+  if (ec) return Status::Internal("cannot move the default model into " + dir + ": " + ec.message());
+  return dir;
+}
+
+Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& options) {
+  std::error_code ec;
+  fs::create_directories(options.data_dir, ec);
+  if (ec) return Status::Invalid("data dir '" + options.data_dir + "': " + ec.message());
+  std::string model_dir = options.model_dir;
+  if (model_dir.empty()) {
+    auto dir = EmbeddedModel(options.data_dir);
+    if (!dir.ok()) return dir.status();
+    model_dir = *dir;
+  }
+  engine::EngineOptions eopt;
+  eopt.model_dir = model_dir;
+  eopt.max_slots = options.max_slots;
+  eopt.max_rank = options.max_rank;
+  eopt.threads = options.threads;
+  auto engine = engine::Engine::Open(eopt);
+  if (!engine.ok()) return engine.status();
+  auto registry = store::Registry::Open(options.data_dir);
+  if (!registry.ok()) return registry.status();
+  service::ServiceOptions sopt;
+  sopt.base_model_name = "loom/tiny-qwen3";
+  sopt.token_budget = options.token_budget;
+  std::unique_ptr<engine::Sampler> sampler;
+  if (options.with_sampler) {
+    auto shared = (*engine)->SharedModel();
+    if (!shared) return Status::Unavailable("this engine does not share its base model with a sampler");
+    engine::SamplerOptions samp;
+    samp.model_dir = model_dir;
+    samp.max_rank = options.max_rank;
+    samp.sampler_adapters = options.max_slots;
+    auto opened = engine::Sampler::Open(shared, samp);
+    if (!opened.ok()) return opened.status();
+    sampler = std::move(*opened);
+  }
+  std::unique_ptr<ServiceDriver> d(new ServiceDriver());
+  d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
+  if (sampler) d->service_->AttachSampler(std::move(sampler));
+  d->service_->Start();
+  return d;
+}
+
+ServiceDriver::~ServiceDriver() {
+  if (service_) service_->Stop();
+}
+
+Result<Tenant> ServiceDriver::NewTenant(const std::string& name, int rank, uint64_t seed) {
+  auto session = service_->CreateSession({name, ""}, {});
+  if (!session.ok()) return session.status();
+  wire::CreateModelRequest req;
+  req.session_id = *session;
+  req.base_model = service_->options().base_model_name;
+  req.lora.rank = rank;
+  req.lora.seed = seed;
+  req.seed_given = true;
+  auto sub = service_->CreateModel({name, ""}, req);
+  if (!sub.ok()) return sub.status();
+  Tenant t{name, sub->model_id, *session, 1, 0};
+  auto done = Await(t, sub->request_id);
+  if (!done.ok()) return done.status();
+  return t;
+}
+
+Result<std::string> ServiceDriver::SubmitForwardBackward(Tenant& t, engine::ForwardBackwardCall call) {
+  wire::ForwardBackwardRequest req;
+  req.model_id = t.model_id;
+  req.seq_id = static_cast<int32_t>(t.next_seq++);
+  req.call = std::move(call);
+  auto sub = service_->ForwardBackward({t.name, ""}, std::move(req));
+  if (!sub.ok()) return sub.status();
+  return sub->request_id;
+}
+
+Result<std::string> ServiceDriver::SubmitOptimStep(Tenant& t, const engine::AdamParams& adam) {
+  wire::OptimStepRequest req;
+  req.model_id = t.model_id;
+  req.seq_id = t.next_seq++;
+  req.adam_params = adam;
+  auto sub = service_->OptimStep({t.name, ""}, req);
+  if (!sub.ok()) return sub.status();
+  return sub->request_id;
+}
+
+Result<service::FutureView> ServiceDriver::Await(const Tenant& t, const std::string& request_id) {
+  auto& futures = service_->futures();
+  struct Signal {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto signal = std::make_shared<Signal>();
+  while (true) {
+    auto view = futures.Get(t.name, request_id);
+    if (!view.ok()) return view.status();
+    if (view->state == service::FutureState::kFailed) return view->error;
+    if (view->state == service::FutureState::kDone) return *view;
+    const uint64_t watch = futures.Watch(request_id, [signal] {
+      std::lock_guard<std::mutex> lock(signal->mu);
+      signal->done = true;
+      signal->cv.notify_all();
+    });
+    if (watch == 0) continue;  // finished in between: look again
+    std::unique_lock<std::mutex> lock(signal->mu);
+    signal->cv.wait(lock, [&] { return signal->done; });
+    signal->done = false;
+  }
+}
+
+Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
+                                                   const std::string& snapshot) {
+  wire::CreateSamplingSessionRequest session;
+  session.session_id = t.session_id;
+  session.sampling_session_seq_id = t.next_sampling_seq++;
+  if (snapshot.empty()) {
+    session.base_model = service_->options().base_model_name;
+  } else {
+    wire::SaveWeightsForSamplerRequest save;
+    save.model_id = t.model_id;
+    save.seq_id = t.next_seq++;
+    save.name = snapshot;
+    auto sub = service_->SaveWeightsForSampler({t.name, ""}, save);
+    if (!sub.ok()) return sub.status();
+    auto saved = Await(t, sub->request_id);
+    if (!saved.ok()) return saved.status();
+    session.model_path = saved->result->json.value("path", "");
+  }
+  auto sampling_id = service_->CreateSamplingSession({t.name, ""}, session);
+  if (!sampling_id.ok()) return sampling_id.status();
+  wire::SampleRequest req;
+  req.sampling_session_id = *sampling_id;
+  req.seq_id = 0;
+  req.prompt = prompt;
+  req.sampling_params.max_tokens = max_tokens;
+  req.sampling_params.temperature = 0.0;
+  auto sub = service_->Sample({t.name, ""}, req);
+  if (!sub.ok()) return sub.status();
+  auto done = Await(t, sub->request_id);
+  if (!done.ok()) return done.status();
+  if (!done->result->sample || done->result->sample->sequences.empty()) {
+    return Status::Internal("asample answered without a sequence");
+  }
+  return done->result->sample->sequences[0].tokens;
+}
+
+}  // namespace loom::cli

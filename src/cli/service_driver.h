@@ -1,0 +1,69 @@
+// ServiceDriver: one in-process Service on a real Engine (the same object
+// `loom serve` puts behind HTTP), with blocking helpers that act as a Tinker
+// training client would: create a model, submit forward_backward/optim_step
+// with consecutive seq_ids, and wait for futures without polling.
+// Used by `loom demo` and `loom bench multi-tenant`.
+//
+// Invariant: every Tenant's requests carry seq_ids 1, 2, 3, ... in submit order.
+// Threading: Submit*/Await may be called from any thread; one Tenant object
+// must be used by one thread at a time.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/api.h"
+#include "service/service.h"
+
+namespace loom::cli {
+
+struct DriverOptions {
+  std::string model_dir;        // "" = the embedded tiny qwen3, generated under data_dir
+  std::string data_dir;         // registry (a fresh temp dir is fine)
+  int max_slots = 8;
+  int max_rank = 16;
+  int threads = 0;              // CPU intra-op threads, 0 = all cores
+  int64_t token_budget = 8192;
+  bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
+};
+
+struct Tenant {
+  std::string name;
+  std::string model_id;
+  std::string session_id;
+  int64_t next_seq = 1;
+  int64_t next_sampling_seq = 0;  // sampling sessions made in this tenant's session
+};
+
+class ServiceDriver {
+ public:
+  static Result<std::unique_ptr<ServiceDriver>> Open(const DriverOptions& options);
+  ~ServiceDriver();
+
+  service::Service& service() { return *service_; }
+  const engine::ModelInfo& info() const { return service_->model_info(); }
+
+  // A session and a LoRA model of this rank and seed for `name`.
+  Result<Tenant> NewTenant(const std::string& name, int rank, uint64_t seed);
+  // Submits without waiting; returns the request id.
+  Result<std::string> SubmitForwardBackward(Tenant& t, engine::ForwardBackwardCall call);
+  Result<std::string> SubmitOptimStep(Tenant& t, const engine::AdamParams& adam);
+  // Blocks until the future finishes; its error when it failed.
+  Result<service::FutureView> Await(const Tenant& t, const std::string& request_id);
+
+  // Greedy continuation (temperature 0) of prompt, max_tokens long: from the
+  // tenant's current adapter (saved for the sampler as `snapshot`), or from
+  // the base model when snapshot is "". Needs with_sampler.
+  Result<std::vector<int32_t>> Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
+                                      const std::string& snapshot);
+
+ private:
+  ServiceDriver() = default;
+  std::unique_ptr<service::Service> service_;
+};
+
+// Writes the embedded default model (tiny qwen3, seed 1) into dir/default-model once.
+Result<std::string> EmbeddedModel(const std::string& data_dir);
+
+}  // namespace loom::cli

@@ -1,0 +1,197 @@
+// The sampling routes over loopback HTTP (Router + HttpServer on a FakeEngine
+// and a FakeSampler): create_sampling_session, asample's submit answer with
+// sample_sequence_ids, the result as protobuf SampleResponse or legacy JSON,
+// GET samplers/{id}, and the 4xx JSON answers (bad params naming the field,
+// context window, foreign tenants).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "../service/fake_engine.h"
+#include "../service/fake_sampler.h"
+#include "http/router.h"
+#include "http/server.h"
+#include "test_client.h"
+#include "wire/sample.h"
+
+namespace loom::http {
+namespace {
+
+using namespace std::chrono_literals;
+using Json = nlohmann::json;
+using testing::HttpClient;
+using testing::Reply;
+
+constexpr const char* kAlice = "tml-alice-key";
+constexpr const char* kBob = "tml-bob-key";
+
+class SamplingGatewayTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("loom_http_sampling_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
+             "_" + std::to_string(::getpid())))
+               .string();
+    std::filesystem::remove_all(dir_);
+    auto registry = store::Registry::Open(dir_);
+    ASSERT_TRUE(registry.ok());
+    service::ServiceOptions so;
+    so.base_model_name = "test/base";
+    so.janitor_period = 20ms;
+    service_ = std::make_unique<service::Service>(so, std::make_unique<testing::FakeEngine>(4), std::move(*registry));
+    service_->AttachSampler(std::make_unique<testing::FakeSampler>(100, 32));
+    service_->Start();
+    router_ = std::make_unique<Router>(*service_, keys_, RouterOptions{});
+    ServerOptions opt;
+    opt.port = 0;
+    opt.poll_hold = 1s;
+    server_ = std::make_unique<HttpServer>(*router_, service_->futures(), opt);
+    ASSERT_TRUE(server_->Start().ok());
+    client_ = std::make_unique<HttpClient>("127.0.0.1", server_->port());
+  }
+  void TearDown() override {
+    server_->Stop(0ms);
+    service_->Stop();
+    std::filesystem::remove_all(dir_);
+  }
+
+  Reply Post(const std::string& route, const Json& body, const char* key = kAlice) {
+    return client_->Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", key}});
+  }
+  Json PostOk(const std::string& route, const Json& body, const char* key = kAlice) {
+    Reply r = Post(route, body, key);
+    EXPECT_EQ(r.status, 200) << route << ": " << r.body;
+    return Json::parse(r.body, nullptr, false);
+  }
+  Reply Retrieve(const std::string& request_id, bool proto, const char* key = kAlice) {
+    for (int i = 0; i < 20; ++i) {
+      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key}};
+      if (proto) h.emplace_back("Accept", "application/x-protobuf");
+      Reply r = client_->Call("POST", "/api/v1/retrieve_future",
+                              Json{{"request_id", request_id}, {"allow_metadata_only", true}}.dump(), h);
+      if (r.content_type.find("json") != std::string::npos) {
+        Json j = Json::parse(r.body, nullptr, false);
+        if (j.is_object() && j.value("type", "") == "try_again") continue;
+      }
+      return r;
+    }
+    ADD_FAILURE() << "future never finished";
+    return {};
+  }
+  std::string Session(const char* key = kAlice) {
+    return PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
+                                     {"sdk_version", "0.26.2"}, {"type", "create_session"}}, key)["session_id"];
+  }
+  std::string SamplingSession(const std::string& session, int seq = 0, const char* key = kAlice) {
+    Json j = PostOk("create_sampling_session", {{"session_id", session}, {"sampling_session_seq_id", seq},
+                                                {"base_model", "test/base"}, {"type", "create_sampling_session"}},
+                    key);
+    EXPECT_EQ(j.value("type", ""), "create_sampling_session");
+    return j.value("sampling_session_id", "");
+  }
+  static Json Asample(const std::string& sampling, int64_t seq, Json params, int num_samples = 1,
+                      bool prompt_logprobs = false) {
+    return {{"sampling_session_id", sampling}, {"seq_id", seq}, {"num_samples", num_samples},
+            {"prompt", {{"chunks", {{{"type", "encoded_text"}, {"tokens", {4, 5, 6}}}}}}},
+            {"sampling_params", std::move(params)}, {"prompt_logprobs", prompt_logprobs},
+            {"topk_prompt_logprobs", 0}, {"type", "sample"}};
+  }
+  static void ExpectJsonError(const Reply& r, int status, const std::string& fragment) {
+    EXPECT_EQ(r.status, status) << r.body;
+    Json j = Json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object() && j.contains("error")) << r.body;
+    EXPECT_NE(r.body.find(fragment), std::string::npos) << r.body;
+  }
+
+  std::string dir_;
+  ApiKeys keys_;
+  std::unique_ptr<service::Service> service_;
+  std::unique_ptr<Router> router_;
+  std::unique_ptr<HttpServer> server_;
+  std::unique_ptr<HttpClient> client_;
+};
+
+TEST_F(SamplingGatewayTest, AsampleAnswersSequenceIdsAndProtobufResult) {
+  const std::string sampling = SamplingSession(Session());
+  Json sub = PostOk("asample", Asample(sampling, 0, {{"max_tokens", 3}, {"temperature", 0.0}}, 2));
+  ASSERT_TRUE(sub.contains("request_id"));
+  ASSERT_TRUE(sub["sample_sequence_ids"].is_array()) << sub.dump();
+  ASSERT_EQ(sub["sample_sequence_ids"].size(), 2u);
+  EXPECT_NE(sub["sample_sequence_ids"][0], sub["sample_sequence_ids"][1]);
+
+  Reply r = Retrieve(sub["request_id"], /*proto=*/true);
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.content_type, "application/x-protobuf");
+  auto decoded = wire::DecodeSampleResponse(r.body);
+  ASSERT_TRUE(decoded.ok()) << decoded.status().message();
+  ASSERT_EQ(decoded->sequences.size(), 2u);
+  EXPECT_EQ(decoded->sequences[0].tokens, (std::vector<int32_t>{7, 8, 9}));  // (6 + 1 + j) % 100
+  EXPECT_EQ(decoded->sequences[1].tokens, (std::vector<int32_t>{8, 9, 10}));
+  EXPECT_EQ(decoded->sequences[0].logprobs.size(), 3u);
+  EXPECT_FALSE(decoded->prompt_logprobs.has_value());
+
+  // Same future without protobuf in Accept: the legacy JSON shape.
+  Reply legacy = Retrieve(sub["request_id"], /*proto=*/false);
+  Json j = Json::parse(legacy.body, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << legacy.body;
+  EXPECT_EQ(j["type"], "sample");
+  ASSERT_EQ(j["sequences"].size(), 2u);
+  EXPECT_EQ(j["sequences"][1]["tokens"], Json({8, 9, 10}));
+  EXPECT_EQ(j["sequences"][1]["stop_reason"], "length");
+  EXPECT_NEAR(j["sequences"][0]["logprobs"][2].get<double>(), -0.3, 1e-6);
+}
+
+TEST_F(SamplingGatewayTest, ComputeLogprobsShapeReturnsPromptLogprobsWithNullFirst) {
+  const std::string sampling = SamplingSession(Session());
+  Json sub = PostOk("asample", Asample(sampling, 0, {{"max_tokens", 1}}, 1, /*prompt_logprobs=*/true));
+  auto decoded = wire::DecodeSampleResponse(Retrieve(sub["request_id"], true).body);
+  ASSERT_TRUE(decoded.ok());
+  ASSERT_TRUE(decoded->prompt_logprobs.has_value());
+  ASSERT_EQ(decoded->prompt_logprobs->size(), 3u);
+  EXPECT_TRUE(std::isnan((*decoded->prompt_logprobs)[0]));
+  Json legacy = Json::parse(Retrieve(sub["request_id"], false).body);
+  EXPECT_TRUE(legacy["prompt_logprobs"][0].is_null());
+  EXPECT_NEAR(legacy["prompt_logprobs"][1].get<double>(), -0.5, 1e-6);
+}
+
+TEST_F(SamplingGatewayTest, GetSamplerAndTenantIsolation) {
+  const std::string sampling = SamplingSession(Session());
+  // The id has colons; the SDK sends it as is (also accept it percent-encoded).
+  Reply r = client_->Call("GET", "/api/v1/samplers/" + sampling, "", {{"X-API-Key", kAlice}});
+  ASSERT_EQ(r.status, 200) << r.body;
+  Json j = Json::parse(r.body);
+  EXPECT_EQ(j["sampler_id"], sampling);
+  EXPECT_EQ(j["base_model"], "test/base");
+  std::string encoded = sampling;
+  for (size_t p = encoded.find(':'); p != std::string::npos; p = encoded.find(':', p)) encoded.replace(p, 1, "%3A");
+  EXPECT_EQ(client_->Call("GET", "/api/v1/samplers/" + encoded, "", {{"X-API-Key", kAlice}}).status, 200);
+
+  ExpectJsonError(client_->Call("GET", "/api/v1/samplers/" + sampling, "", {{"X-API-Key", kBob}}), 404, "not found");
+  ExpectJsonError(Post("asample", Asample(sampling, 0, {{"max_tokens", 1}}), kBob), 404, "sampling_session_id");
+  Json sub = PostOk("asample", Asample(sampling, 0, {{"max_tokens", 1}}));
+  ExpectJsonError(client_->Call("POST", "/api/v1/retrieve_future",
+                                Json{{"request_id", sub["request_id"]}, {"allow_metadata_only", true}}.dump(),
+                                {{"X-API-Key", kBob}}),
+                  404, "not found");
+}
+
+TEST_F(SamplingGatewayTest, BadRequestsAre400NamingTheFieldOr404) {
+  const std::string session = Session();
+  const std::string sampling = SamplingSession(session);
+  ExpectJsonError(Post("create_sampling_session", {{"session_id", session}, {"sampling_session_seq_id", 1},
+                                                   {"base_model", "someone/else"}}),
+                  400, "base_model");
+  ExpectJsonError(Post("create_sampling_session", {{"session_id", session}, {"sampling_session_seq_id", 2},
+                                                   {"model_path", "tinker://nobody:train:0/sampler_weights/x"}}),
+                  404, "model_path");
+  ExpectJsonError(Post("asample", Asample(sampling, 0, {{"max_tokens", 3}, {"top_p", 2.0}})), 400, "top_p");
+  ExpectJsonError(Post("asample", Asample(sampling, 1, {{"max_tokens", 3}, {"temperature", -1.0}})), 400,
+                  "temperature");
+  ExpectJsonError(Post("asample", Asample(sampling, 2, {{"max_tokens", 30}})), 400, "context window");
+  ExpectJsonError(Post("asample", Asample(sampling, 3, {{"max_tokens", 3}, {"stop", "END"}})), 400,
+                  "tokenizer.json");
+  ExpectJsonError(Post("asample", Asample("nope:sample:0", 0, {{"max_tokens", 1}})), 404, "nope:sample:0");
+}
+
+}  // namespace
+}  // namespace loom::http

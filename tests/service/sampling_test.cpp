@@ -1,0 +1,332 @@
+// Sampling sessions and asample on the Service over a FakeEngine and a
+// FakeSampler: ids and idempotency, base_model / model_path checks, snapshot
+// ownership and publishing, (session, seq_id) dedup, validation before
+// queueing, results through the future table, and tenant isolation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <set>
+#include <thread>
+
+#include "fake_engine.h"
+#include "fake_sampler.h"
+#include "service/service.h"
+
+namespace loom::service {
+namespace {
+
+using namespace std::chrono_literals;
+
+class SamplingServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() /
+            ("loom_sampling_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
+             std::to_string(::getpid())))
+               .string();
+    std::filesystem::remove_all(dir_);
+    auto registry = store::Registry::Open(dir_);
+    ASSERT_TRUE(registry.ok());
+    ServiceOptions so;
+    so.base_model_name = "test/base";
+    so.janitor_period = 20ms;
+    service_ = std::make_unique<Service>(so, std::make_unique<testing::FakeEngine>(4), std::move(*registry));
+    auto sampler = std::make_unique<testing::FakeSampler>(100, 32);
+    sampler_ = sampler.get();
+    service_->AttachSampler(std::move(sampler));
+    service_->Start();
+  }
+  void TearDown() override {
+    service_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+
+  FutureView Wait(const std::string& tenant, const std::string& id) {
+    for (int i = 0; i < 2500; ++i) {
+      auto v = service_->futures().Get(tenant, id);
+      EXPECT_TRUE(v.ok()) << v.status().message();
+      if (!v.ok()) return {};
+      if (v->state != FutureState::kPending) return *v;
+      std::this_thread::sleep_for(2ms);
+    }
+    ADD_FAILURE() << "future " << id << " still pending";
+    return {};
+  }
+  std::string Session(const std::string& tenant) { return *service_->CreateSession({tenant, ""}, {}); }
+  std::string Model(const std::string& tenant, const std::string& session) {
+    wire::CreateModelRequest req;
+    req.session_id = session;
+    req.base_model = "test/base";
+    req.lora.rank = 4;
+    auto sub = service_->CreateModel({tenant, ""}, req);
+    EXPECT_TRUE(sub.ok()) << sub.status().message();
+    EXPECT_EQ(Wait(tenant, sub->request_id).state, FutureState::kDone);
+    return sub->model_id;
+  }
+  // Saves a named sampler snapshot of model (seq 1) and returns its tinker path.
+  std::string Snapshot(const std::string& tenant, const std::string& model, const std::string& name,
+                       int64_t seq = 1) {
+    wire::SaveWeightsForSamplerRequest req;
+    req.model_id = model;
+    req.seq_id = seq;
+    req.name = name;
+    auto sub = service_->SaveWeightsForSampler({tenant, ""}, req);
+    EXPECT_TRUE(sub.ok()) << sub.status().message();
+    FutureView v = Wait(tenant, sub->request_id);
+    EXPECT_EQ(v.state, FutureState::kDone) << v.error.message();
+    return v.result->json.value("path", "");
+  }
+  Result<std::string> CreateSampling(const std::string& tenant, const std::string& session, int64_t seq,
+                                     std::optional<std::string> base, std::optional<std::string> path) {
+    wire::CreateSamplingSessionRequest req;
+    req.session_id = session;
+    req.sampling_session_seq_id = seq;
+    req.base_model = std::move(base);
+    req.model_path = std::move(path);
+    return service_->CreateSamplingSession({tenant, ""}, req);
+  }
+  static wire::SampleRequest Req(const std::string& sampling_session, int64_t seq, std::vector<int32_t> prompt,
+                                 int32_t max_tokens = 3, int32_t num_samples = 1) {
+    wire::SampleRequest r;
+    r.sampling_session_id = sampling_session;
+    r.seq_id = seq;
+    r.prompt = std::move(prompt);
+    r.num_samples = num_samples;
+    r.sampling_params.max_tokens = max_tokens;
+    return r;
+  }
+
+  std::string dir_;
+  std::unique_ptr<Service> service_;
+  testing::FakeSampler* sampler_ = nullptr;
+};
+
+TEST_F(SamplingServiceTest, BaseModelSessionIdIsSessionSampleSeqAndIdempotent) {
+  const std::string s = Session("alice");
+  auto id = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(id.ok()) << id.status().message();
+  EXPECT_EQ(*id, s + ":sample:0");
+  auto again = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *id);
+  auto next = CreateSampling("alice", s, 1, "test/base", std::nullopt);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(*next, s + ":sample:1");
+
+  auto info = service_->GetSampler({"alice", ""}, *id);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ((*info)["sampler_id"], *id);
+  EXPECT_EQ((*info)["base_model"], "test/base");
+  EXPECT_FALSE(info->contains("model_path"));
+}
+
+TEST_F(SamplingServiceTest, WrongBaseModelIs400NamingIt) {
+  const std::string s = Session("alice");
+  auto id = CreateSampling("alice", s, 0, "other/model", std::nullopt);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(id.status().message().find("base_model"), std::string::npos) << id.status().message();
+  EXPECT_NE(id.status().message().find("test/base"), std::string::npos);
+}
+
+TEST_F(SamplingServiceTest, ForeignOrUnknownSessionIs404) {
+  const std::string s = Session("alice");
+  auto foreign = CreateSampling("bob", s, 0, "test/base", std::nullopt);
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_EQ(foreign.status().code(), Code::kNotFound);
+  auto unknown = CreateSampling("alice", "nope", 0, "test/base", std::nullopt);
+  EXPECT_EQ(unknown.status().code(), Code::kNotFound);
+}
+
+TEST_F(SamplingServiceTest, ModelPathMustBeOwnOrPublishedSamplerWeights) {
+  const std::string sa = Session("alice");
+  const std::string model = Model("alice", sa);
+  const std::string path = Snapshot("alice", model, "snap");
+  ASSERT_EQ(path, "tinker://" + model + "/sampler_weights/snap");
+
+  auto own = CreateSampling("alice", sa, 0, std::nullopt, path);
+  ASSERT_TRUE(own.ok()) << own.status().message();
+  auto info = service_->GetSampler({"alice", ""}, *own);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ((*info)["model_path"], path);
+  EXPECT_EQ((*info)["base_model"], "test/base");
+
+  const std::string sb = Session("bob");
+  auto foreign = CreateSampling("bob", sb, 0, std::nullopt, path);
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_EQ(foreign.status().code(), Code::kNotFound);
+  EXPECT_NE(foreign.status().message().find("model_path"), std::string::npos);
+
+  ASSERT_TRUE(service_->SetCheckpointPublic({"alice", ""}, model, "sampler_weights/snap", true).ok());
+  auto published = CreateSampling("bob", sb, 1, std::nullopt, path);
+  ASSERT_TRUE(published.ok()) << published.status().message();
+  EXPECT_EQ(*published, sb + ":sample:1");
+  // Bob's session is Bob's: Alice cannot see it.
+  EXPECT_EQ(service_->GetSampler({"alice", ""}, *published).status().code(), Code::kNotFound);
+
+  auto missing = CreateSampling("alice", sa, 2, std::nullopt, "tinker://" + model + "/sampler_weights/none");
+  EXPECT_EQ(missing.status().code(), Code::kNotFound);
+  auto training = CreateSampling("alice", sa, 3, std::nullopt, "tinker://" + model + "/weights/snap");
+  EXPECT_EQ(training.status().code(), Code::kInvalidArgument);
+  auto garbage = CreateSampling("alice", sa, 4, std::nullopt, "tinker://only-one-part");
+  EXPECT_EQ(garbage.status().code(), Code::kInvalidArgument);
+}
+
+TEST_F(SamplingServiceTest, SampleCompletesWithSequenceIdsAndSnapshotDir) {
+  const std::string s = Session("alice");
+  const std::string model = Model("alice", s);
+  const std::string path = Snapshot("alice", model, "snap");
+  auto sampling = CreateSampling("alice", s, 0, std::nullopt, path);
+  ASSERT_TRUE(sampling.ok());
+  auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {5, 6, 7}, 4, 3));
+  ASSERT_TRUE(sub.ok()) << sub.status().message();
+  ASSERT_EQ(sub->sample_sequence_ids.size(), 3u);
+  std::set<std::string> distinct(sub->sample_sequence_ids.begin(), sub->sample_sequence_ids.end());
+  EXPECT_EQ(distinct.size(), 3u);
+
+  FutureView v = Wait("alice", sub->request_id);
+  ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
+  ASSERT_TRUE(v.result->sample.has_value());
+  const wire::SampleResult& r = *v.result->sample;
+  ASSERT_EQ(r.sequences.size(), 3u);
+  EXPECT_EQ(r.sequences[1].tokens, (std::vector<int32_t>{9, 10, 11, 12}));  // (7 + 1 + 1 + j) % 100
+  EXPECT_EQ(r.sequences[1].stop_reason, wire::StopReason::kLength);
+  EXPECT_FLOAT_EQ(r.sequences[0].logprobs[3], -0.4f);
+  EXPECT_FALSE(r.prompt_logprobs.has_value());
+
+  auto calls = sampler_->calls();
+  ASSERT_EQ(calls.size(), 1u);
+  auto ckpt = std::filesystem::path(calls[0].adapter_dir);
+  EXPECT_TRUE(std::filesystem::exists(ckpt / "adapter_config.json")) << calls[0].adapter_dir;
+  EXPECT_EQ(calls[0].num_samples, 3);
+  EXPECT_EQ(calls[0].params.max_tokens, 4);
+
+  // The other tenant cannot read the future or use the session.
+  EXPECT_EQ(service_->futures().Get("bob", sub->request_id).status().code(), Code::kNotFound);
+  auto foreign = service_->Sample({"bob", ""}, Req(*sampling, 1, {1}));
+  EXPECT_EQ(foreign.status().code(), Code::kNotFound);
+}
+
+TEST_F(SamplingServiceTest, BaseSessionSamplesTheBaseAndPromptLogprobsArrive) {
+  const std::string s = Session("alice");
+  auto sampling = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(sampling.ok());
+  wire::SampleRequest req = Req(*sampling, 0, {3, 4, 5}, 1);  // compute_logprobs' shape
+  req.prompt_logprobs = true;
+  req.topk_prompt_logprobs = 2;
+  auto sub = service_->Sample({"alice", ""}, req);
+  ASSERT_TRUE(sub.ok()) << sub.status().message();
+  FutureView v = Wait("alice", sub->request_id);
+  ASSERT_EQ(v.state, FutureState::kDone);
+  const wire::SampleResult& r = *v.result->sample;
+  ASSERT_TRUE(r.prompt_logprobs.has_value());
+  ASSERT_EQ(r.prompt_logprobs->size(), 3u);
+  EXPECT_TRUE(std::isnan((*r.prompt_logprobs)[0]));
+  EXPECT_FLOAT_EQ((*r.prompt_logprobs)[2], -0.5f);
+  ASSERT_TRUE(r.topk_prompt_logprobs.has_value());
+  EXPECT_EQ(r.topk_prompt_logprobs->k, 2u);
+  EXPECT_EQ(r.topk_prompt_logprobs->prompt_length, 3u);
+  EXPECT_EQ(sampler_->calls().at(0).adapter_dir, "");
+}
+
+TEST_F(SamplingServiceTest, RepeatedSeqIdAnswersTheFirstFuture) {
+  const std::string s = Session("alice");
+  auto sampling = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(sampling.ok());
+  sampler_->Hold();
+  auto first = service_->Sample({"alice", ""}, Req(*sampling, 7, {1, 2}, 2, 2));
+  auto again = service_->Sample({"alice", ""}, Req(*sampling, 7, {1, 2}, 2, 2));
+  auto other = service_->Sample({"alice", ""}, Req(*sampling, 8, {1, 2}, 2, 2));
+  ASSERT_TRUE(first.ok() && again.ok() && other.ok());
+  EXPECT_EQ(again->request_id, first->request_id);
+  EXPECT_EQ(again->sample_sequence_ids, first->sample_sequence_ids);
+  EXPECT_NE(other->request_id, first->request_id);
+  sampler_->Release();
+  EXPECT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
+  EXPECT_EQ(Wait("alice", other->request_id).state, FutureState::kDone);
+  EXPECT_EQ(sampler_->calls().size(), 2u);  // the repeat never reached the sampler
+}
+
+TEST_F(SamplingServiceTest, InvalidRequestsAre400BeforeQueueing) {
+  const std::string s = Session("alice");
+  auto sampling = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(sampling.ok());
+  const size_t futures_before = service_->futures().size();
+  auto window = service_->Sample({"alice", ""}, Req(*sampling, 0, {1, 2, 3, 4}, 29));  // 4 + 29 > 32
+  ASSERT_FALSE(window.ok());
+  EXPECT_EQ(window.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(window.status().message().find("max_tokens"), std::string::npos) << window.status().message();
+  EXPECT_NE(window.status().message().find("32"), std::string::npos);
+  EXPECT_TRUE(service_->Sample({"alice", ""}, Req(*sampling, 1, {1, 2, 3, 4}, 28)).ok());  // 4 + 28 = 32 fits
+
+  wire::SampleRequest stop = Req(*sampling, 2, {1}, 2);
+  stop.sampling_params.stop_strings = {"\n"};
+  auto st = service_->Sample({"alice", ""}, stop);
+  EXPECT_EQ(st.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(st.status().message().find("tokenizer.json"), std::string::npos);
+  EXPECT_EQ(service_->futures().size(), futures_before + 1);  // only the valid one made a future
+  // A rejected seq_id is not remembered: fixed, it is admitted.
+  EXPECT_TRUE(service_->Sample({"alice", ""}, Req(*sampling, 0, {1, 2, 3, 4}, 3)).ok());
+}
+
+TEST_F(SamplingServiceTest, UnnamedSaveForSamplerSessionIsSampleable) {
+  const std::string s = Session("alice");
+  const std::string model = Model("alice", s);
+  wire::SaveWeightsForSamplerRequest req;
+  req.model_id = model;
+  req.seq_id = 1;
+  req.sampling_session_seq_id = 5;
+  auto sub = service_->SaveWeightsForSampler({"alice", ""}, req);
+  ASSERT_TRUE(sub.ok());
+  FutureView v = Wait("alice", sub->request_id);
+  ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
+  const std::string sampling = v.result->json["sampling_session_id"];
+  EXPECT_EQ(sampling, s + ":sample:5");
+  auto info = service_->GetSampler({"alice", ""}, sampling);
+  ASSERT_TRUE(info.ok());
+  EXPECT_NE((*info)["model_path"].get<std::string>().find("/sampler_weights/"), std::string::npos);
+  auto sample = service_->Sample({"alice", ""}, Req(sampling, 0, {1, 2}));
+  ASSERT_TRUE(sample.ok()) << sample.status().message();
+  EXPECT_EQ(Wait("alice", sample->request_id).state, FutureState::kDone);
+  EXPECT_FALSE(sampler_->calls().at(0).adapter_dir.empty());
+  EXPECT_EQ(service_->GetSampler({"bob", ""}, sampling).status().code(), Code::kNotFound);
+}
+
+TEST_F(SamplingServiceTest, DeletedSnapshotIs404AtSampleTime) {
+  const std::string s = Session("alice");
+  const std::string model = Model("alice", s);
+  const std::string path = Snapshot("alice", model, "gone");
+  auto sampling = CreateSampling("alice", s, 0, std::nullopt, path);
+  ASSERT_TRUE(sampling.ok());
+  ASSERT_TRUE(service_->DeleteCheckpoint({"alice", ""}, model, "sampler_weights/gone").ok());
+  auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {1}));
+  EXPECT_EQ(sub.status().code(), Code::kNotFound);
+  EXPECT_NE(sub.status().message().find("gone"), std::string::npos);
+}
+
+TEST(SamplingServiceNoSampler, AsampleIsUnavailableWithoutASampler) {
+  const std::string dir = (std::filesystem::temp_directory_path() / ("loom_nosampler_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(dir);
+  auto registry = store::Registry::Open(dir);
+  ASSERT_TRUE(registry.ok());
+  ServiceOptions so;
+  so.base_model_name = "test/base";
+  Service service(so, std::make_unique<testing::FakeEngine>(2), std::move(*registry));
+  service.Start();
+  auto s = service.CreateSession({"alice", ""}, {});
+  wire::CreateSamplingSessionRequest cr;
+  cr.session_id = *s;
+  cr.base_model = "test/base";
+  auto id = service.CreateSamplingSession({"alice", ""}, cr);
+  ASSERT_TRUE(id.ok());
+  wire::SampleRequest r;
+  r.sampling_session_id = *id;
+  r.prompt = {1};
+  EXPECT_EQ(service.Sample({"alice", ""}, r).status().code(), Code::kUnavailable);
+  service.Stop();
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace loom::service
