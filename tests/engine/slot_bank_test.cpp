@@ -164,5 +164,65 @@ TEST(SlotBank, GradientsReachOnlyUsedSlotsAndRowsBelowRank) {
   EXPECT_GT(bank.targets()[0].A[3].abs().max().item<double>(), 0.0);
 }
 
+
+// The routed form (fixed kernel count, for CUDA) against the segment form:
+// values and gradients into A and B, with mixed ranks, a base-only sequence,
+// a slot not training the group, an empty sequence and repeated slots.
+TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
+  at::manual_seed(9);
+  const std::vector<int64_t> seg_begin = {0, 5, 8, 12, 13, 19, 23, 23, 26};
+  const std::vector<int> seg_slot = {0, 2, -1, 0, 1, 3, 1, 2};
+  std::vector<at::Tensor> xs, gys;
+  for (const auto& [m, g, d_in, d_out] : SmallTargets()) {
+    xs.push_back(at::randn({26, d_in}));
+    gys.push_back(at::randn({26, d_out}));
+  }
+  std::vector<std::vector<at::Tensor>> outs(2), grads(2);
+  for (int routed = 0; routed < 2; ++routed) {
+    SlotBank bank(4, 4, at::kCPU, SmallTargets());
+    ASSERT_TRUE(bank.Bind(0, Config(4, 8.0, 1)).ok());
+    ASSERT_TRUE(bank.Bind(1, Config(2, 3.0, 4)).ok());
+    ASSERT_TRUE(bank.Bind(2, Config(3, 5.0, 2)).ok());
+    LoraConfig no_attn = Config(3, 3.0, 3);
+    no_attn.train_attn = false;
+    ASSERT_TRUE(bank.Bind(3, no_attn).ok());
+    at::manual_seed(11);
+    for (int s : {0, 1, 2, 3}) RandomiseB(bank, s);
+    EXPECT_FALSE(bank.PreferRouted(TargetGroup::kAttn, seg_begin, seg_slot));  // CPU keeps the segment form
+    at::Tensor loss = at::zeros({});
+    for (size_t i = 0; i < 2; ++i) {  // the attn and mlp targets
+      const LoraTarget& t = bank.targets()[i];
+      at::Tensor y;
+      if (routed) {
+        const LoraRouting r = bank.Route(t.group, seg_begin, seg_slot);
+        EXPECT_EQ(r.num_slots(), t.group == TargetGroup::kAttn ? 3 : 4);
+        y = bank.RoutedDelta(t, xs[i], r);
+      } else {
+        y = bank.Delta(t, xs[i], seg_begin, seg_slot);
+      }
+      outs[routed].push_back(y.detach());
+      loss = loss + (y * gys[i]).sum();
+    }
+    loss.backward();
+    for (size_t i = 0; i < 2; ++i) {
+      grads[routed].push_back(bank.targets()[i].A.grad().clone());
+      grads[routed].push_back(bank.targets()[i].B.grad().clone());
+    }
+    if (routed) {  // rows/columns beyond a slot's rank get exactly zero gradient
+      EXPECT_EQ(bank.targets()[0].A.grad()[1].narrow(0, 2, 2).abs().max().item<double>(), 0.0);
+      EXPECT_EQ(bank.targets()[1].B.grad()[2].narrow(1, 3, 1).abs().max().item<double>(), 0.0);
+      EXPECT_EQ(bank.targets()[0].A.grad()[3].abs().max().item<double>(), 0.0);  // slot 3 trains no attn
+    }
+  }
+  for (size_t i = 0; i < outs[0].size(); ++i) {
+    EXPECT_GT(outs[0][i].abs().max().item<double>(), 1e-2);
+    EXPECT_LT((outs[1][i] - outs[0][i]).abs().max().item<double>(), 1e-5) << "delta " << i;
+  }
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_GT(grads[0][i].abs().max().item<double>(), 1e-2);
+    EXPECT_LT((grads[1][i] - grads[0][i]).abs().max().item<double>(), 1e-5) << "grad " << i;
+  }
+}
+
 }  // namespace
 }  // namespace loom::engine

@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -157,6 +158,62 @@ at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::
   if (parts.empty()) return at::zeros({rows, t.d_out}, xf.options());
   if (parts.size() == 1) return parts[0];
   return at::cat(parts, 0);
+}
+
+LoraRouting SlotBank::Route(TargetGroup g, const std::vector<int64_t>& seg_begin,
+                            const std::vector<int>& seg_slot) const {
+  LoraRouting r;
+  const int64_t T = seg_begin.empty() ? 0 : seg_begin.back();
+  std::vector<int64_t> used;             // distinct training slots, first-seen order
+  std::vector<int64_t> token_col(T, -1); // routed index u of each token's slot
+  std::vector<float> token_scale(T, 0.0f);
+  for (size_t i = 0; i < seg_slot.size(); ++i) {
+    const int s = seg_slot[i];
+    if (!trains(s, g)) continue;
+    auto it = std::find(used.begin(), used.end(), s);
+    const int64_t u = it - used.begin();
+    if (it == used.end()) used.push_back(s);
+    const float scale = static_cast<float>(slots_[s].config.alpha / slots_[s].config.rank);
+    for (int64_t row = seg_begin[i]; row < seg_begin[i + 1]; ++row) {
+      token_col[row] = u;
+      token_scale[row] = scale;
+    }
+  }
+  if (used.empty()) return r;
+  r.slots = at::tensor(used, at::kLong).to(device_);
+  const at::Tensor col = at::tensor(token_col, at::kLong).to(device_).unsqueeze(1);      // [T, 1]
+  const at::Tensor scale = at::tensor(token_scale, at::kFloat).to(device_).unsqueeze(1);  // [T, 1]
+  const int64_t U = static_cast<int64_t>(used.size());
+  std::vector<int64_t> owner_host(static_cast<size_t>(U * max_rank_));
+  for (size_t c = 0; c < owner_host.size(); ++c) owner_host[c] = static_cast<int64_t>(c) / max_rank_;
+  const at::Tensor owner = at::tensor(owner_host, at::kLong).to(device_);
+  r.mask = owner.unsqueeze(0).eq(col).to(at::kFloat) * scale;  // [T, U*R]
+  return r;
+}
+
+bool SlotBank::PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin,
+                            const std::vector<int>& seg_slot) const {
+  if (!device_.is_cuda()) return false;
+  std::vector<int> distinct;
+  int runs = 0, prev = -2;
+  for (size_t i = 0; i < seg_slot.size(); ++i) {
+    if (seg_begin[i + 1] == seg_begin[i]) continue;
+    const int s = trains(seg_slot[i], g) ? seg_slot[i] : -1;
+    if (s != prev) ++runs;
+    prev = s;
+    if (s >= 0 && std::find(distinct.begin(), distinct.end(), s) == distinct.end()) distinct.push_back(s);
+  }
+  return runs > 1 && static_cast<int64_t>(distinct.size()) * max_rank_ <= 512;
+}
+
+at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const {
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const int64_t U = routing.num_slots();
+  if (U == 0) return at::zeros({x.size(0), t.d_out}, xf.options());
+  const int64_t ur = U * max_rank_;
+  const at::Tensor a = t.A.index_select(0, routing.slots).reshape({ur, t.d_in});                     // [U*R, d_in]
+  const at::Tensor b = t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur});  // [d_out, U*R]
+  return at::linear(at::linear(xf, a) * routing.mask, b);
 }
 
 }  // namespace loom::engine

@@ -30,6 +30,16 @@ struct LoraTarget {
   at::Tensor B;         // [N, d_out, R] fp32 leaf, requires_grad
 };
 
+// How a packed batch's tokens reach the slots of one target group, built
+// once per batch and shared by every target of the group (RoutedDelta).
+// slots: the U distinct slots that train the group; mask [T, U*R] fp32 holds
+// the token's slot scale (alpha/r) over that slot's R columns and 0 elsewhere.
+struct LoraRouting {
+  at::Tensor slots;  // [U] int64 on the device (undefined when U == 0)
+  at::Tensor mask;   // [T, U*R] fp32
+  int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
+};
+
 struct SlotState {
   bool bound = false;
   LoraConfig config;
@@ -79,6 +89,19 @@ class SlotBank {
   // does. Differentiable into A and B of the used slots only, at rank r.
   at::Tensor Delta(const LoraTarget& t, const at::Tensor& x,
                    const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+
+  // The routing of a packed batch for group g (see LoraRouting).
+  LoraRouting Route(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // Whether RoutedDelta beats Delta for this batch: on CUDA, with more than
+  // one run of equal slots, and U*R small (its matmuls cost U*R/d_out of
+  // the base layer's).
+  bool PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // Same value as Delta (to fp32 rounding), with a fixed number of kernels
+  // whatever the number of sequences: (((x A_U^T) * mask) B_U^T) with A_U,
+  // B_U the routed slots' factors side by side. Rows >= a slot's rank are
+  // zero in A and B, so the full R columns add exact zeros, and gradients
+  // reach only the routed slots' rows (and stay zero beyond their rank).
+  at::Tensor RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const;
 
  private:
   int num_slots_;

@@ -1,5 +1,6 @@
 #include "engine/model/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -28,8 +29,62 @@ AttentionKernel DefaultAttentionKernel() {
   return compat::kHasFusedSdpa ? AttentionKernel::kSdpa : AttentionKernel::kMath;
 }
 
+PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Device device) {
+  PaddedLayout l;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    if (len == 0) continue;
+    ++l.seqs;
+    l.max_len = std::max(l.max_len, len);
+  }
+  const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
+  at::Tensor gather = at::empty({l.seqs * l.max_len}, at::TensorOptions().dtype(at::kLong));
+  at::Tensor scatter = at::empty({T}, at::TensorOptions().dtype(at::kLong));
+  int64_t* g = gather.data_ptr<int64_t>();
+  int64_t* sc = scatter.data_ptr<int64_t>();
+  int64_t s = 0;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t begin = seq_begin[i], len = seq_begin[i + 1] - begin;
+    if (len == 0) continue;
+    for (int64_t j = 0; j < l.max_len; ++j) g[s * l.max_len + j] = begin + (j < len ? j : 0);
+    for (int64_t j = 0; j < len; ++j) sc[begin + j] = s * l.max_len + j;
+    ++s;
+  }
+  l.gather = gather.to(device);
+  l.scatter = scatter.to(device);
+  return l;
+}
+
+bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device device) {
+  if (!device.is_cuda()) return false;
+  int64_t seqs = 0, max_len = 0;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    if (len == 0) continue;
+    ++seqs;
+    max_len = std::max(max_len, len);
+  }
+  const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
+  return seqs > 1 && seqs * max_len <= 4 * T;
+}
+
+at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const PaddedLayout& layout) {
+  const int64_t heads = q.size(1), kv_heads = k.size(1), hd = q.size(2);
+  const int64_t S = layout.seqs, L = layout.max_len;
+  if (S == 0) return at::zeros({q.size(0), heads * hd}, q.options());
+  // [T, H, hd] -> [S, Lmax, H, hd] -> [S, H, Lmax, hd]
+  const at::Tensor qp = q.index_select(0, layout.gather).view({S, L, heads, hd}).transpose(1, 2);
+  const at::Tensor kp = k.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
+  const at::Tensor vp = v.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
+  const at::Tensor o = compat::CausalSdpa(qp, kp, vp);  // [S, H, Lmax, hd]
+  return o.transpose(1, 2).reshape({S * L, heads * hd}).index_select(0, layout.scatter);
+}
+
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const std::vector<int64_t>& seq_begin, AttentionKernel kernel) {
+                                 const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
+                                 const PaddedLayout* padded) {
+  if (padded && kernel == AttentionKernel::kSdpa) return PaddedCausalAttention(q, k, v, *padded);
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());

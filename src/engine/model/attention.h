@@ -21,10 +21,31 @@ enum class AttentionKernel {
 // where the private SDPA is a slower composite of the same math.
 AttentionKernel DefaultAttentionKernel();
 
+// A packed batch's right-padded layout [S, Lmax] (S = non-empty sequences),
+// built once per batch and shared by every layer. Pad slots repeat their
+// sequence's first row (finite values; with right padding and a causal mask
+// no real query ever sees them, and pad query rows are dropped on the way
+// back). Immutable after Make; any thread.
+struct PaddedLayout {
+  int64_t seqs = 0, max_len = 0;
+  at::Tensor gather;   // [S * Lmax] int64: packed row read into each padded slot
+  at::Tensor scatter;  // [T] int64: padded slot of each packed row
+  static PaddedLayout Make(const std::vector<int64_t>& seq_begin, at::Device device);
+  // Worth using on this device: more than one sequence, on CUDA (where one
+  // launch beats S of them), and at most 4x padding waste.
+  static bool Prefer(const std::vector<int64_t>& seq_begin, at::Device device);
+};
+
+// One SDPA call over the whole batch in the padded layout; same result as
+// PackedCausalAttention(..., kSdpa) to float tolerance. Shapes as below.
+at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const PaddedLayout& layout);
+
 // q [T, H, hd]; k, v [T, KVH, hd], H a multiple of KVH (grouped-query).
 // seq_begin: S+1 cumulative offsets with seq_begin.back() == T.
 // Returns [T, H * hd] in q's dtype; differentiable into q, k, v.
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const std::vector<int64_t>& seq_begin, AttentionKernel kernel);
+                                 const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
+                                 const PaddedLayout* padded = nullptr);  // used with kSdpa when given
 
 }  // namespace loom::engine

@@ -273,9 +273,25 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
     attn_lora = attn_lora || bank.trains(s, TargetGroup::kAttn);
     mlp_lora = mlp_lora || bank.trains(s, TargetGroup::kMlp);
   }
+  // Many slots' LoRA in a fixed number of kernels where cheaper (CUDA).
+  const bool routed_attn = attn_lora && bank.PreferRouted(TargetGroup::kAttn, batch.seq_begin, batch.seq_slot);
+  const bool routed_mlp = mlp_lora && bank.PreferRouted(TargetGroup::kMlp, batch.seq_begin, batch.seq_slot);
+  const LoraRouting route_attn =
+      routed_attn ? bank.Route(TargetGroup::kAttn, batch.seq_begin, batch.seq_slot) : LoraRouting{};
+  const LoraRouting route_mlp =
+      routed_mlp ? bank.Route(TargetGroup::kMlp, batch.seq_begin, batch.seq_slot) : LoraRouting{};
   auto delta = [&](const LoraTarget* t, const at::Tensor& x) {
+    const bool routed = t->group == TargetGroup::kAttn ? routed_attn : routed_mlp;
+    if (routed) return bank.RoutedDelta(*t, x, t->group == TargetGroup::kAttn ? route_attn : route_mlp)
+        .to(x.scalar_type());
     return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
   };
+
+  // One padded SDPA per layer instead of one per sequence, where cheaper.
+  PaddedLayout padded;
+  const bool use_padded = attention_kernel_ == AttentionKernel::kSdpa &&
+                          PaddedLayout::Prefer(batch.seq_begin, batch.tokens.device());
+  if (use_padded) padded = PaddedLayout::Make(batch.seq_begin, batch.tokens.device());
 
   // RoPE tables for this batch's positions (fp32, then the model dtype, as HF).
   const at::Tensor freqs = batch.positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
@@ -307,7 +323,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
     }
     q = q * cos + RotateHalf(q) * sin;
     k = k * cos + RotateHalf(k) * sin;
-    const at::Tensor attn = PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_);
+    const at::Tensor attn = PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_,
+                                                 use_padded ? &padded : nullptr);
     at::Tensor o = at::linear(attn, l.o_w, l.o_b);
     if (attn_lora) o = o + delta(target(base + 3, p + "self_attn.o_proj"), attn);
     x = x + o;

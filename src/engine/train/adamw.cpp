@@ -3,6 +3,7 @@
 #include <c10/core/GradMode.h>
 #include "engine/train/text.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
@@ -93,6 +94,7 @@ Status ValidateAdamParams(const AdamParams& p) {
 }
 
 SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
+  if (!bank.targets().empty() && bank.targets()[0].A.device().is_cuda()) path_ = Path::kForeach;
   for (const LoraTarget& t : bank.targets()) {
     a_.push_back({at::zeros_like(t.A.detach()), at::zeros_like(t.A.detach())});
     b_.push_back({at::zeros_like(t.B.detach()), at::zeros_like(t.B.detach())});
@@ -126,6 +128,128 @@ std::vector<Result<OptimStepOutput>> SlotOptimizer::Step(SlotBank& bank, const s
   return results;
 }
 
+at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                       const at::Tensor& index) const {
+  const auto& targets = bank.targets();
+  const at::Device device = index.device();
+  const int64_t u = static_cast<int64_t>(slots.size());
+  at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
+  if (path_ == Path::kForeach) {
+    // Per group: every target's gradient side by side as [N, P_g] (one cat),
+    // the live rows, one fp64-accumulated sum of squares; masked by group.
+    const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+    for (TargetGroup g : groups) {
+      std::vector<at::Tensor> flat;
+      for (const LoraTarget& t : targets)
+        if (t.group == g)
+          for (const at::Tensor* p : {&t.A, &t.B})
+            if (p->grad().defined()) flat.push_back(p->grad().flatten(1));
+      if (flat.empty()) continue;
+      std::vector<double> mask;
+      for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), g) ? 1.0 : 0.0);
+      const at::Tensor rows = at::cat(flat, 1).index_select(0, index);
+      sq.add_(rows.square().sum({1}, false, at::kDouble) * at::tensor(mask, at::kDouble).to(device));
+    }
+    return sq;
+  }
+  // Per target: the rows of every slot, masked by whether the slot trains it.
+  const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+  at::Tensor group_mask[3];
+  for (int g = 0; g < 3; ++g) {
+    std::vector<double> mask;
+    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), groups[g]) ? 1.0 : 0.0);
+    group_mask[g] = at::tensor(mask, at::kDouble).to(device);
+  }
+  for (const LoraTarget& t : targets) {
+    for (const at::Tensor* p : {&t.A, &t.B}) {
+      const at::Tensor& grad = p->grad();
+      if (!grad.defined()) continue;
+      at::Tensor rows = grad.index_select(0, index).to(at::kDouble);
+      sq.add_(rows.pow(2).flatten(1).sum(1) * group_mask[static_cast<int>(t.group)]);
+    }
+  }
+  return sq;
+}
+
+void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots,
+                                  const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                  const std::vector<double>& scales, TargetGroup group) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> p, g, m, v;
+  std::vector<at::Scalar> gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step;
+  // Runs of consecutive slot indices with identical factors step as one
+  // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
+  // tensor rather than one per slot.
+  struct Run {
+    int64_t first = 0, len = 0;
+    float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
+  };
+  std::vector<size_t> order(slots.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return slots[x] < slots[y]; });
+  std::vector<Run> runs;
+  for (size_t k : order) {
+    const AdamParams& a = params[k];
+    const double step = static_cast<double>(steps[k]);
+    // The same fp32 factors AdamWRows::Make computes.
+    Run r;
+    r.first = slots[k];
+    r.len = 1;
+    const float f[9] = {static_cast<float>(scales[k]),
+                        static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
+                        static_cast<float>(a.beta1),
+                        static_cast<float>(1.0 - a.beta1),
+                        static_cast<float>(a.beta2),
+                        static_cast<float>(1.0 - a.beta2),
+                        static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(a.beta2, step))),
+                        static_cast<float>(a.eps),
+                        -static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step)))};
+    std::copy(f, f + 9, r.f);
+    if (!runs.empty() && runs.back().first + runs.back().len == r.first &&
+        std::equal(f, f + 9, runs.back().f)) {
+      ++runs.back().len;
+      continue;
+    }
+    runs.push_back(r);
+  }
+  auto& targets = bank.targets();
+  for (size_t ti = 0; ti < targets.size(); ++ti) {
+    const LoraTarget& t = targets[ti];
+    if (t.group != group) continue;
+    for (int ab = 0; ab < 2; ++ab) {
+      const at::Tensor& param = ab == 0 ? t.A : t.B;
+      const Moments& mo = ab == 0 ? a_[ti] : b_[ti];
+      const at::Tensor& grad = param.grad();
+      for (const Run& r : runs) {
+        p.push_back(param.detach().narrow(0, r.first, r.len));
+        g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(p.back()));
+        m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
+        v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
+        gscale.push_back(r.f[0]);
+        decay.push_back(r.f[1]);
+        b1.push_back(r.f[2]);
+        omb1.push_back(r.f[3]);
+        b2.push_back(r.f[4]);
+        omb2.push_back(r.f[5]);
+        inv_bc2.push_back(r.f[6]);
+        eps.push_back(r.f[7]);
+        neg_step.push_back(r.f[8]);
+      }
+    }
+  }
+  if (p.empty()) return;
+  const std::vector<at::Tensor> gs = at::_foreach_mul(g, gscale);
+  at::_foreach_mul_(p, decay);
+  at::_foreach_mul_(m, b1);
+  at::_foreach_add_(m, at::_foreach_mul(gs, omb1));
+  at::_foreach_mul_(v, b2);
+  at::_foreach_addcmul_(v, gs, gs, omb2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+  at::_foreach_mul_(denom, inv_bc2);
+  at::_foreach_add_(denom, eps);
+  at::_foreach_addcdiv_(p, m, denom, neg_step);
+}
+
 void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
                               const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
   c10::NoGradGuard no_grad;
@@ -155,23 +279,8 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   for (size_t i : live) slots.push_back(calls[i].slot);
   at::Tensor all_index = at::tensor(slots, at::kLong).to(device);
 
-  // Global squared gradient norm per slot over the targets it trains.
+  at::Tensor sq = SquaredNorms(bank, slots, all_index);
   const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
-  at::Tensor group_mask[3];
-  for (int g = 0; g < 3; ++g) {
-    std::vector<double> mask;
-    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), groups[g]) ? 1.0 : 0.0);
-    group_mask[g] = at::tensor(mask, at::kDouble).to(device);
-  }
-  at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
-  for (const LoraTarget& t : targets) {
-    for (const at::Tensor* p : {&t.A, &t.B}) {
-      const at::Tensor& grad = p->grad();
-      if (!grad.defined()) continue;
-      at::Tensor rows = grad.index_select(0, all_index).to(at::kDouble);
-      sq.add_(rows.pow(2).flatten(1).sum(1) * group_mask[static_cast<int>(t.group)]);
-    }
-  }
   at::Tensor norms_host = sq.sqrt().cpu();
   const double* norms = norms_host.data_ptr<double>();
 
@@ -196,18 +305,41 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
       steps.push_back(bank.slot(s).step + 1);
       scales.push_back(scale[k]);
     }
-    if (!s_idx.empty()) rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+    if (s_idx.empty()) continue;
+    if (path_ == Path::kForeach) {
+      ForeachUpdate(bank, s_idx, params, steps, scales, groups[g]);
+    } else {
+      rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+    }
   }
-  for (size_t ti = 0; ti < targets.size(); ++ti) {
-    const LoraTarget& t = targets[ti];
-    const AdamWRows& r = rows[static_cast<int>(t.group)];
-    AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
-    AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+  if (path_ == Path::kRows) {
+    for (size_t ti = 0; ti < targets.size(); ++ti) {
+      const LoraTarget& t = targets[ti];
+      const AdamWRows& r = rows[static_cast<int>(t.group)];
+      AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
+      AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+    }
   }
   // Every stepped or skipped slot starts its next accumulation from zero.
-  for (LoraTarget& t : targets) {
-    for (at::Tensor* p : {&t.A, &t.B}) {
-      if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+  if (path_ == Path::kForeach) {
+    std::vector<int64_t> sorted = slots;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first slot, count) of consecutive slots
+    for (int64_t s : sorted) {
+      if (!runs.empty() && runs.back().first + runs.back().second == s) ++runs.back().second;
+      else runs.push_back({s, 1});
+    }
+    std::vector<at::Tensor> grads;
+    for (LoraTarget& t : targets)
+      for (at::Tensor* p : {&t.A, &t.B})
+        if (p->grad().defined())
+          for (const auto& [first, len] : runs) grads.push_back(p->mutable_grad().narrow(0, first, len));
+    if (!grads.empty()) at::_foreach_zero_(grads);
+  } else {
+    for (LoraTarget& t : targets) {
+      for (at::Tensor* p : {&t.A, &t.B}) {
+        if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+      }
     }
   }
   for (size_t k = 0; k < live.size(); ++k) {
