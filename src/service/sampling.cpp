@@ -213,8 +213,12 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::Sample
   // wakes parked polls from there, as the engine thread's completions do.
   FutureTable* futures = &futures_;
   const std::string request_id = out.request_id;
-  sampler->Submit(std::move(call), [futures, request_id](Result<engine::SampleOutput> result) {
+  Metrics* metrics = &metrics_;  // declared before sampling_, so it outlives the sampler
+  sampler->Submit(std::move(call), [futures, metrics, request_id](Result<engine::SampleOutput> result) {
     if (!result.ok()) return futures->Fail(request_id, result.status());
+    int64_t generated = 0;
+    for (const auto& seq : result->sequences) generated += static_cast<int64_t>(seq.tokens.size());
+    metrics->AddSamplingTokens(generated);
     FutureResult r;
     r.sample = ToSampleResult(*result);
     futures->Complete(request_id, std::move(r));
