@@ -22,7 +22,9 @@ TEST(PaddedAttention, LayoutIndexesRoundTrip) {
   EXPECT_EQ(l.gather[11].item<int64_t>(), 9);
   EXPECT_EQ(l.gather[12].item<int64_t>(), 8);
   EXPECT_EQ(l.gather[14].item<int64_t>(), 8);
-  EXPECT_FALSE(PaddedLayout::Prefer(seq_begin, at::kCPU));
+  EXPECT_FALSE(PaddedLayout::Prefer(seq_begin, at::kCPU));  // 1.5x padding: too much for the CPU
+  EXPECT_TRUE(PaddedLayout::Prefer({0, 64, 128, 190}, at::kCPU));
+  EXPECT_FALSE(PaddedLayout::Prefer({0, 64}, at::kCPU));  // one sequence: nothing to batch
 }
 
 TEST(PaddedAttention, MatchesPerSequenceMathWithGradients) {
@@ -33,24 +35,32 @@ TEST(PaddedAttention, MatchesPerSequenceMathWithGradients) {
   const at::Tensor gy = at::randn({T, H * hd});
   const PaddedLayout layout = PaddedLayout::Make(seq_begin, at::kCPU);
   std::vector<at::Tensor> out, grads;
-  for (int padded = 0; padded < 2; ++padded) {
+  // 0: per-sequence math (the reference), 1: padded SDPA, 2: padded batched math.
+  for (int variant = 0; variant < 3; ++variant) {
     at::Tensor q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(), v = v0.clone().requires_grad_();
-    const at::Tensor y = padded ? PackedCausalAttention(q, k, v, seq_begin, AttentionKernel::kSdpa, &layout)
-                                : PackedCausalAttention(q, k, v, seq_begin, AttentionKernel::kMath);
+    const at::Tensor y =
+        variant == 0 ? PackedCausalAttention(q, k, v, seq_begin, AttentionKernel::kMath)
+                     : PackedCausalAttention(q, k, v, seq_begin,
+                                             variant == 1 ? AttentionKernel::kSdpa : AttentionKernel::kMath, &layout);
     ASSERT_EQ(y.sizes(), (at::IntArrayRef{T, H * hd}));
     (y * gy).sum().backward();
     out.push_back(y.detach());
     for (const at::Tensor& t : {q, k, v}) grads.push_back(t.grad());
   }
-  EXPECT_LT((out[1] - out[0]).abs().max().item<double>(), 1e-5);
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_GT(grads[i].abs().max().item<double>(), 1e-2);
-    EXPECT_LT((grads[3 + i] - grads[i]).abs().max().item<double>(), 1e-5) << "grad " << i;
+  for (int variant = 1; variant < 3; ++variant) {
+    EXPECT_LT((out[variant] - out[0]).abs().max().item<double>(), 1e-5) << "variant " << variant;
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_GT(grads[i].abs().max().item<double>(), 1e-2);
+      EXPECT_LT((grads[3 * variant + i] - grads[i]).abs().max().item<double>(), 1e-5)
+          << "variant " << variant << " grad " << i;
+    }
   }
   // Causality across the padding: the first row of the longest sequence
   // attends only to itself, so its output is its own value row.
-  const at::Tensor row = out[1][10].view({H, hd});
-  EXPECT_LT((row - v0[10].repeat_interleave(H / KVH, 0)).abs().max().item<double>(), 1e-6);
+  for (int variant = 1; variant < 3; ++variant) {
+    const at::Tensor row = out[variant][10].view({H, hd});
+    EXPECT_LT((row - v0[10].repeat_interleave(H / KVH, 0)).abs().max().item<double>(), 1e-6);
+  }
 }
 
 }  // namespace

@@ -188,7 +188,18 @@ TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
     ASSERT_TRUE(bank.Bind(3, no_attn).ok());
     at::manual_seed(11);
     for (int s : {0, 1, 2, 3}) RandomiseB(bank, s);
-    EXPECT_FALSE(bank.PreferRouted(TargetGroup::kAttn, seg_begin, seg_slot));  // CPU keeps the segment form
+    // On the CPU the routed form is chosen only while U * R stays small.
+    EXPECT_TRUE(bank.PreferRouted(TargetGroup::kAttn, seg_begin, seg_slot));  // 3 slots x rank 4
+    SlotBank wide(40, 4, at::kCPU, SmallTargets());
+    for (int s = 0; s < 17; ++s) ASSERT_TRUE(wide.Bind(s, Config(4, 8.0, 1 + s)).ok());
+    std::vector<int64_t> wide_begin;
+    std::vector<int> wide_slot;
+    for (int s = 0; s < 17; ++s) {
+      wide_begin.push_back(s);
+      wide_slot.push_back(s);
+    }
+    wide_begin.push_back(17);
+    EXPECT_FALSE(wide.PreferRouted(TargetGroup::kAttn, wide_begin, wide_slot));  // 17 x 4 > 64
     at::Tensor loss = at::zeros({});
     for (size_t i = 0; i < 2; ++i) {  // the attn and mlp targets
       const LoraTarget& t = bank.targets()[i];

@@ -193,7 +193,6 @@ LoraRouting SlotBank::Route(TargetGroup g, const std::vector<int64_t>& seg_begin
 
 bool SlotBank::PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin,
                             const std::vector<int>& seg_slot) const {
-  if (!device_.is_cuda()) return false;
   std::vector<int> distinct;
   int runs = 0, prev = -2;
   for (size_t i = 0; i < seg_slot.size(); ++i) {
@@ -203,7 +202,11 @@ bool SlotBank::PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin
     prev = s;
     if (s >= 0 && std::find(distinct.begin(), distinct.end(), s) == distinct.end()) distinct.push_back(s);
   }
-  return runs > 1 && static_cast<int64_t>(distinct.size()) * max_rank_ <= 512;
+  // The routed form multiplies every token by all used slots' A (U*R rows):
+  // on CUDA that trades cheap FLOPs for launches up to U*R = 512; on the CPU
+  // FLOPs are the cost, so only small U*R (few, low-rank slots) pays.
+  const int64_t limit = device_.is_cuda() ? 512 : 64;
+  return runs > 1 && static_cast<int64_t>(distinct.size()) * max_rank_ <= limit;
 }
 
 at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const {

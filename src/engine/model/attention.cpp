@@ -23,6 +23,20 @@ at::Tensor MathCausal(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   return at::matmul(probs, v.unsqueeze(1)).reshape({heads, len, hd});  // [H, L, hd]
 }
 
+// The same over a batch of right-padded sequences: q [S, H, L, hd],
+// k/v [S, KVH, L, hd]. A real query at position i sees keys 0..i of its own
+// row, all real, so the padding never reaches a real output.
+at::Tensor MathCausalBatched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t S = q.size(0), heads = q.size(1), len = q.size(2), hd = q.size(3), kv_heads = k.size(1);
+  const int64_t group = heads / kv_heads;
+  const at::Tensor qg = q.reshape({S, kv_heads, group, len, hd});
+  at::Tensor scores = at::matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / std::sqrt(double(hd)));
+  const at::Tensor future = at::ones({len, len}, q.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v.unsqueeze(2)).reshape({S, heads, len, hd});
+}
+
 }  // namespace
 
 AttentionKernel DefaultAttentionKernel() {
@@ -56,7 +70,6 @@ PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Devic
 }
 
 bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device device) {
-  if (!device.is_cuda()) return false;
   int64_t seqs = 0, max_len = 0;
   for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
     const int64_t len = seq_begin[i + 1] - seq_begin[i];
@@ -65,11 +78,16 @@ bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device devi
     max_len = std::max(max_len, len);
   }
   const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
-  return seqs > 1 && seqs * max_len <= 4 * T;
+  // On the GPU the per-sequence loop costs launches, so padding up to 4x the
+  // work still wins; on the CPU every padded token is real arithmetic (and
+  // attention grows with the square of the padded length), so only batches of
+  // near-equal lengths go padded.
+  const int64_t waste_limit_x4 = device.is_cuda() ? 16 : 5;  // 4x or 1.25x, in quarters
+  return seqs > 1 && 4 * seqs * max_len <= waste_limit_x4 * T;
 }
 
 at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const PaddedLayout& layout) {
+                                 const PaddedLayout& layout, AttentionKernel kernel) {
   const int64_t heads = q.size(1), kv_heads = k.size(1), hd = q.size(2);
   const int64_t S = layout.seqs, L = layout.max_len;
   if (S == 0) return at::zeros({q.size(0), heads * hd}, q.options());
@@ -77,14 +95,15 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
   const at::Tensor qp = q.index_select(0, layout.gather).view({S, L, heads, hd}).transpose(1, 2);
   const at::Tensor kp = k.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
   const at::Tensor vp = v.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
-  const at::Tensor o = compat::CausalSdpa(qp, kp, vp);  // [S, H, Lmax, hd]
+  const at::Tensor o = kernel == AttentionKernel::kMath ? MathCausalBatched(qp, kp, vp)
+                                                       : compat::CausalSdpa(qp, kp, vp);  // [S, H, Lmax, hd]
   return o.transpose(1, 2).reshape({S * L, heads * hd}).index_select(0, layout.scatter);
 }
 
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded) {
-  if (padded && kernel == AttentionKernel::kSdpa) return PaddedCausalAttention(q, k, v, *padded);
+  if (padded) return PaddedCausalAttention(q, k, v, *padded, kernel);
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());

@@ -31,21 +31,23 @@ struct PaddedLayout {
   at::Tensor gather;   // [S * Lmax] int64: packed row read into each padded slot
   at::Tensor scatter;  // [T] int64: padded slot of each packed row
   static PaddedLayout Make(const std::vector<int64_t>& seq_begin, at::Device device);
-  // Worth using on this device: more than one sequence, on CUDA (where one
-  // launch beats S of them), and at most 4x padding waste.
+  // Worth using on this device: more than one sequence, and at most 4x
+  // padding waste on CUDA (where one launch beats S of them) or 1.25x on the
+  // CPU (where padded tokens cost real arithmetic).
   static bool Prefer(const std::vector<int64_t>& seq_begin, at::Device device);
 };
 
-// One SDPA call over the whole batch in the padded layout; same result as
-// PackedCausalAttention(..., kSdpa) to float tolerance. Shapes as below.
+// One batched attention over the whole batch in the padded layout (SDPA, or
+// batched math for kMath); same result as the per-sequence path to float
+// tolerance. Shapes as below.
 at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const PaddedLayout& layout);
+                                 const PaddedLayout& layout, AttentionKernel kernel);
 
 // q [T, H, hd]; k, v [T, KVH, hd], H a multiple of KVH (grouped-query).
 // seq_begin: S+1 cumulative offsets with seq_begin.back() == T.
 // Returns [T, H * hd] in q's dtype; differentiable into q, k, v.
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
-                                 const PaddedLayout* padded = nullptr);  // used with kSdpa when given
+                                 const PaddedLayout* padded = nullptr);  // batched when given
 
 }  // namespace loom::engine

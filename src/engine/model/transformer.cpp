@@ -287,10 +287,9 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
     return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
   };
 
-  // One padded SDPA per layer instead of one per sequence, where cheaper.
+  // One batched attention per layer instead of one per sequence, where cheaper.
   PaddedLayout padded;
-  const bool use_padded = attention_kernel_ == AttentionKernel::kSdpa &&
-                          PaddedLayout::Prefer(batch.seq_begin, batch.tokens.device());
+  const bool use_padded = PaddedLayout::Prefer(batch.seq_begin, batch.tokens.device());
   if (use_padded) padded = PaddedLayout::Make(batch.seq_begin, batch.tokens.device());
 
   // RoPE tables for this batch's positions (fp32, then the model dtype, as HF).
