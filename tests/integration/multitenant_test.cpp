@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "../http/test_client.h"
+#include "serve_process.h"
 #include "wire/forward_backward.h"
 
 namespace loom {
@@ -27,54 +28,11 @@ using namespace std::chrono_literals;
 constexpr int kTenants = 8;
 constexpr int kSteps = 3;
 
-// `loom serve` as a child process on an ephemeral loopback port.
-class Server {
+// `loom serve` for 16 tenants, with a budget small enough that passes both pack and split.
+class Server : public test::ServeProcess {
  public:
-  explicit Server(const std::string& data_dir) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> args = {LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir",
-                                       data_dir, "--max-adapters", "16", "--max-rank", "8", "--poll-hold", "2",
-                                       "--device", "cpu", "--io-threads", "4", "--token-budget", "256"};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(LOOM_BINARY, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    std::string line;
-    pollfd pfd{out[0], POLLIN, 0};
-    const auto deadline = std::chrono::steady_clock::now() + 120s;
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      if (poll(&pfd, 1, 500) > 0) {
-        char buf[512];
-        ssize_t n = read(out[0], buf, sizeof buf);
-        if (n <= 0) break;
-        line.append(buf, n);
-      }
-    }
-    close(out[0]);
-    const std::string marker = "http://127.0.0.1:";
-    auto pos = line.find(marker);
-    if (pos != std::string::npos) port_ = static_cast<uint16_t>(std::stoi(line.substr(pos + marker.size())));
-  }
-  ~Server() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  uint16_t port() const { return port_; }
-
- private:
-  pid_t pid_ = -1;
-  uint16_t port_ = 0;
+  explicit Server(const std::string& data_dir)
+      : ServeProcess(data_dir, {"--max-adapters", "16", "--max-rank", "8", "--io-threads", "4", "--token-budget", "256"}) {}
 };
 
 // One tenant's training client over HTTP (its own API key = its own tenant).

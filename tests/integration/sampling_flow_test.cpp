@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "../http/test_client.h"
+#include "serve_process.h"
 #include "wire/forward_backward.h"
 #include "wire/sample.h"
 
@@ -31,58 +32,13 @@ using namespace std::chrono_literals;
 
 constexpr int kWindow = 40;  // --context-window
 
-// `loom serve` as a child process on an ephemeral port, killed at the end.
-class SamplingServer {
+// `loom serve` with a one-adapter sampler cache (so tenants evict each other)
+// and a small context window.
+class SamplingServer : public test::ServeProcess {
  public:
-  explicit SamplingServer(const std::string& data_dir) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> args = {LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0",
-                                       "--data-dir", data_dir, "--max-adapters", "3", "--max-rank", "8",
-                                       "--poll-hold", "2", "--device", "cpu", "--sampler-adapters", "1",
-                                       "--kv-budget-tokens", "4096", "--context-window", std::to_string(kWindow)};
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(LOOM_BINARY, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    std::string line;
-    pollfd pfd{out[0], POLLIN, 0};
-    const auto deadline = std::chrono::steady_clock::now() + 120s;
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      if (poll(&pfd, 1, 500) > 0) {
-        char buf[512];
-        ssize_t n = read(out[0], buf, sizeof buf);
-        if (n <= 0) break;
-        line.append(buf, n);
-      }
-    }
-    close(out[0]);
-    const std::string marker = "http://127.0.0.1:";
-    auto pos = line.find(marker);
-    if (pos != std::string::npos) port_ = static_cast<uint16_t>(std::stoi(line.substr(pos + marker.size())));
-    banner_ = line;
-  }
-  ~SamplingServer() {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  uint16_t port() const { return port_; }
-  const std::string& banner() const { return banner_; }
-
- private:
-  pid_t pid_ = -1;
-  uint16_t port_ = 0;
-  std::string banner_;
+  explicit SamplingServer(const std::string& data_dir)
+      : ServeProcess(data_dir, {"--max-adapters", "3", "--max-rank", "8", "--sampler-adapters", "1",
+                                "--kv-budget-tokens", "4096", "--context-window", std::to_string(kWindow)}) {}
 };
 
 // One tenant's client: its own key, session, model and seq counters.

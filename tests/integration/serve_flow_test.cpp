@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "../http/test_client.h"
+#include "serve_process.h"
 #include "wire/forward_backward.h"
 
 namespace loom {
@@ -26,68 +27,17 @@ using Json = nlohmann::json;
 using namespace std::chrono_literals;
 constexpr const char* kKey = "tml-integration-tenant";
 
-// A `loom serve` child process on an ephemeral port.
-class LoomServer {
+// The server of this flow: 2 adapter slots of rank <= 8.
+class LoomServer : public test::ServeProcess {
  public:
-  explicit LoomServer(const std::string& data_dir, std::vector<std::string> extra = {}) {
-    int out[2];
-    if (pipe(out) != 0) return;
-    pid_ = fork();
-    if (pid_ == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      close(out[0]);
-      close(out[1]);
-      std::vector<std::string> args = {LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0",
-                                       "--data-dir", data_dir, "--max-adapters", "2", "--max-rank", "8",
-                                       "--poll-hold", "2", "--device", "cpu"};
-      args.insert(args.end(), extra.begin(), extra.end());
-      std::vector<char*> argv;
-      for (auto& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(LOOM_BINARY, argv.data());
-      _exit(127);
-    }
-    close(out[1]);
-    // First stdout line: "loom serve: listening on http://127.0.0.1:PORT ..."
-    std::string line;
-    pollfd pfd{out[0], POLLIN, 0};
-    const auto deadline = std::chrono::steady_clock::now() + 120s;
-    while (line.find('\n') == std::string::npos && std::chrono::steady_clock::now() < deadline) {
-      if (poll(&pfd, 1, 500) > 0) {
-        char buf[512];
-        ssize_t n = read(out[0], buf, sizeof buf);
-        if (n <= 0) break;
-        line.append(buf, n);
-      }
-    }
-    close(out[0]);
-    const std::string marker = "http://127.0.0.1:";
-    auto pos = line.find(marker);
-    if (pos != std::string::npos) port_ = static_cast<uint16_t>(std::stoi(line.substr(pos + marker.size())));
-    banner_ = line;
-  }
-  ~LoomServer() {
-    if (pid_ > 0 && !stopped_) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-  }
-  uint16_t port() const { return port_; }
-  const std::string& banner() const { return banner_; }
-  // SIGTERM; returns the exit status (or -1).
-  int Terminate() {
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    stopped_ = true;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  }
+  explicit LoomServer(const std::string& data_dir, std::vector<std::string> extra = {})
+      : ServeProcess(data_dir, WithSlots(std::move(extra))) {}
 
  private:
-  pid_t pid_ = -1;
-  uint16_t port_ = 0;
-  bool stopped_ = false;
-  std::string banner_;
+  static std::vector<std::string> WithSlots(std::vector<std::string> extra) {
+    extra.insert(extra.begin(), {"--max-adapters", "2", "--max-rank", "8"});
+    return extra;
+  }
 };
 
 class Flow {
