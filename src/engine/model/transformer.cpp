@@ -32,20 +32,6 @@ bool IsIgnorable(const std::string& name) {
   return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// RMSNorm as Hugging Face computes it: normalise in fp32, cast back to the
-// input dtype, then scale by the weight.
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
-}
-
-// HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dimension.
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 Status ConfigError(const std::string& field, const std::string& why) {
   return Status::Invalid("config." + field + " " + why);
 }
@@ -256,8 +242,6 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
 
 at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) const {
   const Impl& m = *impl_;
-  const int64_t T = batch.num_tokens(), hd = m.head_dim;
-  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
   const double eps = config_.rms_norm_eps;
 
   // The bank's targets, found once per call: bank targets are expected in
@@ -292,56 +276,14 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
   const bool use_padded = PaddedLayout::Prefer(batch.seq_begin, batch.tokens.device());
   if (use_padded) padded = PaddedLayout::Make(batch.seq_begin, batch.tokens.device());
 
-  // RoPE tables for this batch's positions (fp32, then the model dtype, as HF).
-  const at::Tensor freqs = batch.positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(dtype_).unsqueeze(1);  // [T, 1, hd]
-  const at::Tensor sin = emb.sin().to(dtype_).unsqueeze(1);
-
-  at::Tensor x = at::embedding(m.embed, batch.tokens);  // [T, hidden]
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const Impl::Layer& l = m.layers[i];
-    const std::string p = LayerPrefix(static_cast<int64_t>(i));
-    const size_t base = i * per_layer;
-
-    // Attention block.
-    at::Tensor h = RmsNorm(x, l.input_norm, eps);
-    const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-    at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
-    if (attn_lora) {
-      q = q + delta(target(base + 0, p + "self_attn.q_proj"), h);
-      k = k + delta(target(base + 1, p + "self_attn.k_proj"), h);
-      v = v + delta(target(base + 2, p + "self_attn.v_proj"), h);
-    }
-    q = q.reshape({T, m.heads, hd});
-    k = k.reshape({T, m.kv_heads, hd});
-    v = v.reshape({T, m.kv_heads, hd});
-    if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
-      q = RmsNorm(q, l.q_norm, eps);
-      k = RmsNorm(k, l.k_norm, eps);
-    }
-    q = q * cos + RotateHalf(q) * sin;
-    k = k * cos + RotateHalf(k) * sin;
-    const at::Tensor attn = PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_,
-                                                 use_padded ? &padded : nullptr);
-    at::Tensor o = at::linear(attn, l.o_w, l.o_b);
-    if (attn_lora) o = o + delta(target(base + 3, p + "self_attn.o_proj"), attn);
-    x = x + o;
-
-    // MLP block (SwiGLU).
-    h = RmsNorm(x, l.post_norm, eps);
-    const at::Tensor gate_up = at::linear(h, l.gate_up_w);
-    at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
-    if (mlp_lora) {
-      gate = gate + delta(target(base + 4, p + "mlp.gate_proj"), h);
-      up = up + delta(target(base + 5, p + "mlp.up_proj"), h);
-    }
-    const at::Tensor act = at::silu(gate) * up;
-    at::Tensor down = at::linear(act, l.down_w);
-    if (mlp_lora) down = down + delta(target(base + 6, p + "mlp.down_proj"), act);
-    x = x + down;
-  }
-  return RmsNorm(x, m.norm, eps).to(at::kFloat);
+  auto lora = [&](size_t layer, int k, const at::Tensor& in) {
+    return delta(target(layer * per_layer + k, LayerPrefix(static_cast<int64_t>(layer)) + kLayerTargets[k]), in);
+  };
+  auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, use_padded ? &padded : nullptr);
+  };
+  return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
+                      lora, attend);
 }
 
 at::Tensor Transformer::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,

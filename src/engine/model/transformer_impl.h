@@ -1,11 +1,13 @@
 // Transformer::Impl: the frozen base weights in the layout the forward
-// passes use. Private to engine/model (transformer.cpp: the packed forward;
-// transformer_decode.cpp: the KV-cached forward of the sampler).
+// passes use, and the decoder-layer math both forwards share. Private to
+// engine/model (transformer.cpp: the packed forward; transformer_decode.cpp:
+// the KV-cached forward of the sampler).
 //
 // Threading: read-only after Load; any thread may read it.
 #pragma once
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 #include "engine/model/transformer.h"
@@ -31,5 +33,87 @@ struct Transformer::Impl {
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
 };
+
+// RMSNorm as Hugging Face computes it: normalise in fp32, cast back to the
+// input dtype, then scale by the weight.
+inline at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+// HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dimension.
+inline at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// The layer's LoRA targets in LoraTargets() order, as module-path suffixes.
+inline constexpr const char* kLayerTargets[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                 "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
+                                                 "mlp.down_proj"};
+
+// The decoder stack over token rows x [T, hidden] at `positions` [T]:
+// embeddings in, final-normed hidden states (fp32) out. The two forwards
+// differ only in how a layer attends and how LoRA is applied, so both are
+// arguments:
+//   lora(layer, k, in)        the delta of the layer's k-th target
+//                             (kLayerTargets) for input rows `in`;
+//   attend(layer, q, k, v)    attention [T, H * hd] for post-RoPE q [T, H, hd]
+//                             and k, v [T, KVH, hd].
+// Invariant: the op order and dtypes are the same for every caller, so a token
+// gets the same hidden state from either forward (to float rounding).
+// (Model is Transformer::Impl, deduced: the type is private to Transformer.)
+template <typename Model, typename Lora, typename Attend>
+at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& positions,
+                        at::ScalarType dtype, double eps, bool attn_lora, bool mlp_lora, Lora&& lora,
+                        Attend&& attend) {
+  const int64_t T = x.size(0), hd = m.head_dim;
+  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
+  // RoPE tables for these positions (fp32, then the model dtype, as HF).
+  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);
+  const at::Tensor cos = emb.cos().to(dtype).unsqueeze(1);  // [T, 1, hd]
+  const at::Tensor sin = emb.sin().to(dtype).unsqueeze(1);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const auto& l = m.layers[i];
+    // Attention block.
+    at::Tensor h = RmsNorm(x, l.input_norm, eps);
+    const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+    at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
+    if (attn_lora) {
+      q = q + lora(i, 0, h);
+      k = k + lora(i, 1, h);
+      v = v + lora(i, 2, h);
+    }
+    q = q.reshape({T, m.heads, hd});
+    k = k.reshape({T, m.kv_heads, hd});
+    v = v.reshape({T, m.kv_heads, hd});
+    if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
+      q = RmsNorm(q, l.q_norm, eps);
+      k = RmsNorm(k, l.k_norm, eps);
+    }
+    q = q * cos + RotateHalf(q) * sin;
+    k = k * cos + RotateHalf(k) * sin;
+    const at::Tensor attn = attend(i, q, k, v);
+    at::Tensor o = at::linear(attn, l.o_w, l.o_b);
+    if (attn_lora) o = o + lora(i, 3, attn);
+    x = x + o;
+
+    // MLP block (SwiGLU).
+    h = RmsNorm(x, l.post_norm, eps);
+    const at::Tensor gate_up = at::linear(h, l.gate_up_w);
+    at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
+    if (mlp_lora) {
+      gate = gate + lora(i, 4, h);
+      up = up + lora(i, 5, h);
+    }
+    const at::Tensor act = at::silu(gate) * up;
+    at::Tensor down = at::linear(act, l.down_w);
+    if (mlp_lora) down = down + lora(i, 6, act);
+    x = x + down;
+  }
+  return RmsNorm(x, m.norm, eps).to(at::kFloat);
+}
 
 }  // namespace loom::engine
