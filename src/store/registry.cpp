@@ -92,6 +92,30 @@ Status CheckPage(const PageRequest& page) {
   return Status::Ok();
 }
 
+// A counted, paginated listing of `table` filtered by `column = value`, newest
+// first; read(statement) turns the current row (`columns` order) into a T.
+template <typename T, typename Read>
+Result<Page<T>> ListWhere(SqliteDb& db, const std::string& table, const std::string& columns,
+                          const std::string& column, const std::string& value, PageRequest page, Read read) {
+  Page<T> out;
+  auto count = db.Prepare("SELECT COUNT(*) FROM " + table + " WHERE " + column + " = ?1");
+  if (!count.ok()) return count.status();
+  count.value()->Bind(1, value);
+  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
+  out.total = count.value()->Int(0);
+  count.value()->Reset();
+  auto st = db.Prepare("SELECT " + columns + " FROM " + table + " WHERE " + column +
+                       " = ?1 ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
+  if (!st.ok()) return st.status();
+  st.value()->Bind(1, value);
+  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
+  st.value()->Bind(3, page.offset);
+  Result<bool> row = st.value()->Step();
+  for (; row.ok() && row.value(); row = st.value()->Step()) out.items.push_back(read(*st.value()));
+  if (!row.ok()) return row.status();
+  return out;
+}
+
 Status CheckOwner(const std::string& owner) {
   if (owner.empty()) return Status::Invalid("owner: must not be empty");
   return Status::Ok();
@@ -264,24 +288,8 @@ Result<TrainingRun> Registry::GetRun(const std::string& model_id) const {
 Result<Page<TrainingRun>> Registry::ListRuns(const std::string& owner, PageRequest page) const {
   if (Status s = CheckPage(page); !s.ok()) return s;
   std::lock_guard lock(mu_);
-  Page<TrainingRun> out;
-  auto count = db_->sql->Prepare("SELECT COUNT(*) FROM training_runs WHERE owner = ?1");
-  if (!count.ok()) return count.status();
-  count.value()->Bind(1, owner);
-  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
-  out.total = count.value()->Int(0);
-  count.value()->Reset();
-  auto st = db_->sql->Prepare(std::string("SELECT ") + kRunColumns +
-                              " FROM training_runs WHERE owner = ?1 "
-                              "ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
-  if (!st.ok()) return st.status();
-  st.value()->Bind(1, owner);
-  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
-  st.value()->Bind(3, page.offset);
-  Result<bool> row = st.value()->Step();
-  for (; row.ok() && row.value(); row = st.value()->Step()) out.items.push_back(ReadRun(*st.value()));
-  if (!row.ok()) return row.status();
-  return out;
+  return ListWhere<TrainingRun>(*db_->sql, "training_runs", kRunColumns, "owner", owner, page,
+                                [](SqliteStatement& st) { return ReadRun(st); });
 }
 
 // ---------------------------------------------------------------- checkpoints
@@ -421,31 +429,16 @@ Result<Checkpoint> Registry::GetCheckpointByPath(const std::string& tinker_path)
 
 namespace {
 
-// Runs a counted, paginated checkpoint listing filtered by one column.
+// A paginated checkpoint listing filtered by one column, with each dir derived.
 Result<Page<Checkpoint>> ListCheckpointsWhere(SqliteDb& db, const std::string& column,
                                               const std::string& value, PageRequest page,
                                               const std::function<std::string(const Checkpoint&)>& dir_of) {
-  Page<Checkpoint> out;
-  auto count = db.Prepare("SELECT COUNT(*) FROM checkpoints WHERE " + column + " = ?1");
-  if (!count.ok()) return count.status();
-  count.value()->Bind(1, value);
-  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
-  out.total = count.value()->Int(0);
-  count.value()->Reset();
-  auto st = db.Prepare(std::string("SELECT ") + kCheckpointColumns + " FROM checkpoints WHERE " +
-                       column + " = ?1 ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
-  if (!st.ok()) return st.status();
-  st.value()->Bind(1, value);
-  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
-  st.value()->Bind(3, page.offset);
-  Result<bool> row = st.value()->Step();
-  for (; row.ok() && row.value(); row = st.value()->Step()) {
-    Checkpoint c = ReadCheckpointRow(*st.value());
-    c.dir = dir_of(c);
-    out.items.push_back(std::move(c));
-  }
-  if (!row.ok()) return row.status();
-  return out;
+  return ListWhere<Checkpoint>(db, "checkpoints", kCheckpointColumns, column, value, page,
+                               [&](SqliteStatement& st) {
+                                 Checkpoint c = ReadCheckpointRow(st);
+                                 c.dir = dir_of(c);
+                                 return c;
+                               });
 }
 
 }  // namespace
@@ -583,27 +576,10 @@ Result<SessionRecord> Registry::GetSession(const std::string& session_id) const 
 Result<Page<SessionRecord>> Registry::ListSessions(const std::string& owner, PageRequest page) const {
   if (Status s = CheckPage(page); !s.ok()) return s;
   std::lock_guard lock(mu_);
-  Page<SessionRecord> out;
-  auto count = db_->sql->Prepare("SELECT COUNT(*) FROM sessions WHERE owner = ?1");
-  if (!count.ok()) return count.status();
-  count.value()->Bind(1, owner);
-  if (Result<bool> r = count.value()->Step(); !r.ok()) return r.status();
-  out.total = count.value()->Int(0);
-  count.value()->Reset();
-  auto st = db_->sql->Prepare(
-      "SELECT owner, session_id, created_ms, user_metadata FROM sessions WHERE owner = ?1 "
-      "ORDER BY created_ms DESC, rowid DESC LIMIT ?2 OFFSET ?3");
-  if (!st.ok()) return st.status();
-  st.value()->Bind(1, owner);
-  st.value()->Bind(2, page.limit < 0 ? int64_t{-1} : page.limit);
-  st.value()->Bind(3, page.offset);
-  Result<bool> row = st.value()->Step();
-  for (; row.ok() && row.value(); row = st.value()->Step()) {
-    out.items.push_back(
-        SessionRecord{st.value()->Text(0), st.value()->Text(1), st.value()->Int(2), st.value()->Text(3)});
-  }
-  if (!row.ok()) return row.status();
-  return out;
+  return ListWhere<SessionRecord>(*db_->sql, "sessions", "owner, session_id, created_ms, user_metadata", "owner",
+                                  owner, page, [](SqliteStatement& st) {
+                                    return SessionRecord{st.Text(0), st.Text(1), st.Int(2), st.Text(3)};
+                                  });
 }
 
 }  // namespace loom::store
