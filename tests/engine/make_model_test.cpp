@@ -1,6 +1,7 @@
 // make-model: deterministic bytes, HF-initialisation statistics, sharding,
 // presets with the real shapes, and the byte-level tokenizer.
 #include "engine/model/make_model.h"
+#include "../common/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -21,22 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "loom_mm_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = loom::test::TempDir;
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/lora/peft.h"
+#include "../common/temp_dir.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/make_model.h"
 #include "engine/model/safetensors.h"
@@ -33,21 +34,7 @@ using json = nlohmann::json;
 constexpr double kLogprobAbsTol = 1e-4;  // per token
 constexpr double kGradRelTol = 1e-3;     // max |g - ref| <= tol * max |ref|, per tensor
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "loom_parity_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = loom::test::TempDir;
 
 fs::path SourceDir() {
   if (const char* env = std::getenv("LOOM_SOURCE_DIR")) return env;

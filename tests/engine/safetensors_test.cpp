@@ -1,6 +1,7 @@
 // safetensors reader/writer and tensor_io: round trips, sharded model
 // directories, and clean errors for damaged files.
 #include "engine/model/safetensors.h"
+#include "../common/temp_dir.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -19,22 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // A fresh directory under /tmp, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "loom_st_XXXXXX").string();
-    path_ = ::mkdtemp(tmpl.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = loom::test::TempDir;
 
 std::vector<uint8_t> Pattern(size_t n, uint8_t salt) {
   std::vector<uint8_t> v(n);

@@ -3,6 +3,8 @@
 #pragma once
 #include <unistd.h>
 
+#include "../common/temp_dir.h"
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -11,23 +13,7 @@
 
 namespace loom::store::testing {
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string pattern = std::string(base && *base ? base : "/tmp") + "/loom-store-XXXXXX";
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = loom::test::TempDir;
 
 inline void WriteFile(const std::filesystem::path& p, const std::string& bytes) {
   std::filesystem::create_directories(p.parent_path());
