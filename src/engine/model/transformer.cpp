@@ -244,19 +244,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
   const Impl& m = *impl_;
   const double eps = config_.rms_norm_eps;
 
-  // The bank's targets, found once per call: bank targets are expected in
-  // LoraTargets() order, with a lookup by name as the fallback.
-  const size_t per_layer = 7;
-  auto target = [&](size_t index, const std::string& module) -> const LoraTarget* {
-    const auto& ts = bank.targets();
-    if (index < ts.size() && ts[index].module == module) return &ts[index];
-    return bank.find(module);
-  };
-  bool attn_lora = false, mlp_lora = false;
-  for (int s : batch.seq_slot) {
-    attn_lora = attn_lora || bank.trains(s, TargetGroup::kAttn);
-    mlp_lora = mlp_lora || bank.trains(s, TargetGroup::kMlp);
-  }
+  const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
+  const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
   // Many slots' LoRA in a fixed number of kernels where cheaper (CUDA).
   const bool routed_attn = attn_lora && bank.PreferRouted(TargetGroup::kAttn, batch.seq_begin, batch.seq_slot);
   const bool routed_mlp = mlp_lora && bank.PreferRouted(TargetGroup::kMlp, batch.seq_begin, batch.seq_slot);
@@ -277,7 +266,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
   if (use_padded) padded = PaddedLayout::Make(batch.seq_begin, batch.tokens.device());
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
-    return delta(target(layer * per_layer + k, LayerPrefix(static_cast<int64_t>(layer)) + kLayerTargets[k]), in);
+    return delta(LayerTarget(bank, layer, k), in);
   };
   auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     return PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, use_padded ? &padded : nullptr);

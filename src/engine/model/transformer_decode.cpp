@@ -43,23 +43,14 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   const Impl& m = *impl_;
   const double eps = config_.rms_norm_eps;
 
-  const size_t per_layer = 7;
-  auto target = [&](size_t index, const std::string& module) -> const LoraTarget* {
-    const auto& ts = bank.targets();
-    if (index < ts.size() && ts[index].module == module) return &ts[index];
-    return bank.find(module);
-  };
-  bool attn_lora = false, mlp_lora = false;
-  for (int s : batch.seq_slot) {
-    attn_lora = attn_lora || bank.trains(s, TargetGroup::kAttn);
-    mlp_lora = mlp_lora || bank.trains(s, TargetGroup::kMlp);
-  }
+  const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
+  const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
   auto delta = [&](const LoraTarget* t, const at::Tensor& x) {
     return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
   };
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
-    return delta(target(layer * per_layer + k, "model.layers." + std::to_string(layer) + "." + kLayerTargets[k]), in);
+    return delta(LayerTarget(bank, layer, k), in);
   };
   // New tokens' keys and values go into the paged cache; a prefill attends
   // within its own rows, a decode row reads its context back from the cache.

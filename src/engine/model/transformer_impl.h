@@ -53,6 +53,24 @@ inline constexpr const char* kLayerTargets[7] = {"self_attn.q_proj", "self_attn.
                                                  "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
                                                  "mlp.down_proj"};
 
+// The bank's target for the layer's k-th LoRA target (kLayerTargets). Bank
+// targets are expected in LoraTargets() order (7 per layer); lookup by name
+// is the fallback.
+inline const LoraTarget* LayerTarget(const SlotBank& bank, size_t layer, int k) {
+  const std::string module = "model.layers." + std::to_string(layer) + "." + kLayerTargets[k];
+  const size_t index = layer * 7 + static_cast<size_t>(k);
+  const auto& ts = bank.targets();
+  if (index < ts.size() && ts[index].module == module) return &ts[index];
+  return bank.find(module);
+}
+
+// Whether any of the slots trains group g (else its LoRA is skipped entirely).
+inline bool AnyTrains(const SlotBank& bank, const std::vector<int>& slots, TargetGroup g) {
+  for (int s : slots)
+    if (bank.trains(s, g)) return true;
+  return false;
+}
+
 // The decoder stack over token rows x [T, hidden] at `positions` [T]:
 // embeddings in, final-normed hidden states (fp32) out. The two forwards
 // differ only in how a layer attends and how LoRA is applied, so both are
