@@ -4,7 +4,10 @@
 // path `loom serve` runs). Two schedules of the same requests:
 //   packed      all tenants submit their step at once; the scheduler packs them
 //   one-by-one  tenant after tenant, each waiting for its own step
-// Prints tokens/s of both and their ratio.
+// and, as the yardstick for packing, one tenant sending the same tokens as one
+// datum of N x --tokens tokens per step (the best case for the engine: one
+// long sequence, one adapter).
+// Prints tokens/s of the three and the ratios.
 #include "cli/bench_multitenant.h"
 
 #include <CLI/CLI.hpp>
@@ -57,10 +60,16 @@ Status Step(ServiceDriver& d, Tenant& t, int i, int tokens, bool wait,
   return Status::Ok();
 }
 
-// Seconds of one round: one step of every tenant, packed or one by one.
-Result<double> Round(ServiceDriver& d, std::vector<Tenant>& tenants, int tokens, bool packed) {
+enum class Schedule { kOneByOne, kPacked, kSingle };
+
+// Seconds of one round: one step of every tenant, packed or one by one; or
+// one step of tenant 0 with all the round's tokens.
+Result<double> Round(ServiceDriver& d, std::vector<Tenant>& tenants, int tokens, Schedule schedule) {
   const auto t0 = Clock::now();
-  if (packed) {
+  if (schedule == Schedule::kSingle) {
+    const int all = tokens * static_cast<int>(tenants.size());
+    if (Status st = Step(d, tenants[0], 0, all, true, nullptr); !st.ok()) return st;
+  } else if (schedule == Schedule::kPacked) {
     std::vector<std::pair<Tenant*, std::string>> pending;
     for (size_t i = 0; i < tenants.size(); ++i) {
       if (Status st = Step(d, tenants[i], static_cast<int>(i), tokens, false, &pending); !st.ok()) return st;
@@ -79,16 +88,14 @@ Result<double> Round(ServiceDriver& d, std::vector<Tenant>& tenants, int tokens,
 // Total seconds of `steps` rounds of each schedule, after one untimed warm-up
 // round of each. The schedules alternate round by round, so load from other
 // processes on the machine hits both alike.
-Status Run(ServiceDriver& d, std::vector<Tenant>& tenants, int tokens, int steps, double* solo, double* packed) {
-  *solo = *packed = 0;
+// seconds[k]: total of Schedule k.
+Status Run(ServiceDriver& d, std::vector<Tenant>& tenants, int tokens, int steps, double seconds[3]) {
+  seconds[0] = seconds[1] = seconds[2] = 0;
   for (int s = 0; s <= steps; ++s) {
-    auto one = Round(d, tenants, tokens, /*packed=*/false);
-    if (!one.ok()) return one.status();
-    auto all = Round(d, tenants, tokens, /*packed=*/true);
-    if (!all.ok()) return all.status();
-    if (s > 0) {
-      *solo += *one;
-      *packed += *all;
+    for (Schedule k : {Schedule::kOneByOne, Schedule::kPacked, Schedule::kSingle}) {
+      auto r = Round(d, tenants, tokens, k);
+      if (!r.ok()) return r.status();
+      if (s > 0) seconds[static_cast<int>(k)] += *r;
     }
   }
   return Status::Ok();
@@ -141,8 +148,8 @@ int BenchMultiTenant(int argc, char** argv) {
               info.model_type.c_str(), info.device.c_str(), info.dtype.c_str(),
               static_cast<long long>(info.num_layers), static_cast<long long>(info.hidden_size), tenants, tokens,
               steps, rank, static_cast<long long>(token_budget));
-  double solo = 0, packed = 0;
-  Status st = Run(d, ts, tokens, steps, &solo, &packed);
+  double seconds[3];
+  Status st = Run(d, ts, tokens, steps, seconds);
   driver->reset();
   std::error_code ec;
   fs::remove_all(data_dir, ec);
@@ -151,10 +158,14 @@ int BenchMultiTenant(int argc, char** argv) {
     return 1;
   }
   const double total = static_cast<double>(tenants) * tokens * steps;
-  const double solo_tps = total / solo, packed_tps = total / packed;
+  const double solo = seconds[0], packed = seconds[1], single = seconds[2];
+  const double solo_tps = total / solo, packed_tps = total / packed, single_tps = total / single;
   std::printf("one-by-one: %.1f tokens/s (%.1f ms per round of %d tenant steps)\n", solo_tps, solo * 1e3 / steps, tenants);
   std::printf("packed:     %.1f tokens/s (%.1f ms per round of %d tenant steps)\n", packed_tps, packed * 1e3 / steps, tenants);
-  std::printf("ratio:      %.2fx\n", packed_tps / solo_tps);
+  std::printf("one tenant: %.1f tokens/s (%.1f ms per step of %d tokens)\n", single_tps, single * 1e3 / steps,
+              tenants * tokens);
+  std::printf("ratio:      %.2fx (packed / one-by-one)\n", packed_tps / solo_tps);
+  std::printf("vs single:  %.2fx (packed / one tenant with all the tokens)\n", packed_tps / single_tps);
   return 0;
 }
 

@@ -9,12 +9,15 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 namespace loom::engine {
@@ -25,7 +28,7 @@ using json = nlohmann::json;
 // A header larger than this is not a tensor file (the format's own limit is 100 MB).
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Produced tensors are written in chunks of at most this many bytes.
-constexpr size_t kChunkBytes = 16u << 20;
+constexpr uint64_t kAheadBytes = 8ull << 30;  // produced bytes held in memory at once
 
 std::string ErrnoText() { return std::strerror(errno); }
 
@@ -350,18 +353,41 @@ Status SafetensorsWriter::Write(const std::string& path) const {
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
   if (Status s = WriteAll(fd.fd, len, 8, path); !s.ok()) return s;
   if (Status s = WriteAll(fd.fd, header.data(), header.size(), path); !s.ok()) return s;
-  std::vector<uint8_t> chunk;
-  for (const Entry& e : entries_) {
+  // Produced tensors are generated ahead on worker threads (a window of up
+  // to one per core and kAheadBytes in flight) and written in order.
+  const size_t workers = std::max(1u, std::thread::hardware_concurrency());
+  std::deque<std::future<std::vector<uint8_t>>> ahead;
+  size_t next = 0;  // first entry not yet started
+  uint64_t in_flight = 0;
+  auto start_more = [&](size_t from) {
+    if (next < from) next = from;
+    while (next < entries_.size() && ahead.size() < workers) {
+      const Entry& e = entries_[next];
+      if (!e.producer) break;
+      if (!ahead.empty() && in_flight + e.nbytes > kAheadBytes) break;
+      in_flight += e.nbytes;
+      ahead.push_back(std::async(std::launch::async, [&e] {
+        std::vector<uint8_t> bytes(e.nbytes);
+        if (e.nbytes > 0) e.producer(bytes.data(), e.nbytes);
+        return bytes;
+      }));
+      ++next;
+    }
+  };
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
     if (!e.producer) {
       if (Status s = WriteAll(fd.fd, e.bytes.data(), e.bytes.size(), path); !s.ok()) return s;
       continue;
     }
-    chunk.resize(std::min(e.nbytes, kChunkBytes));
-    for (size_t done = 0; done < e.nbytes;) {
-      const size_t k = std::min(kChunkBytes, e.nbytes - done);
-      e.producer(chunk.data(), k);
-      if (Status s = WriteAll(fd.fd, chunk.data(), k, path); !s.ok()) return s;
-      done += k;
+    start_more(i);
+    std::vector<uint8_t> bytes = ahead.front().get();
+    ahead.pop_front();
+    in_flight -= e.nbytes;
+    start_more(i + 1);
+    if (Status s = WriteAll(fd.fd, bytes.data(), bytes.size(), path); !s.ok()) {
+      for (auto& f : ahead) f.wait();
+      return s;
     }
   }
   if (::fsync(fd.fd) != 0) return Status::Internal("fsync " + path + ": " + ErrnoText());

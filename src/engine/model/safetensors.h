@@ -88,14 +88,14 @@ class ModelWeights {
 
 // SafetensorsWriter: collects tensors (in insertion order) and metadata, then
 // writes one file. A tensor's bytes are either copied in at Add() or produced
-// at write time by a Producer, chunk by chunk, so a multi-GB shard can be
-// written with memory for one chunk only.
-// Single-threaded: one owner builds and writes it.
+// at write time by a Producer, whole, on a worker thread: Write() runs the
+// producers of several tensors at once (up to one per core, at most 8 GiB
+// ahead) and writes them in order.
+// Single-threaded: one owner builds and writes it; producers of different
+// tensors must be independent of each other.
 class SafetensorsWriter {
  public:
-  // Fills dst[0, nbytes) with the next bytes of the tensor. Called with
-  // consecutive chunks covering the tensor in order; each chunk's size is a
-  // multiple of 8 bytes except possibly the last.
+  // Fills dst[0, nbytes) with the tensor's bytes (one call per tensor).
   using Producer = std::function<void(uint8_t* dst, size_t nbytes)>;
 
   void SetMetadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
