@@ -35,6 +35,8 @@ struct PackedBatch {
 };
 
 class Transformer {
+  struct Impl;  // the weights (transformer_impl.h)
+
  public:
   // Reads config.json and the safetensors weights of model_dir. Every
   // expected tensor must be present with its exact shape; a missing, extra or
@@ -54,6 +56,9 @@ class Transformer {
   const ModelConfig& config() const { return config_; }
   at::Device device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }
+  // The frozen weights, for the fused decode path (engine/model/cuda); the
+  // type is private, so callers hold it as `const auto&`.
+  const Impl& weights() const { return *impl_; }
 
   // (module, group, d_in, d_out) of every adaptable linear, for SlotBank.
   std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> LoraTargets() const;
@@ -88,7 +93,6 @@ class Transformer {
 
  private:
   Transformer() = default;
-  struct Impl;
   std::shared_ptr<Impl> impl_;
   ModelConfig config_;
   at::Device device_ = at::kCPU;

@@ -29,8 +29,9 @@ ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* ban
                          int64_t block_size)
     : model_(std::move(model)), bank_(bank), block_size_(block_size) {
   const ModelConfig& c = model_->config();
-  cache_ = KvCache::Allocate(c.num_hidden_layers, num_blocks * block_size, c.num_key_value_heads, HeadDim(c),
+  cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, c.num_key_value_heads, HeadDim(c),
                              model_->device(), model_->dtype());
+  fast_ = MakeFastDecode(model_, bank_, &cache_, block_size_, num_blocks * block_size_);
 }
 
 int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {
@@ -119,6 +120,18 @@ at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
   c10::NoGradGuard no_grad;
   const at::Device dev = model_->device();
   const int64_t S = static_cast<int64_t>(seqs.size());
+  if (fast_) {
+    DecodeStep step;
+    for (const Sequence* s : seqs) {
+      step.tokens.push_back(s->tokens.back());
+      step.positions.push_back(s->cached);
+      step.write_rows.push_back(Row(*s, s->cached));
+      step.ctx_len.push_back(static_cast<int32_t>(s->cached + 1));
+      step.tables.push_back(&s->block_table);
+      step.slots.push_back(s->request->slot);
+    }
+    if (at::Tensor logits = fast_->Decode(step); logits.defined()) return logits;
+  }
   int64_t L = 0;
   for (const Sequence* s : seqs) L = std::max(L, s->cached + 1);
   std::vector<int64_t> tokens(S), positions(S), rows(S), seq_begin(S + 1), ctx(static_cast<size_t>(S * L), 0);

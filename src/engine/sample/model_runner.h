@@ -4,7 +4,8 @@
 // BlockManager decides which blocks each sequence uses.
 //
 // Rows of one adapter must be adjacent (the scheduler sorts them), so
-// SlotBank::Delta runs one matmul pair per adapter group per step.
+// SlotBank::Delta runs one matmul pair per adapter group per step. On CUDA,
+// decode steps go through FastDecode (one graph replay) when it is available.
 //
 // Threading: the decode thread only.
 #pragma once
@@ -15,6 +16,7 @@
 
 #include "engine/lora/slot_bank.h"
 #include "engine/model/cached_batch.h"
+#include "engine/model/fast_decode.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/sequence.h"
 
@@ -43,6 +45,12 @@ class ModelRunner {
 
   const Transformer& model() const { return *model_; }
 
+  // Slot s of the bank was (re)loaded: the fast decode path refreshes its copy.
+  void SlotChanged(int s) {
+    if (fast_) fast_->SlotChanged(s);
+  }
+  bool fast_decode() const { return fast_ != nullptr; }
+
  private:
   int64_t Row(const Sequence& s, int64_t pos) const;
   void PromptLogprobs(SampleRequest& r, const at::Tensor& hidden, int64_t begin);
@@ -50,7 +58,8 @@ class ModelRunner {
   std::shared_ptr<const Transformer> model_;
   SlotBank* bank_;
   int64_t block_size_;
-  KvCache cache_;
+  KvCache cache_;  // num_blocks + 1 blocks: the last is the fast path's scratch
+  std::unique_ptr<FastDecode> fast_;  // CUDA graphs of fused kernels, or null
 };
 
 }  // namespace loom::engine::sample

@@ -43,7 +43,9 @@ std::vector<SampleRequest*> Scheduler::Admit() {
     }
     int slot = -1;
     if (!r.call.adapter_dir.empty()) {
+      const int64_t loads = adapters_.loads();
       Result<int> got = adapters_.Acquire(r.call.adapter_dir);
+      if (got.ok() && adapters_.loads() != loads) runner_.SlotChanged(*got);
       if (!got.ok() && got.status().code() == Code::kResourceExhausted) {
         wait();
         break;

@@ -1,0 +1,301 @@
+// MakeFastDecode for CUDA builds: the graph-captured decode step described
+// in engine/model/fast_decode.h, over the kernels of kernels.cu.
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "common/log.h"
+#include "engine/model/cuda/kernels.h"
+#include "engine/model/fast_decode.h"
+#include "engine/model/transformer_impl.h"
+
+namespace loom::engine {
+namespace {
+
+constexpr int64_t kMaxRows = 512;   // larger steps run eager
+constexpr int64_t kMinTable = 16;   // smallest block-table width bucket
+
+int64_t Pow2AtLeast(int64_t n, int64_t lo) {
+  int64_t p = lo;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// The LoRA factors of targets that share an input, stacked for the BGMV
+// kernels in the model dtype: A [N, K*R, d_in] (target k's rows at k*R),
+// B [N, d_total, R] (targets' outputs one after another, as the fused base
+// projection lays them out).
+struct LoraGroup {
+  TargetGroup group = TargetGroup::kAttn;
+  std::vector<const LoraTarget*> targets;
+  std::vector<int64_t> seg_end;  // cumulative output width per target
+  int64_t d_in = 0, d_total = 0, r_total = 0;
+  at::Tensor A, B;
+
+  bool Make(std::vector<const LoraTarget*> ts, int64_t rank, int64_t slots, const at::TensorOptions& opts) {
+    if (ts.empty()) return false;
+    for (const LoraTarget* t : ts)
+      if (!t || t->d_in != ts[0]->d_in || t->group != ts[0]->group) return false;
+    targets = std::move(ts);
+    group = targets[0]->group;
+    d_in = targets[0]->d_in;
+    for (const LoraTarget* t : targets) seg_end.push_back(d_total += t->d_out);
+    r_total = rank * static_cast<int64_t>(targets.size());
+    A = at::zeros({slots, r_total, d_in}, opts);
+    B = at::zeros({slots, d_total, rank}, opts);
+    return seg_end.size() <= 4;
+  }
+  void Sync(int s, int64_t rank) {
+    int64_t col = 0;
+    for (size_t k = 0; k < targets.size(); ++k) {
+      const LoraTarget& t = *targets[k];
+      A.select(0, s).narrow(0, static_cast<int64_t>(k) * rank, rank).copy_(t.A.select(0, s));
+      B.select(0, s).narrow(0, col, t.d_out).copy_(t.B.select(0, s));
+      col += t.d_out;
+    }
+  }
+};
+
+class CudaFastDecode final : public FastDecode {
+ public:
+  CudaFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank, KvCache* cache, int64_t block_size,
+                 int64_t scratch_row)
+      : model_(std::move(model)),
+        bank_(bank),
+        cache_(cache),
+        block_size_(block_size),
+        scratch_row_(scratch_row),
+        bf16_(model_->dtype() == at::kBFloat16),
+        stale_(bank ? static_cast<size_t>(bank->num_slots()) : 0, true),
+        pool_(at::cuda::graph_pool_handle()) {
+    BuildMirror();
+  }
+
+  void SlotChanged(int s) override {
+    if (s >= 0 && s < static_cast<int>(stale_.size())) stale_[static_cast<size_t>(s)] = true;
+  }
+
+  at::Tensor Decode(const DecodeStep& step) override {
+    c10::NoGradGuard no_grad;
+    const int64_t S = static_cast<int64_t>(step.tokens.size());
+    if (S == 0 || S > kMaxRows) return {};
+    bool lora = false;
+    int64_t blocks = 1;
+    for (int64_t i = 0; i < S; ++i) {
+      if (step.slots[i] >= 0) lora = true;
+      blocks = std::max<int64_t>(blocks, (step.ctx_len[i] + block_size_ - 1) / block_size_);
+    }
+    if (lora && !has_lora_) return {};
+    if (lora) {
+      for (int i = 0; i < S; ++i) {
+        const int s = step.slots[i];
+        if (s >= 0 && stale_[static_cast<size_t>(s)]) {
+          for (auto& layer : groups_)
+            for (auto& g : layer) g.Sync(s, bank_->max_rank());
+          if (head_.defined()) head_group_.Sync(s, bank_->max_rank());
+          stale_[static_cast<size_t>(s)] = false;
+        }
+      }
+    }
+    Graph& g = GetGraph(Pow2AtLeast(S, 1), Pow2AtLeast(blocks, kMinTable), lora);
+    Fill(g, step);
+    g.dev_long.copy_(g.host_long, /*non_blocking=*/true);
+    g.dev_int.copy_(g.host_int, /*non_blocking=*/true);
+    g.graph->replay();
+    return g.logits.narrow(0, 0, S);
+  }
+
+ private:
+  struct Graph {
+    int64_t rows = 0, table = 0;
+    bool lora = false;
+    // long: [3, rows] tokens, positions, write_rows. int: ctx_len [rows],
+    // slots [3, rows] (attn, mlp, unembed), tables [rows, table].
+    at::Tensor host_long, host_int, dev_long, dev_int;
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+    at::Tensor logits;
+  };
+
+  void BuildMirror() {
+    if (!bank_ || bank_->num_slots() == 0) return;
+    const auto opts = at::TensorOptions().dtype(model_->dtype()).device(model_->device());
+    const int64_t R = bank_->max_rank(), N = bank_->num_slots();
+    const size_t L = model_->weights().layers.size();
+    groups_.resize(L);
+    bool ok = true;
+    for (size_t l = 0; l < L && ok; ++l) {
+      auto t = [&](int k) { return LayerTarget(*bank_, l, k); };
+      groups_[l].resize(4);
+      ok = groups_[l][0].Make({t(0), t(1), t(2)}, R, N, opts) && groups_[l][1].Make({t(3)}, R, N, opts) &&
+           groups_[l][2].Make({t(4), t(5)}, R, N, opts) && groups_[l][3].Make({t(6)}, R, N, opts);
+    }
+    if (const LoraTarget* head = bank_->find("lm_head")) {
+      ok = ok && head_group_.Make({head}, R, N, opts);
+      head_ = head_group_.A;
+    }
+    has_lora_ = ok;
+    if (!ok) {
+      groups_.clear();
+      log::Warn("fast decode: the sampler's LoRA targets do not match the model; adapter steps run eager");
+    }
+  }
+
+  Graph& GetGraph(int64_t rows, int64_t table, bool lora) {
+    const auto key = std::make_tuple(rows, table, lora);
+    if (auto it = graphs_.find(key); it != graphs_.end()) return *it->second;
+    auto g = std::make_unique<Graph>();
+    g->rows = rows;
+    g->table = table;
+    g->lora = lora;
+    const auto pinned_long = at::TensorOptions().dtype(at::kLong).pinned_memory(true);
+    const auto pinned_int = at::TensorOptions().dtype(at::kInt).pinned_memory(true);
+    g->host_long = at::empty({3 * rows}, pinned_long);
+    g->host_int = at::empty({rows * (4 + table)}, pinned_int);
+    Fill(*g, DecodeStep{});
+    g->dev_long = g->host_long.to(model_->device());
+    g->dev_int = g->host_int.to(model_->device());
+    // Warm up on a side stream (cuBLAS handles and workspaces are made
+    // outside the capture), then capture there. Thread-local capture mode:
+    // the trainer may use the same device from its own thread meanwhile.
+    c10::cuda::device_synchronize();
+    at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      Run(*g);
+      side.synchronize();
+      g->graph = std::make_unique<at::cuda::CUDAGraph>();
+      g->graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
+      g->logits = Run(*g);
+      g->graph->capture_end();
+      side.synchronize();
+    }
+    log::Info("fast decode: captured rows={} table_blocks={} lora={}", rows, table, lora);
+    Graph& ref = *g;
+    graphs_.emplace(key, std::move(g));
+    return ref;
+  }
+
+  // Host inputs of the step; rows beyond it are padding that writes to the
+  // scratch row and attends to it alone.
+  void Fill(Graph& g, const DecodeStep& step) const {
+    const int64_t S = static_cast<int64_t>(step.tokens.size()), R = g.rows, W = g.table;
+    int64_t* lg = g.host_long.data_ptr<int64_t>();
+    int32_t* in = g.host_int.data_ptr<int32_t>();
+    const int32_t scratch_block = static_cast<int32_t>(scratch_row_ / block_size_);
+    for (int64_t i = 0; i < R; ++i) {
+      const bool real = i < S;
+      lg[i] = real ? step.tokens[i] : 0;
+      lg[R + i] = real ? step.positions[i] : 0;
+      lg[2 * R + i] = real ? step.write_rows[i] : scratch_row_;
+      in[i] = real ? step.ctx_len[i] : 1;
+      const int s = real ? step.slots[i] : -1;
+      in[R + i] = bank_ && bank_->trains(s, TargetGroup::kAttn) ? s : -1;
+      in[2 * R + i] = bank_ && bank_->trains(s, TargetGroup::kMlp) ? s : -1;
+      in[3 * R + i] = bank_ && bank_->trains(s, TargetGroup::kUnembed) ? s : -1;
+      int32_t* row = in + 4 * R + i * W;
+      const int64_t used = real ? static_cast<int64_t>(step.tables[i]->size()) : 0;
+      for (int64_t b = 0; b < W; ++b) row[b] = b < used ? (*step.tables[i])[b] : scratch_block;
+    }
+  }
+
+  void Lora(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t, at::Tensor& y,
+            bool y_f32, cudaStream_t st) const {
+    const int64_t rows = x.size(0);
+    cuda::LoraShrink(bf16_, x.data_ptr(), x.stride(0), g.A.data_ptr(), slot, bank_->scales().data_ptr<float>(),
+                     t.data_ptr<float>(), rows, g.d_in, g.r_total, st);
+    cuda::LoraExpand(bf16_, t.data_ptr<float>(), g.r_total, g.B.data_ptr(), bank_->max_rank(), slot, y.data_ptr(),
+                     y_f32, y.stride(0), rows, g.d_total, g.seg_end.data(), static_cast<int>(g.seg_end.size()), st);
+  }
+
+  // The decode forward over g's static inputs; returns logits [rows, vocab] fp32.
+  at::Tensor Run(Graph& g) const {
+    const auto& m = model_->weights();
+    const ModelConfig& c = model_->config();
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    const cudaStream_t st = at::cuda::getCurrentCUDAStream().stream();
+    const int64_t R = g.rows, hd = m.head_dim, H = m.heads, KVH = m.kv_heads;
+    const at::Tensor tokens = g.dev_long.narrow(0, 0, R), positions = g.dev_long.narrow(0, R, R);
+    const int64_t* write_rows = g.dev_long.data_ptr<int64_t>() + 2 * R;
+    const int32_t* ctx_len = g.dev_int.data_ptr<int32_t>();
+    const int32_t* slot_attn = ctx_len + R;
+    const int32_t* slot_mlp = ctx_len + 2 * R;
+    const int32_t* slot_head = ctx_len + 3 * R;
+    const int32_t* tables = ctx_len + 4 * R;
+
+    at::Tensor x = at::embedding(m.embed, tokens).contiguous();  // the residual stream, updated in place
+    at::Tensor h = at::empty_like(x);
+    at::Tensor q = at::empty({R, H * hd}, x.options());
+    at::Tensor attn = at::empty({R, H * hd}, x.options());
+    at::Tensor act = at::empty({R, m.inter}, x.options());
+    at::Tensor t = g.lora ? at::empty({R, 3 * bank_->max_rank()}, x.options().dtype(at::kFloat))  // widest group: q, k, v : at::Tensor();
+    at::Tensor pending;  // the previous layer's MLP output, not yet added to x
+    for (size_t i = 0; i < m.layers.size(); ++i) {
+      const auto& l = m.layers[i];
+      cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr, x.data_ptr(),
+                    l.input_norm.data_ptr(), h.data_ptr(), R, x.size(1), eps, st);
+      at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+      if (g.lora) Lora(groups_[i][0], h, slot_attn, t, qkv, false, st);
+      cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
+                            l.k_norm.defined() ? l.k_norm.data_ptr() : nullptr, positions.data_ptr<int64_t>(),
+                            m.inv_freq.data_ptr<float>(), write_rows, q.data_ptr(), cache_->k[i].data_ptr(),
+                            cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
+      cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
+                            ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st);
+      at::Tensor o = at::linear(attn, l.o_w, l.o_b);
+      if (g.lora) Lora(groups_[i][1], attn, slot_attn, t, o, false, st);
+      cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), x.data_ptr(), l.post_norm.data_ptr(), h.data_ptr(), R,
+                    x.size(1), eps, st);
+      at::Tensor gate_up = at::linear(h, l.gate_up_w);
+      if (g.lora) Lora(groups_[i][2], h, slot_mlp, t, gate_up, false, st);
+      cuda::SiluMul(bf16_, gate_up.data_ptr(), act.data_ptr(), R, m.inter, st);
+      pending = at::linear(act, l.down_w);
+      if (g.lora) Lora(groups_[i][3], act, slot_mlp, t, pending, false, st);
+    }
+    cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr, x.data_ptr(),
+                  m.norm.data_ptr(), h.data_ptr(), R, x.size(1), eps, st);
+    at::Tensor logits = at::linear(h, m.lm_head).to(at::kFloat);
+    if (g.lora && head_.defined()) Lora(head_group_, h, slot_head, t, logits, true, st);
+    return logits;
+  }
+
+  std::shared_ptr<const Transformer> model_;
+  const SlotBank* bank_;
+  KvCache* cache_;
+  int64_t block_size_, scratch_row_;
+  bool bf16_;
+  std::vector<bool> stale_;
+  decltype(at::cuda::graph_pool_handle()) pool_;
+  std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down
+  LoraGroup head_group_;
+  at::Tensor head_;  // defined when lm_head has a LoRA target
+  bool has_lora_ = false;
+  std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Graph>> graphs_;
+};
+
+bool Supported(const Transformer& model) {
+  if (!model.device().is_cuda()) return false;
+  if (model.dtype() != at::kBFloat16 && model.dtype() != at::kFloat) return false;
+  const auto& m = model.weights();
+  if (m.head_dim != 32 && m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) return false;
+  if (m.kv_heads <= 0 || m.heads % m.kv_heads != 0) return false;
+  const char* env = std::getenv("LOOM_CUDA_GRAPHS");
+  return !(env && std::string(env) == "0");
+}
+
+}  // namespace
+
+std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank,
+                                           KvCache* cache, int64_t block_size, int64_t scratch_row) {
+  if (!model || !cache || !Supported(*model)) return nullptr;
+  return std::make_unique<CudaFastDecode>(std::move(model), bank, cache, block_size, scratch_row);
+}
+
+}  // namespace loom::engine

@@ -1,0 +1,59 @@
+// FastDecode: the sampler's decode step as one replayed CUDA graph of fused
+// kernels (engine/model/cuda), instead of ~70 eager libtorch ops per layer.
+// It computes what Transformer::ForwardCached + Logits compute for a decode
+// batch (same op order, rounding to the model dtype where the eager path
+// rounds); only where the eager path runs a matmul in fp32 on fp32 LoRA
+// factors, it uses factors rounded to the model dtype (a bf16 mirror of the
+// sampler's SlotBank, refreshed per slot when an adapter loads).
+//
+// Per-row adapters are applied BGMV-style: each row reads its own slot's
+// factors (rows of one adapter hit them in L2), so a step with 8 distinct
+// adapters costs the same launches as a step with one.
+//
+// Graphs are keyed by (batch bucket, block-table width bucket, with LoRA or
+// not): a step of S rows replays the graph of the next power of two >= S, its
+// padding rows write to a scratch KV row that no sequence owns.
+//
+// Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
+// fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off.
+// Elsewhere MakeFastDecode returns nullptr and the sampler stays eager.
+//
+// Threading: the sampler's decode thread only.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "engine/lora/slot_bank.h"
+#include "engine/model/cached_batch.h"
+#include "engine/model/transformer.h"
+
+namespace loom::engine {
+
+// One decode step, host side: per row the new token, its position, the KV
+// row it is written to, the context length including it, its block table
+// and its sampler slot (-1 = base).
+struct DecodeStep {
+  std::vector<int64_t> tokens, positions, write_rows;
+  std::vector<int32_t> ctx_len;
+  std::vector<const std::vector<int>*> tables;
+  std::vector<int> slots;
+};
+
+class FastDecode {
+ public:
+  virtual ~FastDecode() = default;
+  // Logits [rows, vocab] fp32 (valid until the next call), or an undefined
+  // tensor when this step cannot take the fast path (the caller runs eager).
+  virtual at::Tensor Decode(const DecodeStep& step) = 0;
+  // Slot s of the bank was rebound or loaded: refresh its mirror before use.
+  virtual void SlotChanged(int s) = 0;
+};
+
+// scratch_row: a KV row (in every layer's pools) that no sequence uses.
+std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank,
+                                           KvCache* cache, int64_t block_size, int64_t scratch_row);
+
+}  // namespace loom::engine
