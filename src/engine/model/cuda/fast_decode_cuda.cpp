@@ -235,7 +235,8 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor q = at::empty({R, H * hd}, x.options());
     at::Tensor attn = at::empty({R, H * hd}, x.options());
     at::Tensor act = at::empty({R, m.inter}, x.options());
-    at::Tensor t = g.lora ? at::empty({R, 3 * bank_->max_rank()}, x.options().dtype(at::kFloat))  // widest group: q, k, v : at::Tensor();
+    // LoRA shrink output, as wide as the widest group (q, k, v: 3 ranks).
+    at::Tensor t = g.lora ? at::empty({R, 3 * bank_->max_rank()}, x.options().dtype(at::kFloat)) : at::Tensor();
     at::Tensor pending;  // the previous layer's MLP output, not yet added to x
     for (size_t i = 0; i < m.layers.size(); ++i) {
       const auto& l = m.layers[i];
