@@ -76,7 +76,7 @@ struct Timing {
 };
 
 Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::string>& adapters, const Options& o,
-                        uint32_t seed) {
+                        uint32_t seed, int max_tokens) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(s.info().vocab_size) - 2);
   std::vector<std::future<Result<SampleOutput>>> futures;
@@ -86,7 +86,7 @@ Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::st
     SampleCall c;
     for (int i = 0; i < o.prompt_len; ++i) c.prompt.push_back(tok(rng));
     c.adapter_dir = adapters.empty() ? "" : adapters[b % adapters.size()];
-    c.params.max_tokens = o.new_tokens;
+    c.params.max_tokens = max_tokens;
     c.params.temperature = 1.0;
     c.params.seed = seed + b;
     auto p = std::make_shared<std::promise<Result<SampleOutput>>>();
@@ -150,20 +150,27 @@ int Run(const Options& o) {
               o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
               bf16 ? "bf16" : "fp32", weight_bytes / 1e6, o.prompt_len, o.new_tokens, o.rank);
   if (cuda) std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms\n", weight_bytes / 4.3e12 * 1e3);
-  std::printf("%-10s %6s %12s %12s %14s\n", "adapters", "batch", "tokens/s", "ms/step", "vs base");
+  // ms/step: wall time over decode steps, the prompt's prefill included;
+  // decode ms: one decode step alone, from the same run minus a run that
+  // stops after the first token (prefill + sampling of token 1).
+  std::printf("%-10s %6s %12s %12s %12s %14s\n", "adapters", "batch", "tokens/s", "ms/step", "decode ms", "vs base");
   const std::vector<std::pair<std::string, int>> configs = {{"base", 0}, {"1", 1}, {"8", 8}};
   for (int batch : o.batches) {
     double base_tps = 0;
     for (const auto& [name, n] : configs) {
       std::vector<std::string> use(adapters.begin(), adapters.begin() + n);
-      if (auto warm = RunBatch(s, batch, use, o, 7); !warm.ok())
+      if (auto warm = RunBatch(s, batch, use, o, 7, o.new_tokens); !warm.ok())
         return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
-      auto t = RunBatch(s, batch, use, o, 1000);
+      auto t = RunBatch(s, batch, use, o, 1000, o.new_tokens);
       if (!t.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", t.status().message().c_str()), 1;
+      auto first = RunBatch(s, batch, use, o, 1000, 1);
+      if (!first.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", first.status().message().c_str()), 1;
       const double tps = t->tokens / t->seconds;
+      const int64_t more_steps = t->steps - first->steps;
+      const double decode_ms = more_steps > 0 ? (t->seconds - first->seconds) * 1e3 / more_steps : 0.0;
       if (n == 0) base_tps = tps;
-      std::printf("%-10s %6d %12.1f %12.3f %13.2fx\n", name.c_str(), batch, tps,
-                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0, base_tps > 0 ? tps / base_tps : 0.0);
+      std::printf("%-10s %6d %12.1f %12.3f %12.3f %13.2fx\n", name.c_str(), batch, tps,
+                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0, decode_ms, base_tps > 0 ? tps / base_tps : 0.0);
       std::fflush(stdout);
     }
   }

@@ -19,43 +19,66 @@ double UniformDraw(uint64_t seed, uint64_t sample_index, uint64_t step) {
   return static_cast<double>(h >> 11) * (1.0 / 9007199254740992.0);
 }
 
-Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams>& rows) {
-  const int64_t S = logits.size(0), V = logits.size(1);
+namespace {
+
+// Inverse-CDF draws for the rows idx of logits, written into chosen. With
+// truncation (some row has top-k or top-p), over the tokens sorted by
+// probability; without, over token-id order, which needs no sort of the
+// vocabulary (the expensive part of a decode step at batch 64).
+void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const std::vector<RowChoiceParams>& rows,
+          bool truncated, at::Tensor& chosen) {
+  if (rows_idx.empty()) return;
+  const int64_t V = logits.size(1), n = static_cast<int64_t>(rows_idx.size());
   const auto cpu_long = at::TensorOptions().dtype(at::kLong);
   const auto cpu_f = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor chosen = logits.argmax(-1);  // greedy for every row; stochastic rows overwritten below
-
-  std::vector<int64_t> stoch;
-  for (int64_t r = 0; r < S; ++r)
-    if (rows[r].temperature > 0) stoch.push_back(r);
-  if (!stoch.empty()) {
-    const int64_t n = static_cast<int64_t>(stoch.size());
-    std::vector<float> inv_t(n), top_p(n), u(n);
-    std::vector<int64_t> top_k(n);
-    for (int64_t i = 0; i < n; ++i) {
-      const RowChoiceParams& p = rows[stoch[i]];
-      inv_t[i] = static_cast<float>(1.0 / p.temperature);
-      top_k[i] = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
-      top_p[i] = static_cast<float>(p.top_p);
-      u[i] = static_cast<float>(p.u);
-    }
-    const at::Device dev = logits.device();
-    const at::Tensor idx = at::tensor(stoch, cpu_long).to(dev);
-    const at::Tensor scaled = logits.index_select(0, idx) * at::tensor(inv_t, cpu_f).to(dev).unsqueeze(1);
-    at::Tensor sorted, order;
-    std::tie(sorted, order) = at::sort(scaled, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
-    const at::Tensor probs = at::softmax(sorted, -1);
-    const at::Tensor rank = at::arange(V, cpu_long.device(dev)).unsqueeze(0);
-    at::Tensor keep = rank < at::tensor(top_k, cpu_long).to(dev).unsqueeze(1);
-    const at::Tensor before = at::cumsum(probs, -1) - probs;  // mass of the more likely tokens
-    keep = keep.logical_and(before < at::tensor(top_p, cpu_f).to(dev).unsqueeze(1));
-    keep.select(1, 0).fill_(true);
-    const at::Tensor cdf = at::cumsum(probs * keep.to(at::kFloat), -1);
-    const at::Tensor threshold = at::tensor(u, cpu_f).to(dev) * cdf.select(1, V - 1);
-    at::Tensor pick = (cdf <= threshold.unsqueeze(1)).sum(-1);
-    pick = at::minimum(pick, keep.sum(-1) - 1);
-    chosen.index_copy_(0, idx, order.gather(1, pick.unsqueeze(1)).squeeze(1));
+  std::vector<float> inv_t(n), top_p(n), u(n);
+  std::vector<int64_t> top_k(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const RowChoiceParams& p = rows[rows_idx[i]];
+    inv_t[i] = static_cast<float>(1.0 / p.temperature);
+    top_k[i] = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
+    top_p[i] = static_cast<float>(p.top_p);
+    u[i] = static_cast<float>(p.u);
   }
+  const at::Device dev = logits.device();
+  const at::Tensor idx = at::tensor(rows_idx, cpu_long).to(dev);
+  const at::Tensor scaled = logits.index_select(0, idx) * at::tensor(inv_t, cpu_f).to(dev).unsqueeze(1);
+  const at::Tensor uu = at::tensor(u, cpu_f).to(dev);
+  if (!truncated) {
+    const at::Tensor cdf = at::cumsum(at::softmax(scaled, -1), -1);
+    const at::Tensor pick = at::clamp_max((cdf <= (uu * cdf.select(1, V - 1)).unsqueeze(1)).sum(-1), V - 1);
+    chosen.index_copy_(0, idx, pick);
+    return;
+  }
+  at::Tensor sorted, order;
+  std::tie(sorted, order) = at::sort(scaled, /*stable=*/true, /*dim=*/-1, /*descending=*/true);
+  const at::Tensor probs = at::softmax(sorted, -1);
+  const at::Tensor rank = at::arange(V, cpu_long.device(dev)).unsqueeze(0);
+  at::Tensor keep = rank < at::tensor(top_k, cpu_long).to(dev).unsqueeze(1);
+  const at::Tensor before = at::cumsum(probs, -1) - probs;  // mass of the more likely tokens
+  keep = keep.logical_and(before < at::tensor(top_p, cpu_f).to(dev).unsqueeze(1));
+  keep.select(1, 0).fill_(true);
+  const at::Tensor cdf = at::cumsum(probs * keep.to(at::kFloat), -1);
+  const at::Tensor threshold = uu * cdf.select(1, V - 1);
+  at::Tensor pick = (cdf <= threshold.unsqueeze(1)).sum(-1);
+  pick = at::minimum(pick, keep.sum(-1) - 1);
+  chosen.index_copy_(0, idx, order.gather(1, pick.unsqueeze(1)).squeeze(1));
+}
+
+}  // namespace
+
+Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams>& rows) {
+  const int64_t S = logits.size(0), V = logits.size(1);
+  at::Tensor chosen = logits.argmax(-1);  // greedy for every row; stochastic rows overwritten below
+  std::vector<int64_t> plain, truncated;
+  for (int64_t r = 0; r < S; ++r) {
+    const RowChoiceParams& p = rows[r];
+    if (!(p.temperature > 0)) continue;
+    const bool cut = (p.top_k > 0 && p.top_k < V) || p.top_p < 1.0;
+    (cut ? truncated : plain).push_back(r);
+  }
+  Draw(logits, plain, rows, /*truncated=*/false, chosen);
+  Draw(logits, truncated, rows, /*truncated=*/true, chosen);
   const at::Tensor lp = at::log_softmax(logits, -1).gather(1, chosen.unsqueeze(1)).squeeze(1);
   const at::Tensor tok_cpu = chosen.to(at::kCPU).contiguous();
   const at::Tensor lp_cpu = lp.to(at::kCPU).contiguous();

@@ -31,9 +31,11 @@ struct Choices {
 };
 
 // logits [S, V] fp32, one RowChoiceParams per row. Inverse-CDF sampling
-// over the tokens sorted by probability (stable: ties keep id order),
-// after temperature scaling, then top-k, then top-p (the smallest prefix
-// whose mass reaches top_p; the most likely token is always kept).
+// after temperature scaling. Rows with top-k or top-p draw over the tokens
+// sorted by probability (stable: ties keep id order), after top-k, then
+// top-p (the smallest prefix whose mass reaches top_p; the most likely token
+// is always kept); rows without truncation draw over token-id order (the
+// same distribution, no sort of the vocabulary).
 Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams>& rows);
 
 }  // namespace loom::engine::sample

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "engine/model/cuda/kernels.h"
 
@@ -166,26 +167,75 @@ __global__ void SiluMulKernel(const T* gate_up, T* out, int64_t rows, int64_t in
 }
 
 constexpr int kShrinkWarps = 8;
+constexpr int kRowTile = 8;  // rows of one LoRA block; rows of one slot share its factor loads
 
-// Grid (rows, ceil(r_total / kShrinkWarps)); one warp per output column.
-template <typename T>
+// Loads V consecutive T into fp32 (one 16-byte load when V * sizeof(T) == 16;
+// the caller guarantees alignment then).
+template <typename T, int V>
+__device__ __forceinline__ void LoadV(const T* p, float* out) {
+  if constexpr (V * sizeof(T) == 16) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = ToF(e[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = ToF(p[k]);
+  }
+}
+
+// The tile rows [q] not yet handled whose slot equals that of row k
+// (uniform across the block: it depends on slot[] only).
+__device__ __forceinline__ unsigned SameSlot(const int32_t* slot, int64_t r0, int n, int k, unsigned done) {
+  unsigned members = 0;
+  const int sl = slot[r0 + k];
+  for (int q = k; q < n; ++q)
+    if (!((done >> q) & 1u) && slot[r0 + q] == sl) members |= 1u << q;
+  return members;
+}
+
+// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkWarps)); one warp per
+// output column j, for the tile's rows: each run of rows with one slot reads
+// that slot's A row once and every row's x against it.
+template <typename T, int V>
 __global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
-                                 float* t, int64_t d_in, int64_t r_total) {
-  const int64_t s = blockIdx.x;
+                                 float* t, int64_t rows, int64_t d_in, int64_t r_total) {
   const int lane = threadIdx.x & 31;
   const int64_t j = static_cast<int64_t>(blockIdx.y) * kShrinkWarps + (threadIdx.x >> 5);
   if (j >= r_total) return;
-  const int sl = slot[s];
-  if (sl < 0) {
-    if (lane == 0) t[s * r_total + j] = 0.0f;
-    return;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  unsigned done = 0;
+  for (int k = 0; k < n; ++k) {
+    if ((done >> k) & 1u) continue;
+    const unsigned members = SameSlot(slot, r0, n, k, done);
+    done |= members;
+    const int sl = slot[r0 + k];
+    float acc[kRowTile];
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q) acc[q] = 0.0f;
+    if (sl >= 0) {
+      const T* a = A + (static_cast<int64_t>(sl) * r_total + j) * d_in;
+      for (int64_t i = static_cast<int64_t>(lane) * V; i < d_in; i += 32 * V) {
+        float av[V];
+        LoadV<T, V>(a + i, av);
+#pragma unroll
+        for (int q = 0; q < kRowTile; ++q) {
+          if (q >= n || !((members >> q) & 1u)) continue;
+          float xv[V];
+          LoadV<T, V>(x + (r0 + q) * ldx + i, xv);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[q] += av[v] * xv[v];
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q) {
+      if (q >= n || !((members >> q) & 1u)) continue;
+      const float d = WarpSum(acc[q]);
+      if (lane == 0) t[(r0 + q) * r_total + j] = sl >= 0 ? d * scale[sl] : 0.0f;
+    }
   }
-  const T* a = A + (static_cast<int64_t>(sl) * r_total + j) * d_in;
-  const T* xr = x + s * ldx;
-  float d = 0.0f;
-  for (int64_t i = lane; i < d_in; i += 32) d += ToF(xr[i]) * ToF(a[i]);
-  d = WarpSum(d);
-  if (lane == 0) t[s * r_total + j] = d * scale[sl];
 }
 
 struct Segments {
@@ -193,31 +243,59 @@ struct Segments {
   int n;
 };
 
-// Grid (rows, ceil(d_total / 256)); one thread per output column.
-template <typename T>
+// Grid (ceil(rows / tile), ceil(d_total / 256)); one thread per output
+// column c, for the tile's rows (their t in shared memory): each run of rows
+// with one slot reads that slot's B row once.
+template <typename T, int V>
 __global__ void LoraExpandKernel(const float* t, int64_t r_total, const T* B, int64_t rank, const int32_t* slot,
-                                 void* y, bool y_f32, int64_t ldy, int64_t d_total, Segments segs) {
-  extern __shared__ float ts[];  // r_total
-  const int64_t s = blockIdx.x;
-  const int sl = slot[s];
-  if (sl < 0) return;  // the whole block: no synchronisation skipped by half of it
-  for (int64_t i = threadIdx.x; i < r_total; i += blockDim.x) ts[i] = t[s * r_total + i];
+                                 void* y, bool y_f32, int64_t ldy, int64_t rows, int tile, int64_t d_total,
+                                 Segments segs) {
+  extern __shared__ float ts[];  // [tile, r_total]
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * tile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(tile), rows - r0));
+  for (int64_t i = threadIdx.x; i < n * r_total; i += blockDim.x) ts[i] = t[r0 * r_total + i];
   __syncthreads();
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= d_total) return;
   int seg = 0;
   while (seg + 1 < segs.n && c >= segs.end[seg]) ++seg;
-  const T* b = B + (static_cast<int64_t>(sl) * d_total + c) * rank;
-  const float* tr = ts + seg * rank;
-  float acc = 0.0f;
-  for (int64_t r = 0; r < rank; ++r) acc += ToF(b[r]) * tr[r];
-  if (y_f32) {
-    static_cast<float*>(y)[s * ldy + c] += acc;
-  } else {
-    T* yy = static_cast<T*>(y) + s * ldy + c;
-    *yy = FromF<T>(ToF(*yy) + Round<T>(acc));
+  unsigned done = 0;
+  for (int k = 0; k < n; ++k) {
+    if ((done >> k) & 1u) continue;
+    const unsigned members = SameSlot(slot, r0, n, k, done);
+    done |= members;
+    const int sl = slot[r0 + k];
+    if (sl < 0) continue;  // base rows: y stays
+    const T* b = B + (static_cast<int64_t>(sl) * d_total + c) * rank;
+    float acc[kRowTile];
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q) acc[q] = 0.0f;
+    for (int64_t r = 0; r < rank; r += V) {
+      float bv[V];
+      LoadV<T, V>(b + r, bv);
+#pragma unroll
+      for (int q = 0; q < kRowTile; ++q) {
+        if (q >= n || !((members >> q) & 1u)) continue;
+        const float* tq = ts + q * r_total + seg * rank + r;
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[q] += bv[v] * tq[v];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q) {
+      if (q >= n || !((members >> q) & 1u)) continue;
+      const int64_t at = (r0 + q) * ldy + c;
+      if (y_f32) {
+        static_cast<float*>(y)[at] += acc[q];
+      } else {
+        T* yy = static_cast<T*>(y) + at;
+        *yy = FromF<T>(ToF(*yy) + Round<T>(acc[q]));
+      }
+    }
   }
 }
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 unsigned Blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 
@@ -319,16 +397,45 @@ void SiluMul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t in
   }
 }
 
+template <typename T>
+void ShrinkFor(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
+               int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkWarps)), block(32 * kShrinkWarps);
+  const T* xt = static_cast<const T*>(x);
+  const T* at = static_cast<const T*>(A);
+  if (d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A)) {
+    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+  } else {
+    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+  }
+}
+
 void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                 float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
   if (rows <= 0) return;
-  const dim3 grid(static_cast<unsigned>(rows), Blocks(r_total, kShrinkWarps)), block(32 * kShrinkWarps);
   if (bf16) {
-    LoraShrinkKernel<bf16_t><<<grid, block, 0, stream>>>(static_cast<const bf16_t*>(x), ldx,
-                                                         static_cast<const bf16_t*>(A), slot, scale, t, d_in, r_total);
+    ShrinkFor<bf16_t>(x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
   } else {
-    LoraShrinkKernel<float><<<grid, block, 0, stream>>>(static_cast<const float*>(x), ldx,
-                                                        static_cast<const float*>(A), slot, scale, t, d_in, r_total);
+    ShrinkFor<float>(x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
+  }
+}
+
+template <typename T>
+void ExpandFor(const float* t, int64_t r_total, const void* B, int64_t rank, const int32_t* slot, void* y,
+               bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const Segments& sg, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  // Rows per block: up to kRowTile, with their t at most 32 KiB of shared memory.
+  const int tile = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowTile, 8192 / r_total)));
+  const dim3 grid(Blocks(rows, tile), Blocks(d_total, 256)), block(256);
+  const size_t shared = static_cast<size_t>(tile * r_total) * sizeof(float);
+  const T* bt = static_cast<const T*>(B);
+  if (rank % V == 0 && Aligned16(B)) {
+    LoraExpandKernel<T, V><<<grid, block, shared, stream>>>(t, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
+                                                           d_total, sg);
+  } else {
+    LoraExpandKernel<T, 1><<<grid, block, shared, stream>>>(t, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
+                                                           d_total, sg);
   }
 }
 
@@ -339,14 +446,10 @@ void LoraExpand(bool bf16, const float* t, int64_t r_total, const void* B, int64
   Segments sg{};
   sg.n = segs < 1 ? 1 : (segs > 4 ? 4 : segs);
   for (int i = 0; i < sg.n; ++i) sg.end[i] = seg_end[i];
-  const dim3 grid(static_cast<unsigned>(rows), Blocks(d_total, 256)), block(256);
-  const size_t shared = static_cast<size_t>(r_total) * sizeof(float);
   if (bf16) {
-    LoraExpandKernel<bf16_t><<<grid, block, shared, stream>>>(t, r_total, static_cast<const bf16_t*>(B), rank, slot, y,
-                                                              y_f32, ldy, d_total, sg);
+    ExpandFor<bf16_t>(t, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
   } else {
-    LoraExpandKernel<float><<<grid, block, shared, stream>>>(t, r_total, static_cast<const float*>(B), rank, slot, y,
-                                                             y_f32, ldy, d_total, sg);
+    ExpandFor<float>(t, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
   }
 }
 
