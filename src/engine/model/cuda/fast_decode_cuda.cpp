@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -211,8 +212,9 @@ class CudaFastDecode final : public FastDecode {
     const int64_t rows = x.size(0);
     cuda::LoraShrink(bf16_, x.data_ptr(), x.stride(0), g.A.data_ptr(), slot, bank_->scales().data_ptr<float>(),
                      t.data_ptr<float>(), rows, g.d_in, g.r_total, st);
-    cuda::LoraExpand(bf16_, t.data_ptr<float>(), g.r_total, g.B.data_ptr(), bank_->max_rank(), slot, y.data_ptr(),
-                     y_f32, y.stride(0), rows, g.d_total, g.seg_end.data(), static_cast<int>(g.seg_end.size()), st);
+    cuda::LoraExpand(bf16_, t.data_ptr<float>(), cuda::LoraSplits(bf16_, g.d_in), g.r_total, g.B.data_ptr(),
+                     bank_->max_rank(), slot, y.data_ptr(), y_f32, y.stride(0), rows, g.d_total, g.seg_end.data(),
+                     static_cast<int>(g.seg_end.size()), st);
   }
 
   // The decode forward over g's static inputs; returns logits [rows, vocab] fp32.
@@ -235,8 +237,11 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor q = at::empty({R, H * hd}, x.options());
     at::Tensor attn = at::empty({R, H * hd}, x.options());
     at::Tensor act = at::empty({R, m.inter}, x.options());
-    // LoRA shrink output, as wide as the widest group (q, k, v: 3 ranks).
-    at::Tensor t = g.lora ? at::empty({R, 3 * bank_->max_rank()}, x.options().dtype(at::kFloat)) : at::Tensor();
+    // LoRA shrink partials, for the widest group (q, k, v: 3 ranks) and the
+    // longest input (the down projection's).
+    const int64_t splits = cuda::LoraSplits(bf16_, std::max(m.inter, std::max(x.size(1), H * hd)));
+    at::Tensor t =
+        g.lora ? at::empty({splits * R * 3 * bank_->max_rank()}, x.options().dtype(at::kFloat)) : at::Tensor();
     at::Tensor pending;  // the previous layer's MLP output, not yet added to x
     for (size_t i = 0; i < m.layers.size(); ++i) {
       const auto& l = m.layers[i];

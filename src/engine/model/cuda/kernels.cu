@@ -102,6 +102,7 @@ __global__ void QkNormRopeKernel(const T* qkv, const T* q_norm, const T* k_norm,
 }
 
 constexpr int kAttnWarps = 8;
+constexpr int kAttnBatch = 4;
 
 // Grid (rows, heads), kAttnWarps warps. Each warp walks every kAttnWarps-th
 // context token with an online softmax; the warps are merged at the end.
@@ -122,16 +123,37 @@ __global__ void DecodeAttentionKernel(const T* q, const T* k_pool, const T* v_po
   }
   float m = -INFINITY, l = 0.0f;
   const int n = ctx_len[s];
-  for (int t = warp; t < n; t += kAttnWarps) {
-    const int64_t row = static_cast<int64_t>(table[s * table_stride + t / block_size]) * block_size + t % block_size;
-    const int64_t off = (row * kv_heads + kvh) * hd + lane * E;
-    float d = 0.0f;
-    for (int e = 0; e < E; ++e) d += qv[e] * ToF(k_pool[off + e]);
-    d = WarpSum(d) * scale;
-    const float m_new = fmaxf(m, d);
-    const float corr = expf(m - m_new), p = expf(d - m_new);
-    l = l * corr + p;
-    for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * ToF(v_pool[off + e]);
+  // kAttnBatch tokens per warp step, their loads issued together (a decode
+  // step is latency-bound: few rows, short contexts).
+  for (int t0 = warp * kAttnBatch; t0 < n; t0 += kAttnWarps * kAttnBatch) {
+    int64_t off[kAttnBatch];
+    float d[kAttnBatch];
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      const int t = min(t0 + b, n - 1);  // past the end: a valid row, masked below
+      const int64_t row = static_cast<int64_t>(table[s * table_stride + t / block_size]) * block_size + t % block_size;
+      off[b] = (row * kv_heads + kvh) * hd + lane * E;
+      d[b] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) d[b] += qv[e] * ToF(k_pool[off[b] + e]);
+    }
+    float m_new = m;
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      d[b] = t0 + b < n ? WarpSum(d[b]) * scale : -INFINITY;
+      m_new = fmaxf(m_new, d[b]);
+    }
+    const float corr = expf(m - m_new);
+    l *= corr;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] *= corr;
+#pragma unroll
+    for (int b = 0; b < kAttnBatch; ++b) {
+      const float p = expf(d[b] - m_new);  // 0 for masked tokens
+      l += p;
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] += p * ToF(v_pool[off[b] + e]);
+    }
     m = m_new;
   }
   if (lane == 0) {
@@ -194,15 +216,20 @@ __device__ __forceinline__ unsigned SameSlot(const int32_t* slot, int64_t r0, in
   return members;
 }
 
-// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkWarps)); one warp per
-// output column j, for the tile's rows: each run of rows with one slot reads
-// that slot's A row once and every row's x against it.
+// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkWarps), splits); one
+// warp per output column j and split z of d_in (chunk elements each), for
+// the tile's rows: each run of rows with one slot reads that slot's A
+// once and every row's x against it. Split z writes its partial sums to
+// t[z] ([splits, rows, r_total]); the expand kernel adds the splits (in a
+// fixed order: results do not depend on scheduling).
 template <typename T, int V>
 __global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
-                                 float* t, int64_t rows, int64_t d_in, int64_t r_total) {
+                                 float* t, int64_t rows, int64_t d_in, int64_t r_total, int64_t chunk) {
   const int lane = threadIdx.x & 31;
   const int64_t j = static_cast<int64_t>(blockIdx.y) * kShrinkWarps + (threadIdx.x >> 5);
   if (j >= r_total) return;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.z) * chunk, k1 = min(d_in, k0 + chunk);
+  t += static_cast<int64_t>(blockIdx.z) * rows * r_total;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile;
   const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
   unsigned done = 0;
@@ -216,7 +243,7 @@ __global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int3
     for (int q = 0; q < kRowTile; ++q) acc[q] = 0.0f;
     if (sl >= 0) {
       const T* a = A + (static_cast<int64_t>(sl) * r_total + j) * d_in;
-      for (int64_t i = static_cast<int64_t>(lane) * V; i < d_in; i += 32 * V) {
+      for (int64_t i = k0 + static_cast<int64_t>(lane) * V; i < k1; i += 32 * V) {
         float av[V];
         LoadV<T, V>(a + i, av);
 #pragma unroll
@@ -247,13 +274,17 @@ struct Segments {
 // column c, for the tile's rows (their t in shared memory): each run of rows
 // with one slot reads that slot's B row once.
 template <typename T, int V>
-__global__ void LoraExpandKernel(const float* t, int64_t r_total, const T* B, int64_t rank, const int32_t* slot,
-                                 void* y, bool y_f32, int64_t ldy, int64_t rows, int tile, int64_t d_total,
-                                 Segments segs) {
-  extern __shared__ float ts[];  // [tile, r_total]
+__global__ void LoraExpandKernel(const float* t, int splits, int64_t r_total, const T* B, int64_t rank,
+                                 const int32_t* slot, void* y, bool y_f32, int64_t ldy, int64_t rows, int tile,
+                                 int64_t d_total, Segments segs) {
+  extern __shared__ float ts[];  // [tile, r_total]: the shrink's splits summed
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * tile;
   const int n = static_cast<int>(min(static_cast<int64_t>(tile), rows - r0));
-  for (int64_t i = threadIdx.x; i < n * r_total; i += blockDim.x) ts[i] = t[r0 * r_total + i];
+  for (int64_t i = threadIdx.x; i < n * r_total; i += blockDim.x) {
+    float sum = 0.0f;
+    for (int z = 0; z < splits; ++z) sum += t[(z * rows + r0) * r_total + i];
+    ts[i] = sum;
+  }
   __syncthreads();
   const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (c >= d_total) return;
@@ -397,19 +428,26 @@ void SiluMul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t in
   }
 }
 
+// d_in elements per split: two 16-byte loads per lane.
+int64_t SplitChunk(bool bf16) { return 32 * 2 * (bf16 ? 8 : 4); }
+
 template <typename T>
 void ShrinkFor(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
                int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkWarps)), block(32 * kShrinkWarps);
+  const int64_t chunk = SplitChunk(sizeof(T) == 2);
+  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkWarps), Blocks(d_in, static_cast<int>(chunk)));
+  const dim3 block(32 * kShrinkWarps);
   const T* xt = static_cast<const T*>(x);
   const T* at = static_cast<const T*>(A);
   if (d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A)) {
-    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, chunk);
   } else {
-    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, chunk);
   }
 }
+
+int LoraSplits(bool bf16, int64_t d_in) { return static_cast<int>((d_in + SplitChunk(bf16) - 1) / SplitChunk(bf16)); }
 
 void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                 float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
@@ -422,7 +460,7 @@ void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int3
 }
 
 template <typename T>
-void ExpandFor(const float* t, int64_t r_total, const void* B, int64_t rank, const int32_t* slot, void* y,
+void ExpandFor(const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot, void* y,
                bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const Segments& sg, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
   // Rows per block: up to kRowTile, with their t at most 32 KiB of shared memory.
@@ -431,15 +469,15 @@ void ExpandFor(const float* t, int64_t r_total, const void* B, int64_t rank, con
   const size_t shared = static_cast<size_t>(tile * r_total) * sizeof(float);
   const T* bt = static_cast<const T*>(B);
   if (rank % V == 0 && Aligned16(B)) {
-    LoraExpandKernel<T, V><<<grid, block, shared, stream>>>(t, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
+    LoraExpandKernel<T, V><<<grid, block, shared, stream>>>(t, splits, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
                                                            d_total, sg);
   } else {
-    LoraExpandKernel<T, 1><<<grid, block, shared, stream>>>(t, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
+    LoraExpandKernel<T, 1><<<grid, block, shared, stream>>>(t, splits, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
                                                            d_total, sg);
   }
 }
 
-void LoraExpand(bool bf16, const float* t, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
+void LoraExpand(bool bf16, const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
                 void* y, bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const int64_t* seg_end, int segs,
                 cudaStream_t stream) {
   if (rows <= 0) return;
@@ -447,9 +485,9 @@ void LoraExpand(bool bf16, const float* t, int64_t r_total, const void* B, int64
   sg.n = segs < 1 ? 1 : (segs > 4 ? 4 : segs);
   for (int i = 0; i < sg.n; ++i) sg.end[i] = seg_end[i];
   if (bf16) {
-    ExpandFor<bf16_t>(t, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
+    ExpandFor<bf16_t>(t, splits, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
   } else {
-    ExpandFor<float>(t, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
+    ExpandFor<float>(t, splits, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
   }
 }
 

@@ -47,16 +47,20 @@ void SiluMul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t in
 // LoRA "shrink" for rows with their own adapter slot (BGMV):
 // t[s, j] = scale[slot[s]] * dot(x[s, :d_in], A[slot[s], j, :]) in fp32,
 // j < r_total; rows with slot[s] < 0 get 0. x [rows, d_in] (row stride
-// ldx), A [slots, r_total, d_in], both T.
+// ldx), A [slots, r_total, d_in], both T. The dot products are split over
+// LoraSplits(bf16, d_in) parts of d_in (parallelism for a few rows): t is
+// [splits, rows, r_total] partial sums, added up by LoraExpand.
+int LoraSplits(bool bf16, int64_t d_in);
 void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                 float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream);
 
 // LoRA "expand", added in place: y[s, c] += dot(B[slot[s], c, :rank], t[s, seg(c) * rank + :rank])
+// with t the sum of the shrink's `splits` partials
 // for c < d_total, where output column c belongs to segment seg(c) (the
 // targets stacked on the output axis, boundaries seg_end[0..segs)). The
 // delta is rounded to T before the add when y is T (as the eager path casts
 // it); y_f32 selects an fp32 y (the logits). Rows with slot < 0 are left.
-void LoraExpand(bool bf16, const float* t, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
+void LoraExpand(bool bf16, const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
                 void* y, bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const int64_t* seg_end, int segs,
                 cudaStream_t stream);
 
