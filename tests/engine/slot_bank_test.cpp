@@ -1,5 +1,6 @@
-// SlotBank: initialisation, routing of the segment-form delta, and isolation
-// of gradients between slots.
+// SlotBank: initialisation, the three forms of the delta (segment, routed,
+// grouped) and the rule choosing between them, and isolation of gradients
+// between slots.
 #include "engine/lora/slot_bank.h"
 
 #include <ATen/ATen.h>
@@ -189,7 +190,7 @@ TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
     at::manual_seed(11);
     for (int s : {0, 1, 2, 3}) RandomiseB(bank, s);
     // On the CPU the routed form is chosen only while U * R stays small.
-    EXPECT_TRUE(bank.PreferRouted(TargetGroup::kAttn, seg_begin, seg_slot));  // 3 slots x rank 4
+    EXPECT_EQ(bank.ChooseForm(TargetGroup::kAttn, seg_begin, seg_slot), LoraForm::kRouted);  // 3 slots x rank 4
     SlotBank wide(40, 4, at::kCPU, SmallTargets());
     for (int s = 0; s < 17; ++s) ASSERT_TRUE(wide.Bind(s, Config(4, 8.0, 1 + s)).ok());
     std::vector<int64_t> wide_begin;
@@ -199,7 +200,7 @@ TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
       wide_slot.push_back(s);
     }
     wide_begin.push_back(17);
-    EXPECT_FALSE(wide.PreferRouted(TargetGroup::kAttn, wide_begin, wide_slot));  // 17 x 4 > 64
+    EXPECT_EQ(wide.ChooseForm(TargetGroup::kAttn, wide_begin, wide_slot), LoraForm::kSegment);  // 17 x 4 > 64
     at::Tensor loss = at::zeros({});
     for (size_t i = 0; i < 2; ++i) {  // the attn and mlp targets
       const LoraTarget& t = bank.targets()[i];
@@ -233,6 +234,257 @@ TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
     EXPECT_GT(grads[0][i].abs().max().item<double>(), 1e-2);
     EXPECT_LT((grads[1][i] - grads[0][i]).abs().max().item<double>(), 1e-5) << "grad " << i;
   }
+}
+
+// max |got - want| relative to max |want| (want must not be zero).
+double RelErr(const at::Tensor& got, const at::Tensor& want) {
+  return (got - want).abs().max().item<double>() / want.abs().max().item<double>();
+}
+
+// A batch for the grouped form: slots with different ranks, all below the
+// bank's R = 8; slot 0 in two non-adjacent sequences; base rows (-1); slot 3
+// which trains the mlp group but not attn; an empty sequence; an unbound slot.
+struct GroupedCase {
+  std::vector<int64_t> seg_begin = {0, 5, 9, 12, 15, 19, 19, 26, 28, 30};
+  std::vector<int> seg_slot = {0, 1, -1, 0, 3, 2, 2, 4, 1};
+  int64_t T = 30;
+
+  static SlotBank MakeBank() {
+    SlotBank bank(6, 8, at::kCPU, SmallTargets());
+    EXPECT_TRUE(bank.Bind(0, Config(3, 6.0, 1)).ok());
+    EXPECT_TRUE(bank.Bind(1, Config(5, 4.0, 2)).ok());
+    EXPECT_TRUE(bank.Bind(2, Config(6, 9.0, 3)).ok());
+    LoraConfig no_attn = Config(4, 3.0, 4);
+    no_attn.train_attn = false;
+    EXPECT_TRUE(bank.Bind(3, no_attn).ok());
+    at::manual_seed(21);
+    for (int s : {0, 1, 2, 3}) RandomiseB(bank, s);
+    return bank;  // slots 4 and 5 stay unbound
+  }
+};
+
+// Values and gradients (into x, A and B) of one form over the attn and mlp
+// targets; grouped uses one routing per group, shared by its targets.
+struct FormResult {
+  std::vector<at::Tensor> out, grad_x, grad_a, grad_b;
+};
+
+FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg_begin,
+                   const std::vector<int>& seg_slot, const std::vector<at::Tensor>& xs,
+                   const std::vector<at::Tensor>& gys) {
+  FormResult r;
+  at::Tensor loss = at::zeros({});
+  std::vector<at::Tensor> leaves;
+  const LoraGroups attn = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+  const LoraGroups mlp = bank.Group(TargetGroup::kMlp, seg_begin, seg_slot);
+  for (size_t i = 0; i < 2; ++i) {  // the attn and mlp targets
+    const LoraTarget& t = bank.targets()[i];
+    at::Tensor x = xs[i].detach().clone().requires_grad_();
+    leaves.push_back(x);
+    const at::Tensor y = grouped ? bank.GroupedDelta(t, x, t.group == TargetGroup::kAttn ? attn : mlp)
+                                 : bank.Delta(t, x, seg_begin, seg_slot);
+    EXPECT_EQ(y.scalar_type(), at::kFloat);
+    r.out.push_back(y.detach());
+    loss = loss + (y * gys[i]).sum();
+  }
+  loss.backward();
+  for (size_t i = 0; i < 2; ++i) {
+    r.grad_x.push_back(leaves[i].grad().clone());
+    r.grad_a.push_back(bank.targets()[i].A.grad().clone());
+    r.grad_b.push_back(bank.targets()[i].B.grad().clone());
+  }
+  return r;
+}
+
+// The grouped form (segmented, padded bmm) against the segment form.
+TEST(SlotBank, GroupedDeltaEqualsSegmentDeltaWithGradients) {
+  at::manual_seed(17);
+  const GroupedCase c;
+  std::vector<at::Tensor> xs, gys;
+  for (const auto& [m, g, d_in, d_out] : SmallTargets()) {
+    xs.push_back(at::randn({c.T, d_in}));
+    gys.push_back(at::randn({c.T, d_out}));
+  }
+
+  // The routing: attn groups slots 0 (5 + 3 rows, Lmax = 8), 1 (4 + 2) and
+  // 2 (7); mlp also slot 3 (4 rows). Rows 9-11 (base), 26-27 (unbound) and,
+  // for attn, 15-18 (slot 3) read the zero row at U * Lmax = 24.
+  {
+    SlotBank bank = GroupedCase::MakeBank();
+    const LoraGroups attn = bank.Group(TargetGroup::kAttn, c.seg_begin, c.seg_slot);
+    ASSERT_EQ(attn.num_slots(), 3);
+    EXPECT_TRUE(at::equal(attn.slots, at::tensor(std::vector<int64_t>{0, 1, 2}, at::kLong)));
+    EXPECT_EQ(attn.max_rows, 8);
+    EXPECT_EQ(attn.rows, c.T);
+    EXPECT_TRUE(attn.base_rows);
+    // Slot 0's group is its two non-adjacent sequences; pads repeat a group's first row.
+    const std::vector<int64_t> gather = {0,  1,  2,  3,  4,  12, 13, 14,   // slot 0
+                                         5,  6,  7,  8,  28, 29, 5,  5,    // slot 1 + 2 pads
+                                         19, 20, 21, 22, 23, 24, 25, 19};  // slot 2 + 1 pad
+    EXPECT_TRUE(at::equal(attn.gather, at::tensor(gather, at::kLong))) << attn.gather;
+    ASSERT_EQ(attn.scatter.size(0), c.T);
+    for (int64_t p = 0; p < 24; ++p)  // every real padded position maps back to its row
+      if (p != 14 && p != 15 && p != 23) EXPECT_EQ(attn.scatter[gather[p]].item<int64_t>(), p) << p;
+    for (int64_t row : {9, 10, 11, 15, 16, 17, 18, 26, 27}) EXPECT_EQ(attn.scatter[row].item<int64_t>(), 24) << row;
+    EXPECT_FLOAT_EQ(attn.scale[1].item<float>(), 4.0f / 5.0f);
+    const LoraGroups mlp = bank.Group(TargetGroup::kMlp, c.seg_begin, c.seg_slot);
+    EXPECT_EQ(mlp.num_slots(), 4);
+    EXPECT_EQ(mlp.max_rows, 8);
+  }
+
+  SlotBank want_bank = GroupedCase::MakeBank(), bank = GroupedCase::MakeBank();
+  const FormResult want = RunForm(false, want_bank, c.seg_begin, c.seg_slot, xs, gys);
+  const FormResult got = RunForm(true, bank, c.seg_begin, c.seg_slot, xs, gys);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_GT(want.out[i].abs().max().item<double>(), 1e-2);  // the reference is not trivially zero
+    EXPECT_LT(RelErr(got.out[i], want.out[i]), 1e-5) << "delta " << i;
+    EXPECT_LT(RelErr(got.grad_x[i], want.grad_x[i]), 1e-5) << "grad x " << i;
+    EXPECT_LT(RelErr(got.grad_a[i], want.grad_a[i]), 1e-5) << "grad A " << i;
+    EXPECT_LT(RelErr(got.grad_b[i], want.grad_b[i]), 1e-5) << "grad B " << i;
+    // Rows without a training slot get exactly zero delta.
+    EXPECT_EQ(got.out[i].narrow(0, 9, 3).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(got.out[i].narrow(0, 26, 2).abs().max().item<double>(), 0.0);
+    // Rows/columns beyond a slot's rank, and slots not training the group, get exactly zero gradient.
+    for (int s : {0, 1, 2, 3}) {
+      if (!bank.trains(s, bank.targets()[i].group)) {
+        EXPECT_EQ(got.grad_a[i][s].abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+        EXPECT_EQ(got.grad_b[i][s].abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+        continue;
+      }
+      const int r = bank.slot(s).config.rank;
+      EXPECT_GT(got.grad_a[i][s].narrow(0, 0, r).abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+      EXPECT_GT(got.grad_b[i][s].narrow(1, 0, r).abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+      EXPECT_EQ(got.grad_a[i][s].narrow(0, r, 8 - r).abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+      EXPECT_EQ(got.grad_b[i][s].narrow(1, r, 8 - r).abs().max().item<double>(), 0.0) << "target " << i << " slot " << s;
+    }
+    for (int s : {4, 5}) {  // unbound, and unused
+      EXPECT_EQ(got.grad_a[i][s].abs().max().item<double>(), 0.0);
+      EXPECT_EQ(got.grad_b[i][s].abs().max().item<double>(), 0.0);
+    }
+  }
+  EXPECT_EQ(got.grad_a[0][3].abs().max().item<double>(), 0.0);  // slot 3 trains no attn
+  EXPECT_GT(got.grad_a[1][3].abs().max().item<double>(), 0.0);  // but it trains mlp
+
+  // bf16 input: gathered, then cast to fp32, as Delta casts it.
+  const LoraTarget& t = bank.targets()[0];
+  const at::Tensor x16 = xs[0].to(at::kBFloat16);
+  const at::Tensor got16 = bank.GroupedDelta(t, x16, bank.Group(t.group, c.seg_begin, c.seg_slot));
+  EXPECT_EQ(got16.scalar_type(), at::kFloat);
+  EXPECT_LT(RelErr(got16, bank.Delta(t, x16, c.seg_begin, c.seg_slot)), 1e-5);
+}
+
+// The comparison above catches a wrong grouped path: a wrong scale, a
+// group reading another group's rows, or a row read back from the wrong
+// padded position all move the value far beyond the tolerance.
+TEST(SlotBank, GroupedDeltaComparisonCatchesWrongRouting) {
+  at::manual_seed(18);
+  const GroupedCase c;
+  SlotBank bank = GroupedCase::MakeBank();
+  const LoraTarget& t = bank.targets()[0];
+  const at::Tensor x = at::randn({c.T, t.d_in});
+  const at::Tensor want = bank.Delta(t, x, c.seg_begin, c.seg_slot).detach();
+  const LoraGroups good = bank.Group(t.group, c.seg_begin, c.seg_slot);
+  EXPECT_LT(RelErr(bank.GroupedDelta(t, x, good).detach(), want), 1e-5);
+
+  LoraGroups bad = good;
+  bad.scale = good.scale.flip({0});  // slots' scales swapped
+  EXPECT_GT(RelErr(bank.GroupedDelta(t, x, bad).detach(), want), 1e-2);
+  bad = good;
+  bad.scale = good.scale * 1.01;  // 1% off
+  EXPECT_GT(RelErr(bank.GroupedDelta(t, x, bad).detach(), want), 1e-3);
+  bad = good;
+  bad.slots = good.slots.flip({0});  // groups multiplied by another slot's factors
+  EXPECT_GT(RelErr(bank.GroupedDelta(t, x, bad).detach(), want), 1e-2);
+  bad = good;
+  bad.gather = good.gather.roll({1});  // rows shifted by one within the padded layout
+  EXPECT_GT(RelErr(bank.GroupedDelta(t, x, bad).detach(), want), 1e-2);
+}
+
+// One group only: a single slot over two sequences around base rows, and a
+// batch that is one sequence of one slot (no padding, no zero row).
+TEST(SlotBank, GroupedDeltaSingleGroup) {
+  at::manual_seed(19);
+  const std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> cases = {
+      {{0, 6, 9, 13}, {2, -1, 2}},
+      {{0, 11}, {1}},
+  };
+  for (const auto& [seg_begin, seg_slot] : cases) {
+    const int64_t T = seg_begin.back();
+    std::vector<at::Tensor> xs, gys;
+    for (const auto& [m, g, d_in, d_out] : SmallTargets()) {
+      xs.push_back(at::randn({T, d_in}));
+      gys.push_back(at::randn({T, d_out}));
+    }
+    SlotBank bank = GroupedCase::MakeBank();
+    const LoraGroups r = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+    EXPECT_EQ(r.num_slots(), 1);
+    EXPECT_EQ(r.base_rows, seg_slot.size() > 1);
+    SlotBank want_bank = GroupedCase::MakeBank(), got_bank = GroupedCase::MakeBank();
+    const FormResult want = RunForm(false, want_bank, seg_begin, seg_slot, xs, gys);
+    const FormResult got = RunForm(true, got_bank, seg_begin, seg_slot, xs, gys);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(want.out[i].abs().max().item<double>(), 1e-2);
+      EXPECT_LT(RelErr(got.out[i], want.out[i]), 1e-5) << "delta " << i << " T " << T;
+      EXPECT_LT(RelErr(got.grad_x[i], want.grad_x[i]), 1e-5) << "grad x " << i << " T " << T;
+      EXPECT_LT(RelErr(got.grad_a[i], want.grad_a[i]), 1e-5) << "grad A " << i << " T " << T;
+      EXPECT_LT(RelErr(got.grad_b[i], want.grad_b[i]), 1e-5) << "grad B " << i << " T " << T;
+    }
+  }
+  // No training slot at all: zeros of the right shape.
+  SlotBank bank = GroupedCase::MakeBank();
+  const LoraGroups none = bank.Group(TargetGroup::kAttn, {0, 4, 7}, {-1, 3});
+  EXPECT_EQ(none.num_slots(), 0);
+  const at::Tensor z = bank.GroupedDelta(bank.targets()[0], at::randn({7, 16}), none);
+  EXPECT_EQ(z.sizes(), (at::IntArrayRef{7, 24}));
+  EXPECT_EQ(z.abs().max().item<double>(), 0.0);
+}
+
+// The selection rule as a pure function of the batch's shape, and the shape
+// of a batch as the bank computes it.
+TEST(SlotBank, FormSelectionRule) {
+  auto shape = [](int64_t T, int64_t runs, int64_t U, int64_t Lmax) {
+    LoraBatchShape s;
+    s.rows = T;
+    s.runs = runs;
+    s.slots = U;
+    s.max_rows = Lmax;
+    return s;
+  };
+  const bool cuda = true, cpu = false;
+  // The measured H200 case: 16 tenants x 512 tokens at R = 32 (U*R = 512).
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 16, 16, 512), 32), LoraForm::kGrouped);
+  EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 16, 16, 512), 32), LoraForm::kSegment);
+  // Routed while U*R <= 128 on CUDA, <= 64 on the CPU.
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 4, 4, 2048), 32), LoraForm::kRouted);   // 128
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 5, 5, 2048), 32), LoraForm::kGrouped);  // 160; 5*2048 <= 2T
+  EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 4, 4, 2048), 16), LoraForm::kRouted);    // 64
+  EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 5, 5, 2048), 16), LoraForm::kSegment);   // 80
+  EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 5, 5, 1639), 16), LoraForm::kSegment);   // never grouped
+  // Grouped only while the padding at most doubles the rows: U*Lmax <= 2T.
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(1000, 8, 8, 250), 32), LoraForm::kGrouped);   // 2000 = 2T
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(1000, 8, 8, 251), 32), LoraForm::kSegment);   // 2008 > 2T
+  // One run: the segment form is one matmul pair already.
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 1, 1, 8192), 32), LoraForm::kSegment);
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 1, 1, 8192), 4), LoraForm::kSegment);
+  EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 1, 1, 8192), 4), LoraForm::kSegment);
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(100, 1, 0, 0), 4), LoraForm::kSegment);  // base rows only
+
+  // Shape: runs of equal effective slots (a slot not training the group
+  // counts as base; empty sequences are skipped), distinct training slots,
+  // and the largest slot's rows over all its sequences.
+  const GroupedCase c;
+  SlotBank bank = GroupedCase::MakeBank();
+  LoraBatchShape s = bank.Shape(TargetGroup::kAttn, c.seg_begin, c.seg_slot);
+  EXPECT_EQ(s.rows, 30);
+  // 0 | 1 | base (-1) | 0 | base (slot 3) | 2 | base (unbound 4) | 1
+  EXPECT_EQ(s.runs, 8);
+  EXPECT_EQ(s.slots, 3);
+  EXPECT_EQ(s.max_rows, 8);  // slot 0: 5 + 3 rows
+  s = bank.Shape(TargetGroup::kMlp, c.seg_begin, c.seg_slot);
+  EXPECT_EQ(s.slots, 4);
+  // On this CPU bank (R = 8): 3 * 8 = 24 <= 64 routed; the choice follows the rule.
+  EXPECT_EQ(bank.ChooseForm(TargetGroup::kAttn, c.seg_begin, c.seg_slot), LoraForm::kRouted);
+  EXPECT_EQ(bank.ChooseForm(TargetGroup::kAttn, {0, 5, 9}, {0, 0}), LoraForm::kSegment);  // one run
 }
 
 }  // namespace

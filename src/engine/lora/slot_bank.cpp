@@ -191,22 +191,49 @@ LoraRouting SlotBank::Route(TargetGroup g, const std::vector<int64_t>& seg_begin
   return r;
 }
 
-bool SlotBank::PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin,
-                            const std::vector<int>& seg_slot) const {
+LoraBatchShape SlotBank::Shape(TargetGroup g, const std::vector<int64_t>& seg_begin,
+                               const std::vector<int>& seg_slot) const {
+  LoraBatchShape shape;
+  shape.rows = seg_begin.empty() ? 0 : seg_begin.back();
   std::vector<int> distinct;
-  int runs = 0, prev = -2;
+  std::vector<int64_t> rows_of;  // rows per distinct slot
+  int prev = -2;
   for (size_t i = 0; i < seg_slot.size(); ++i) {
-    if (seg_begin[i + 1] == seg_begin[i]) continue;
+    const int64_t len = seg_begin[i + 1] - seg_begin[i];
+    if (len == 0) continue;
     const int s = trains(seg_slot[i], g) ? seg_slot[i] : -1;
-    if (s != prev) ++runs;
+    if (s != prev) ++shape.runs;
     prev = s;
-    if (s >= 0 && std::find(distinct.begin(), distinct.end(), s) == distinct.end()) distinct.push_back(s);
+    if (s < 0) continue;
+    auto it = std::find(distinct.begin(), distinct.end(), s);
+    if (it == distinct.end()) {
+      distinct.push_back(s);
+      rows_of.push_back(0);
+      it = distinct.end() - 1;
+    }
+    rows_of[static_cast<size_t>(it - distinct.begin())] += len;
   }
-  // The routed form multiplies every token by all used slots' A (U*R rows):
-  // on CUDA that trades cheap FLOPs for launches up to U*R = 512; on the CPU
+  shape.slots = static_cast<int64_t>(distinct.size());
+  for (int64_t n : rows_of) shape.max_rows = std::max(shape.max_rows, n);
+  return shape;
+}
+
+LoraForm SlotBank::SelectForm(bool cuda, const LoraBatchShape& shape, int64_t max_rank) {
+  // One run is one matmul pair in the segment form already.
+  if (shape.runs <= 1 || shape.slots == 0) return LoraForm::kSegment;
+  // The routed form multiplies every row by all used slots' A (U*R columns):
+  // on CUDA that trades FLOPs for launches while U*R is small; on the CPU
   // FLOPs are the cost, so only small U*R (few, low-rank slots) pays.
-  const int64_t limit = device_.is_cuda() ? 512 : 64;
-  return runs > 1 && static_cast<int64_t>(distinct.size()) * max_rank_ <= limit;
+  if (shape.slots * max_rank <= (cuda ? 128 : 64)) return LoraForm::kRouted;
+  // The grouped form does only the needed FLOPs, plus those of the padding
+  // (U*Lmax rows in all), in a fixed number of kernels.
+  if (cuda && shape.slots * shape.max_rows <= 2 * shape.rows) return LoraForm::kGrouped;
+  return LoraForm::kSegment;
+}
+
+LoraForm SlotBank::ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_begin,
+                              const std::vector<int>& seg_slot) const {
+  return SelectForm(device_.is_cuda(), Shape(g, seg_begin, seg_slot), max_rank_);
 }
 
 at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const {
@@ -217,6 +244,72 @@ at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const
   const at::Tensor a = t.A.index_select(0, routing.slots).reshape({ur, t.d_in});                     // [U*R, d_in]
   const at::Tensor b = t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur});  // [d_out, U*R]
   return at::linear(at::linear(xf, a) * routing.mask, b);
+}
+
+LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
+                           const std::vector<int>& seg_slot) const {
+  LoraGroups r;
+  r.rows = seg_begin.empty() ? 0 : seg_begin.back();
+  std::vector<int64_t> used;              // distinct training slots, first-seen order
+  std::vector<std::vector<size_t>> segs;  // each group's non-empty segments, in packed order
+  std::vector<int64_t> rows_of;           // each group's rows
+  for (size_t i = 0; i < seg_slot.size(); ++i) {
+    const int s = seg_slot[i];
+    if (!trains(s, g) || seg_begin[i + 1] == seg_begin[i]) continue;
+    auto it = std::find(used.begin(), used.end(), s);
+    if (it == used.end()) {
+      used.push_back(s);
+      segs.emplace_back();
+      rows_of.push_back(0);
+      it = used.end() - 1;
+    }
+    const size_t u = static_cast<size_t>(it - used.begin());
+    segs[u].push_back(i);
+    rows_of[u] += seg_begin[i + 1] - seg_begin[i];
+  }
+  if (used.empty()) return r;
+  const int64_t U = static_cast<int64_t>(used.size());
+  for (int64_t n : rows_of) r.max_rows = std::max(r.max_rows, n);
+  const int64_t L = r.max_rows;
+  std::vector<int64_t> gather(static_cast<size_t>(U * L));
+  std::vector<int64_t> scatter(static_cast<size_t>(r.rows), U * L);  // default: the zero row
+  std::vector<float> scale(static_cast<size_t>(U));
+  for (int64_t u = 0; u < U; ++u) {
+    int64_t pos = u * L;
+    for (size_t i : segs[u])
+      for (int64_t row = seg_begin[i]; row < seg_begin[i + 1]; ++row) {
+        gather[pos] = row;
+        scatter[row] = pos;
+        ++pos;
+      }
+    // Pad with the group's first row: a valid row whose output is never read.
+    const int64_t pad_row = seg_begin[segs[u].front()];
+    for (; pos < (u + 1) * L; ++pos) gather[pos] = pad_row;
+    const LoraConfig& c = slots_[used[u]].config;
+    scale[u] = static_cast<float>(c.alpha / c.rank);
+  }
+  r.base_rows = std::any_of(scatter.begin(), scatter.end(), [&](int64_t p) { return p == U * L; });
+  r.slots = at::tensor(used, at::kLong).to(device_);
+  r.scale = at::tensor(scale, at::kFloat).to(device_).view({U, 1, 1});
+  r.gather = at::tensor(gather, at::kLong).to(device_);
+  r.scatter = at::tensor(scatter, at::kLong).to(device_);
+  return r;
+}
+
+at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const {
+  TORCH_CHECK(x.size(0) == routing.rows, "GroupedDelta: x has ", x.size(0), " rows, the routing ", routing.rows);
+  const auto fp32 = x.options().dtype(at::kFloat);
+  const int64_t U = routing.num_slots(), L = routing.max_rows;
+  if (U == 0) return at::zeros({x.size(0), t.d_out}, fp32);
+  // Gather first, then cast: the fp32 copy is of the padded rows only.
+  at::Tensor xp = x.index_select(0, routing.gather);
+  if (xp.scalar_type() != at::kFloat) xp = xp.to(at::kFloat);
+  xp = xp.view({U, L, t.d_in});
+  const at::Tensor a = t.A.index_select(0, routing.slots).transpose(1, 2);  // [U, d_in, R]
+  const at::Tensor b = t.B.index_select(0, routing.slots).transpose(1, 2);  // [U, R, d_out]
+  at::Tensor y = at::bmm(at::bmm(xp, a) * routing.scale, b).view({U * L, t.d_out});
+  if (routing.base_rows) y = at::cat({y, at::zeros({1, t.d_out}, y.options())}, 0);
+  return y.index_select(0, routing.scatter);
 }
 
 }  // namespace loom::engine

@@ -40,6 +40,43 @@ struct LoraRouting {
   int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
 };
 
+// The grouped (segmented) form's routing of a packed batch for one target
+// group, built once per batch and shared by every target of the group
+// (GroupedDelta). The batch's rows are grouped by effective slot (the
+// sequence's slot if it trains the group, else none); group u holds the rows
+// of every sequence of slots[u], in packed order, whatever their positions
+// (a slot's sequences need not be adjacent). Each group is padded to
+// max_rows (Lmax) rows by repeating one of its valid rows; the pad rows'
+// outputs are never read back, so they get zero gradient.
+struct LoraGroups {
+  at::Tensor slots;     // [U] int64 on the device (undefined when U == 0)
+  at::Tensor scale;     // [U, 1, 1] fp32: alpha / r of each group's slot
+  at::Tensor gather;    // [U * Lmax] int64: the packed row at each padded position
+  at::Tensor scatter;   // [T] int64: the padded position of each packed row;
+                        // U * Lmax (an appended zero row) for rows without a training slot
+  int64_t rows = 0;     // T
+  int64_t max_rows = 0; // Lmax
+  bool base_rows = false;  // whether some row has no training slot (then the zero row is appended)
+  int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
+};
+
+// The three forms of the LoRA delta (same value, different kernels).
+enum class LoraForm {
+  kSegment,  // Delta: one matmul pair per run of equal slots
+  kRouted,   // RoutedDelta: every row times all U slots' factors, masked (U*R columns)
+  kGrouped,  // GroupedDelta: rows gathered per slot into [U, Lmax, d_in], two bmm
+};
+
+// What the choice between the forms looks at: a packed batch's shape for one
+// target group (SlotBank::Shape).
+struct LoraBatchShape {
+  int64_t rows = 0;      // T: all rows of the batch
+  int64_t runs = 0;      // runs of non-empty sequences with equal effective slot
+                         // (rows without a training slot form runs too)
+  int64_t slots = 0;     // U: distinct slots that train the group
+  int64_t max_rows = 0;  // Lmax: rows of the largest slot's group
+};
+
 struct SlotState {
   bool bound = false;
   LoraConfig config;
@@ -92,16 +129,40 @@ class SlotBank {
 
   // The routing of a packed batch for group g (see LoraRouting).
   LoraRouting Route(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
-  // Whether RoutedDelta beats Delta for this batch: on CUDA, with more than
-  // one run of equal slots, and U*R small (its matmuls cost U*R/d_out of
-  // the base layer's).
-  bool PreferRouted(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // The batch's shape for group g (see LoraBatchShape).
+  LoraBatchShape Shape(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // Which form computes the delta of group g for this batch:
+  // SelectForm(device is CUDA, Shape(g, ...), R). A pure function of the
+  // batch (its slots, their bound state and groups, and its row counts).
+  LoraForm ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // The selection rule, with T, runs, U, Lmax from `shape` and R = max_rank:
+  //   CUDA: kRouted  when runs > 1 and U*R <= 128 (its matmuls cost U*R/d_out
+  //                  of the base layer's, cheaper than launches while small);
+  //         kGrouped when runs > 1 and U*Lmax <= 2*T (padding at most
+  //                  doubles the rows; only the needed FLOPs otherwise, in a
+  //                  fixed number of kernels);
+  //         kSegment otherwise (one run, or one slot's rows dominate).
+  //   CPU:  kRouted  when runs > 1 and U*R <= 64 (FLOPs are the cost there,
+  //                  so only few, low-rank slots pay), else kSegment.
+  static LoraForm SelectForm(bool cuda, const LoraBatchShape& shape, int64_t max_rank);
   // Same value as Delta (to fp32 rounding), with a fixed number of kernels
   // whatever the number of sequences: (((x A_U^T) * mask) B_U^T) with A_U,
   // B_U the routed slots' factors side by side. Rows >= a slot's rank are
   // zero in A and B, so the full R columns add exact zeros, and gradients
   // reach only the routed slots' rows (and stay zero beyond their rank).
   at::Tensor RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const;
+
+  // The grouped routing of a packed batch for group g (see LoraGroups).
+  LoraGroups Group(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // Same value as Delta (to fp32 rounding) with a fixed number of kernels and
+  // only the needed FLOPs: x's rows gathered into [U, Lmax, d_in] (cast to
+  // fp32), bmm with A_U^T [U, d_in, R], times the group's alpha/r, bmm with
+  // B_U^T [U, R, d_out], and one gather back to packed order [T, d_out] (rows
+  // without a training slot read an appended zero row). Rows >= a slot's rank
+  // are zero in A and B, so the full R columns add exact zeros and their
+  // gradients stay exactly zero; gradients reach only the grouped slots.
+  // x must have routing.rows rows.
+  at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const;
 
  private:
   int num_slots_;
