@@ -106,34 +106,49 @@ TEST(Safetensors, RoundTripsEveryDtypeWithMetadata) {
   EXPECT_EQ(f.find("missing"), nullptr);
 }
 
-TEST(Safetensors, ProducedTensorsStreamInOrderedChunks) {
+TEST(Safetensors, ProducedTensorsAreWrittenInOrderWhateverThreadMadeThem) {
   TempDir dir;
   SafetensorsWriter w;
-  const int64_t n = (17 << 20) / 4 + 3;  // over one 16 MiB chunk, odd tail
-  int64_t next = 0;
-  std::vector<size_t> chunk_sizes;
-  ASSERT_TRUE(w.AddProduced("big", "F32", {n},
-                            [&](uint8_t* dst, size_t bytes) {
-                              chunk_sizes.push_back(bytes);
-                              for (size_t i = 0; i < bytes; i += 4) {
-                                const float v = static_cast<float>(next++);
-                                std::memcpy(dst + i, &v, 4);
-                              }
-                            })
-                  .ok());
-  ASSERT_TRUE(w.Write(dir / "big.safetensors").ok());
-  ASSERT_GE(chunk_sizes.size(), 2u);
-  for (size_t i = 0; i + 1 < chunk_sizes.size(); ++i) EXPECT_EQ(chunk_sizes[i] % 8, 0u);
-  EXPECT_EQ(next, n);
-  auto f = SafetensorsFile::Open(dir / "big.safetensors");
-  ASSERT_TRUE(f.ok()) << f.status().message();
-  const TensorView* v = f.value()->find("big");
-  ASSERT_NE(v, nullptr);
-  for (int64_t i : {int64_t{0}, int64_t{1}, n / 2, n - 1}) {
-    float x;
-    std::memcpy(&x, v->data + 4 * i, 4);
-    EXPECT_EQ(x, static_cast<float>(i));
+  // Produced tensors (made on worker threads, one call each) around a copied
+  // one; each holds base + index, so a swapped or partial tensor shows.
+  const std::vector<int64_t> sizes = {(3 << 20) + 3, 5, 1 << 16, 0, 777};
+  std::vector<int> calls(sizes.size(), 0);
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const int64_t n = sizes[k];
+    ASSERT_TRUE(w.AddProduced("t" + std::to_string(k), "F32", {n},
+                              [&calls, k, n](uint8_t* dst, size_t bytes) {
+                                ++calls[k];
+                                EXPECT_EQ(bytes, static_cast<size_t>(4 * n));
+                                for (int64_t i = 0; i < n; ++i) {
+                                  const float v = static_cast<float>(1000000 * k + i);
+                                  std::memcpy(dst + 4 * i, &v, 4);
+                                }
+                              })
+                    .ok());
+    if (k == 1) {
+      const float copied[2] = {-1.0f, -2.0f};
+      ASSERT_TRUE(w.Add("copied", "F32", {2}, copied, sizeof(copied)).ok());
+    }
   }
+  ASSERT_TRUE(w.Write(dir / "many.safetensors").ok());
+  for (size_t k = 0; k < sizes.size(); ++k) EXPECT_EQ(calls[k], sizes[k] > 0 ? 1 : 0) << k;
+  auto f = SafetensorsFile::Open(dir / "many.safetensors");
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const TensorView* v = f.value()->find("t" + std::to_string(k));
+    ASSERT_NE(v, nullptr);
+    for (int64_t i : {int64_t{0}, int64_t{1}, sizes[k] / 2, sizes[k] - 1}) {
+      if (i < 0 || i >= sizes[k]) continue;
+      float x;
+      std::memcpy(&x, v->data + 4 * i, 4);
+      EXPECT_EQ(x, static_cast<float>(1000000 * k + i)) << k << " " << i;
+    }
+  }
+  const TensorView* c = f.value()->find("copied");
+  ASSERT_NE(c, nullptr);
+  float second;
+  std::memcpy(&second, c->data + 4, 4);
+  EXPECT_EQ(second, -2.0f);
 }
 
 TEST(Safetensors, WriterRejectsBadEntries) {
