@@ -7,7 +7,9 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace loom::engine {
 namespace {
@@ -404,11 +406,14 @@ TEST(SlotBank, GroupedDeltaComparisonCatchesWrongRouting) {
 // batch that is one sequence of one slot (no padding, no zero row).
 TEST(SlotBank, GroupedDeltaSingleGroup) {
   at::manual_seed(19);
-  const std::vector<std::pair<std::vector<int64_t>, std::vector<int>>> cases = {
-      {{0, 6, 9, 13}, {2, -1, 2}},
-      {{0, 11}, {1}},
+  // (seg_begin, seg_slot, slots U, identity: rows already in padded order).
+  const std::vector<std::tuple<std::vector<int64_t>, std::vector<int>, int64_t, bool>> cases = {
+      {{0, 6, 9, 13}, {2, -1, 2}, 1, false},
+      {{0, 11}, {1}, 1, true},
+      {{0, 5, 10}, {1, 2}, 2, true},   // two tenants, equal lengths: no gather or scatter
+      {{0, 5, 9}, {1, 2}, 2, false},   // unequal: padded
   };
-  for (const auto& [seg_begin, seg_slot] : cases) {
+  for (const auto& [seg_begin, seg_slot, want_slots, want_identity] : cases) {
     const int64_t T = seg_begin.back();
     std::vector<at::Tensor> xs, gys;
     for (const auto& [m, g, d_in, d_out] : SmallTargets()) {
@@ -417,8 +422,9 @@ TEST(SlotBank, GroupedDeltaSingleGroup) {
     }
     SlotBank bank = GroupedCase::MakeBank();
     const LoraGroups r = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
-    EXPECT_EQ(r.num_slots(), 1);
-    EXPECT_EQ(r.base_rows, seg_slot.size() > 1);
+    EXPECT_EQ(r.num_slots(), want_slots);
+    EXPECT_EQ(r.base_rows, std::find(seg_slot.begin(), seg_slot.end(), -1) != seg_slot.end());
+    EXPECT_EQ(r.identity, want_identity) << "T " << T;
     SlotBank want_bank = GroupedCase::MakeBank(), got_bank = GroupedCase::MakeBank();
     const FormResult want = RunForm(false, want_bank, seg_begin, seg_slot, xs, gys);
     const FormResult got = RunForm(true, got_bank, seg_begin, seg_slot, xs, gys);

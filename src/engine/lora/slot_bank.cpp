@@ -291,6 +291,8 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
   r.base_rows = std::any_of(scatter.begin(), scatter.end(), [&](int64_t p) { return p == U * L; });
   r.slots = at::tensor(used, at::kLong).to(device_);
   r.scale = at::tensor(scale, at::kFloat).to(device_).view({U, 1, 1});
+  r.identity = !r.base_rows && U * L == r.rows;
+  for (int64_t i = 0; r.identity && i < U * L; ++i) r.identity = gather[static_cast<size_t>(i)] == i;
   r.gather = at::tensor(gather, at::kLong).to(device_);
   r.scatter = at::tensor(scatter, at::kLong).to(device_);
   return r;
@@ -301,13 +303,15 @@ at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, cons
   const auto fp32 = x.options().dtype(at::kFloat);
   const int64_t U = routing.num_slots(), L = routing.max_rows;
   if (U == 0) return at::zeros({x.size(0), t.d_out}, fp32);
-  // Gather first, then cast: the fp32 copy is of the padded rows only.
-  at::Tensor xp = x.index_select(0, routing.gather);
+  // Gather first, then cast: the fp32 copy is of the padded rows only (no
+  // gather when the rows already are in padded order, e.g. 16 tenants x 512).
+  at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
   if (xp.scalar_type() != at::kFloat) xp = xp.to(at::kFloat);
   xp = xp.view({U, L, t.d_in});
   const at::Tensor a = t.A.index_select(0, routing.slots).transpose(1, 2);  // [U, d_in, R]
   const at::Tensor b = t.B.index_select(0, routing.slots).transpose(1, 2);  // [U, R, d_out]
   at::Tensor y = at::bmm(at::bmm(xp, a) * routing.scale, b).view({U * L, t.d_out});
+  if (routing.identity) return y;
   if (routing.base_rows) y = at::cat({y, at::zeros({1, t.d_out}, y.options())}, 0);
   return y.index_select(0, routing.scatter);
 }

@@ -57,6 +57,7 @@ struct LoraGroups {
   int64_t rows = 0;     // T
   int64_t max_rows = 0; // Lmax
   bool base_rows = false;  // whether some row has no training slot (then the zero row is appended)
+  bool identity = false;   // gather is 0..T-1 (each slot one run, equal lengths): no gather/scatter needed
   int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
 };
 
