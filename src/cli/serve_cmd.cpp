@@ -72,7 +72,9 @@ int Serve(int argc, char** argv) {
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
   int64_t token_budget = 8192;
+  int batch_window_ms = 2;
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a pass, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
@@ -128,6 +130,7 @@ int Serve(int argc, char** argv) {
   sopt.base_model_name = model_name;
   sopt.lora_alpha = lora_alpha;
   sopt.token_budget = token_budget;
+  sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
   // The sampler shares the trainer's frozen base (held once).

@@ -114,6 +114,7 @@ void Service::FeedPlannerLocked() {
     while (m->sequencer.HasReady()) ready.push_back(m->sequencer.PopReady());
   }
   const auto now = Clock::now();
+  if (!ready.empty()) last_arrival_ = now;
   for (TrainingOp& op : ready) {
     const uint64_t id = next_plan_id_++;
     Status st = planner_.Push(PlanRequest(id, op, NowMs()));
@@ -218,6 +219,7 @@ void Service::EngineLoop() {
       break;
     }
     FeedPlannerLocked();
+    if (BatchWindowOpenLocked(lock)) continue;
     auto pass = planner_.Next();
     if (!pass) continue;
     PassWork work = TakePassLocked(std::move(*pass));
@@ -226,6 +228,19 @@ void Service::EngineLoop() {
     RunPass(work);
     lock.lock();
   }
+}
+
+bool Service::BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock) {
+  constexpr int kMaxBatchWindows = 10;
+  const auto window = options_.batch_window;
+  if (window.count() <= 0 || planner_.empty()) return false;
+  const auto now = Clock::now();
+  const auto quiet_at = last_arrival_ + window;
+  const auto oldest = std::chrono::milliseconds(planner_.OldestWaitMs(NowMs()));
+  if (now >= quiet_at || oldest >= kMaxBatchWindows * window) return false;
+  // Sleep until the window closes or more work arrives (then look again).
+  cv_.wait_until(lock, quiet_at, [&] { return stopping_ || AnyReadyLocked(); });
+  return true;
 }
 
 void Service::JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_release) {

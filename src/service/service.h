@@ -54,6 +54,10 @@ struct ServiceOptions {
   double lora_alpha = 32.0;
   std::string instance_tag;  // prefix of request ids; "" = random
   int64_t token_budget = 8192;  // --token-budget: tokens per packed forward(_backward) pass
+  // --batch-window-ms: before a pass, the engine waits until no request has
+  // arrived for this long (tenants submitting "at once" land in one pass),
+  // but never keeps a request waiting longer than kMaxBatchWindows windows.
+  std::chrono::milliseconds batch_window{2};
 };
 
 // Who is calling, as http/ authenticated it.
@@ -216,6 +220,10 @@ class Service {
   void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
   void FailPlannedLocked(uint64_t plan_id, const Status& status);
   void JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_release);
+  // True when the engine should wait for more arrivals before planning a
+  // pass (ServiceOptions::batch_window); it has then waited, and the caller
+  // loops to feed what arrived.
+  bool BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock);
   void ExpireSessionLocked(Session& session, std::vector<int>* slots_to_release);
   void RunPass(PassWork& work);
   void RunForwardBackwardPass(PassWork& work);
@@ -266,6 +274,7 @@ class Service {
   std::set<int> free_slots_;
   std::vector<int> slots_to_release_;  // released on the engine thread
   Clock::time_point last_janitor_{};
+  Clock::time_point last_arrival_{};  // newest request fed to the planner
   // Declared last: its Sampler (whose callbacks complete futures_) stops first.
   SamplingState sampling_;
 };
