@@ -41,13 +41,25 @@ void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const 
     u[i] = static_cast<float>(p.u);
   }
   const at::Device dev = logits.device();
-  const at::Tensor idx = at::tensor(rows_idx, cpu_long).to(dev);
-  const at::Tensor scaled = logits.index_select(0, idx) * at::tensor(inv_t, cpu_f).to(dev).unsqueeze(1);
-  const at::Tensor uu = at::tensor(u, cpu_f).to(dev);
+  // One host-to-device copy for the per-row scalars; no row gather when
+  // every row draws (the common decode step).
+  std::vector<float> scalars(inv_t);
+  scalars.insert(scalars.end(), u.begin(), u.end());
+  const at::Tensor sc = at::tensor(scalars, cpu_f).to(dev).view({2, n});
+  const bool all_rows = n == logits.size(0);
+  const at::Tensor idx = all_rows ? at::Tensor() : at::tensor(rows_idx, cpu_long).to(dev);
+  const at::Tensor scaled = (all_rows ? logits : logits.index_select(0, idx)) * sc.select(0, 0).unsqueeze(1);
+  const at::Tensor uu = sc.select(0, 1);
+  auto put = [&](const at::Tensor& picked) {
+    if (all_rows) {
+      chosen.copy_(picked);
+    } else {
+      chosen.index_copy_(0, idx, picked);
+    }
+  };
   if (!truncated) {
     const at::Tensor cdf = at::cumsum(at::softmax(scaled, -1), -1);
-    const at::Tensor pick = at::clamp_max((cdf <= (uu * cdf.select(1, V - 1)).unsqueeze(1)).sum(-1), V - 1);
-    chosen.index_copy_(0, idx, pick);
+    put(at::clamp_max((cdf <= (uu * cdf.select(1, V - 1)).unsqueeze(1)).sum(-1), V - 1));
     return;
   }
   at::Tensor sorted, order;
@@ -62,7 +74,7 @@ void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const 
   const at::Tensor threshold = uu * cdf.select(1, V - 1);
   at::Tensor pick = (cdf <= threshold.unsqueeze(1)).sum(-1);
   pick = at::minimum(pick, keep.sum(-1) - 1);
-  chosen.index_copy_(0, idx, order.gather(1, pick.unsqueeze(1)).squeeze(1));
+  put(order.gather(1, pick.unsqueeze(1)).squeeze(1));
 }
 
 }  // namespace
@@ -80,14 +92,16 @@ Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams
   Draw(logits, plain, rows, /*truncated=*/false, chosen);
   Draw(logits, truncated, rows, /*truncated=*/true, chosen);
   const at::Tensor lp = at::log_softmax(logits, -1).gather(1, chosen.unsqueeze(1)).squeeze(1);
-  const at::Tensor tok_cpu = chosen.to(at::kCPU).contiguous();
-  const at::Tensor lp_cpu = lp.to(at::kCPU).contiguous();
+  // One device-to-host copy (token ids are exact in double).
+  const at::Tensor both = at::stack({chosen.to(at::kDouble), lp.to(at::kDouble)}).to(at::kCPU).contiguous();
+  const double* tok = both.data_ptr<double>();
+  const double* lps = tok + S;
   Choices c;
   c.tokens.resize(S);
   c.logprobs.resize(S);
   for (int64_t r = 0; r < S; ++r) {
-    c.tokens[r] = static_cast<int32_t>(tok_cpu.data_ptr<int64_t>()[r]);
-    c.logprobs[r] = lp_cpu.data_ptr<float>()[r];
+    c.tokens[r] = static_cast<int32_t>(tok[r]);
+    c.logprobs[r] = static_cast<float>(lps[r]);
   }
   return c;
 }
