@@ -238,8 +238,15 @@ bool Service::BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock) {
   const auto quiet_at = last_arrival_ + window;
   const auto oldest = std::chrono::milliseconds(planner_.OldestWaitMs(NowMs()));
   if (now >= quiet_at || oldest >= kMaxBatchWindows * window) return false;
-  // Sleep until the window closes or more work arrives (then look again).
-  cv_.wait_until(lock, quiet_at, [&] { return stopping_ || AnyReadyLocked(); });
+  // Sleep until the window closes or a new request arrives (then look
+  // again). Not AnyReadyLocked(): the planner's queue is non-empty here, and
+  // waking on it would spin and starve the submitting threads of mu_.
+  cv_.wait_until(lock, quiet_at, [&] {
+    if (stopping_) return true;
+    for (const auto& [id, m] : models_)
+      if (m->sequencer.HasReady()) return true;
+    return false;
+  });
   return true;
 }
 
