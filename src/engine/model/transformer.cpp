@@ -246,33 +246,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
 
   const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
   const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
-  // Many slots' LoRA in a fixed number of kernels where cheaper (CUDA): the
-  // form and its routing are chosen once per group for the whole batch and
-  // shared by every target of the group in every layer.
-  struct GroupLora {
-    LoraForm form = LoraForm::kSegment;
-    LoraRouting routed;
-    LoraGroups grouped;
-  };
-  auto plan = [&](TargetGroup g, bool on) {
-    GroupLora p;
-    if (!on) return p;
-    p.form = bank.ChooseForm(g, batch.seq_begin, batch.seq_slot);
-    if (p.form == LoraForm::kRouted) p.routed = bank.Route(g, batch.seq_begin, batch.seq_slot);
-    if (p.form == LoraForm::kGrouped) p.grouped = bank.Group(g, batch.seq_begin, batch.seq_slot);
-    return p;
-  };
-  const GroupLora lora_attn = plan(TargetGroup::kAttn, attn_lora);
-  const GroupLora lora_mlp = plan(TargetGroup::kMlp, mlp_lora);
-  auto delta = [&](const LoraTarget* t, const at::Tensor& x) {
-    const GroupLora& p = t->group == TargetGroup::kAttn ? lora_attn : lora_mlp;
-    switch (p.form) {
-      case LoraForm::kRouted: return bank.RoutedDelta(*t, x, p.routed).to(x.scalar_type());
-      case LoraForm::kGrouped: return bank.GroupedDelta(*t, x, p.grouped).to(x.scalar_type());
-      case LoraForm::kSegment: break;
-    }
-    return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
-  };
+  const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
 
   // One batched attention per layer instead of one per sequence, where cheaper.
   PaddedLayout padded;

@@ -45,9 +45,7 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
 
   const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
   const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
-  auto delta = [&](const LoraTarget* t, const at::Tensor& x) {
-    return bank.Delta(*t, x, batch.seq_begin, batch.seq_slot).to(x.scalar_type());
-  };
+  const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
     return delta(LayerTarget(bank, layer, k), in);

@@ -71,6 +71,46 @@ inline bool AnyTrains(const SlotBank& bank, const std::vector<int>& slots, Targe
   return false;
 }
 
+// The LoRA deltas of one packed batch (rows routed to slots by seg_begin /
+// seg_slot). Many slots' LoRA runs in a fixed number of kernels where that
+// is cheaper (SlotBank::ChooseForm): the form and its routing are chosen once
+// per target group for the whole batch and shared by every target of the
+// group in every layer. delta(t, x) is in x's dtype.
+class BatchLora {
+ public:
+  BatchLora(const SlotBank& bank, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot,
+            bool attn, bool mlp)
+      : bank_(bank), seg_begin_(seg_begin), seg_slot_(seg_slot) {
+    if (attn) Plan(TargetGroup::kAttn, attn_);
+    if (mlp) Plan(TargetGroup::kMlp, mlp_);
+  }
+  at::Tensor operator()(const LoraTarget* t, const at::Tensor& x) const {
+    const Group& p = t->group == TargetGroup::kAttn ? attn_ : mlp_;
+    switch (p.form) {
+      case LoraForm::kRouted: return bank_.RoutedDelta(*t, x, p.routed).to(x.scalar_type());
+      case LoraForm::kGrouped: return bank_.GroupedDelta(*t, x, p.grouped).to(x.scalar_type());
+      case LoraForm::kSegment: break;
+    }
+    return bank_.Delta(*t, x, seg_begin_, seg_slot_).to(x.scalar_type());
+  }
+
+ private:
+  struct Group {
+    LoraForm form = LoraForm::kSegment;
+    LoraRouting routed;
+    LoraGroups grouped;
+  };
+  void Plan(TargetGroup g, Group& p) {
+    p.form = bank_.ChooseForm(g, seg_begin_, seg_slot_);
+    if (p.form == LoraForm::kRouted) p.routed = bank_.Route(g, seg_begin_, seg_slot_);
+    if (p.form == LoraForm::kGrouped) p.grouped = bank_.Group(g, seg_begin_, seg_slot_);
+  }
+  const SlotBank& bank_;
+  const std::vector<int64_t>& seg_begin_;
+  const std::vector<int>& seg_slot_;
+  Group attn_, mlp_;
+};
+
 // The decoder stack over token rows x [T, hidden] at `positions` [T]:
 // embeddings in, final-normed hidden states (fp32) out. The two forwards
 // differ only in how a layer attends and how LoRA is applied, so both are
