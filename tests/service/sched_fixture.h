@@ -84,11 +84,13 @@ class FaultEngine : public FakeEngine {
 
 class SchedFixture : public ::testing::Test {
  protected:
-  void Open(int64_t token_budget, int slots = 8) {
+  void Open(int64_t token_budget, int slots = 8,
+            std::chrono::milliseconds batch_window = service::ServiceOptions{}.batch_window) {
     service::ServiceOptions options;
     options.base_model_name = "test/base";
     options.janitor_period = std::chrono::milliseconds(20);
     options.token_budget = token_budget;
+    options.batch_window = batch_window;
     auto engine = std::make_unique<FaultEngine>(slots);
     engine_ = engine.get();
     auto registry = store::Registry::Open(dir_);

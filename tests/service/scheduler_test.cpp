@@ -14,7 +14,23 @@ namespace {
 
 using service::FutureState;
 
-class SchedulerTest : public SchedFixture {};
+class SchedulerTest : public SchedFixture {
+ protected:
+  // Six tenants submit one forward_backward each, `gap` apart (as HTTP
+  // clients sending "at once" do); returns the engine's pass sizes.
+  std::vector<size_t> SixTenantsSpaced(std::chrono::milliseconds window, std::chrono::milliseconds gap) {
+    Open(/*token_budget=*/1000, /*slots=*/8, window);
+    const char* tenants[] = {"a", "b", "c", "d", "e", "f"};
+    std::vector<std::string> models, ids;
+    for (const char* t : tenants) models.push_back(NewModel(t));
+    for (int i = 0; i < 6; ++i) {
+      ids.push_back(Submit(tenants[i], Fb(models[i], 1, 1 + i, {4})));
+      std::this_thread::sleep_for(gap);
+    }
+    for (int i = 0; i < 6; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
+    return engine_->batch_sizes();
+  }
+};
 
 TEST_F(SchedulerTest, RequestAboveTheBudgetIsSplitAndAnsweredOnceInDatumOrder) {
   Open(/*token_budget=*/8);
@@ -67,6 +83,18 @@ TEST_F(SchedulerTest, SameKeyPacksAcrossModelsUpToTheBudget) {
   EXPECT_EQ(sizes[0], 1u);
   std::multiset<size_t> rest(sizes.begin() + 1, sizes.end());
   EXPECT_EQ(rest, (std::multiset<size_t>{2, 2, 1}));
+}
+
+// With the batch window they land in one pass; without it the engine starts
+// on the first arrival.
+TEST_F(SchedulerTest, BatchWindowGathersRequestsSentTogether) {
+  using std::chrono::milliseconds;
+  EXPECT_EQ(SixTenantsSpaced(milliseconds(200), milliseconds(2)), (std::vector<size_t>{6}));
+}
+
+TEST_F(SchedulerTest, WithoutBatchWindowTheFirstArrivalRunsAlone) {
+  using std::chrono::milliseconds;
+  EXPECT_GT(SixTenantsSpaced(milliseconds(0), milliseconds(30)).size(), 1u);
 }
 
 TEST_F(SchedulerTest, LightTenantIsNotStarvedByABacklog) {
