@@ -3,13 +3,9 @@
 // tenant isolation, long-poll behaviour, protobuf results, REST checkpoints.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <thread>
 
-#include "../service/fake_engine.h"
-#include "http/router.h"
-#include "http/server.h"
-#include "test_client.h"
+#include "gateway_fixture.h"
 #include "wire/forward_backward.h"
 #include "wire/zstd.h"
 
@@ -18,74 +14,16 @@ namespace {
 
 using namespace std::chrono_literals;
 using Json = nlohmann::json;
-using testing::HttpClient;
 using testing::Reply;
 
-constexpr const char* kAlice = "tml-alice-key";
-constexpr const char* kBob = "tml-bob-key";
+using testing::kAlice;
+using testing::kBob;
 
-class GatewayTest : public ::testing::Test {
+class GatewayTest : public testing::GatewayFixture {
  protected:
-  void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("loom_http_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
-             std::to_string(::getpid())))
-               .string();
-    std::filesystem::remove_all(dir_);
-    auto engine = std::make_unique<testing::FakeEngine>(4);
-    engine_ = engine.get();
-    auto registry = store::Registry::Open(dir_);
-    ASSERT_TRUE(registry.ok());
-    service::ServiceOptions so;
-    so.base_model_name = "test/base";
-    so.janitor_period = 20ms;
-    service_ = std::make_unique<service::Service>(so, std::move(engine), std::move(*registry));
-    service_->Start();
-    RouterOptions ro;
-    ro.max_body_bytes = 64 * 1024;
-    router_ = std::make_unique<Router>(*service_, keys_, ro);
-    ServerOptions opt;
-    opt.port = 0;
-    opt.max_body_bytes = ro.max_body_bytes;
-    opt.poll_hold = 1s;
-    server_ = std::make_unique<HttpServer>(*router_, service_->futures(), opt);
-    ASSERT_TRUE(server_->Start().ok());
-    client_ = std::make_unique<HttpClient>("127.0.0.1", server_->port());
-  }
-  void TearDown() override {
-    engine_->Release();
-    server_->Stop(0ms);
-    service_->Stop();
-  }
-
-  Reply Post(const std::string& route, const Json& body, const char* key = kAlice) {
-    return client_->Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", key}});
-  }
-  Json PostOk(const std::string& route, const Json& body, const char* key = kAlice) {
-    Reply r = Post(route, body, key);
-    EXPECT_EQ(r.status, 200) << route << ": " << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
-  // Polls until the future is not try_again.
-  Reply Retrieve(const std::string& request_id, const char* key = kAlice, bool proto = false) {
-    for (int i = 0; i < 20; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key}};
-      if (proto) h.emplace_back("Accept", "application/x-protobuf");
-      Reply r = client_->Call("POST", "/api/v1/retrieve_future",
-                              Json{{"request_id", request_id}, {"allow_metadata_only", true}}.dump(), h);
-      if (r.content_type.find("json") != std::string::npos) {
-        Json j = Json::parse(r.body, nullptr, false);
-        if (j.is_object() && j.value("type", "") == "try_again") continue;
-      }
-      return r;
-    }
-    ADD_FAILURE() << "future never finished";
-    return {};
-  }
+  void SetUp() override { StartGateway("loom_http_", /*with_sampler=*/false, /*max_body_bytes=*/64 * 1024); }
   std::string CreateModel(const char* key = kAlice) {
-    Json s = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
-                                       {"sdk_version", "0.26.2"}, {"type", "create_session"}}, key);
-    Json sub = PostOk("create_model", {{"session_id", s["session_id"]}, {"model_seq_id", 0},
+    Json sub = PostOk("create_model", {{"session_id", Session(key)}, {"model_seq_id", 0},
                                        {"base_model", "test/base"},
                                        {"lora_config", {{"rank", 4}, {"train_unembed", true}, {"train_mlp", true},
                                                         {"train_attn", true}}},
@@ -124,13 +62,6 @@ class GatewayTest : public ::testing::Test {
   }
   void ExpectAlive() { EXPECT_EQ(client_->Call("GET", "/api/v1/healthz").status, 200); }
 
-  std::string dir_;
-  testing::FakeEngine* engine_ = nullptr;
-  ApiKeys keys_;  // open mode
-  std::unique_ptr<service::Service> service_;
-  std::unique_ptr<Router> router_;
-  std::unique_ptr<HttpServer> server_;
-  std::unique_ptr<HttpClient> client_;
 };
 
 TEST_F(GatewayTest, HealthAndClientConfigAnswerAsTheSdkNeeds) {

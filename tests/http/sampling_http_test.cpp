@@ -5,13 +5,8 @@
 // context window, foreign tenants).
 #include <gtest/gtest.h>
 
-#include <filesystem>
 
-#include "../service/fake_engine.h"
-#include "../service/fake_sampler.h"
-#include "http/router.h"
-#include "http/server.h"
-#include "test_client.h"
+#include "gateway_fixture.h"
 #include "wire/sample.h"
 
 namespace loom::http {
@@ -19,69 +14,14 @@ namespace {
 
 using namespace std::chrono_literals;
 using Json = nlohmann::json;
-using testing::HttpClient;
 using testing::Reply;
 
-constexpr const char* kAlice = "tml-alice-key";
-constexpr const char* kBob = "tml-bob-key";
+using testing::kAlice;
+using testing::kBob;
 
-class SamplingGatewayTest : public ::testing::Test {
+class SamplingGatewayTest : public testing::GatewayFixture {
  protected:
-  void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() /
-            ("loom_http_sampling_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
-             "_" + std::to_string(::getpid())))
-               .string();
-    std::filesystem::remove_all(dir_);
-    auto registry = store::Registry::Open(dir_);
-    ASSERT_TRUE(registry.ok());
-    service::ServiceOptions so;
-    so.base_model_name = "test/base";
-    so.janitor_period = 20ms;
-    service_ = std::make_unique<service::Service>(so, std::make_unique<testing::FakeEngine>(4), std::move(*registry));
-    service_->AttachSampler(std::make_unique<testing::FakeSampler>(100, 32));
-    service_->Start();
-    router_ = std::make_unique<Router>(*service_, keys_, RouterOptions{});
-    ServerOptions opt;
-    opt.port = 0;
-    opt.poll_hold = 1s;
-    server_ = std::make_unique<HttpServer>(*router_, service_->futures(), opt);
-    ASSERT_TRUE(server_->Start().ok());
-    client_ = std::make_unique<HttpClient>("127.0.0.1", server_->port());
-  }
-  void TearDown() override {
-    server_->Stop(0ms);
-    service_->Stop();
-    std::filesystem::remove_all(dir_);
-  }
-
-  Reply Post(const std::string& route, const Json& body, const char* key = kAlice) {
-    return client_->Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", key}});
-  }
-  Json PostOk(const std::string& route, const Json& body, const char* key = kAlice) {
-    Reply r = Post(route, body, key);
-    EXPECT_EQ(r.status, 200) << route << ": " << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
-  Reply Retrieve(const std::string& request_id, bool proto, const char* key = kAlice) {
-    for (int i = 0; i < 20; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key}};
-      if (proto) h.emplace_back("Accept", "application/x-protobuf");
-      Reply r = client_->Call("POST", "/api/v1/retrieve_future",
-                              Json{{"request_id", request_id}, {"allow_metadata_only", true}}.dump(), h);
-      if (r.content_type.find("json") != std::string::npos) {
-        Json j = Json::parse(r.body, nullptr, false);
-        if (j.is_object() && j.value("type", "") == "try_again") continue;
-      }
-      return r;
-    }
-    ADD_FAILURE() << "future never finished";
-    return {};
-  }
-  std::string Session(const char* key = kAlice) {
-    return PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
-                                     {"sdk_version", "0.26.2"}, {"type", "create_session"}}, key)["session_id"];
-  }
+  void SetUp() override { StartGateway("loom_http_sampling_", /*with_sampler=*/true); }
   std::string SamplingSession(const std::string& session, int seq = 0, const char* key = kAlice) {
     Json j = PostOk("create_sampling_session", {{"session_id", session}, {"sampling_session_seq_id", seq},
                                                 {"base_model", "test/base"}, {"type", "create_sampling_session"}},
@@ -103,12 +43,6 @@ class SamplingGatewayTest : public ::testing::Test {
     EXPECT_NE(r.body.find(fragment), std::string::npos) << r.body;
   }
 
-  std::string dir_;
-  ApiKeys keys_;
-  std::unique_ptr<service::Service> service_;
-  std::unique_ptr<Router> router_;
-  std::unique_ptr<HttpServer> server_;
-  std::unique_ptr<HttpClient> client_;
 };
 
 TEST_F(SamplingGatewayTest, AsampleAnswersSequenceIdsAndProtobufResult) {
@@ -119,7 +53,7 @@ TEST_F(SamplingGatewayTest, AsampleAnswersSequenceIdsAndProtobufResult) {
   ASSERT_EQ(sub["sample_sequence_ids"].size(), 2u);
   EXPECT_NE(sub["sample_sequence_ids"][0], sub["sample_sequence_ids"][1]);
 
-  Reply r = Retrieve(sub["request_id"], /*proto=*/true);
+  Reply r = Retrieve(sub["request_id"], kAlice, /*proto=*/true);
   ASSERT_EQ(r.status, 200) << r.body;
   EXPECT_EQ(r.content_type, "application/x-protobuf");
   auto decoded = wire::DecodeSampleResponse(r.body);
@@ -131,7 +65,7 @@ TEST_F(SamplingGatewayTest, AsampleAnswersSequenceIdsAndProtobufResult) {
   EXPECT_FALSE(decoded->prompt_logprobs.has_value());
 
   // Same future without protobuf in Accept: the legacy JSON shape.
-  Reply legacy = Retrieve(sub["request_id"], /*proto=*/false);
+  Reply legacy = Retrieve(sub["request_id"], kAlice, /*proto=*/false);
   Json j = Json::parse(legacy.body, nullptr, false);
   ASSERT_TRUE(j.is_object()) << legacy.body;
   EXPECT_EQ(j["type"], "sample");
@@ -144,12 +78,12 @@ TEST_F(SamplingGatewayTest, AsampleAnswersSequenceIdsAndProtobufResult) {
 TEST_F(SamplingGatewayTest, ComputeLogprobsShapeReturnsPromptLogprobsWithNullFirst) {
   const std::string sampling = SamplingSession(Session());
   Json sub = PostOk("asample", Asample(sampling, 0, {{"max_tokens", 1}}, 1, /*prompt_logprobs=*/true));
-  auto decoded = wire::DecodeSampleResponse(Retrieve(sub["request_id"], true).body);
+  auto decoded = wire::DecodeSampleResponse(Retrieve(sub["request_id"], kAlice, true).body);
   ASSERT_TRUE(decoded.ok());
   ASSERT_TRUE(decoded->prompt_logprobs.has_value());
   ASSERT_EQ(decoded->prompt_logprobs->size(), 3u);
   EXPECT_TRUE(std::isnan((*decoded->prompt_logprobs)[0]));
-  Json legacy = Json::parse(Retrieve(sub["request_id"], false).body);
+  Json legacy = Json::parse(Retrieve(sub["request_id"], kAlice, false).body);
   EXPECT_TRUE(legacy["prompt_logprobs"][0].is_null());
   EXPECT_NEAR(legacy["prompt_logprobs"][1].get<double>(), -0.5, 1e-6);
 }
