@@ -72,19 +72,7 @@ class GatewayFixture : public ::testing::Test {
   }
   // Polls retrieve_future until the answer is not try_again.
   Reply Retrieve(const std::string& request_id, const char* key = kAlice, bool proto = false) {
-    for (int i = 0; i < 20; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key}};
-      if (proto) h.emplace_back("Accept", "application/x-protobuf");
-      Reply r = client_->Call("POST", "/api/v1/retrieve_future",
-                              Json{{"request_id", request_id}, {"allow_metadata_only", true}}.dump(), h);
-      if (r.content_type.find("json") != std::string::npos) {
-        Json j = Json::parse(r.body, nullptr, false);
-        if (j.is_object() && j.value("type", "") == "try_again") continue;
-      }
-      return r;
-    }
-    ADD_FAILURE() << "future never finished";
-    return {};
+    return RetrieveFuture(*client_, key, request_id, proto, /*attempts=*/20, /*allow_metadata_only=*/true);
   }
   std::string Session(const char* key = kAlice) {
     return PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},

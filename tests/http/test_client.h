@@ -8,7 +8,9 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 
+#include <gtest/gtest.h>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -70,5 +72,26 @@ class HttpClient {
   std::string host_;
   uint16_t port_;
 };
+
+// POSTs retrieve_future for request_id as `key` until the answer is not
+// try_again: at most `attempts` polls, a test failure if it never finishes.
+// proto asks for protobuf results; allow_metadata_only is sent when true.
+inline Reply RetrieveFuture(HttpClient& client, const std::string& key, const std::string& request_id, bool proto,
+                            int attempts, bool allow_metadata_only = false) {
+  nlohmann::json body{{"request_id", request_id}};
+  if (allow_metadata_only) body["allow_metadata_only"] = true;
+  for (int i = 0; i < attempts; ++i) {
+    std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key}};
+    if (proto) h.emplace_back("Accept", "application/x-protobuf");
+    Reply r = client.Call("POST", "/api/v1/retrieve_future", body.dump(), h);
+    if (r.content_type.find("json") != std::string::npos) {
+      const nlohmann::json j = nlohmann::json::parse(r.body, nullptr, false);
+      if (j.is_object() && j.value("type", "") == "try_again") continue;
+    }
+    return r;
+  }
+  ADD_FAILURE() << "future " << request_id << " never finished";
+  return {};
+}
 
 }  // namespace loom::testing

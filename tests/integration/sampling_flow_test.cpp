@@ -55,18 +55,7 @@ class Tenant {
     return Json::parse(r.body, nullptr, false);
   }
   testing::Reply Retrieve(const std::string& id, bool proto) {
-    for (int i = 0; i < 300; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key_}};
-      if (proto) h.emplace_back("Accept", "application/x-protobuf");
-      auto r = client_.Call("POST", "/api/v1/retrieve_future", Json{{"request_id", id}}.dump(), h);
-      if (r.content_type.find("json") != std::string::npos) {
-        Json j = Json::parse(r.body, nullptr, false);
-        if (j.is_object() && j.value("type", "") == "try_again") continue;
-      }
-      return r;
-    }
-    ADD_FAILURE() << "future " << id << " never finished";
-    return {};
+    return testing::RetrieveFuture(client_, key_, id, proto, /*attempts=*/300);
   }
   Json Result(const Json& submitted) {
     auto r = Retrieve(submitted.value("request_id", ""), false);

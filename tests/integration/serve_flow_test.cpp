@@ -56,18 +56,7 @@ class Flow {
   testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", key_}}); }
 
   testing::Reply Retrieve(const std::string& id, bool proto = false) {
-    for (int i = 0; i < 200; ++i) {
-      std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key_}};
-      if (proto) h.emplace_back("Accept", "application/x-protobuf");
-      auto r = client_.Call("POST", "/api/v1/retrieve_future", Json{{"request_id", id}}.dump(), h);
-      if (r.content_type.find("json") != std::string::npos) {
-        Json j = Json::parse(r.body, nullptr, false);
-        if (j.is_object() && j.value("type", "") == "try_again") continue;
-      }
-      return r;
-    }
-    ADD_FAILURE() << "future " << id << " never finished";
-    return {};
+    return testing::RetrieveFuture(client_, key_, id, proto, /*attempts=*/200);
   }
   Json Result(const Json& submitted) {
     auto r = Retrieve(submitted["request_id"]);
