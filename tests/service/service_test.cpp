@@ -27,6 +27,13 @@ std::string TempDir(const std::string& name) {
 
 class ServiceTest : public ::testing::Test {
  protected:
+  static wire::SaveWeightsRequest SaveRequest(const std::string& model, int64_t seq, const std::string& name) {
+    wire::SaveWeightsRequest r;
+    r.model_id = model;
+    r.seq_id = seq;
+    r.name = name;
+    return r;
+  }
   void Open(ServiceOptions options = {}, int slots = 4) {
     options.base_model_name = "test/base";
     if (options.janitor_period == ServiceOptions{}.janitor_period) options.janitor_period = 20ms;
@@ -170,10 +177,7 @@ TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
   Open();
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
-  wire::SaveWeightsRequest save;
-  save.model_id = m;
-  save.seq_id = 1;
-  save.name = "c1";
+  wire::SaveWeightsRequest save = SaveRequest(m, 1, "c1");
   auto saved = service_->SaveWeights({"alice", ""}, save);
   ASSERT_TRUE(saved.ok());
   ASSERT_EQ(Wait("alice", saved->request_id).state, FutureState::kDone);
@@ -318,10 +322,7 @@ TEST_F(ServiceTest, CheckpointNameCollisionIsAUserErrorNotAConflict) {
   Open();
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
-  wire::SaveWeightsRequest save;
-  save.model_id = m;
-  save.seq_id = 1;
-  save.name = "same";
+  wire::SaveWeightsRequest save = SaveRequest(m, 1, "same");
   auto first = service_->SaveWeights({"alice", ""}, save);
   ASSERT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
   EXPECT_EQ(first.ok() ? Wait("alice", first->request_id).result->json["path"] : "",
@@ -343,10 +344,7 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
   Caller alice{"alice", ""};
-  wire::SaveWeightsRequest save;
-  save.model_id = m;
-  save.seq_id = 1;
-  save.name = "step1";
+  wire::SaveWeightsRequest save = SaveRequest(m, 1, "step1");
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
 
   wire::LoadWeightsRequest load;
@@ -405,10 +403,7 @@ TEST_F(ServiceTest, CreateFromStateViaLoadWeightsUsesTheCheckpointsLoraConfig) {
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s, 0, 8);
   Caller alice{"alice", ""};
-  wire::SaveWeightsRequest save;
-  save.model_id = m;
-  save.seq_id = 1;
-  save.name = "ck";
+  wire::SaveWeightsRequest save = SaveRequest(m, 1, "ck");
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
   wire::LoadWeightsRequest load;
   load.mode = wire::LoadWeightsRequest::Mode::kCreateModel;
