@@ -101,7 +101,7 @@ class CudaFastDecode final : public FastDecode {
         if (s >= 0 && stale_[static_cast<size_t>(s)]) {
           for (auto& layer : groups_)
             for (auto& g : layer) g.Sync(s, bank_->max_rank());
-          if (head_.defined()) head_group_.Sync(s, bank_->max_rank());
+          if (head_group_.A.defined()) head_group_.Sync(s, bank_->max_rank());
           stale_[static_cast<size_t>(s)] = false;
         }
       }
@@ -140,7 +140,6 @@ class CudaFastDecode final : public FastDecode {
     }
     if (const LoraTarget* head = bank_->find("lm_head")) {
       ok = ok && head_group_.Make({head}, R, N, opts);
-      head_ = head_group_.A;
     }
     has_lora_ = ok;
     if (!ok) {
@@ -268,7 +267,7 @@ class CudaFastDecode final : public FastDecode {
     cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr, x.data_ptr(),
                   m.norm.data_ptr(), h.data_ptr(), R, x.size(1), eps, st);
     at::Tensor logits = at::linear(h, m.lm_head).to(at::kFloat);
-    if (g.lora && head_.defined()) Lora(head_group_, h, slot_head, t, logits, true, st);
+    if (g.lora && head_group_.A.defined()) Lora(head_group_, h, slot_head, t, logits, true, st);
     return logits;
   }
 
@@ -280,8 +279,7 @@ class CudaFastDecode final : public FastDecode {
   std::vector<bool> stale_;
   decltype(at::cuda::graph_pool_handle()) pool_;
   std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down
-  LoraGroup head_group_;
-  at::Tensor head_;  // defined when lm_head has a LoRA target
+  LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
   std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Graph>> graphs_;
 };
