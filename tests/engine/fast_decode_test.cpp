@@ -110,29 +110,38 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
       auto loaded = Transformer::Load(model_dir, at::kCUDA, dtype);
       ASSERT_TRUE(loaded.ok()) << loaded.status().message();
       std::shared_ptr<const Transformer> model(std::move(loaded.value()));
-      SlotBank bank(3, 8, at::kCUDA, model->LoraTargets());
-      LoraConfig all;
-      all.rank = 8, all.alpha = 16, all.seed = 1;
-      LoraConfig attn_only;
-      attn_only.rank = 4, attn_only.alpha = 8, attn_only.seed = 2, attn_only.train_mlp = false;
-      LoraConfig no_unembed;
-      no_unembed.rank = 6, no_unembed.alpha = 6, no_unembed.seed = 3, no_unembed.train_unembed = false;
-      Randomize(bank, 0, all);
-      Randomize(bank, 1, attn_only);
-      Randomize(bank, 2, no_unembed);
-      const double tol = dtype == at::kFloat ? 1e-4 : 0.25;
-      bool used = false;
-      // Mixed adapters and the base in one step (batch bucket 8), then one
-      // row alone (bucket 1), then base rows only (the graph without LoRA).
-      const double mixed = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used);
-      if (!used) GTEST_SKIP() << "no fast decode path in this build";
-      const double one = MaxDecodeDiff(model, bank, {20}, {2}, 2, &used);
-      const double base = MaxDecodeDiff(model, bank, {9, 30}, {-1, -1}, 2, &used);
-      std::printf("fast decode %s %s: max |logit diff| mixed %.3g, one row %.3g, base %.3g\n", arch,
-                  dtype == at::kFloat ? "fp32" : "bf16", mixed, one, base);
-      EXPECT_LE(mixed, tol);
-      EXPECT_LE(one, tol);
-      EXPECT_LE(base, tol);
+      // Max rank 8 reads LoRA factors with 16-byte loads; 6 takes the scalar path.
+      for (int64_t max_rank : {8, 6}) {
+        SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
+        LoraConfig all;
+        all.rank = max_rank, all.alpha = 16, all.seed = 1;
+        LoraConfig attn_only;
+        attn_only.rank = 4, attn_only.alpha = 8, attn_only.seed = 2, attn_only.train_mlp = false;
+        LoraConfig no_unembed;
+        no_unembed.rank = 6, no_unembed.alpha = 6, no_unembed.seed = 3, no_unembed.train_unembed = false;
+        Randomize(bank, 0, all);
+        Randomize(bank, 1, attn_only);
+        Randomize(bank, 2, no_unembed);
+        const double tol = dtype == at::kFloat ? 1e-4 : 0.25;
+        bool used = false;
+        // Mixed adapters and the base in one step (batch bucket 8), then one
+        // row alone (bucket 1), then base rows only (the graph without LoRA).
+        const double mixed = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used);
+        if (!used) GTEST_SKIP() << "no fast decode path in this build";
+        const double one = MaxDecodeDiff(model, bank, {20}, {2}, 2, &used);
+        const double base = MaxDecodeDiff(model, bank, {9, 30}, {-1, -1}, 2, &used);
+        // Two row tiles (bucket 16), each slot's rows scattered over both.
+        const double tiles = MaxDecodeDiff(model, bank, {3, 8, 12, 20, 7, 2, 30, 9, 16, 5, 11, 25},
+                                           {0, 1, 0, 2, -1, 1, 0, 0, 2, 1, -1, 0}, 2, &used);
+        std::printf("fast decode %s %s max rank %lld: max |logit diff| mixed %.3g, one row %.3g, base %.3g, "
+                    "two tiles %.3g\n",
+                    arch, dtype == at::kFloat ? "fp32" : "bf16", static_cast<long long>(max_rank), mixed, one, base,
+                    tiles);
+        EXPECT_LE(tiles, tol);
+        EXPECT_LE(mixed, tol);
+        EXPECT_LE(one, tol);
+        EXPECT_LE(base, tol);
+      }
     }
   }
 }

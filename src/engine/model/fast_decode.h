@@ -7,15 +7,21 @@
 // sampler's SlotBank, refreshed per slot when an adapter loads).
 //
 // Per-row adapters are applied BGMV-style: each row reads its own slot's
-// factors (rows of one adapter hit them in L2), so a step with 8 distinct
-// adapters costs the same launches as a step with one.
+// factors (rows of one adapter, a tile, share the loads), so a step with 8
+// distinct adapters costs the same launches as a step with one. The shrink
+// (x A^T) runs on a parallel branch of the graph beside the base projection
+// of the same x; the expand (t B^T) is done inside the kernel that consumes
+// the projection (norm, RoPE, SiLU*up), only lm_head's has its own kernel.
+// Projections of at most 4 rows use a matrix-vector kernel, not cuBLAS.
 //
 // Graphs are keyed by (batch bucket, block-table width bucket, with LoRA or
 // not): a step of S rows replays the graph of the next power of two >= S, its
 // padding rows write to a scratch KV row that no sequence owns.
 //
 // Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
-// fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off.
+// fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off,
+// LOOM_DECODE_GEMV=0 keeps cuBLAS for every projection, and
+// LOOM_DECODE_PROFILE=1 logs each stage's GPU time (stages serialized).
 // Elsewhere MakeFastDecode returns nullptr and the sampler stays eager.
 //
 // Threading: the sampler's decode thread only.

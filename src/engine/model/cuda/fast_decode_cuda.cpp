@@ -23,6 +23,7 @@ namespace {
 
 constexpr int64_t kMaxRows = 512;   // larger steps run eager
 constexpr int64_t kMinTable = 16;   // smallest block-table width bucket
+constexpr int64_t kProfileReplays = 64;
 
 int64_t Pow2AtLeast(int64_t n, int64_t lo) {
   int64_t p = lo;
@@ -54,6 +55,17 @@ struct LoraGroup {
     B = at::zeros({slots, d_total, rank}, opts);
     return seg_end.size() <= 4;
   }
+  // The expand a consumer kernel applies, from t (this group's shrink).
+  cuda::LoraArgs Args(const int32_t* slot, const at::Tensor& t, int64_t rank) const {
+    cuda::LoraArgs a;
+    a.B = B.data_ptr();
+    a.t = t.data_ptr<float>();
+    a.slot = slot;
+    a.rank = rank;
+    a.r_total = r_total;
+    a.d_total = d_total;
+    return a;
+  }
   void Sync(int s, int64_t rank) {
     int64_t col = 0;
     for (size_t k = 0; k < targets.size(); ++k) {
@@ -77,7 +89,25 @@ class CudaFastDecode final : public FastDecode {
         bf16_(model_->dtype() == at::kBFloat16),
         stale_(bank ? static_cast<size_t>(bank->num_slots()) : 0, true),
         pool_(at::cuda::graph_pool_handle()) {
+    const char* env = std::getenv("LOOM_DECODE_PROFILE");
+    profile_ = env && std::string(env) == "1";
+    const char* gemv = std::getenv("LOOM_DECODE_GEMV");
+    gemv_ = !(gemv && std::string(gemv) == "0");
+    cudaStreamCreateWithFlags(&branch_, cudaStreamNonBlocking);
+    cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
     BuildMirror();
+  }
+
+  ~CudaFastDecode() override {
+    for (auto& [key, g] : graphs_) {
+      if (profile_ && g->replays > 0) LogProfile(*g);
+      for (auto& [label, e] : g->marks) cudaEventDestroy(e);
+    }
+    graphs_.clear();
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+    cudaStreamDestroy(branch_);
   }
 
   void SlotChanged(int s) override {
@@ -111,6 +141,7 @@ class CudaFastDecode final : public FastDecode {
     g.dev_long.copy_(g.host_long, /*non_blocking=*/true);
     g.dev_int.copy_(g.host_int, /*non_blocking=*/true);
     g.graph->replay();
+    if (profile_) Measure(g);
     return g.logits.narrow(0, 0, S);
   }
 
@@ -123,6 +154,11 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor host_long, host_int, dev_long, dev_int;
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor logits;
+    // LOOM_DECODE_PROFILE: event nodes between the graph's stages, and the
+    // GPU time each stage label has taken over `replays` replays.
+    std::vector<std::pair<const char*, cudaEvent_t>> marks;
+    std::map<std::string, double> stage_ms;
+    int64_t replays = 0;
   };
 
   void BuildMirror() {
@@ -173,7 +209,9 @@ class CudaFastDecode final : public FastDecode {
       side.synchronize();
       g->graph = std::make_unique<at::cuda::CUDAGraph>();
       g->graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
+      capturing_ = g.get();
       g->logits = Run(*g);
+      capturing_ = nullptr;
       g->graph->capture_end();
       side.synchronize();
     }
@@ -181,6 +219,40 @@ class CudaFastDecode final : public FastDecode {
     Graph& ref = *g;
     graphs_.emplace(key, std::move(g));
     return ref;
+  }
+
+  // Profiling only: an event node at this point of the graph being captured;
+  // the stage since the previous mark is charged to `label`.
+  void Mark(const char* label, cudaStream_t st) const {
+    if (!profile_ || !capturing_) return;
+    cudaEvent_t e;
+    cudaEventCreate(&e);
+    cudaEventRecordWithFlags(e, st, cudaEventRecordExternal);
+    capturing_->marks.emplace_back(label, e);
+  }
+
+  void Measure(Graph& g) const {
+    at::cuda::getCurrentCUDAStream().synchronize();
+    for (size_t i = 1; i < g.marks.size(); ++i) {
+      float ms = 0;
+      if (cudaEventElapsedTime(&ms, g.marks[i - 1].second, g.marks[i].second) == cudaSuccess)
+        g.stage_ms[g.marks[i].first] += ms;
+    }
+    if (++g.replays == kProfileReplays) {  // one line per kProfileReplays steps
+      LogProfile(g);
+      g.stage_ms.clear();
+      g.replays = 0;
+    }
+  }
+
+  static void LogProfile(const Graph& g) {
+    double total = 0;
+    for (const auto& [label, ms] : g.stage_ms) total += ms;
+    std::string line;
+    for (const auto& [label, ms] : g.stage_ms)
+      line += fmt::format(" {}={:.1f}", label, ms * 1e3 / static_cast<double>(g.replays));
+    log::Info("fast decode profile rows={} table={} lora={} replays={} us/step: total={:.1f}{}", g.rows, g.table,
+              g.lora, g.replays, total * 1e3 / static_cast<double>(g.replays), line);
   }
 
   // Host inputs of the step; rows beyond it are padding that writes to the
@@ -206,14 +278,38 @@ class CudaFastDecode final : public FastDecode {
     }
   }
 
-  void Lora(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t, at::Tensor& y,
-            bool y_f32, cudaStream_t st) const {
-    const int64_t rows = x.size(0);
+  // Starts group g's shrink of x into t on the branch stream, beside what
+  // the main stream runs next (the base projection of the same x); Join
+  // makes the main stream wait for it. Profiling times every stage alone:
+  // the shrink then runs on the main stream.
+  void ForkShrink(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t,
+                  cudaStream_t st) const {
+    const cudaStream_t on = profile_ ? st : branch_;
+    if (!profile_) {
+      cudaEventRecord(fork_, st);
+      cudaStreamWaitEvent(branch_, fork_, 0);
+    }
     cuda::LoraShrink(bf16_, x.data_ptr(), x.stride(0), g.A.data_ptr(), slot, bank_->scales().data_ptr<float>(),
-                     t.data_ptr<float>(), rows, g.d_in, g.r_total, st);
-    cuda::LoraExpand(bf16_, t.data_ptr<float>(), cuda::LoraSplits(bf16_, g.d_in), g.r_total, g.B.data_ptr(),
-                     bank_->max_rank(), slot, y.data_ptr(), y_f32, y.stride(0), rows, g.d_total, g.seg_end.data(),
-                     static_cast<int>(g.seg_end.size()), st);
+                     t.data_ptr<float>(), x.size(0), g.d_in, g.r_total, on);
+    Mark("shrink", on);
+    if (!profile_) cudaEventRecord(join_, branch_);
+  }
+  void Join(cudaStream_t st) const {
+    if (!profile_) cudaStreamWaitEvent(st, join_, 0);
+  }
+
+  // x @ w^T + b: the matrix-vector kernel for a few rows, else cuBLAS.
+  // f32: the result as fp32 (rounded through the model dtype first).
+  at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool f32, cudaStream_t st) const {
+    const int64_t R = x.size(0), N = w.size(0);
+    if (gemv_ && R <= cuda::kGemvMaxRows && w.is_contiguous() && x.stride(1) == 1) {
+      at::Tensor y = at::empty({R, N}, x.options().dtype(f32 ? at::kFloat : x.scalar_type()));
+      if (cuda::Gemv(bf16_, x.data_ptr(), x.stride(0), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
+                     y.data_ptr(), f32, R, N, w.size(1), st))
+        return y;
+    }
+    at::Tensor y = at::linear(x, w, b);
+    return f32 ? y.to(at::kFloat) : y;
   }
 
   // The decode forward over g's static inputs; returns logits [rows, vocab] fp32.
@@ -236,38 +332,71 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor q = at::empty({R, H * hd}, x.options());
     at::Tensor attn = at::empty({R, H * hd}, x.options());
     at::Tensor act = at::empty({R, m.inter}, x.options());
-    // LoRA shrink partials, for the widest group (q, k, v: 3 ranks) and the
-    // longest input (the down projection's).
-    const int64_t splits = cuda::LoraSplits(bf16_, std::max(m.inter, std::max(x.size(1), H * hd)));
-    at::Tensor t =
-        g.lora ? at::empty({splits * R * 3 * bank_->max_rank()}, x.options().dtype(at::kFloat)) : at::Tensor();
-    at::Tensor pending;  // the previous layer's MLP output, not yet added to x
-    for (size_t i = 0; i < m.layers.size(); ++i) {
-      const auto& l = m.layers[i];
-      cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr, x.data_ptr(),
-                    l.input_norm.data_ptr(), h.data_ptr(), R, x.size(1), eps, st);
-      at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-      if (g.lora) Lora(groups_[i][0], h, slot_attn, t, qkv, false, st);
-      cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
+    // The shrink's output, for the widest group (q, k, v: 3 ranks). Groups
+    // take turns: each shrink is forked after the previous consumer ran.
+    const int64_t rank = bank_ ? bank_->max_rank() : 0;
+    const at::Tensor t = g.lora ? at::empty({R * 3 * rank}, x.options().dtype(at::kFloat)) : at::Tensor();
+    auto lora = [&](int i, int k, const int32_t* slot) {
+      return g.lora ? groups_[static_cast<size_t>(i)][static_cast<size_t>(k)].Args(slot, t, rank) : cuda::LoraArgs{};
+    };
+    auto shrink = [&](int i, int k, const at::Tensor& in, const int32_t* slot) {
+      if (g.lora) ForkShrink(groups_[static_cast<size_t>(i)][static_cast<size_t>(k)], in, slot, t, st);
+    };
+    auto join = [&] {
+      if (g.lora) Join(st);
+    };
+    at::Tensor pending;  // the previous layer's MLP output, not yet added to x (its LoRA delta neither)
+    const int layers = static_cast<int>(m.layers.size());
+    Mark("start", st);
+    for (int i = 0; i < layers; ++i) {
+      const auto& l = m.layers[static_cast<size_t>(i)];
+      cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
+                    i > 0 ? lora(i - 1, 3, slot_mlp) : cuda::LoraArgs{}, x.data_ptr(), l.input_norm.data_ptr(),
+                    h.data_ptr(), R, x.size(1), eps, st);
+      Mark("norm", st);
+      shrink(i, 0, h, slot_attn);
+      at::Tensor qkv = Linear(h, l.qkv_w, l.qkv_b, false, st);
+      join();
+      Mark("qkv", st);
+      cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), lora(i, 0, slot_attn),
+                            l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
                             l.k_norm.defined() ? l.k_norm.data_ptr() : nullptr, positions.data_ptr<int64_t>(),
                             m.inv_freq.data_ptr<float>(), write_rows, q.data_ptr(), cache_->k[i].data_ptr(),
                             cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
+      Mark("rope", st);
       cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
                             ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st);
-      at::Tensor o = at::linear(attn, l.o_w, l.o_b);
-      if (g.lora) Lora(groups_[i][1], attn, slot_attn, t, o, false, st);
-      cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), x.data_ptr(), l.post_norm.data_ptr(), h.data_ptr(), R,
-                    x.size(1), eps, st);
-      at::Tensor gate_up = at::linear(h, l.gate_up_w);
-      if (g.lora) Lora(groups_[i][2], h, slot_mlp, t, gate_up, false, st);
-      cuda::SiluMul(bf16_, gate_up.data_ptr(), act.data_ptr(), R, m.inter, st);
-      pending = at::linear(act, l.down_w);
-      if (g.lora) Lora(groups_[i][3], act, slot_mlp, t, pending, false, st);
+      Mark("attn", st);
+      shrink(i, 1, attn, slot_attn);
+      at::Tensor o = Linear(attn, l.o_w, l.o_b, false, st);
+      join();
+      Mark("o", st);
+      cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), lora(i, 1, slot_attn), x.data_ptr(), l.post_norm.data_ptr(),
+                    h.data_ptr(), R, x.size(1), eps, st);
+      Mark("norm", st);
+      shrink(i, 2, h, slot_mlp);
+      at::Tensor gate_up = Linear(h, l.gate_up_w, {}, false, st);
+      join();
+      Mark("gate_up", st);
+      cuda::SiluMul(bf16_, gate_up.data_ptr(), lora(i, 2, slot_mlp), act.data_ptr(), R, m.inter, st);
+      Mark("silu", st);
+      shrink(i, 3, act, slot_mlp);
+      pending = Linear(act, l.down_w, {}, false, st);
+      join();
+      Mark("down", st);
     }
-    cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr, x.data_ptr(),
-                  m.norm.data_ptr(), h.data_ptr(), R, x.size(1), eps, st);
-    at::Tensor logits = at::linear(h, m.lm_head).to(at::kFloat);
-    if (g.lora && head_group_.A.defined()) Lora(head_group_, h, slot_head, t, logits, true, st);
+    cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
+                  layers > 0 ? lora(layers - 1, 3, slot_mlp) : cuda::LoraArgs{}, x.data_ptr(), m.norm.data_ptr(),
+                  h.data_ptr(), R, x.size(1), eps, st);
+    Mark("norm", st);
+    const bool head_lora = g.lora && head_group_.A.defined();
+    if (head_lora) ForkShrink(head_group_, h, slot_head, t, st);
+    at::Tensor logits = Linear(h, m.lm_head, {}, true, st);
+    if (head_lora) {
+      Join(st);
+      cuda::LoraExpand(bf16_, head_group_.Args(slot_head, t, rank), logits.data_ptr(), true, logits.stride(0), R, st);
+    }
+    Mark("head", st);
     return logits;
   }
 
@@ -281,6 +410,13 @@ class CudaFastDecode final : public FastDecode {
   std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down
   LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
+  bool profile_ = false;
+  bool gemv_ = true;  // LOOM_DECODE_GEMV=0: cuBLAS for every projection
+  Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
+  // The LoRA shrinks run on branch_, forked from and joined back to the
+  // step's stream (parallel branches of the captured graph).
+  cudaStream_t branch_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Graph>> graphs_;
 };
 
@@ -290,6 +426,7 @@ bool Supported(const Transformer& model) {
   const auto& m = model.weights();
   if (m.head_dim != 32 && m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) return false;
   if (m.kv_heads <= 0 || m.heads % m.kv_heads != 0) return false;
+  if (m.embed.size(1) > cuda::kMaxNormWidth) return false;
   const char* env = std::getenv("LOOM_CUDA_GRAPHS");
   return !(env && std::string(env) == "0");
 }

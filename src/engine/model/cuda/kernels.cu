@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "engine/model/cuda/kernels.h"
 
@@ -48,40 +49,338 @@ __device__ float BlockSum(float v) {
   return partial[0];
 }
 
-template <typename T>
-__global__ void RmsNormKernel(const T* x, const T* add, T* sum_out, const T* w, T* out, int64_t n, float eps) {
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  float ss = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float v = ToF(x[base + i]);
-    if (add) {
-      v = Round<T>(v + ToF(add[base + i]));
-      sum_out[base + i] = FromF<T>(v);
+// Loads V consecutive T into fp32: 16-byte loads when V * sizeof(T) is a
+// multiple of 16 (the caller guarantees alignment then), else one by one.
+template <typename T, int V>
+__device__ __forceinline__ void LoadV(const T* p, float* out) {
+  constexpr int kPer = 16 / sizeof(T);
+  if constexpr (V % kPer == 0) {
+#pragma unroll
+    for (int c = 0; c < V; c += kPer) {
+      const uint4 u = *reinterpret_cast<const uint4*>(p + c);
+      const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) out[c + k] = ToF(e[k]);
     }
-    ss += v * v;
-  }
-  const float inv = rsqrtf(BlockSum(ss) / static_cast<float>(n) + eps);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = add ? ToF(sum_out[base + i]) : ToF(x[base + i]);
-    out[base + i] = FromF<T>(ToF(w[i]) * Round<T>(v * inv));
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = ToF(p[k]);
   }
 }
 
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+unsigned Blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
+
+// ---- LoRA, BGMV-style: every row reads its own slot's factors ----
+
+constexpr int kRowTile = 8;  // rows of one tile; rows of one slot share its factor loads
+
+// Calls f(slot, members) for each run of the tile's rows [r0, r0 + n) that
+// share a slot, members being the bit set of those rows (uniform across the
+// block: it depends on slot[] only).
+template <typename F>
+__device__ __forceinline__ void ForEachSlotRun(const int32_t* slot, int64_t r0, int n, F&& f) {
+  unsigned done = 0;
+  for (int k = 0; k < n; ++k) {
+    if ((done >> k) & 1u) continue;
+    const int sl = slot[r0 + k];
+    unsigned members = 0;
+    for (int q = k; q < n; ++q)
+      if (!((done >> q) & 1u) && slot[r0 + q] == sl) members |= 1u << q;
+    done |= members;
+    f(sl, members);
+  }
+}
+
+__device__ __forceinline__ bool Member(unsigned members, int q) { return (members >> q) & 1u; }
+
+// LoraArgs with the element type resolved.
 template <typename T>
-__global__ void QkNormRopeKernel(const T* qkv, const T* q_norm, const T* k_norm, const int64_t* positions,
+struct Lora {
+  const T* B;
+  const float* t;
+  const int32_t* slot;
+  int64_t rank, r_total, d_total;
+  __device__ bool on() const { return B != nullptr; }
+};
+
+template <typename T>
+Lora<T> Resolve(const LoraArgs& a) {
+  return {static_cast<const T*>(a.B), a.t, a.slot, a.rank, a.r_total, a.d_total};
+}
+
+// Calls f(std::integral_constant<int, R>) with R = a's rank when it is one
+// of the common ranks and B and t rows allow 16-byte loads (kernels then
+// unroll the rank loop and issue all its loads at once), else R = 0 (any
+// rank, element by element). No LoRA: R = 0.
+template <typename T, typename F>
+void WithRank(const LoraArgs& a, F&& f) {
+  constexpr int V = 16 / sizeof(T);
+  if (a.B && a.rank % V == 0 && Aligned16(a.B) && Aligned16(a.t)) {
+    switch (a.rank) {
+      case 8: return f(std::integral_constant<int, 8>{});
+      case 16: return f(std::integral_constant<int, 16>{});
+      case 32: return f(std::integral_constant<int, 32>{});
+      case 64: return f(std::integral_constant<int, 64>{});
+      default: break;
+    }
+  }
+  f(std::integral_constant<int, 0>{});
+}
+
+// V consecutive fp32 from p (16-byte aligned), as float4 loads.
+template <int V>
+__device__ __forceinline__ void LoadF(const float* p, float* out) {
+#pragma unroll
+  for (int k = 0; k < V; k += 4) {
+    const float4 f = *reinterpret_cast<const float4*>(p + k);
+    out[k] = f.x, out[k + 1] = f.y, out[k + 2] = f.z, out[k + 3] = f.w;
+  }
+}
+
+// Block-cooperative expand: out[q * nc + k] = the unrounded delta of output
+// column c0 + k (k < nc, all in segment seg) for the tile rows r0 + q that
+// are members of one slot run of slot sl; other entries are left.
+// Layout (R > 0): kLanes = R / V lanes share a column, each holding V of the
+// rank for every member row's t in registers, so a warp covers 32 / kLanes
+// columns per step with one 16-byte B load per lane and a kLanes-wide
+// shuffle sum; B rows are read once per tile, not once per row. R == 0:
+// one lane per column, element by element.
+template <typename T, int R>
+__device__ void BlockExpand(const Lora<T>& a, int sl, unsigned members, int64_t r0, int n, int64_t c0, int nc, int seg,
+                            float* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const T* b0 = a.B + (static_cast<int64_t>(sl) * a.d_total + c0) * a.rank;
+  if constexpr (R > 0) {
+    constexpr int V = 16 / sizeof(T), kLanes = R / V, kCols = 32 / kLanes;
+    static_assert(R % V == 0 && 32 % kLanes == 0, "rank: a multiple of the vector width, at most 32 vectors");
+    const int part = lane % kLanes, col = lane / kLanes;
+    float t[kRowTile][V];
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q) {
+      if (q < n && Member(members, q)) {
+        LoadF<V>(a.t + (r0 + q) * a.r_total + seg * R + part * V, t[q]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) t[q][v] = 0.0f;
+      }
+    }
+    for (int k0 = warp * kCols; k0 < nc; k0 += warps * kCols) {
+      const int k = k0 + col;
+      float bv[V];
+      if (k < nc) {
+        LoadV<T, V>(b0 + static_cast<int64_t>(k) * R + part * V, bv);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) bv[v] = 0.0f;
+      }
+#pragma unroll
+      for (int q = 0; q < kRowTile; ++q) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc += bv[v] * t[q][v];
+#pragma unroll
+        for (int o = kLanes / 2; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (part == 0 && k < nc && q < n && Member(members, q)) out[q * nc + k] = acc;
+      }
+    }
+  } else {
+    for (int k = threadIdx.x; k < nc; k += blockDim.x) {
+      const T* b = b0 + static_cast<int64_t>(k) * a.rank;
+      for (int q = 0; q < n; ++q) {
+        if (!Member(members, q)) continue;
+        const float* t = a.t + (r0 + q) * a.r_total + seg * a.rank;
+        float acc = 0.0f;
+        for (int64_t r = 0; r < a.rank; ++r) acc += ToF(b[r]) * t[r];
+        out[q * nc + k] = acc;
+      }
+    }
+  }
+}
+
+// BlockExpand for every slot run of the tile (rows of base slots get 0),
+// then a barrier: out is ready for the whole block.
+template <typename T, int R>
+__device__ void TileExpand(const Lora<T>& a, int64_t r0, int n, int64_t c0, int nc, int seg, float* out) {
+  for (int i = threadIdx.x; i < n * nc; i += blockDim.x) out[i] = 0.0f;
+  __syncthreads();
+  ForEachSlotRun(a.slot, r0, n, [&](int sl, unsigned members) {
+    if (sl >= 0) BlockExpand<T, R>(a, sl, members, r0, n, c0, nc, seg, out);
+  });
+  __syncthreads();
+}
+
+// y + delta as the eager path computes it in T: y + T(delta), rounded.
+template <typename T>
+__device__ __forceinline__ float AddDelta(float y, float delta) { return Round<T>(y + Round<T>(delta)); }
+
+// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkCols)), kShrinkWarps
+// warps splitting d_in: for each run of the tile's rows with one slot, the
+// block's kShrinkCols columns of that slot's A are read once and every
+// member row's x against them; warps' partial sums meet in shared memory
+// (a fixed order: results do not depend on scheduling).
+constexpr int kShrinkWarps = 8;
+constexpr int kShrinkCols = 4;
+static_assert(kRowTile * kShrinkCols == 32, "one shrink output per lane");
+
+// v[32] per lane in, the sum over the warp's lanes of v[lane] out, in 31
+// shuffles (a butterfly that halves the values kept at each step; 32 warp
+// sums would take 160).
+__device__ __forceinline__ float ReduceScatter32(float* v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) {
+    const bool upper = lane & o;
+#pragma unroll
+    for (int i = 0; i < o; ++i) {
+      const float send = upper ? v[i] : v[i + o];
+      const float keep = upper ? v[i + o] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+  return v[0];
+}
+
+template <typename T, int V>
+__global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
+                                 float* t, int64_t rows, int64_t d_in, int64_t r_total) {
+  __shared__ float part[kShrinkWarps][kRowTile][kShrinkCols];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile, j0 = static_cast<int64_t>(blockIdx.y) * kShrinkCols;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  const int nj = static_cast<int>(min(static_cast<int64_t>(kShrinkCols), r_total - j0));
+  ForEachSlotRun(slot, r0, n, [&](int sl, unsigned members) {
+    float acc[kRowTile][kShrinkCols];
+#pragma unroll
+    for (int q = 0; q < kRowTile; ++q)
+#pragma unroll
+      for (int c = 0; c < kShrinkCols; ++c) acc[q][c] = 0.0f;
+    if (sl >= 0) {
+      const T* a = A + (static_cast<int64_t>(sl) * r_total + j0) * d_in;
+      for (int64_t i = (static_cast<int64_t>(warp) * 32 + lane) * V; i < d_in; i += kShrinkWarps * 32 * V) {
+        float av[kShrinkCols][V];
+#pragma unroll
+        for (int c = 0; c < kShrinkCols; ++c) {
+          if (c < nj) {
+            LoadV<T, V>(a + c * d_in + i, av[c]);
+          } else {
+#pragma unroll
+            for (int v = 0; v < V; ++v) av[c][v] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < kRowTile; ++q) {
+          if (q >= n || !Member(members, q)) continue;
+          float xv[V];
+          LoadV<T, V>(x + (r0 + q) * ldx + i, xv);
+#pragma unroll
+          for (int c = 0; c < kShrinkCols; ++c)
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[q][c] += av[c][v] * xv[v];
+        }
+      }
+    }
+    // Lane l ends with the warp's sum of output (l / kShrinkCols, l % kShrinkCols).
+    part[warp][lane / kShrinkCols][lane % kShrinkCols] = ReduceScatter32(&acc[0][0]);
+    __syncthreads();
+    if (threadIdx.x < kRowTile * kShrinkCols) {
+      const int q = threadIdx.x / kShrinkCols, c = threadIdx.x % kShrinkCols;
+      if (q < n && Member(members, q) && c < nj) {
+        float sum = 0.0f;
+        for (int w = 0; w < kShrinkWarps; ++w) sum += part[w][q][c];
+        t[(r0 + q) * r_total + j0 + c] = sl >= 0 ? sum * scale[sl] : 0.0f;
+      }
+    }
+    __syncthreads();
+  });
+}
+
+constexpr int kExpandCols = 256;  // output columns per block of the expanding kernels
+
+// Grid (ceil(d_total / kExpandCols), ceil(rows / kRowTile)): y[r, c] += delta
+// (segment 0).
+template <typename T, int R>
+__global__ void LoraExpandKernel(Lora<T> a, void* y, bool y_f32, int64_t ldy, int64_t rows) {
+  __shared__ float delta[kRowTile * kExpandCols];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kExpandCols, r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  const int nc = static_cast<int>(min(static_cast<int64_t>(kExpandCols), a.d_total - c0));
+  TileExpand<T, R>(a, r0, n, c0, nc, 0, delta);
+  for (int i = threadIdx.x; i < n * nc; i += blockDim.x) {
+    const int q = i / nc;
+    if (a.slot[r0 + q] < 0) continue;  // base rows: y stays
+    const int64_t at = (r0 + q) * ldy + c0 + i % nc;
+    if (y_f32) {
+      static_cast<float*>(y)[at] += delta[i];
+    } else {
+      T* yy = static_cast<T*>(y) + at;
+      *yy = FromF<T>(AddDelta<T>(ToF(*yy), delta[i]));
+    }
+  }
+}
+
+// ---- the consumers of the projections, each adding its LoRA delta ----
+
+constexpr int kNormPer = kMaxNormWidth / 1024;  // elements per thread, held in registers
+
+// One block per row: out = w * T(norm(x + add')), add' = add with its LoRA
+// delta (la: the projection that produced add; the delta row in dynamic
+// shared memory, n floats), the sum written to sum_out.
+template <typename T, int R>
+__global__ void RmsNormKernel(const T* x, const T* add, Lora<T> la, T* sum_out, const T* w, T* out, int64_t n,
+                              float eps) {
+  extern __shared__ float delta[];  // [n] when add has LoRA
+  const int64_t row = blockIdx.x, base = row * n;
+  const bool lora = add && la.on();
+  if (lora) TileExpand<T, R>(la, row, 1, 0, static_cast<int>(n), 0, delta);
+  float v[kNormPer];
+  float ss = 0.0f;
+#pragma unroll
+  for (int e = 0; e < kNormPer; ++e) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
+    v[e] = 0.0f;
+    if (i >= n) continue;
+    float xv = ToF(x[base + i]);
+    if (add) {
+      float a = ToF(add[base + i]);
+      if (lora) a = AddDelta<T>(a, delta[i]);
+      xv = Round<T>(xv + a);
+      sum_out[base + i] = FromF<T>(xv);
+    }
+    v[e] = xv;
+    ss += xv * xv;
+  }
+  const float inv = rsqrtf(BlockSum(ss) / static_cast<float>(n) + eps);
+#pragma unroll
+  for (int e = 0; e < kNormPer; ++e) {
+    const int64_t i = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
+    if (i < n) out[base + i] = FromF<T>(ToF(w[i]) * Round<T>(v[e] * inv));
+  }
+}
+
+// Grid (rows, H + 2 KVH heads), hd threads. qkv's LoRA delta (segments q,
+// k, v) is added to each head before its norm and rotation.
+template <typename T, int R>
+__global__ void QkNormRopeKernel(const T* qkv, Lora<T> la, const T* q_norm, const T* k_norm, const int64_t* positions,
                                  const float* inv_freq, const int64_t* write_rows, T* q_out, T* k_pool, T* v_pool,
                                  int heads, int kv_heads, int hd, float eps) {
-  extern __shared__ float head[];  // hd
+  extern __shared__ float head[];  // hd, then hd of LoRA delta
   const int64_t s = blockIdx.x;
   const int h = blockIdx.y, i = threadIdx.x;
   const int64_t width = static_cast<int64_t>(heads + 2 * kv_heads) * hd;
   const T* src = qkv + s * width + static_cast<int64_t>(h) * hd;
   const bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;
+  float v = ToF(src[i]);
+  if (la.on()) {
+    float* delta = head + hd;
+    TileExpand<T, R>(la, s, 1, static_cast<int64_t>(h) * hd, hd, is_q ? 0 : is_k ? 1 : 2, delta);
+    v = AddDelta<T>(v, delta[i]);
+  }
   if (!is_q && !is_k) {  // a value head: straight into the cache
-    v_pool[(write_rows[s] * kv_heads + (h - heads - kv_heads)) * hd + i] = src[i];
+    v_pool[(write_rows[s] * kv_heads + (h - heads - kv_heads)) * hd + i] = FromF<T>(v);
     return;
   }
-  float v = ToF(src[i]);
   const T* norm_w = is_q ? q_norm : k_norm;
   if (norm_w) {
     const float inv = rsqrtf(BlockSum(v * v) / static_cast<float>(hd) + eps);
@@ -98,6 +397,33 @@ __global__ void QkNormRopeKernel(const T* qkv, const T* q_norm, const T* k_norm,
     q_out[(s * heads + h) * hd + i] = out;
   } else {
     k_pool[(write_rows[s] * kv_heads + (h - heads)) * hd + i] = out;
+  }
+}
+
+// Grid (ceil(inter / kExpandCols), ceil(rows / kRowTile)), kExpandCols
+// threads: one per column c and tile. gate and up get their LoRA deltas
+// (segments 0 and 1, columns c and inter + c), then out = T(silu(gate)) * up.
+template <typename T, int R>
+__global__ void SiluMulKernel(const T* gate_up, Lora<T> la, T* out, int64_t rows, int64_t inter) {
+  __shared__ float dg[kRowTile * kExpandCols], du[kRowTile * kExpandCols];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kExpandCols, r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  const int nc = static_cast<int>(min(static_cast<int64_t>(kExpandCols), inter - c0));
+  if (la.on()) {
+    TileExpand<T, R>(la, r0, n, c0, nc, 0, dg);
+    TileExpand<T, R>(la, r0, n, inter + c0, nc, 1, du);
+  }
+  const int k = threadIdx.x;
+  if (k >= nc) return;
+  for (int q = 0; q < n; ++q) {
+    const T* gu = gate_up + (r0 + q) * 2 * inter + c0 + k;
+    float g = ToF(gu[0]), u = ToF(gu[inter]);
+    if (la.on()) {
+      g = AddDelta<T>(g, dg[q * nc + k]);
+      u = AddDelta<T>(u, du[q * nc + k]);
+    }
+    const float silu = Round<T>(g / (1.0f + expf(-g)));
+    out[(r0 + q) * inter + c0 + k] = FromF<T>(silu * u);
   }
 }
 
@@ -176,197 +502,115 @@ __global__ void DecodeAttentionKernel(const T* q, const T* k_pool, const T* v_po
   }
 }
 
-template <typename T>
-__global__ void SiluMulKernel(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  const int64_t total = rows * inter;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; k < total;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = k / inter, c = k % inter;
-    const float g = ToF(gate_up[r * 2 * inter + c]);
-    const float silu = Round<T>(g / (1.0f + expf(-g)));
-    out[k] = FromF<T>(silu * ToF(gate_up[r * 2 * inter + inter + c]));
-  }
-}
-
-constexpr int kShrinkWarps = 8;
-constexpr int kRowTile = 8;  // rows of one LoRA block; rows of one slot share its factor loads
-
-// Loads V consecutive T into fp32 (one 16-byte load when V * sizeof(T) == 16;
-// the caller guarantees alignment then).
+// LoadV for data read once (the weights of a matrix-vector product): a
+// streaming load that does not displace x from L1.
 template <typename T, int V>
-__device__ __forceinline__ void LoadV(const T* p, float* out) {
-  if constexpr (V * sizeof(T) == 16) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&u);
+__device__ __forceinline__ void LoadStreamV(const T* p, float* out) {
+  static_assert(V * sizeof(T) == 16, "16-byte loads only");
+  const uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
+  const T* e = reinterpret_cast<const T*>(&u);
 #pragma unroll
-    for (int k = 0; k < V; ++k) out[k] = ToF(e[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < V; ++k) out[k] = ToF(p[k]);
-  }
+  for (int k = 0; k < V; ++k) out[k] = ToF(e[k]);
 }
 
-// The tile rows [q] not yet handled whose slot equals that of row k
-// (uniform across the block: it depends on slot[] only).
-__device__ __forceinline__ unsigned SameSlot(const int32_t* slot, int64_t r0, int n, int k, unsigned done) {
-  unsigned members = 0;
-  const int sl = slot[r0 + k];
-  for (int q = k; q < n; ++q)
-    if (!((done >> q) & 1u) && slot[r0 + q] == sl) members |= 1u << q;
-  return members;
-}
+constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
 
-// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkWarps), splits); one
-// warp per output column j and split z of d_in (chunk elements each), for
-// the tile's rows: each run of rows with one slot reads that slot's A
-// once and every row's x against it. Split z writes its partial sums to
-// t[z] ([splits, rows, r_total]); the expand kernel adds the splits (in a
-// fixed order: results do not depend on scheduling).
-template <typename T, int V>
-__global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
-                                 float* t, int64_t rows, int64_t d_in, int64_t r_total, int64_t chunk) {
+// One warp per output column c (a row of W), all M rows of x against it.
+// Lane l reads elements [l * V, l * V + V) of every 32 * V.
+template <typename T, int M>
+__global__ void GemvKernel(const T* x, int64_t ldx, const T* W, const T* bias, void* y, bool y_f32, int64_t n,
+                           int64_t k) {
+  constexpr int V = 16 / sizeof(T);
+  constexpr int64_t kStep = 32 * V;
   const int lane = threadIdx.x & 31;
-  const int64_t j = static_cast<int64_t>(blockIdx.y) * kShrinkWarps + (threadIdx.x >> 5);
-  if (j >= r_total) return;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.z) * chunk, k1 = min(d_in, k0 + chunk);
-  t += static_cast<int64_t>(blockIdx.z) * rows * r_total;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile;
-  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
-  unsigned done = 0;
-  for (int k = 0; k < n; ++k) {
-    if ((done >> k) & 1u) continue;
-    const unsigned members = SameSlot(slot, r0, n, k, done);
-    done |= members;
-    const int sl = slot[r0 + k];
-    float acc[kRowTile];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
+  if (c >= n) return;
+  const T* w = W + c * k;
+  float acc[M];
 #pragma unroll
-    for (int q = 0; q < kRowTile; ++q) acc[q] = 0.0f;
-    if (sl >= 0) {
-      const T* a = A + (static_cast<int64_t>(sl) * r_total + j) * d_in;
-      for (int64_t i = k0 + static_cast<int64_t>(lane) * V; i < k1; i += 32 * V) {
-        float av[V];
-        LoadV<T, V>(a + i, av);
+  for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+  auto fma_at = [&](const float* wv, int64_t i) {
 #pragma unroll
-        for (int q = 0; q < kRowTile; ++q) {
-          if (q >= n || !((members >> q) & 1u)) continue;
-          float xv[V];
-          LoadV<T, V>(x + (r0 + q) * ldx + i, xv);
+    for (int m = 0; m < M; ++m) {
+      float xv[V];
+      LoadV<T, V>(x + m * ldx + i, xv);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[q] += av[v] * xv[v];
-        }
-      }
+      for (int v = 0; v < V; ++v) acc[m] += wv[v] * xv[v];
     }
+  };
+  int64_t i = static_cast<int64_t>(lane) * V;
+  for (; i + (kGemvUnroll - 1) * kStep < k; i += kGemvUnroll * kStep) {
+    float wv[kGemvUnroll][V];
 #pragma unroll
-    for (int q = 0; q < kRowTile; ++q) {
-      if (q >= n || !((members >> q) & 1u)) continue;
-      const float d = WarpSum(acc[q]);
-      if (lane == 0) t[(r0 + q) * r_total + j] = sl >= 0 ? d * scale[sl] : 0.0f;
+    for (int u = 0; u < kGemvUnroll; ++u) LoadStreamV<T, V>(w + i + u * kStep, wv[u]);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) fma_at(wv[u], i + u * kStep);
+  }
+  for (; i < k; i += kStep) {
+    float wv[V];
+    LoadStreamV<T, V>(w + i, wv);
+    fma_at(wv, i);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float sum = WarpSum(acc[m]);
+    if (lane != 0) continue;
+    const T out = FromF<T>(sum + (bias ? ToF(bias[c]) : 0.0f));
+    if (y_f32) {
+      static_cast<float*>(y)[m * n + c] = ToF(out);
+    } else {
+      static_cast<T*>(y)[m * n + c] = out;
     }
   }
 }
-
-struct Segments {
-  int64_t end[4];
-  int n;
-};
-
-// Grid (ceil(rows / tile), ceil(d_total / 256)); one thread per output
-// column c, for the tile's rows (their t in shared memory): each run of rows
-// with one slot reads that slot's B row once.
-template <typename T, int V>
-__global__ void LoraExpandKernel(const float* t, int splits, int64_t r_total, const T* B, int64_t rank,
-                                 const int32_t* slot, void* y, bool y_f32, int64_t ldy, int64_t rows, int tile,
-                                 int64_t d_total, Segments segs) {
-  extern __shared__ float ts[];  // [tile, r_total]: the shrink's splits summed
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * tile;
-  const int n = static_cast<int>(min(static_cast<int64_t>(tile), rows - r0));
-  for (int64_t i = threadIdx.x; i < n * r_total; i += blockDim.x) {
-    float sum = 0.0f;
-    for (int z = 0; z < splits; ++z) sum += t[(z * rows + r0) * r_total + i];
-    ts[i] = sum;
-  }
-  __syncthreads();
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (c >= d_total) return;
-  int seg = 0;
-  while (seg + 1 < segs.n && c >= segs.end[seg]) ++seg;
-  unsigned done = 0;
-  for (int k = 0; k < n; ++k) {
-    if ((done >> k) & 1u) continue;
-    const unsigned members = SameSlot(slot, r0, n, k, done);
-    done |= members;
-    const int sl = slot[r0 + k];
-    if (sl < 0) continue;  // base rows: y stays
-    const T* b = B + (static_cast<int64_t>(sl) * d_total + c) * rank;
-    float acc[kRowTile];
-#pragma unroll
-    for (int q = 0; q < kRowTile; ++q) acc[q] = 0.0f;
-    for (int64_t r = 0; r < rank; r += V) {
-      float bv[V];
-      LoadV<T, V>(b + r, bv);
-#pragma unroll
-      for (int q = 0; q < kRowTile; ++q) {
-        if (q >= n || !((members >> q) & 1u)) continue;
-        const float* tq = ts + q * r_total + seg * rank + r;
-#pragma unroll
-        for (int v = 0; v < V; ++v) acc[q] += bv[v] * tq[v];
-      }
-    }
-#pragma unroll
-    for (int q = 0; q < kRowTile; ++q) {
-      if (q >= n || !((members >> q) & 1u)) continue;
-      const int64_t at = (r0 + q) * ldy + c;
-      if (y_f32) {
-        static_cast<float*>(y)[at] += acc[q];
-      } else {
-        T* yy = static_cast<T*>(y) + at;
-        *yy = FromF<T>(ToF(*yy) + Round<T>(acc[q]));
-      }
-    }
-  }
-}
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-unsigned Blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 
 }  // namespace
 
-void RmsNorm(bool bf16, const void* x, const void* add, void* sum_out, const void* w, void* out, int64_t rows,
-             int64_t n, float eps, cudaStream_t stream) {
-  if (rows <= 0) return;
-  const dim3 grid(static_cast<unsigned>(rows)), block(256);
-  if (bf16) {
-    RmsNormKernel<bf16_t><<<grid, block, 0, stream>>>(static_cast<const bf16_t*>(x), static_cast<const bf16_t*>(add),
-                                                      static_cast<bf16_t*>(sum_out), static_cast<const bf16_t*>(w),
-                                                      static_cast<bf16_t*>(out), n, eps);
-  } else {
-    RmsNormKernel<float><<<grid, block, 0, stream>>>(static_cast<const float*>(x), static_cast<const float*>(add),
-                                                     static_cast<float*>(sum_out), static_cast<const float*>(w),
-                                                     static_cast<float*>(out), n, eps);
-  }
+// bf16 ? f<bf16_t>(args...) : f<float>(args...), for the launchers below.
+#define LOOM_DISPATCH(bf16, f, ...) ((bf16) ? f<bf16_t>(__VA_ARGS__) : f<float>(__VA_ARGS__))
+
+template <typename T>
+void LaunchRmsNorm(const void* x, const void* add, const LoraArgs& add_lora, void* sum_out, const void* w, void* out,
+                   int64_t rows, int64_t n, float eps, cudaStream_t stream) {
+  // Enough threads for kNormPer elements each; 4 each up to n = 4096.
+  const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(128, (n / 4 + 31) / 32 * 32));
+  const size_t shared = add && add_lora.B ? static_cast<size_t>(n) * sizeof(float) : 0;
+  WithRank<T>(add_lora, [&](auto r) {
+    RmsNormKernel<T, decltype(r)::value><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), shared, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(add), Resolve<T>(add_lora), static_cast<T*>(sum_out),
+        static_cast<const T*>(w), static_cast<T*>(out), n, eps);
+  });
 }
 
-void QkNormRopeWrite(bool bf16, const void* qkv, const void* q_norm, const void* k_norm, const int64_t* positions,
-                     const float* inv_freq, const int64_t* write_rows, void* q_out, void* k_pool, void* v_pool,
-                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
-                     cudaStream_t stream) {
-  if (rows <= 0) return;
+void RmsNorm(bool bf16, const void* x, const void* add, const LoraArgs& add_lora, void* sum_out, const void* w,
+             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream) {
+  if (rows <= 0 || n > kMaxNormWidth) return;
+  LOOM_DISPATCH(bf16, LaunchRmsNorm, x, add, add_lora, sum_out, w, out, rows, n, eps, stream);
+}
+
+template <typename T>
+void LaunchQkNormRope(const void* qkv, const LoraArgs& lora, const void* q_norm, const void* k_norm,
+                      const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
+                      void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      float eps, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
-  const dim3 block(static_cast<unsigned>(head_dim));
-  const size_t shared = static_cast<size_t>(head_dim) * sizeof(float);
-  const int H = static_cast<int>(heads), KVH = static_cast<int>(kv_heads), hd = static_cast<int>(head_dim);
-  if (bf16) {
-    QkNormRopeKernel<bf16_t><<<grid, block, shared, stream>>>(
-        static_cast<const bf16_t*>(qkv), static_cast<const bf16_t*>(q_norm), static_cast<const bf16_t*>(k_norm),
-        positions, inv_freq, write_rows, static_cast<bf16_t*>(q_out), static_cast<bf16_t*>(k_pool),
-        static_cast<bf16_t*>(v_pool), H, KVH, hd, eps);
-  } else {
-    QkNormRopeKernel<float><<<grid, block, shared, stream>>>(
-        static_cast<const float*>(qkv), static_cast<const float*>(q_norm), static_cast<const float*>(k_norm),
-        positions, inv_freq, write_rows, static_cast<float*>(q_out), static_cast<float*>(k_pool),
-        static_cast<float*>(v_pool), H, KVH, hd, eps);
-  }
+  const size_t shared = static_cast<size_t>(head_dim) * sizeof(float) * (lora.B ? 2 : 1);
+  WithRank<T>(lora, [&](auto r) {
+    QkNormRopeKernel<T, decltype(r)::value><<<grid, static_cast<unsigned>(head_dim), shared, stream>>>(
+        static_cast<const T*>(qkv), Resolve<T>(lora), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm),
+        positions, inv_freq, write_rows, static_cast<T*>(q_out), static_cast<T*>(k_pool), static_cast<T*>(v_pool),
+        static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_dim), eps);
+  });
+}
+
+void QkNormRopeWrite(bool bf16, const void* qkv, const LoraArgs& qkv_lora, const void* q_norm, const void* k_norm,
+                     const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
+                     void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     float eps, cudaStream_t stream) {
+  if (rows <= 0) return;
+  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_lora, q_norm, k_norm, positions, inv_freq, write_rows, q_out, k_pool,
+                v_pool, rows, heads, kv_heads, head_dim, eps, stream);
 }
 
 template <typename T, int E>
@@ -416,79 +660,88 @@ void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v
   }
 }
 
-void SiluMul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t inter, cudaStream_t stream) {
-  if (rows <= 0) return;
-  const unsigned blocks = std::min<unsigned>(Blocks(rows * inter, 256), 4096u);
-  if (bf16) {
-    SiluMulKernel<bf16_t><<<blocks, 256, 0, stream>>>(static_cast<const bf16_t*>(gate_up), static_cast<bf16_t*>(out),
-                                                      rows, inter);
-  } else {
-    SiluMulKernel<float><<<blocks, 256, 0, stream>>>(static_cast<const float*>(gate_up), static_cast<float*>(out),
-                                                     rows, inter);
-  }
+template <typename T>
+void LaunchSiluMul(const void* gate_up, const LoraArgs& lora, void* out, int64_t rows, int64_t inter,
+                   cudaStream_t stream) {
+  const dim3 grid(Blocks(inter, kExpandCols), Blocks(rows, kRowTile));
+  WithRank<T>(lora, [&](auto r) {
+    SiluMulKernel<T, decltype(r)::value><<<grid, kExpandCols, 0, stream>>>(static_cast<const T*>(gate_up), Resolve<T>(lora),
+                                                                   static_cast<T*>(out), rows, inter);
+  });
 }
 
-// d_in elements per split: two 16-byte loads per lane.
-int64_t SplitChunk(bool bf16) { return 32 * 2 * (bf16 ? 8 : 4); }
+void SiluMul(bool bf16, const void* gate_up, const LoraArgs& lora, void* out, int64_t rows, int64_t inter,
+             cudaStream_t stream) {
+  if (rows <= 0) return;
+  LOOM_DISPATCH(bf16, LaunchSiluMul, gate_up, lora, out, rows, inter, stream);
+}
 
 template <typename T>
-void ShrinkFor(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
-               int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
+void LaunchShrink(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
+                  int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  const int64_t chunk = SplitChunk(sizeof(T) == 2);
-  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkWarps), Blocks(d_in, static_cast<int>(chunk)));
-  const dim3 block(32 * kShrinkWarps);
+  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkCols)), block(32 * kShrinkWarps);
   const T* xt = static_cast<const T*>(x);
   const T* at = static_cast<const T*>(A);
   if (d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A)) {
-    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, chunk);
+    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
   } else {
-    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, chunk);
+    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
   }
 }
-
-int LoraSplits(bool bf16, int64_t d_in) { return static_cast<int>((d_in + SplitChunk(bf16) - 1) / SplitChunk(bf16)); }
 
 void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                 float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
   if (rows <= 0) return;
-  if (bf16) {
-    ShrinkFor<bf16_t>(x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
-  } else {
-    ShrinkFor<float>(x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
-  }
+  LOOM_DISPATCH(bf16, LaunchShrink, x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
 }
 
 template <typename T>
-void ExpandFor(const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot, void* y,
-               bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const Segments& sg, cudaStream_t stream) {
+void LaunchExpand(const LoraArgs& lora, void* y, bool y_f32, int64_t ldy, int64_t rows, cudaStream_t stream) {
+  const dim3 grid(Blocks(lora.d_total, kExpandCols), Blocks(rows, kRowTile));
+  WithRank<T>(lora, [&](auto r) {
+    LoraExpandKernel<T, decltype(r)::value><<<grid, kExpandCols, 0, stream>>>(Resolve<T>(lora), y, y_f32, ldy, rows);
+  });
+}
+
+void LoraExpand(bool bf16, const LoraArgs& lora, void* y, bool y_f32, int64_t ldy, int64_t rows, cudaStream_t stream) {
+  if (rows <= 0 || !lora.B) return;
+  LOOM_DISPATCH(bf16, LaunchExpand, lora, y, y_f32, ldy, rows, stream);
+}
+
+template <typename T, int M>
+void LaunchGemv(const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t n, int64_t k,
+                cudaStream_t stream) {
+  GemvKernel<T, M><<<Blocks(n, kGemvWarps), 32 * kGemvWarps, 0, stream>>>(
+      static_cast<const T*>(x), ldx, static_cast<const T*>(W), static_cast<const T*>(bias), y, y_f32, n, k);
+}
+
+template <typename T>
+bool GemvFor(const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t rows, int64_t n,
+             int64_t k, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  // Rows per block: up to kRowTile, with their t at most 32 KiB of shared memory.
-  const int tile = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kRowTile, 8192 / r_total)));
-  const dim3 grid(Blocks(rows, tile), Blocks(d_total, 256)), block(256);
-  const size_t shared = static_cast<size_t>(tile * r_total) * sizeof(float);
-  const T* bt = static_cast<const T*>(B);
-  if (rank % V == 0 && Aligned16(B)) {
-    LoraExpandKernel<T, V><<<grid, block, shared, stream>>>(t, splits, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
-                                                           d_total, sg);
-  } else {
-    LoraExpandKernel<T, 1><<<grid, block, shared, stream>>>(t, splits, r_total, bt, rank, slot, y, y_f32, ldy, rows, tile,
-                                                           d_total, sg);
+  if (k % V != 0 || ldx % V != 0 || !Aligned16(x) || !Aligned16(W)) return false;
+  switch (rows) {
+    case 1:
+      return LaunchGemv<T, 1>(x, ldx, W, bias, y, y_f32, n, k, stream), true;
+    case 2:
+      return LaunchGemv<T, 2>(x, ldx, W, bias, y, y_f32, n, k, stream), true;
+    case 3:
+      return LaunchGemv<T, 3>(x, ldx, W, bias, y, y_f32, n, k, stream), true;
+    case 4:
+      return LaunchGemv<T, 4>(x, ldx, W, bias, y, y_f32, n, k, stream), true;
+    default:
+      return false;
   }
 }
 
-void LoraExpand(bool bf16, const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
-                void* y, bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const int64_t* seg_end, int segs,
-                cudaStream_t stream) {
-  if (rows <= 0) return;
-  Segments sg{};
-  sg.n = segs < 1 ? 1 : (segs > 4 ? 4 : segs);
-  for (int i = 0; i < sg.n; ++i) sg.end[i] = seg_end[i];
-  if (bf16) {
-    ExpandFor<bf16_t>(t, splits, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
-  } else {
-    ExpandFor<float>(t, splits, r_total, B, rank, slot, y, y_f32, ldy, rows, d_total, sg, stream);
-  }
+bool Gemv(bool bf16, const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t rows,
+          int64_t n, int64_t k, cudaStream_t stream) {
+  if (rows <= 0 || rows > kGemvMaxRows || n <= 0 || k <= 0) return false;
+  return bf16 ? GemvFor<bf16_t>(x, ldx, W, bias, y, y_f32, rows, n, k, stream)
+              : GemvFor<float>(x, ldx, W, bias, y, y_f32, rows, n, k, stream);
 }
+
+#undef LOOM_DISPATCH
 
 }  // namespace loom::engine::cuda

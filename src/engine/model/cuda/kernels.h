@@ -16,21 +16,41 @@
 
 namespace loom::engine::cuda {
 
-// out[r] = w * T(norm(x[r] (+ add[r])))) for r < rows, n columns, with
-// norm(v) = v * rsqrt(mean(v^2) + eps) in fp32. When add is given, the sum
-// x + add (rounded to T) is also written to sum_out (which may alias x).
-void RmsNorm(bool bf16, const void* x, const void* add, void* sum_out, const void* w, void* out, int64_t rows,
-             int64_t n, float eps, cudaStream_t stream);
+// The LoRA delta a kernel adds to the projection output it consumes (the
+// "expand" fused into that kernel), from t, the LoraShrink of the
+// projection's input: for row r with slot s = slot[r] >= 0 and output column
+// c of segment seg (targets stacked on the output axis, as the fused base
+// projection lays them out), delta = dot(B[s, c, :rank], t[r, seg * rank :+ rank]).
+// As on the eager path, y + delta is y + T(delta), rounded to T. B null:
+// no LoRA; rows with slot < 0 are left as they are.
+struct LoraArgs {
+  const void* B = nullptr;       // [slots, d_total, rank], T
+  const float* t = nullptr;      // [rows, r_total] fp32
+  const int32_t* slot = nullptr;  // [rows]
+  int64_t rank = 0, r_total = 0, d_total = 0;
+};
+
+// The widest row RmsNorm takes (the hidden size; its LoRA delta row fits
+// the 48 KiB of shared memory a launch gets by default).
+constexpr int64_t kMaxNormWidth = 12288;
+
+// out[r] = w * T(norm(x[r] + add'[r])) for r < rows, n <= kMaxNormWidth
+// columns, with norm(v) = v * rsqrt(mean(v^2) + eps) in fp32, and add' the
+// projection output add with its LoRA delta (add_lora, segment 0). When add
+// is given, the sum x + add' (rounded to T) is also written to sum_out
+// (which may alias x); add may be null (no sum, no LoRA).
+void RmsNorm(bool bf16, const void* x, const void* add, const LoraArgs& add_lora, void* sum_out, const void* w,
+             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream);
 
 // For each row s: the fused projection qkv[s] = [q (H heads) | k (KVH) | v (KVH)],
-// each head hd wide. q and k get the per-head RMSNorm (when q_norm/k_norm
-// are given, qwen3) then rotary embedding at positions[s]; q goes to
-// q_out [rows, H, hd], k and v to row write_rows[s] of the pools
-// [pool_rows, KVH, hd].
-void QkNormRopeWrite(bool bf16, const void* qkv, const void* q_norm, const void* k_norm, const int64_t* positions,
-                     const float* inv_freq, const int64_t* write_rows, void* q_out, void* k_pool, void* v_pool,
-                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
-                     cudaStream_t stream);
+// each head hd wide, plus its LoRA delta (segments q, k, v). q and k get the
+// per-head RMSNorm (when q_norm/k_norm are given, qwen3) then rotary
+// embedding at positions[s]; q goes to q_out [rows, H, hd], k and v to row
+// write_rows[s] of the pools [pool_rows, KVH, hd].
+void QkNormRopeWrite(bool bf16, const void* qkv, const LoraArgs& qkv_lora, const void* q_norm, const void* k_norm,
+                     const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
+                     void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     float eps, cudaStream_t stream);
 
 // One query token per row over its cached context: row s attends to
 // positions [0, ctx_len[s]) whose K/V rows are
@@ -41,27 +61,30 @@ void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v
                      int64_t table_stride, const int32_t* ctx_len, int64_t block_size, void* out, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
 
-// out [rows, inter] = T(silu(gate)) * up with gate_up [rows, 2 * inter].
-void SiluMul(bool bf16, const void* gate_up, void* out, int64_t rows, int64_t inter, cudaStream_t stream);
+// out [rows, inter] = T(silu(gate)) * up with gate_up [rows, 2 * inter]
+// plus its LoRA delta (segments gate and up).
+void SiluMul(bool bf16, const void* gate_up, const LoraArgs& lora, void* out, int64_t rows, int64_t inter,
+             cudaStream_t stream);
+
+// y [rows, n] = x [rows, k] @ W[n, k]^T (+ bias[n]) for a few rows (the
+// decode step's matrix-vector products), fp32 accumulation rounded to T;
+// y_f32 stores those T-rounded values as fp32 (the logits). Returns false,
+// launching nothing, when rows > kGemvMaxRows or the operands are not
+// 16-byte aligned rows (the caller then uses cuBLAS).
+constexpr int64_t kGemvMaxRows = 4;
+bool Gemv(bool bf16, const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t rows,
+          int64_t n, int64_t k, cudaStream_t stream);
 
 // LoRA "shrink" for rows with their own adapter slot (BGMV):
 // t[s, j] = scale[slot[s]] * dot(x[s, :d_in], A[slot[s], j, :]) in fp32,
 // j < r_total; rows with slot[s] < 0 get 0. x [rows, d_in] (row stride
-// ldx), A [slots, r_total, d_in], both T. The dot products are split over
-// LoraSplits(bf16, d_in) parts of d_in (parallelism for a few rows): t is
-// [splits, rows, r_total] partial sums, added up by LoraExpand.
-int LoraSplits(bool bf16, int64_t d_in);
+// ldx), A [slots, r_total, d_in], both T; t [rows, r_total].
 void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                 float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream);
 
-// LoRA "expand", added in place: y[s, c] += dot(B[slot[s], c, :rank], t[s, seg(c) * rank + :rank])
-// with t the sum of the shrink's `splits` partials
-// for c < d_total, where output column c belongs to segment seg(c) (the
-// targets stacked on the output axis, boundaries seg_end[0..segs)). The
-// delta is rounded to T before the add when y is T (as the eager path casts
-// it); y_f32 selects an fp32 y (the logits). Rows with slot < 0 are left.
-void LoraExpand(bool bf16, const float* t, int splits, int64_t r_total, const void* B, int64_t rank, const int32_t* slot,
-                void* y, bool y_f32, int64_t ldy, int64_t rows, int64_t d_total, const int64_t* seg_end, int segs,
-                cudaStream_t stream);
+// LoRA "expand" on its own, added in place: y[s, c] += delta (segment 0),
+// for the one projection whose consumer is not a kernel here (lm_head).
+// y_f32 selects an fp32 y (the logits; the delta is added unrounded).
+void LoraExpand(bool bf16, const LoraArgs& lora, void* y, bool y_f32, int64_t ldy, int64_t rows, cudaStream_t stream);
 
 }  // namespace loom::engine::cuda
