@@ -41,6 +41,7 @@ struct Options {
   std::string device = "auto";
   std::string dtype = "auto";
   std::vector<int> batches = {1, 64};
+  std::vector<int> adapter_counts = {0, 1, 8};  // distinct adapters per run; 0 = the base model
   int prompt_len = 32;
   int new_tokens = 64;
   int rank = 16;
@@ -73,6 +74,8 @@ struct Timing {
   double seconds = 0;
   int64_t tokens = 0;
   int64_t steps = 0;
+  double prefill_seconds = 0, decode_seconds = 0;  // of the sampler's steps (SamplerStats)
+  int64_t prefills = 0;
 };
 
 Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::string>& adapters, const Options& o,
@@ -102,6 +105,9 @@ Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::st
   const engine::SamplerStats after = s.stats();
   t.tokens = after.tokens_generated - before.tokens_generated;
   t.steps = after.decode_steps - before.decode_steps;
+  t.prefill_seconds = after.prefill_seconds - before.prefill_seconds;
+  t.decode_seconds = after.decode_seconds - before.decode_seconds;
+  t.prefills = after.prefill_steps - before.prefill_steps;
   return t;
 }
 
@@ -150,27 +156,25 @@ int Run(const Options& o) {
               o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
               bf16 ? "bf16" : "fp32", weight_bytes / 1e6, o.prompt_len, o.new_tokens, o.rank);
   if (cuda) std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms\n", weight_bytes / 4.3e12 * 1e3);
-  // ms/step: wall time over decode steps, the prompt's prefill included;
-  // decode ms: one decode step alone, from the same run minus a run that
-  // stops after the first token (prefill + sampling of token 1).
-  std::printf("%-10s %6s %12s %12s %12s %14s\n", "adapters", "batch", "tokens/s", "ms/step", "decode ms", "vs base");
-  const std::vector<std::pair<std::string, int>> configs = {{"base", 0}, {"1", 1}, {"8", 8}};
+  // ms/step: wall time over decode steps, the prompts' prefill included;
+  // decode ms: one decode step alone (sampling included); prefill ms: the
+  // run's prefill steps together (prefills: how many).
+  std::printf("%-10s %6s %12s %12s %12s %12s %9s %10s\n", "adapters", "batch", "tokens/s", "ms/step", "decode ms",
+              "prefill ms", "prefills", "vs base");
   for (int batch : o.batches) {
     double base_tps = 0;
-    for (const auto& [name, n] : configs) {
+    for (int n : o.adapter_counts) {
       std::vector<std::string> use(adapters.begin(), adapters.begin() + n);
       if (auto warm = RunBatch(s, batch, use, o, 7, o.new_tokens); !warm.ok())
         return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
       auto t = RunBatch(s, batch, use, o, 1000, o.new_tokens);
       if (!t.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", t.status().message().c_str()), 1;
-      auto first = RunBatch(s, batch, use, o, 1000, 1);
-      if (!first.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", first.status().message().c_str()), 1;
       const double tps = t->tokens / t->seconds;
-      const int64_t more_steps = t->steps - first->steps;
-      const double decode_ms = more_steps > 0 ? (t->seconds - first->seconds) * 1e3 / more_steps : 0.0;
       if (n == 0) base_tps = tps;
-      std::printf("%-10s %6d %12.1f %12.3f %12.3f %13.2fx\n", name.c_str(), batch, tps,
-                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0, decode_ms, base_tps > 0 ? tps / base_tps : 0.0);
+      std::printf("%-10s %6d %12.1f %12.3f %12.3f %12.1f %9lld %9.2fx\n", n == 0 ? "base" : std::to_string(n).c_str(),
+                  batch, tps, t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0,
+                  t->steps > 0 ? t->decode_seconds * 1e3 / t->steps : 0.0, t->prefill_seconds * 1e3,
+                  static_cast<long long>(t->prefills), base_tps > 0 ? tps / base_tps : 0.0);
       std::fflush(stdout);
     }
   }
@@ -189,6 +193,8 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--device", o.device, "auto | cpu | cuda")->default_val(o.device);
   app.add_option("--dtype", o.dtype, "auto | bf16 | fp32")->default_val(o.dtype);
   app.add_option("--batch", o.batches, "decode batch sizes (default: 1 64)");
+  app.add_option("--adapters", o.adapter_counts, "distinct adapters per run, 0 = base (default: 0 1 8)")
+      ->check(CLI::Range(0, 8));
   app.add_option("--prompt-len", o.prompt_len, "prompt tokens per row")->default_val(o.prompt_len);
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);

@@ -97,6 +97,10 @@ struct SamplerStats {
   int64_t max_adapters_in_step = 0;  // the most distinct adapters one decode step carried
   int64_t admission_waits = 0;    // times the head request waited for KV blocks
   int64_t kv_blocks_free = 0;
+  // Wall time of the prefill and decode steps, sampling included (each step
+  // ends by copying its chosen tokens to the host, so this is device time).
+  double prefill_seconds = 0;
+  double decode_seconds = 0;
 };
 
 using SampleCallback = std::function<void(Result<SampleOutput>)>;

@@ -1,6 +1,7 @@
 #include "engine/sample/scheduler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 
 #include "engine/sample/sampling.h"
@@ -221,11 +222,14 @@ void Scheduler::CompleteDone() {
 void Scheduler::Step() {
   try {
     const std::vector<SampleRequest*> fresh = Admit();
+    const auto t0 = std::chrono::steady_clock::now();
     if (!fresh.empty()) {
       PrefillStep(fresh);
     } else {
       DecodeStep();
     }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    (fresh.empty() ? stats_.decode_seconds : stats_.prefill_seconds) += took;
     CompleteDone();
   } catch (const std::exception& e) {
     const Status failed = Status::Internal(std::string("sampler step failed: ") + e.what());
