@@ -35,6 +35,11 @@ struct PaddedLayout {
   // padding waste on CUDA (where one launch beats S of them) or 1.25x on the
   // CPU (where padded tokens cost real arithmetic).
   static bool Prefer(const std::vector<int64_t>& seq_begin, at::Device device);
+  // Make when Prefer, else an empty layout (seqs == 0: use the per-sequence path).
+  static PaddedLayout IfPreferred(const std::vector<int64_t>& seq_begin, at::Device device) {
+    return Prefer(seq_begin, device) ? Make(seq_begin, device) : PaddedLayout{};
+  }
+  const PaddedLayout* get() const { return seqs > 0 ? this : nullptr; }
 };
 
 // One batched attention over the whole batch in the padded layout (SDPA, or

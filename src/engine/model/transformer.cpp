@@ -249,15 +249,13 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) c
   const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
 
   // One batched attention per layer instead of one per sequence, where cheaper.
-  PaddedLayout padded;
-  const bool use_padded = PaddedLayout::Prefer(batch.seq_begin, batch.tokens.device());
-  if (use_padded) padded = PaddedLayout::Make(batch.seq_begin, batch.tokens.device());
+  const PaddedLayout padded = PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device());
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
     return delta(LayerTarget(bank, layer, k), in);
   };
   auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, use_padded ? &padded : nullptr);
+    return PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get());
   };
   return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
                       lora, attend);

@@ -46,6 +46,9 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
   const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
   const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
+  // A prefill of many prompts: one batched attention per layer (as Hidden()).
+  const PaddedLayout padded =
+      batch.prefill ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device()) : PaddedLayout{};
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
     return delta(LayerTarget(bank, layer, k), in);
@@ -55,7 +58,8 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     cache.k[i].index_copy_(0, batch.write_rows, k.to(cache.k[i].scalar_type()));
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));
-    return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_)
+    return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_,
+                                                 padded.get())
                          : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask);
   };
   return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
