@@ -152,7 +152,8 @@ at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::
     const LoraConfig& c = slots_[s].config;
     const at::Tensor a = t.A.select(0, s).narrow(0, 0, c.rank);  // [r, d_in]
     const at::Tensor b = t.B.select(0, s).narrow(1, 0, c.rank);  // [d_out, r]
-    parts.push_back(at::linear(at::linear(xf.narrow(0, begin, len), a), b) * (c.alpha / c.rank));
+    // Scaled at rank width, not output width: one pass over [len, r] instead of [len, d_out].
+    parts.push_back(at::linear(at::linear(xf.narrow(0, begin, len), a) * (c.alpha / c.rank), b));
   }
   if (covered < rows) parts.push_back(at::zeros({rows - covered, t.d_out}, xf.options()));
   if (parts.empty()) return at::zeros({rows, t.d_out}, xf.options());
