@@ -148,6 +148,7 @@ int Run(const Options& o) {
   so.kv_budget_tokens = static_cast<int64_t>(max_batch) * (o.prompt_len + o.new_tokens + 32);
   so.context_window = o.prompt_len + o.new_tokens + 16;
   so.threads = o.threads;
+  so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   auto sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
   if (!sampler.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", sampler.status().message().c_str()), 1;
   engine::Sampler& s = **sampler;

@@ -74,7 +74,7 @@ int Serve(int argc, char** argv) {
   int64_t token_budget = 8192;
   int batch_window_ms = 2;
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
-  app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a pass, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
+  app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
@@ -140,6 +140,7 @@ int Serve(int argc, char** argv) {
   samp.max_rank = max_rank;
   samp.kv_budget_tokens = kv_budget_tokens;
   samp.context_window = (*engine)->info().context_window;
+  samp.admission_window = std::chrono::milliseconds(batch_window_ms);
   auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
   if (!sampler.ok()) return Fail("sampler: " + sampler.status().message());
   service::Service service(sopt, std::move(*engine), std::move(*registry));

@@ -6,6 +6,7 @@
 // from any thread. Callbacks run on the sampler's own decode thread: they
 // must be quick (post the result to the caller's executor and return).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -72,6 +73,10 @@ struct SamplerOptions {
   int64_t context_window = 0;     // 0 = the model's max_position_embeddings
   int32_t max_num_samples = 128;
   int threads = 0;                // CPU intra-op threads of the decode thread; 0 = leave as is
+  // When the sampler is idle, a request's arrival opens a window: it waits
+  // this long after the newest arrival (at most 10 windows) before the first
+  // step, so requests sent together share one prefill. 0 = start at once.
+  std::chrono::microseconds admission_window{0};
 };
 
 struct SamplerInfo {

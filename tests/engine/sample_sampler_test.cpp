@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <thread>
 
 #include "engine/lora/peft.h"
 #include "engine/lora/slot_bank.h"
@@ -428,6 +430,30 @@ TEST(Sampler, AdmissionControlQueuesUntilKvBlocksFree) {
   // A call that can never fit is refused up front.
   SampleCall huge = Call(prompt, 100, 0.0);
   EXPECT_NE(s->Validate(huge).message().find("KV budget"), std::string::npos);
+}
+
+// Requests submitted a few ms apart to an idle sampler: with an admission
+// window they share one prefill; without, the first arrival starts alone
+// (which is what makes the first test able to fail).
+int64_t PrefillsForSpacedArrivals(std::chrono::microseconds window) {
+  SamplerOptions o;
+  o.admission_window = window;
+  auto s = Open(o);
+  std::vector<std::future<Result<SampleOutput>>> fs;
+  for (int i = 0; i < 5; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    fs.push_back(Start(*s, Call(kPrompt, 24, 0.0)));
+  }
+  for (auto& f : fs) EXPECT_TRUE(f.get().ok());
+  return s->stats().prefill_steps;
+}
+
+TEST(Sampler, AdmissionWindowGivesRequestsSentTogetherOnePrefill) {
+  EXPECT_EQ(PrefillsForSpacedArrivals(std::chrono::milliseconds(100)), 1);
+}
+
+TEST(Sampler, WithoutAdmissionWindowTheFirstArrivalPrefillsAlone) {
+  EXPECT_GT(PrefillsForSpacedArrivals(std::chrono::microseconds(0)), 1);
 }
 
 }  // namespace

@@ -167,6 +167,7 @@ class SamplerImpl final : public Sampler {
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !scheduler_->idle(); });
+        if (scheduler_->idle()) GatherBurst(lock);
         if (stop_) break;
         for (auto& r : inbox_) scheduler_->Add(std::move(r));
         inbox_.clear();
@@ -186,6 +187,21 @@ class SamplerImpl final : public Sampler {
     for (auto& r : left) scheduler_->Add(std::move(r));
     scheduler_->FailAll(Status::Unavailable("the sampler is shutting down"));
     RunCompleted();
+  }
+
+  // The sampler was idle and requests are arriving: requests sent together
+  // (one RL step's samples, each its own HTTP call) come a little apart, so
+  // wait for a quiet admission_window (at most 10 windows) and give them one
+  // prefill, not the first arrival a prefill of its own.
+  void GatherBurst(std::unique_lock<std::mutex>& lock) {
+    const auto window = options_.admission_window;
+    if (window.count() <= 0) return;
+    const auto give_up = std::chrono::steady_clock::now() + 10 * window;
+    size_t seen = inbox_.size();
+    while (!stop_ && std::chrono::steady_clock::now() < give_up) {
+      if (!cv_.wait_for(lock, window, [&] { return stop_ || inbox_.size() != seen; })) return;  // quiet
+      seen = inbox_.size();
+    }
   }
 
   // Callbacks run outside mu_ (they may call stats() or Submit()).
