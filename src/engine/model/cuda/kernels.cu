@@ -625,38 +625,27 @@ void LaunchAttention(const void* q, const void* k_pool, const void* v_pool, cons
       static_cast<int>(kv_heads), scale);
 }
 
-template <typename T>
-void AttentionFor(int64_t head_dim, const void* q, const void* k_pool, const void* v_pool, const int32_t* table,
-                  int64_t table_stride, const int32_t* ctx_len, int64_t block_size, void* out, int64_t rows,
-                  int64_t heads, int64_t kv_heads, cudaStream_t stream) {
-  switch (head_dim) {
-    case 32:
-      return LaunchAttention<T, 1>(q, k_pool, v_pool, table, table_stride, ctx_len, block_size, out, rows, heads,
-                                   kv_heads, stream);
-    case 64:
-      return LaunchAttention<T, 2>(q, k_pool, v_pool, table, table_stride, ctx_len, block_size, out, rows, heads,
-                                   kv_heads, stream);
-    case 128:
-      return LaunchAttention<T, 4>(q, k_pool, v_pool, table, table_stride, ctx_len, block_size, out, rows, heads,
-                                   kv_heads, stream);
-    case 256:
-      return LaunchAttention<T, 8>(q, k_pool, v_pool, table, table_stride, ctx_len, block_size, out, rows, heads,
-                                   kv_heads, stream);
-    default:  // the caller checks SupportedHeadDim first
-      return;
-  }
-}
-
 void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v_pool, const int32_t* block_table,
                      int64_t table_stride, const int32_t* ctx_len, int64_t block_size, void* out, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
   if (rows <= 0) return;
-  if (bf16) {
-    AttentionFor<bf16_t>(head_dim, q, k_pool, v_pool, block_table, table_stride, ctx_len, block_size, out, rows,
-                         heads, kv_heads, stream);
-  } else {
-    AttentionFor<float>(head_dim, q, k_pool, v_pool, block_table, table_stride, ctx_len, block_size, out, rows, heads,
-                        kv_heads, stream);
+  // head_dim = 32 * E, one kernel per E (the caller checks head_dim first).
+  auto launch = [&](auto e) {
+    constexpr int E = decltype(e)::value;
+    if (bf16) {
+      LaunchAttention<bf16_t, E>(q, k_pool, v_pool, block_table, table_stride, ctx_len, block_size, out, rows, heads,
+                                 kv_heads, stream);
+    } else {
+      LaunchAttention<float, E>(q, k_pool, v_pool, block_table, table_stride, ctx_len, block_size, out, rows, heads,
+                                kv_heads, stream);
+    }
+  };
+  switch (head_dim) {
+    case 32: return launch(std::integral_constant<int, 1>{});
+    case 64: return launch(std::integral_constant<int, 2>{});
+    case 128: return launch(std::integral_constant<int, 4>{});
+    case 256: return launch(std::integral_constant<int, 8>{});
+    default: return;
   }
 }
 
