@@ -110,8 +110,9 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
       auto loaded = Transformer::Load(model_dir, at::kCUDA, dtype);
       ASSERT_TRUE(loaded.ok()) << loaded.status().message();
       std::shared_ptr<const Transformer> model(std::move(loaded.value()));
-      // Max rank 8 reads LoRA factors with 16-byte loads; 6 takes the scalar path.
-      for (int64_t max_rank : {8, 6}) {
+      // Max rank 16 runs the bf16 expand on tensor cores; 8 reads LoRA
+      // factors with 16-byte loads on CUDA cores; 6 takes the scalar path.
+      for (int64_t max_rank : {16, 8, 6}) {
         SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
         LoraConfig all;
         all.rank = max_rank, all.alpha = 16, all.seed = 1;

@@ -7,11 +7,12 @@
 // sampler's SlotBank, refreshed per slot when an adapter loads).
 //
 // Per-row adapters are applied BGMV-style: each row reads its own slot's
-// factors (rows of one adapter, a tile, share the loads), so a step with 8
-// distinct adapters costs the same launches as a step with one. The shrink
-// (x A^T) runs on a parallel branch of the graph beside the base projection
-// of the same x; the expand (t B^T) is done inside the kernel that consumes
-// the projection (norm, RoPE, SiLU*up), only lm_head's has its own kernel.
+// factors (rows of one adapter, a tile of 8, share the loads; the sampler
+// sorts a step's rows by slot), so a step with 8 distinct adapters costs
+// the same launches as a step with one. The shrink (x A^T) runs on a
+// parallel branch of the graph beside the base projection of the same x;
+// the expand (t B^T) is added in place to the projection's output before
+// its consumer runs. For bf16 models both run on tensor cores.
 // Projections of at most 4 rows use a matrix-vector kernel, not cuBLAS.
 //
 // Graphs are keyed by (batch bucket, block-table width bucket, with LoRA or

@@ -53,9 +53,9 @@ struct LoraGroup {
     r_total = rank * static_cast<int64_t>(targets.size());
     A = at::zeros({slots, r_total, d_in}, opts);
     B = at::zeros({slots, d_total, rank}, opts);
-    return seg_end.size() <= 4;
+    return seg_end.size() <= static_cast<size_t>(cuda::kMaxSegments);
   }
-  // The expand a consumer kernel applies, from t (this group's shrink).
+  // LoraExpand's arguments for t, this group's shrink.
   cuda::LoraArgs Args(const int32_t* slot, const at::Tensor& t, int64_t rank) const {
     cuda::LoraArgs a;
     a.B = B.data_ptr();
@@ -64,6 +64,7 @@ struct LoraGroup {
     a.rank = rank;
     a.r_total = r_total;
     a.d_total = d_total;
+    for (size_t k = 0; k < seg_end.size(); ++k) a.seg_end[k] = seg_end[k];
     return a;
   }
   void Sync(int s, int64_t rank) {
@@ -93,7 +94,15 @@ class CudaFastDecode final : public FastDecode {
     profile_ = env && std::string(env) == "1";
     const char* gemv = std::getenv("LOOM_DECODE_GEMV");
     gemv_ = !(gemv && std::string(gemv) == "0");
-    cudaStreamCreateWithFlags(&branch_, cudaStreamNonBlocking);
+    // The LoRA branch at the highest priority, so that its few blocks are
+    // scheduled ahead of the concurrent projection's waiting ones.
+    // LOOM_DECODE_SHRINK_PRIORITY=0: the lowest. On the H200 the two
+    // measured the same (docs/benchmarks.md, 2026-11-29 session 5).
+    const char* prio = std::getenv("LOOM_DECODE_SHRINK_PRIORITY");
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking,
+                                 prio && std::string(prio) == "0" ? least : greatest);
     cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
     cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
     BuildMirror();
@@ -278,12 +287,14 @@ class CudaFastDecode final : public FastDecode {
     }
   }
 
-  // Starts group g's shrink of x into t on the branch stream, beside what
-  // the main stream runs next (the base projection of the same x); Join
-  // makes the main stream wait for it. Profiling times every stage alone:
-  // the shrink then runs on the main stream.
-  void ForkShrink(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t,
-                  cudaStream_t st) const {
+  // Starts group g's LoRA on the branch stream, beside what the main
+  // stream runs next (the base projection of the same x): the shrink of x
+  // into t, then (delta defined) the expand of t into delta, T(delta) per
+  // output cell, which the projection's consumer adds itself. Join makes
+  // the main stream wait for it. Profiling times every stage alone: the
+  // branch then runs on the main stream.
+  void ForkLora(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t,
+                const at::Tensor& delta, cudaStream_t st) const {
     const cudaStream_t on = profile_ ? st : branch_;
     if (!profile_) {
       cudaEventRecord(fork_, st);
@@ -292,6 +303,11 @@ class CudaFastDecode final : public FastDecode {
     cuda::LoraShrink(bf16_, x.data_ptr(), x.stride(0), g.A.data_ptr(), slot, bank_->scales().data_ptr<float>(),
                      t.data_ptr<float>(), x.size(0), g.d_in, g.r_total, on);
     Mark("shrink", on);
+    if (delta.defined()) {
+      cuda::LoraExpand(bf16_, g.Args(slot, t, bank_->max_rank()), nullptr, delta.data_ptr(), false, delta.stride(0),
+                       x.size(0), on);
+      Mark("expand", on);
+    }
     if (!profile_) cudaEventRecord(join_, branch_);
   }
   void Join(cudaStream_t st) const {
@@ -332,34 +348,39 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor q = at::empty({R, H * hd}, x.options());
     at::Tensor attn = at::empty({R, H * hd}, x.options());
     at::Tensor act = at::empty({R, m.inter}, x.options());
-    // The shrink's output, for the widest group (q, k, v: 3 ranks). Groups
-    // take turns: each shrink is forked after the previous consumer ran.
+    // The LoRA branch's buffers: t, the shrink's output, for the widest
+    // group (q, k, v: 3 ranks), and the deltas of qkv, gate_up and the
+    // hidden-wide o and down (o's is read before down's is written). Groups
+    // take turns: each is forked after the consumer of the previous one.
     const int64_t rank = bank_ ? bank_->max_rank() : 0;
-    const at::Tensor t = g.lora ? at::empty({R * 3 * rank}, x.options().dtype(at::kFloat)) : at::Tensor();
-    auto lora = [&](int i, int k, const int32_t* slot) {
-      return g.lora ? groups_[static_cast<size_t>(i)][static_cast<size_t>(k)].Args(slot, t, rank) : cuda::LoraArgs{};
-    };
-    auto shrink = [&](int i, int k, const at::Tensor& in, const int32_t* slot) {
-      if (g.lora) ForkShrink(groups_[static_cast<size_t>(i)][static_cast<size_t>(k)], in, slot, t, st);
+    at::Tensor t, d_qkv, d_gate_up, d_hidden;
+    if (g.lora) {
+      t = at::empty({R * 3 * rank}, x.options().dtype(at::kFloat));
+      d_qkv = at::empty({R, (H + 2 * KVH) * hd}, x.options());
+      d_gate_up = at::empty({R, 2 * m.inter}, x.options());
+      d_hidden = at::empty_like(x);
+    }
+    auto fork = [&](int i, int k, const at::Tensor& in, const int32_t* slot, const at::Tensor& delta) {
+      if (g.lora) ForkLora(groups_[static_cast<size_t>(i)][static_cast<size_t>(k)], in, slot, t, delta, st);
     };
     auto join = [&] {
       if (g.lora) Join(st);
     };
-    at::Tensor pending;  // the previous layer's MLP output, not yet added to x (its LoRA delta neither)
+    auto ptr = [&](const at::Tensor& d) { return g.lora ? d.data_ptr() : nullptr; };
+    at::Tensor pending;  // the previous layer's MLP output, not yet added to x (its delta in d_hidden)
     const int layers = static_cast<int>(m.layers.size());
     Mark("start", st);
     for (int i = 0; i < layers; ++i) {
       const auto& l = m.layers[static_cast<size_t>(i)];
       cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
-                    i > 0 ? lora(i - 1, 3, slot_mlp) : cuda::LoraArgs{}, x.data_ptr(), l.input_norm.data_ptr(),
-                    h.data_ptr(), R, x.size(1), eps, st);
+                    pending.defined() ? ptr(d_hidden) : nullptr, x.data_ptr(), l.input_norm.data_ptr(), h.data_ptr(),
+                    R, x.size(1), eps, st);
       Mark("norm", st);
-      shrink(i, 0, h, slot_attn);
+      fork(i, 0, h, slot_attn, d_qkv);
       at::Tensor qkv = Linear(h, l.qkv_w, l.qkv_b, false, st);
       join();
       Mark("qkv", st);
-      cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), lora(i, 0, slot_attn),
-                            l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
+      cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), ptr(d_qkv), l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
                             l.k_norm.defined() ? l.k_norm.data_ptr() : nullptr, positions.data_ptr<int64_t>(),
                             m.inv_freq.data_ptr<float>(), write_rows, q.data_ptr(), cache_->k[i].data_ptr(),
                             cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
@@ -367,34 +388,40 @@ class CudaFastDecode final : public FastDecode {
       cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
                             ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st);
       Mark("attn", st);
-      shrink(i, 1, attn, slot_attn);
+      fork(i, 1, attn, slot_attn, d_hidden);
       at::Tensor o = Linear(attn, l.o_w, l.o_b, false, st);
       join();
       Mark("o", st);
-      cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), lora(i, 1, slot_attn), x.data_ptr(), l.post_norm.data_ptr(),
+      cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), ptr(d_hidden), x.data_ptr(), l.post_norm.data_ptr(),
                     h.data_ptr(), R, x.size(1), eps, st);
       Mark("norm", st);
-      shrink(i, 2, h, slot_mlp);
+      fork(i, 2, h, slot_mlp, d_gate_up);
       at::Tensor gate_up = Linear(h, l.gate_up_w, {}, false, st);
       join();
       Mark("gate_up", st);
-      cuda::SiluMul(bf16_, gate_up.data_ptr(), lora(i, 2, slot_mlp), act.data_ptr(), R, m.inter, st);
+      cuda::SiluMul(bf16_, gate_up.data_ptr(), ptr(d_gate_up), act.data_ptr(), R, m.inter, st);
       Mark("silu", st);
-      shrink(i, 3, act, slot_mlp);
+      fork(i, 3, act, slot_mlp, d_hidden);
       pending = Linear(act, l.down_w, {}, false, st);
       join();
       Mark("down", st);
     }
     cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
-                  layers > 0 ? lora(layers - 1, 3, slot_mlp) : cuda::LoraArgs{}, x.data_ptr(), m.norm.data_ptr(),
-                  h.data_ptr(), R, x.size(1), eps, st);
+                  pending.defined() ? ptr(d_hidden) : nullptr, x.data_ptr(), m.norm.data_ptr(), h.data_ptr(), R,
+                  x.size(1), eps, st);
     Mark("norm", st);
+    // lm_head's expand (the delta unrounded in fp32) waits for the logits:
+    // it also converts them to fp32 (y in the model dtype, as the eager
+    // path rounds it, plus the delta).
     const bool head_lora = g.lora && head_group_.A.defined();
-    if (head_lora) ForkShrink(head_group_, h, slot_head, t, st);
-    at::Tensor logits = Linear(h, m.lm_head, {}, true, st);
+    if (head_lora) ForkLora(head_group_, h, slot_head, t, at::Tensor(), st);
+    const at::Tensor y = Linear(h, m.lm_head, {}, !head_lora, st);
+    at::Tensor logits = y;
     if (head_lora) {
       Join(st);
-      cuda::LoraExpand(bf16_, head_group_.Args(slot_head, t, rank), logits.data_ptr(), true, logits.stride(0), R, st);
+      if (y.scalar_type() != at::kFloat) logits = at::empty(y.sizes(), y.options().dtype(at::kFloat));
+      cuda::LoraExpand(bf16_, head_group_.Args(slot_head, t, rank), y.data_ptr(), logits.data_ptr(), true,
+                       y.stride(0), R, st);
     }
     Mark("head", st);
     return logits;

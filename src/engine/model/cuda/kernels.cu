@@ -68,32 +68,78 @@ __device__ __forceinline__ void LoadV(const T* p, float* out) {
   }
 }
 
+// V consecutive T kept as loaded (one 16-byte load when V * sizeof(T) is
+// 16), converted to fp32 one element at a time where used.
+template <typename T, int V>
+struct Raw {
+  static constexpr bool kVector = V * sizeof(T) == 16;
+  union {
+    uint4 u;
+    T e[V];
+  };
+  __device__ __forceinline__ void Load(const T* p) {
+    if constexpr (kVector) {
+      u = *reinterpret_cast<const uint4*>(p);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) e[k] = p[k];
+    }
+  }
+  __device__ __forceinline__ void Zero() {
+#pragma unroll
+    for (int k = 0; k < V; ++k) e[k] = FromF<T>(0.0f);
+  }
+  __device__ __forceinline__ float At(int k) const { return ToF(e[k]); }
+};
+
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 unsigned Blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }
 
 // ---- LoRA, BGMV-style: every row reads its own slot's factors ----
+//
+// A decode step is a few rows, so these kernels are bound by latency, not
+// bytes or arithmetic: each thread issues all the loads it needs before it
+// uses any (one memory round trip, not one per loop step), and the work is
+// spread over enough blocks to reach every SM.
 
 constexpr int kRowTile = 8;  // rows of one tile; rows of one slot share its factor loads
 
-// Calls f(slot, members) for each run of the tile's rows [r0, r0 + n) that
-// share a slot, members being the bit set of those rows (uniform across the
-// block: it depends on slot[] only).
+// The slots of the tile's rows [r0, r0 + n), -2 past n, loaded together.
+__device__ __forceinline__ void TileSlots(const int32_t* slot, int64_t r0, int n, int (&s)[kRowTile]) {
+#pragma unroll
+  for (int q = 0; q < kRowTile; ++q) s[q] = q < n ? slot[r0 + q] : -2;
+}
+
+// Calls f(slot, members) for each run of the tile's rows sharing a slot >=
+// -1, members being the bit set of those rows. The sampler sorts a step's
+// rows by slot, so a tile is mostly one run.
 template <typename F>
-__device__ __forceinline__ void ForEachSlotRun(const int32_t* slot, int64_t r0, int n, F&& f) {
+__device__ __forceinline__ void ForEachSlotRun(const int (&s)[kRowTile], F&& f) {
   unsigned done = 0;
-  for (int k = 0; k < n; ++k) {
-    if ((done >> k) & 1u) continue;
-    const int sl = slot[r0 + k];
+#pragma unroll
+  for (int k = 0; k < kRowTile; ++k) {
+    if (((done >> k) & 1u) || s[k] == -2) continue;
     unsigned members = 0;
-    for (int q = k; q < n; ++q)
-      if (!((done >> q) & 1u) && slot[r0 + q] == sl) members |= 1u << q;
+#pragma unroll
+    for (int q = k; q < kRowTile; ++q)
+      if (s[q] == s[k]) members |= 1u << q;
     done |= members;
-    f(sl, members);
+    f(s[k], members);
   }
 }
 
 __device__ __forceinline__ bool Member(unsigned members, int q) { return (members >> q) & 1u; }
+
+// The bit set of the tile's rows that have an adapter (slot >= 0): a lane
+// whose row index is not known at compile time tests a bit, not s[q]
+// (which would put s in local memory).
+__device__ __forceinline__ unsigned AdapterRows(const int (&s)[kRowTile]) {
+  unsigned bits = 0;
+#pragma unroll
+  for (int q = 0; q < kRowTile; ++q) bits |= (s[q] >= 0 ? 1u : 0u) << q;
+  return bits;
+}
 
 // LoraArgs with the element type resolved.
 template <typename T>
@@ -102,22 +148,32 @@ struct Lora {
   const float* t;
   const int32_t* slot;
   int64_t rank, r_total, d_total;
+  int64_t seg_end[kMaxSegments];
   __device__ bool on() const { return B != nullptr; }
+  // The segment (target) output column c belongs to.
+  __device__ int Segment(int64_t c) const {
+    int k = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < kMaxSegments; ++i) k += seg_end[i] > 0 && c >= seg_end[i];
+    return k;
+  }
 };
 
 template <typename T>
 Lora<T> Resolve(const LoraArgs& a) {
-  return {static_cast<const T*>(a.B), a.t, a.slot, a.rank, a.r_total, a.d_total};
+  Lora<T> l{static_cast<const T*>(a.B), a.t, a.slot, a.rank, a.r_total, a.d_total, {}};
+  for (int i = 0; i < kMaxSegments; ++i) l.seg_end[i] = a.seg_end[i];
+  return l;
 }
 
 // Calls f(std::integral_constant<int, R>) with R = a's rank when it is one
 // of the common ranks and B and t rows allow 16-byte loads (kernels then
-// unroll the rank loop and issue all its loads at once), else R = 0 (any
+// hold a B row in registers and unroll the rank loop), else R = 0 (any
 // rank, element by element). No LoRA: R = 0.
 template <typename T, typename F>
 void WithRank(const LoraArgs& a, F&& f) {
   constexpr int V = 16 / sizeof(T);
-  if (a.B && a.rank % V == 0 && Aligned16(a.B) && Aligned16(a.t)) {
+  if (a.B && a.rank % V == 0 && a.r_total % 4 == 0 && Aligned16(a.B) && Aligned16(a.t)) {
     switch (a.rank) {
       case 8: return f(std::integral_constant<int, 8>{});
       case 16: return f(std::integral_constant<int, 16>{});
@@ -129,211 +185,394 @@ void WithRank(const LoraArgs& a, F&& f) {
   f(std::integral_constant<int, 0>{});
 }
 
-// V consecutive fp32 from p (16-byte aligned), as float4 loads.
-template <int V>
-__device__ __forceinline__ void LoadF(const float* p, float* out) {
-#pragma unroll
-  for (int k = 0; k < V; k += 4) {
-    const float4 f = *reinterpret_cast<const float4*>(p + k);
-    out[k] = f.x, out[k + 1] = f.y, out[k + 2] = f.z, out[k + 3] = f.w;
-  }
-}
-
-// Block-cooperative expand: out[q * nc + k] = the unrounded delta of output
-// column c0 + k (k < nc, all in segment seg) for the tile rows r0 + q that
-// are members of one slot run of slot sl; other entries are left.
-// Layout (R > 0): kLanes = R / V lanes share a column, each holding V of the
-// rank for every member row's t in registers, so a warp covers 32 / kLanes
-// columns per step with one 16-byte B load per lane and a kLanes-wide
-// shuffle sum; B rows are read once per tile, not once per row. R == 0:
-// one lane per column, element by element.
+// delta[q] = the unrounded LoRA delta of output column c (segment seg) for
+// each tile row q < n with an adapter; returns the bit set of those rows
+// (others: delta 0). One thread, one column: for each slot run the
+// column's B row is loaded once (R > 0: into registers, 16 bytes at a
+// time) and dotted with every member row's t.
 template <typename T, int R>
-__device__ void BlockExpand(const Lora<T>& a, int sl, unsigned members, int64_t r0, int n, int64_t c0, int nc, int seg,
-                            float* out) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const T* b0 = a.B + (static_cast<int64_t>(sl) * a.d_total + c0) * a.rank;
-  if constexpr (R > 0) {
-    constexpr int V = 16 / sizeof(T), kLanes = R / V, kCols = 32 / kLanes;
-    static_assert(R % V == 0 && 32 % kLanes == 0, "rank: a multiple of the vector width, at most 32 vectors");
-    const int part = lane % kLanes, col = lane / kLanes;
-    float t[kRowTile][V];
+__device__ __forceinline__ unsigned ColumnDelta(const Lora<T>& a, const int (&s)[kRowTile], int64_t r0, int64_t c,
+                                                int seg, float (&delta)[kRowTile]) {
 #pragma unroll
-    for (int q = 0; q < kRowTile; ++q) {
-      if (q < n && Member(members, q)) {
-        LoadF<V>(a.t + (r0 + q) * a.r_total + seg * R + part * V, t[q]);
-      } else {
+  for (int q = 0; q < kRowTile; ++q) delta[q] = 0.0f;
+  unsigned with = 0;
+  ForEachSlotRun(s, [&](int sl, unsigned members) {
+    if (sl < 0) return;
+    with |= members;
+    const T* b = a.B + (static_cast<int64_t>(sl) * a.d_total + c) * a.rank;
+    if constexpr (R > 0) {
+      constexpr int V = 16 / sizeof(T);
+      float bv[R];
 #pragma unroll
-        for (int v = 0; v < V; ++v) t[q][v] = 0.0f;
-      }
-    }
-    for (int k0 = warp * kCols; k0 < nc; k0 += warps * kCols) {
-      const int k = k0 + col;
-      float bv[V];
-      if (k < nc) {
-        LoadV<T, V>(b0 + static_cast<int64_t>(k) * R + part * V, bv);
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) bv[v] = 0.0f;
-      }
+      for (int i = 0; i < R; i += V) LoadV<T, V>(b + i, bv + i);
 #pragma unroll
       for (int q = 0; q < kRowTile; ++q) {
+        if (!Member(members, q)) continue;
+        const float4* t = reinterpret_cast<const float4*>(a.t + (r0 + q) * a.r_total + seg * R);
         float acc = 0.0f;
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc += bv[v] * t[q][v];
-#pragma unroll
-        for (int o = kLanes / 2; o >= 1; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (part == 0 && k < nc && q < n && Member(members, q)) out[q * nc + k] = acc;
+        for (int i = 0; i < R / 4; ++i) {
+          const float4 f = t[i];
+          acc += bv[4 * i] * f.x + bv[4 * i + 1] * f.y + bv[4 * i + 2] * f.z + bv[4 * i + 3] * f.w;
+        }
+        delta[q] = acc;
       }
-    }
-  } else {
-    for (int k = threadIdx.x; k < nc; k += blockDim.x) {
-      const T* b = b0 + static_cast<int64_t>(k) * a.rank;
-      for (int q = 0; q < n; ++q) {
+    } else {
+      for (int q = 0; q < kRowTile; ++q) {
         if (!Member(members, q)) continue;
         const float* t = a.t + (r0 + q) * a.r_total + seg * a.rank;
         float acc = 0.0f;
         for (int64_t r = 0; r < a.rank; ++r) acc += ToF(b[r]) * t[r];
-        out[q * nc + k] = acc;
+        delta[q] = acc;
       }
     }
-  }
-}
-
-// BlockExpand for every slot run of the tile (rows of base slots get 0),
-// then a barrier: out is ready for the whole block.
-template <typename T, int R>
-__device__ void TileExpand(const Lora<T>& a, int64_t r0, int n, int64_t c0, int nc, int seg, float* out) {
-  for (int i = threadIdx.x; i < n * nc; i += blockDim.x) out[i] = 0.0f;
-  __syncthreads();
-  ForEachSlotRun(a.slot, r0, n, [&](int sl, unsigned members) {
-    if (sl >= 0) BlockExpand<T, R>(a, sl, members, r0, n, c0, nc, seg, out);
   });
-  __syncthreads();
+  return with;
 }
 
 // y + delta as the eager path computes it in T: y + T(delta), rounded.
 template <typename T>
 __device__ __forceinline__ float AddDelta(float y, float delta) { return Round<T>(y + Round<T>(delta)); }
 
-// Grid (ceil(rows / kRowTile), ceil(r_total / kShrinkCols)), kShrinkWarps
-// warps splitting d_in: for each run of the tile's rows with one slot, the
-// block's kShrinkCols columns of that slot's A are read once and every
-// member row's x against them; warps' partial sums meet in shared memory
-// (a fixed order: results do not depend on scheduling).
-constexpr int kShrinkWarps = 8;
-constexpr int kShrinkCols = 4;
-static_assert(kRowTile * kShrinkCols == 32, "one shrink output per lane");
-
-// v[32] per lane in, the sum over the warp's lanes of v[lane] out, in 31
-// shuffles (a butterfly that halves the values kept at each step; 32 warp
-// sums would take 160).
-__device__ __forceinline__ float ReduceScatter32(float* v) {
-  const int lane = threadIdx.x & 31;
+// v[N] per lane in (N a power of two <= 32); out: lane l holds the sum over
+// the warp of v[l >> (5 - log2 N)], in N - 1 + 5 - log2 N shuffles (a
+// butterfly that halves the values kept at each step; N warp sums would
+// take 5 N). O: the lane distance of this step.
+template <int N, int O = 16>
+__device__ __forceinline__ float ReduceScatter(float* v) {
+  static_assert(N >= 1 && (N <= 2 * O || N == 1) && (N & (N - 1)) == 0, "N: a power of two <= 32");
+  if constexpr (O == 0) {
+    return v[0];
+  } else if constexpr (N > 1) {
+    const bool upper = (threadIdx.x & 31) & O;
+    constexpr int h = N / 2;
 #pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) {
-    const bool upper = lane & o;
-#pragma unroll
-    for (int i = 0; i < o; ++i) {
-      const float send = upper ? v[i] : v[i + o];
-      const float keep = upper ? v[i + o] : v[i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    for (int i = 0; i < h; ++i) {
+      const float send = upper ? v[i] : v[i + h];
+      const float keep = upper ? v[i + h] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
     }
+    return ReduceScatter<h, O / 2>(v);
+  } else {
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+    return ReduceScatter<1, O / 2>(v);
   }
-  return v[0];
 }
 
+// The shrink. Grid (ceil(rows / kRowTile), ceil(r_total / (kShrinkJ *
+// kShrinkWarps / split))), kShrinkWarps warps: warp w computes kShrinkJ
+// outputs j for the tile's rows over part w % split of d_in, issuing all
+// of a step's A loads (kShrinkUnroll 16-byte vectors per output) before
+// reading x. The split parts meet in shared memory, summed in a fixed
+// order (results do not depend on scheduling). split in {1, 2, 4, 8} keeps
+// each warp's part short, so a step is one or two memory round trips.
+constexpr int kShrinkWarps = 8;
+constexpr int kShrinkJ = 2;
+constexpr int kShrinkUnroll = 4;
+
 template <typename T, int V>
-__global__ void LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
-                                 float* t, int64_t rows, int64_t d_in, int64_t r_total) {
-  __shared__ float part[kShrinkWarps][kRowTile][kShrinkCols];
+__global__ void __launch_bounds__(32 * kShrinkWarps, 2) LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
+                                 float* t, int64_t rows, int64_t d_in, int64_t r_total, int split) {
+  __shared__ float part[kShrinkWarps][kRowTile * kShrinkJ];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile, j0 = static_cast<int64_t>(blockIdx.y) * kShrinkCols;
+  const int per_block = kShrinkJ * kShrinkWarps / split;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile;
+  const int64_t j0 = static_cast<int64_t>(blockIdx.y) * per_block + (warp / split) * kShrinkJ;
+  const int p = warp % split;
   const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
-  const int nj = static_cast<int>(min(static_cast<int64_t>(kShrinkCols), r_total - j0));
-  ForEachSlotRun(slot, r0, n, [&](int sl, unsigned members) {
-    float acc[kRowTile][kShrinkCols];
+  // This warp's part of d_in, in V-element vectors.
+  const int64_t nv = d_in / V, chunk = (nv + split - 1) / split;
+  const int64_t v_begin = p * chunk, v_end = min(nv, v_begin + chunk);
+  int s[kRowTile];
+  TileSlots(slot, r0, n, s);
+  ForEachSlotRun(s, [&](int sl, unsigned members) {
+    float acc[kRowTile * kShrinkJ];
 #pragma unroll
-    for (int q = 0; q < kRowTile; ++q)
-#pragma unroll
-      for (int c = 0; c < kShrinkCols; ++c) acc[q][c] = 0.0f;
+    for (int i = 0; i < kRowTile * kShrinkJ; ++i) acc[i] = 0.0f;
     if (sl >= 0) {
       const T* a = A + (static_cast<int64_t>(sl) * r_total + j0) * d_in;
-      for (int64_t i = (static_cast<int64_t>(warp) * 32 + lane) * V; i < d_in; i += kShrinkWarps * 32 * V) {
-        float av[kShrinkCols][V];
+      for (int64_t v0 = v_begin + lane; v0 < v_end; v0 += 32 * kShrinkUnroll) {
+        // A as loaded (T, not fp32: half the registers for bf16).
+        Raw<T, V> av[kShrinkJ][kShrinkUnroll];
 #pragma unroll
-        for (int c = 0; c < kShrinkCols; ++c) {
-          if (c < nj) {
-            LoadV<T, V>(a + c * d_in + i, av[c]);
-          } else {
+        for (int j = 0; j < kShrinkJ; ++j)
 #pragma unroll
-            for (int v = 0; v < V; ++v) av[c][v] = 0.0f;
+          for (int u = 0; u < kShrinkUnroll; ++u) {
+            const int64_t v = v0 + u * 32;
+            if (v < v_end && j0 + j < r_total) {
+              av[j][u].Load(a + j * d_in + v * V);
+            } else {
+              av[j][u].Zero();
+            }
           }
-        }
 #pragma unroll
         for (int q = 0; q < kRowTile; ++q) {
-          if (q >= n || !Member(members, q)) continue;
-          float xv[V];
-          LoadV<T, V>(x + (r0 + q) * ldx + i, xv);
+          if (!Member(members, q)) continue;
 #pragma unroll
-          for (int c = 0; c < kShrinkCols; ++c)
+          for (int u = 0; u < kShrinkUnroll; ++u) {
+            const int64_t v = v0 + u * 32;
+            if (v >= v_end) continue;
+            float xv[V];
+            LoadV<T, V>(x + (r0 + q) * ldx + v * V, xv);
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[q][c] += av[c][v] * xv[v];
+            for (int j = 0; j < kShrinkJ; ++j)
+#pragma unroll
+              for (int e = 0; e < V; ++e) acc[q * kShrinkJ + j] += av[j][u].At(e) * xv[e];
+          }
         }
       }
     }
-    // Lane l ends with the warp's sum of output (l / kShrinkCols, l % kShrinkCols).
-    part[warp][lane / kShrinkCols][lane % kShrinkCols] = ReduceScatter32(&acc[0][0]);
+    // Lane l ends with the warp's sum of acc[l >> 1]: (row, output) = (l / 4, l / 2 % 2).
+    constexpr int kOut = kRowTile * kShrinkJ;
+    static_assert(kOut == 16, "the lane-to-output mapping below assumes 16 outputs per warp");
+    const float sum = ReduceScatter<kOut>(acc);
+    if ((lane & 1) == 0) part[warp][lane >> 1] = sum;
     __syncthreads();
-    if (threadIdx.x < kRowTile * kShrinkCols) {
-      const int q = threadIdx.x / kShrinkCols, c = threadIdx.x % kShrinkCols;
-      if (q < n && Member(members, q) && c < nj) {
-        float sum = 0.0f;
-        for (int w = 0; w < kShrinkWarps; ++w) sum += part[w][q][c];
-        t[(r0 + q) * r_total + j0 + c] = sl >= 0 ? sum * scale[sl] : 0.0f;
+    const int per_tile = kRowTile * per_block;
+    if (threadIdx.x < per_tile) {
+      const int q = threadIdx.x % kRowTile, jj = threadIdx.x / kRowTile;  // output j0' + jj of the block
+      const int w0 = (jj / kShrinkJ) * split;  // the first warp of that output's parts
+      const int64_t j = static_cast<int64_t>(blockIdx.y) * per_block + jj;
+      if (Member(members, q) && j < r_total) {
+        float total = 0.0f;
+        for (int w = w0; w < w0 + split; ++w) total += part[w][q * kShrinkJ + jj % kShrinkJ];
+        t[(r0 + q) * r_total + j] = sl >= 0 ? total * scale[sl] : 0.0f;
       }
     }
     __syncthreads();
   });
 }
 
-constexpr int kExpandCols = 256;  // output columns per block of the expanding kernels
+constexpr int kExpandThreads = 128;  // output columns per block of LoraExpand
 
-// Grid (ceil(d_total / kExpandCols), ceil(rows / kRowTile)): y[r, c] += delta
-// (segment 0).
-template <typename T, int R>
-__global__ void LoraExpandKernel(Lora<T> a, void* y, bool y_f32, int64_t ldy, int64_t rows) {
-  __shared__ float delta[kRowTile * kExpandCols];
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kExpandCols, r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
-  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
-  const int nc = static_cast<int>(min(static_cast<int64_t>(kExpandCols), a.d_total - c0));
-  TileExpand<T, R>(a, r0, n, c0, nc, 0, delta);
-  for (int i = threadIdx.x; i < n * nc; i += blockDim.x) {
-    const int q = i / nc;
-    if (a.slot[r0 + q] < 0) continue;  // base rows: y stays
-    const int64_t at = (r0 + q) * ldy + c0 + i % nc;
-    if (y_f32) {
-      static_cast<float*>(y)[at] += delta[i];
-    } else {
-      T* yy = static_cast<T*>(y) + at;
-      *yy = FromF<T>(AddDelta<T>(ToF(*yy), delta[i]));
-    }
+// y + delta into out at `at`: fp32 unrounded (the logits), or rounded to T
+// as the eager path does.
+template <typename T>
+__device__ __forceinline__ void StoreSum(void* out, bool out_f32, int64_t at, float y, float delta) {
+  if (out_f32) {
+    static_cast<float*>(out)[at] = y + delta;
+  } else {
+    static_cast<T*>(out)[at] = FromF<T>(AddDelta<T>(y, delta));
   }
 }
 
-// ---- the consumers of the projections, each adding its LoRA delta ----
+// Grid (ceil(d_total / kExpandThreads), ceil(rows / kRowTile)), one thread
+// per column and tile: out[r, c] = y[r, c] + delta (y null: 0 + delta),
+// for rows with an adapter when out is y, for every row otherwise.
+template <typename T, int R>
+__global__ void LoraExpandKernel(Lora<T> a, const T* y, void* out, bool out_f32, int64_t ld, int64_t rows) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kExpandThreads + threadIdx.x;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  if (c >= a.d_total) return;
+  const bool every_row = out != static_cast<const void*>(y);
+  int s[kRowTile];
+  TileSlots(a.slot, r0, n, s);
+  float old[kRowTile];  // y loaded with the factors, before any store
+#pragma unroll
+  for (int q = 0; q < kRowTile; ++q) old[q] = y && q < n && (every_row || s[q] >= 0) ? ToF(y[(r0 + q) * ld + c]) : 0.0f;
+  float delta[kRowTile];
+  ColumnDelta<T, R>(a, s, r0, c, a.Segment(c), delta);
+#pragma unroll
+  for (int q = 0; q < kRowTile; ++q)
+    if (q < n && (every_row || s[q] >= 0)) StoreSum<T>(out, out_f32, (r0 + q) * ld + c, old[q], delta[q]);
+}
+
+// ---- the same on tensor cores, for bf16 models ----
+//
+// mma.sync m16n8k16 (bf16 operands, fp32 accumulators): a tile of 8 decode
+// rows is the instruction's N side, 16 rank outputs (shrink) or 16 output
+// columns (expand) its M side. Lane l is in quad g = l / 4 at position
+// tq = l % 4; the instruction wants from it, for each 16-wide k chunk, the
+// logical k 2tq, 2tq+1, 2tq+8, 2tq+9 of M rows g and g + 8 and of N column
+// g, and leaves it C[g][2tq], C[g][2tq+1], C[g+8][2tq], C[g+8][2tq+1]. A dot
+// product does not depend on the order of its terms, so both operands take
+// logical k (2tq, 2tq+1, 2tq+8, 2tq+9) from physical k 4tq..4tq+3 of the
+// chunk: each lane loads contiguous elements.
+
+__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair (lo in the low half, as loaded from memory).
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The row r and M index m of accumulator element e of lane (g, tq).
+__device__ __forceinline__ int AccRow(int tq, int e) { return 2 * tq + (e & 1); }
+__device__ __forceinline__ int AccM(int g, int e) { return g + (e >= 2 ? 8 : 0); }
+
+constexpr int kMmaShrinkWarps = 16;
+constexpr int kMmaShrinkUnroll = 4;  // 32-wide k steps whose loads a lane issues together
+
+// Grid (ceil(rows / kRowTile), ceil(r_total / 16)), kMmaShrinkWarps warps
+// taking turns over d_in in 32-wide steps (each step: one 16-byte load of
+// A rows g and g + 8 and of x row g per lane, two mma). The warps' sums
+// meet in shared memory, added in a fixed order (results do not depend on
+// scheduling).
+__global__ void __launch_bounds__(32 * kMmaShrinkWarps) LoraShrinkMmaKernel(const bf16_t* x, int64_t ldx,
+                                                                          const bf16_t* A, const int32_t* slot,
+                                                                          const float* scale, float* t, int64_t rows,
+                                                                          int64_t d_in, int64_t r_total) {
+  __shared__ float red[kMmaShrinkWarps][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile, j0 = static_cast<int64_t>(blockIdx.y) * 16;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  const int64_t steps = d_in / 32;
+  int s[kRowTile];
+  TileSlots(slot, r0, n, s);
+  ForEachSlotRun(s, [&](int sl, unsigned members) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (sl >= 0) {
+      const bool lo_ok = j0 + g < r_total, hi_ok = j0 + g + 8 < r_total, x_ok = Member(members, g);
+      const bf16_t* a_lo = A + (static_cast<int64_t>(sl) * r_total + j0 + g) * d_in + tq * 8;
+      const bf16_t* a_hi = a_lo + 8 * d_in;
+      const bf16_t* xr = x + (r0 + g) * ldx + tq * 8;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      for (int64_t s0 = warp; s0 < steps; s0 += kMmaShrinkWarps * kMmaShrinkUnroll) {
+        uint4 va[kMmaShrinkUnroll], vb[kMmaShrinkUnroll], vx[kMmaShrinkUnroll];
+#pragma unroll
+        for (int u = 0; u < kMmaShrinkUnroll; ++u) {
+          const int64_t st = s0 + u * kMmaShrinkWarps, k = st * 32;
+          const bool ok = st < steps;
+          va[u] = ok && lo_ok ? *reinterpret_cast<const uint4*>(a_lo + k) : zero;
+          vb[u] = ok && hi_ok ? *reinterpret_cast<const uint4*>(a_hi + k) : zero;
+          vx[u] = ok && x_ok ? *reinterpret_cast<const uint4*>(xr + k) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < kMmaShrinkUnroll; ++u) {
+          Mma(c, va[u].x, vb[u].x, va[u].y, vb[u].y, vx[u].x, vx[u].y);  // physical k 8tq .. 8tq+3
+          Mma(c, va[u].z, vb[u].z, va[u].w, vb[u].w, vx[u].z, vx[u].w);  // and 8tq+4 .. 8tq+7
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) red[warp][lane][e] = c[e];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float sum = 0.0f;
+        for (int w = 0; w < kMmaShrinkWarps; ++w) sum += red[w][lane][e];
+        const int q = AccRow(tq, e);
+        const int64_t j = j0 + AccM(g, e);
+        if (Member(members, q) && j < r_total) t[(r0 + q) * r_total + j] = sl >= 0 ? sum * scale[sl] : 0.0f;
+      }
+    }
+    __syncthreads();
+  });
+}
+
+constexpr int kMmaExpandWarps = 4;
+constexpr int kMmaExpandTiles = 2;  // 16-column M tiles per warp
+constexpr int kMmaExpandCols = kMmaExpandWarps * kMmaExpandTiles * 16;  // columns per block
+
+// c += the delta of output columns [cm, cm + 16) for the tile's rows (each
+// slot run: B rows g and g + 8, R / 16 8-byte loads each, against t of the
+// run's rows; t split into hi + lo bf16 operands, two mma per k chunk, so
+// the delta keeps ~16 bits of t). Columns past d_total get 0. Segments
+// (and so t's offset) change only at multiples of 16 columns.
+template <int R>
+__device__ __forceinline__ void MmaColumnsDelta(const Lora<bf16_t>& a, const int (&s)[kRowTile], int64_t r0,
+                                                int64_t cm, float (&c)[4]) {
+  static_assert(R % 16 == 0, "rank: a multiple of 16");
+  constexpr int K = R / 16;
+  if (cm >= a.d_total) return;
+  const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int seg = a.Segment(cm);
+  ForEachSlotRun(s, [&](int sl, unsigned members) {
+    if (sl < 0) return;
+    const bool t_ok = Member(members, g);
+    const bf16_t* b_lo = a.B + (static_cast<int64_t>(sl) * a.d_total + cm + g) * R + tq * 4;
+    const bf16_t* b_hi = b_lo + 8 * R;
+    const bool lo_ok = cm + g < a.d_total, hi_ok = cm + g + 8 < a.d_total;
+    const float* tr = a.t + (r0 + g) * a.r_total + seg * R + tq * 4;
+    uint2 bl[K], bh[K];
+    float4 tv[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      bl[k] = lo_ok ? *reinterpret_cast<const uint2*>(b_lo + 16 * k) : make_uint2(0, 0);
+      bh[k] = hi_ok ? *reinterpret_cast<const uint2*>(b_hi + 16 * k) : make_uint2(0, 0);
+      tv[k] = t_ok ? *reinterpret_cast<const float4*>(tr + 16 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t h0 = PackBf16(tv[k].x, tv[k].y), h1 = PackBf16(tv[k].z, tv[k].w);
+      const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&h0);
+      const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&h1);
+      const uint32_t l0 = PackBf16(tv[k].x - __low2float(p0), tv[k].y - __high2float(p0));
+      const uint32_t l1 = PackBf16(tv[k].z - __low2float(p1), tv[k].w - __high2float(p1));
+      Mma(c, bl[k].x, bh[k].x, bl[k].y, bh[k].y, h0, h1);
+      Mma(c, bl[k].x, bh[k].x, bl[k].y, bh[k].y, l0, l1);
+    }
+  });
+}
+
+// Grid (ceil(d_total / kMmaExpandCols), ceil(rows / kRowTile)): each warp
+// adds the delta of kMmaExpandTiles 16-column tiles to the tile's rows.
+// Per slot run: B rows g and g + 8 of each M tile (R / 16 8-byte loads
+// each) against t of the member rows, split t = hi + lo into two bf16
+// operands (two mma per k chunk), so the delta keeps ~16 bits of t.
+// Segments (and so t's offset) change only at multiples of 16 columns.
+// Grid (ceil(d_total / kMmaExpandCols), ceil(rows / kRowTile)): each warp
+// adds the delta of kMmaExpandTiles 16-column tiles to the tile's rows.
+template <int R>
+__global__ void LoraExpandMmaKernel(Lora<bf16_t> a, const bf16_t* y, void* out, bool out_f32, int64_t ld,
+                                    int64_t rows) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kMmaExpandWarps + warp) * kMmaExpandTiles * 16;
+  if (c0 >= a.d_total) return;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
+  const bool every_row = out != static_cast<const void*>(y);
+  int s[kRowTile];
+  TileSlots(a.slot, r0, n, s);
+  const unsigned written = every_row ? (1u << n) - 1 : AdapterRows(s);
+  // This lane's cells: columns c0 + 16 m + AccM(g, e), rows r0 + AccRow(tq, e).
+  auto cell = [&](int m, int e, int64_t* at) {
+    const int q = AccRow(tq, e);
+    const int64_t col = c0 + 16 * m + AccM(g, e);
+    *at = (r0 + q) * ld + col;
+    return Member(written, q) && col < a.d_total;
+  };
+  float old[kMmaExpandTiles][4];
+#pragma unroll
+  for (int m = 0; m < kMmaExpandTiles; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int64_t at;
+      old[m][e] = 0.0f;
+      if (y && cell(m, e, &at)) old[m][e] = ToF(y[at]);
+    }
+  float c[kMmaExpandTiles][4] = {};
+#pragma unroll
+  for (int m = 0; m < kMmaExpandTiles; ++m) MmaColumnsDelta<R>(a, s, r0, c0 + 16 * m, c[m]);
+#pragma unroll
+  for (int m = 0; m < kMmaExpandTiles; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      int64_t at;
+      if (cell(m, e, &at)) StoreSum<bf16_t>(out, out_f32, at, old[m][e], c[m][e]);
+    }
+}
+
+// ---- the consumers of the projections ----
 
 constexpr int kNormPer = kMaxNormWidth / 1024;  // elements per thread, held in registers
 
-// One block per row: out = w * T(norm(x + add')), add' = add with its LoRA
-// delta (la: the projection that produced add; the delta row in dynamic
-// shared memory, n floats), the sum written to sum_out.
-template <typename T, int R>
-__global__ void RmsNormKernel(const T* x, const T* add, Lora<T> la, T* sum_out, const T* w, T* out, int64_t n,
+// One block per row: out = w * T(norm(x + add')), add' = T(add + add_delta),
+// the sum written to sum_out.
+template <typename T>
+__global__ void RmsNormKernel(const T* x, const T* add, const T* add_delta, T* sum_out, const T* w, T* out, int64_t n,
                               float eps) {
-  extern __shared__ float delta[];  // [n] when add has LoRA
   const int64_t row = blockIdx.x, base = row * n;
-  const bool lora = add && la.on();
-  if (lora) TileExpand<T, R>(la, row, 1, 0, static_cast<int>(n), 0, delta);
   float v[kNormPer];
   float ss = 0.0f;
 #pragma unroll
@@ -344,7 +583,7 @@ __global__ void RmsNormKernel(const T* x, const T* add, Lora<T> la, T* sum_out, 
     float xv = ToF(x[base + i]);
     if (add) {
       float a = ToF(add[base + i]);
-      if (lora) a = AddDelta<T>(a, delta[i]);
+      if (add_delta) a = Round<T>(a + ToF(add_delta[base + i]));
       xv = Round<T>(xv + a);
       sum_out[base + i] = FromF<T>(xv);
     }
@@ -359,24 +598,19 @@ __global__ void RmsNormKernel(const T* x, const T* add, Lora<T> la, T* sum_out, 
   }
 }
 
-// Grid (rows, H + 2 KVH heads), hd threads. qkv's LoRA delta (segments q,
-// k, v) is added to each head before its norm and rotation.
-template <typename T, int R>
-__global__ void QkNormRopeKernel(const T* qkv, Lora<T> la, const T* q_norm, const T* k_norm, const int64_t* positions,
+// Grid (rows, H + 2 KVH heads), hd threads; qkv's delta is added first.
+template <typename T>
+__global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, const T* k_norm, const int64_t* positions,
                                  const float* inv_freq, const int64_t* write_rows, T* q_out, T* k_pool, T* v_pool,
                                  int heads, int kv_heads, int hd, float eps) {
-  extern __shared__ float head[];  // hd, then hd of LoRA delta
+  extern __shared__ float head[];  // hd
   const int64_t s = blockIdx.x;
   const int h = blockIdx.y, i = threadIdx.x;
   const int64_t width = static_cast<int64_t>(heads + 2 * kv_heads) * hd;
-  const T* src = qkv + s * width + static_cast<int64_t>(h) * hd;
   const bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;
-  float v = ToF(src[i]);
-  if (la.on()) {
-    float* delta = head + hd;
-    TileExpand<T, R>(la, s, 1, static_cast<int64_t>(h) * hd, hd, is_q ? 0 : is_k ? 1 : 2, delta);
-    v = AddDelta<T>(v, delta[i]);
-  }
+  const int64_t at = s * width + static_cast<int64_t>(h) * hd + i;
+  float v = ToF(qkv[at]);
+  if (delta) v = Round<T>(v + ToF(delta[at]));
   if (!is_q && !is_k) {  // a value head: straight into the cache
     v_pool[(write_rows[s] * kv_heads + (h - heads - kv_heads)) * hd + i] = FromF<T>(v);
     return;
@@ -391,8 +625,8 @@ __global__ void QkNormRopeKernel(const T* qkv, Lora<T> la, const T* q_norm, cons
   const int half = hd / 2;
   const float rot = i < half ? -head[i + half] : head[i - half];
   const float angle = static_cast<float>(positions[s]) * inv_freq[i % half];
-  const float c = Round<T>(cosf(angle)), sn = Round<T>(sinf(angle));
-  const T out = FromF<T>(Round<T>(v * c) + Round<T>(rot * sn));
+  const float cs = Round<T>(cosf(angle)), sn = Round<T>(sinf(angle));
+  const T out = FromF<T>(Round<T>(v * cs) + Round<T>(rot * sn));
   if (is_q) {
     q_out[(s * heads + h) * hd + i] = out;
   } else {
@@ -400,31 +634,22 @@ __global__ void QkNormRopeKernel(const T* qkv, Lora<T> la, const T* q_norm, cons
   }
 }
 
-// Grid (ceil(inter / kExpandCols), ceil(rows / kRowTile)), kExpandCols
-// threads: one per column c and tile. gate and up get their LoRA deltas
-// (segments 0 and 1, columns c and inter + c), then out = T(silu(gate)) * up.
-template <typename T, int R>
-__global__ void SiluMulKernel(const T* gate_up, Lora<T> la, T* out, int64_t rows, int64_t inter) {
-  __shared__ float dg[kRowTile * kExpandCols], du[kRowTile * kExpandCols];
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kExpandCols, r0 = static_cast<int64_t>(blockIdx.y) * kRowTile;
-  const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
-  const int nc = static_cast<int>(min(static_cast<int64_t>(kExpandCols), inter - c0));
-  if (la.on()) {
-    TileExpand<T, R>(la, r0, n, c0, nc, 0, dg);
-    TileExpand<T, R>(la, r0, n, inter + c0, nc, 1, du);
+constexpr int kSiluThreads = 256;
+
+// Grid (ceil(inter / kSiluThreads), rows): out = T(silu(gate')) * up',
+// gate' and up' with their deltas added (rounded to T) when given.
+template <typename T>
+__global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t inter) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSiluThreads + threadIdx.x, r = blockIdx.y;
+  if (c >= inter) return;
+  const int64_t gi = r * 2 * inter + c, ui = gi + inter;
+  float g = ToF(gate_up[gi]), u = ToF(gate_up[ui]);
+  if (delta) {
+    g = Round<T>(g + ToF(delta[gi]));
+    u = Round<T>(u + ToF(delta[ui]));
   }
-  const int k = threadIdx.x;
-  if (k >= nc) return;
-  for (int q = 0; q < n; ++q) {
-    const T* gu = gate_up + (r0 + q) * 2 * inter + c0 + k;
-    float g = ToF(gu[0]), u = ToF(gu[inter]);
-    if (la.on()) {
-      g = AddDelta<T>(g, dg[q * nc + k]);
-      u = AddDelta<T>(u, du[q * nc + k]);
-    }
-    const float silu = Round<T>(g / (1.0f + expf(-g)));
-    out[(r0 + q) * inter + c0 + k] = FromF<T>(silu * u);
-  }
+  const float silu = Round<T>(g / (1.0f + expf(-g)));
+  out[r * inter + c] = FromF<T>(silu * u);
 }
 
 constexpr int kAttnWarps = 8;
@@ -570,46 +795,52 @@ __global__ void GemvKernel(const T* x, int64_t ldx, const T* W, const T* bias, v
 // bf16 ? f<bf16_t>(args...) : f<float>(args...), for the launchers below.
 #define LOOM_DISPATCH(bf16, f, ...) ((bf16) ? f<bf16_t>(__VA_ARGS__) : f<float>(__VA_ARGS__))
 
+namespace {
+// The tensor-core expand takes lora when its rank is 16, 32 or 64 and its
+// segments are whole 16-column tiles.
+bool MmaExpandFits(const LoraArgs& lora) {
+  if (lora.rank != 16 && lora.rank != 32 && lora.rank != 64) return false;
+  if (lora.r_total % 4 != 0 || !Aligned16(lora.t) || (reinterpret_cast<uintptr_t>(lora.B) & 7u) != 0) return false;
+  for (int k = 0; k < kMaxSegments; ++k)
+    if (lora.seg_end[k] % 16 != 0) return false;
+  return true;
+}
+}  // namespace
+
 template <typename T>
-void LaunchRmsNorm(const void* x, const void* add, const LoraArgs& add_lora, void* sum_out, const void* w, void* out,
+void LaunchRmsNorm(const void* x, const void* add, const void* add_delta, void* sum_out, const void* w, void* out,
                    int64_t rows, int64_t n, float eps, cudaStream_t stream) {
   // Enough threads for kNormPer elements each; 4 each up to n = 4096.
   const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(128, (n / 4 + 31) / 32 * 32));
-  const size_t shared = add && add_lora.B ? static_cast<size_t>(n) * sizeof(float) : 0;
-  WithRank<T>(add_lora, [&](auto r) {
-    RmsNormKernel<T, decltype(r)::value><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), shared, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(add), Resolve<T>(add_lora), static_cast<T*>(sum_out),
-        static_cast<const T*>(w), static_cast<T*>(out), n, eps);
-  });
+  RmsNormKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
+      static_cast<const T*>(x), static_cast<const T*>(add), static_cast<const T*>(add_delta), static_cast<T*>(sum_out),
+      static_cast<const T*>(w), static_cast<T*>(out), n, eps);
 }
 
-void RmsNorm(bool bf16, const void* x, const void* add, const LoraArgs& add_lora, void* sum_out, const void* w,
+void RmsNorm(bool bf16, const void* x, const void* add, const void* add_delta, void* sum_out, const void* w,
              void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream) {
   if (rows <= 0 || n > kMaxNormWidth) return;
-  LOOM_DISPATCH(bf16, LaunchRmsNorm, x, add, add_lora, sum_out, w, out, rows, n, eps, stream);
+  LOOM_DISPATCH(bf16, LaunchRmsNorm, x, add, add_delta, sum_out, w, out, rows, n, eps, stream);
 }
 
 template <typename T>
-void LaunchQkNormRope(const void* qkv, const LoraArgs& lora, const void* q_norm, const void* k_norm,
+void LaunchQkNormRope(const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
                       const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
                       void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       float eps, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
-  const size_t shared = static_cast<size_t>(head_dim) * sizeof(float) * (lora.B ? 2 : 1);
-  WithRank<T>(lora, [&](auto r) {
-    QkNormRopeKernel<T, decltype(r)::value><<<grid, static_cast<unsigned>(head_dim), shared, stream>>>(
-        static_cast<const T*>(qkv), Resolve<T>(lora), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm),
-        positions, inv_freq, write_rows, static_cast<T*>(q_out), static_cast<T*>(k_pool), static_cast<T*>(v_pool),
-        static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_dim), eps);
-  });
+  QkNormRopeKernel<T><<<grid, static_cast<unsigned>(head_dim), static_cast<size_t>(head_dim) * sizeof(float), stream>>>(
+      static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
+      static_cast<const T*>(k_norm), positions, inv_freq, write_rows, static_cast<T*>(q_out), static_cast<T*>(k_pool),
+      static_cast<T*>(v_pool), static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_dim), eps);
 }
 
-void QkNormRopeWrite(bool bf16, const void* qkv, const LoraArgs& qkv_lora, const void* q_norm, const void* k_norm,
+void QkNormRopeWrite(bool bf16, const void* qkv, const void* qkv_delta, const void* q_norm, const void* k_norm,
                      const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
                      void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                      float eps, cudaStream_t stream) {
   if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_lora, q_norm, k_norm, positions, inv_freq, write_rows, q_out, k_pool,
+  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_delta, q_norm, k_norm, positions, inv_freq, write_rows, q_out, k_pool,
                 v_pool, rows, heads, kv_heads, head_dim, eps, stream);
 }
 
@@ -650,32 +881,53 @@ void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v
 }
 
 template <typename T>
-void LaunchSiluMul(const void* gate_up, const LoraArgs& lora, void* out, int64_t rows, int64_t inter,
+void LaunchSiluMul(const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
                    cudaStream_t stream) {
-  const dim3 grid(Blocks(inter, kExpandCols), Blocks(rows, kRowTile));
-  WithRank<T>(lora, [&](auto r) {
-    SiluMulKernel<T, decltype(r)::value><<<grid, kExpandCols, 0, stream>>>(static_cast<const T*>(gate_up), Resolve<T>(lora),
-                                                                   static_cast<T*>(out), rows, inter);
-  });
+  const dim3 grid(Blocks(inter, kSiluThreads), static_cast<unsigned>(rows));
+  SiluMulKernel<T><<<grid, kSiluThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(delta),
+                                                      static_cast<T*>(out), inter);
 }
 
-void SiluMul(bool bf16, const void* gate_up, const LoraArgs& lora, void* out, int64_t rows, int64_t inter,
+void SiluMul(bool bf16, const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
              cudaStream_t stream) {
   if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchSiluMul, gate_up, lora, out, rows, inter, stream);
+  LOOM_DISPATCH(bf16, LaunchSiluMul, gate_up, delta, out, rows, inter, stream);
 }
+
+// The d_in split of the shrink: the fewest parts (a power of two <= 8)
+// of at most kShrinkPart elements each.
+namespace {
+constexpr int64_t kShrinkPart = 1024;
+
+int ShrinkSplit(int64_t d_in) {
+  int split = 1;
+  while (split < kShrinkWarps && d_in > kShrinkPart * split) split *= 2;
+  return split;
+}
+}  // namespace
 
 template <typename T>
 void LaunchShrink(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
                   int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
   constexpr int V = 16 / sizeof(T);
-  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, kShrinkCols)), block(32 * kShrinkWarps);
   const T* xt = static_cast<const T*>(x);
   const T* at = static_cast<const T*>(A);
-  if (d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A)) {
-    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+  const bool vec = d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A);
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (vec && d_in % 32 == 0) {
+      const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, 16));
+      LoraShrinkMmaKernel<<<grid, 32 * kMmaShrinkWarps, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in,
+                                                                     r_total);
+      return;
+    }
+  }
+  const int split = ShrinkSplit(d_in);
+  const int per_block = kShrinkJ * kShrinkWarps / split;
+  const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, per_block)), block(32 * kShrinkWarps);
+  if (vec) {
+    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, split);
   } else {
-    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total);
+    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, split);
   }
 }
 
@@ -686,16 +938,32 @@ void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int3
 }
 
 template <typename T>
-void LaunchExpand(const LoraArgs& lora, void* y, bool y_f32, int64_t ldy, int64_t rows, cudaStream_t stream) {
-  const dim3 grid(Blocks(lora.d_total, kExpandCols), Blocks(rows, kRowTile));
+void LaunchExpand(const LoraArgs& lora, const void* y, void* out, bool out_f32, int64_t ld, int64_t rows,
+                  cudaStream_t stream) {
+  const T* yt = static_cast<const T*>(y);
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    if (MmaExpandFits(lora)) {
+      const dim3 grid(Blocks(lora.d_total, kMmaExpandCols), Blocks(rows, kRowTile));
+      const Lora<T> a = Resolve<T>(lora);
+      const unsigned threads = 32 * kMmaExpandWarps;
+      switch (lora.rank) {
+        case 16: return LoraExpandMmaKernel<16><<<grid, threads, 0, stream>>>(a, yt, out, out_f32, ld, rows);
+        case 32: return LoraExpandMmaKernel<32><<<grid, threads, 0, stream>>>(a, yt, out, out_f32, ld, rows);
+        default: return LoraExpandMmaKernel<64><<<grid, threads, 0, stream>>>(a, yt, out, out_f32, ld, rows);
+      }
+    }
+  }
+  const dim3 grid(Blocks(lora.d_total, kExpandThreads), Blocks(rows, kRowTile));
   WithRank<T>(lora, [&](auto r) {
-    LoraExpandKernel<T, decltype(r)::value><<<grid, kExpandCols, 0, stream>>>(Resolve<T>(lora), y, y_f32, ldy, rows);
+    LoraExpandKernel<T, decltype(r)::value><<<grid, kExpandThreads, 0, stream>>>(Resolve<T>(lora), yt, out, out_f32,
+                                                                                  ld, rows);
   });
 }
 
-void LoraExpand(bool bf16, const LoraArgs& lora, void* y, bool y_f32, int64_t ldy, int64_t rows, cudaStream_t stream) {
+void LoraExpand(bool bf16, const LoraArgs& lora, const void* y, void* out, bool out_f32, int64_t ld, int64_t rows,
+                cudaStream_t stream) {
   if (rows <= 0 || !lora.B) return;
-  LOOM_DISPATCH(bf16, LaunchExpand, lora, y, y_f32, ldy, rows, stream);
+  LOOM_DISPATCH(bf16, LaunchExpand, lora, y, out, out_f32, ld, rows, stream);
 }
 
 template <typename T, int M>
