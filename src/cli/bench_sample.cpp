@@ -157,13 +157,16 @@ int Run(const Options& o) {
               o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
               bf16 ? "bf16" : "fp32", weight_bytes / 1e6, o.prompt_len, o.new_tokens, o.rank);
   if (cuda) std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms\n", weight_bytes / 4.3e12 * 1e3);
-  // ms/step: wall time over decode steps, the prompts' prefill included;
-  // decode ms: one decode step alone (sampling included); prefill ms: the
-  // run's prefill steps together (prefills: how many).
-  std::printf("%-10s %6s %12s %12s %12s %12s %9s %10s\n", "adapters", "batch", "tokens/s", "ms/step", "decode ms",
-              "prefill ms", "prefills", "vs base");
+  // tokens/s and ms/step: wall time over decode steps, the prompts'
+  // prefill included; decode ms: one decode step alone (sampling included);
+  // decode tok/s: the tokens of decode steps (each sequence's first token
+  // comes from its prefill) over their time; prefill ms: the run's prefill
+  // steps together (prefills: how many). vs base: tokens/s, then decode
+  // tok/s, against the base model's at the same batch.
+  std::printf("%-10s %6s %12s %10s %10s %13s %11s %9s %9s %9s\n", "adapters", "batch", "tokens/s", "ms/step",
+              "decode ms", "decode tok/s", "prefill ms", "prefills", "vs base", "decode");
   for (int batch : o.batches) {
-    double base_tps = 0;
+    double base_tps = 0, base_decode = 0;
     for (int n : o.adapter_counts) {
       std::vector<std::string> use(adapters.begin(), adapters.begin() + n);
       if (auto warm = RunBatch(s, batch, use, o, 7, o.new_tokens); !warm.ok())
@@ -171,11 +174,15 @@ int Run(const Options& o) {
       auto t = RunBatch(s, batch, use, o, 1000, o.new_tokens);
       if (!t.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", t.status().message().c_str()), 1;
       const double tps = t->tokens / t->seconds;
-      if (n == 0) base_tps = tps;
-      std::printf("%-10s %6d %12.1f %12.3f %12.3f %12.1f %9lld %9.2fx\n", n == 0 ? "base" : std::to_string(n).c_str(),
-                  batch, tps, t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0,
-                  t->steps > 0 ? t->decode_seconds * 1e3 / t->steps : 0.0, t->prefill_seconds * 1e3,
-                  static_cast<long long>(t->prefills), base_tps > 0 ? tps / base_tps : 0.0);
+      const int64_t decode_tokens = std::max<int64_t>(0, t->tokens - batch);
+      const double decode_tps = t->decode_seconds > 0 ? decode_tokens / t->decode_seconds : 0.0;
+      if (n == 0) base_tps = tps, base_decode = decode_tps;
+      std::printf("%-10s %6d %12.1f %10.3f %10.3f %13.1f %11.1f %9lld %8.2fx %8.2fx\n",
+                  n == 0 ? "base" : std::to_string(n).c_str(), batch, tps,
+                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0,
+                  t->steps > 0 ? t->decode_seconds * 1e3 / t->steps : 0.0, decode_tps, t->prefill_seconds * 1e3,
+                  static_cast<long long>(t->prefills), base_tps > 0 ? tps / base_tps : 0.0,
+                  base_decode > 0 ? decode_tps / base_decode : 0.0);
       std::fflush(stdout);
     }
   }
