@@ -21,7 +21,8 @@
 //
 // Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
 // fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off,
-// LOOM_DECODE_GEMV=0 keeps cuBLAS for every projection, and
+// LOOM_DECODE_GEMV=0 keeps cuBLAS for every projection,
+// LOOM_DECODE_SHRINK_PRIORITY=0 runs the LoRA branch at the lowest priority, and
 // LOOM_DECODE_PROFILE=1 logs each stage's GPU time (stages serialized).
 // Elsewhere MakeFastDecode returns nullptr and the sampler stays eager.
 //
