@@ -1,6 +1,7 @@
-// The fused decode kernels declared in kernels.h. Each is a plain,
-// readable kernel: decode steps are small (a few rows), so these are bound
-// by memory and launch count, not by arithmetic.
+// The fused decode kernels declared in kernels.h. Decode steps are small
+// (a few rows): the base projections' consumers are bound by memory and
+// launch count; the LoRA kernels were bound by issuing CUDA-core
+// instructions (ncu), hence tensor cores for them in bf16.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -149,7 +150,6 @@ struct Lora {
   const int32_t* slot;
   int64_t rank, r_total, d_total;
   int64_t seg_end[kMaxSegments];
-  __device__ bool on() const { return B != nullptr; }
   // The segment (target) output column c belongs to.
   __device__ int Segment(int64_t c) const {
     int k = 0;
@@ -186,19 +186,16 @@ void WithRank(const LoraArgs& a, F&& f) {
 }
 
 // delta[q] = the unrounded LoRA delta of output column c (segment seg) for
-// each tile row q < n with an adapter; returns the bit set of those rows
-// (others: delta 0). One thread, one column: for each slot run the
+// each tile row q < n with an adapter (others: delta 0). One thread, one column: for each slot run the
 // column's B row is loaded once (R > 0: into registers, 16 bytes at a
 // time) and dotted with every member row's t.
 template <typename T, int R>
-__device__ __forceinline__ unsigned ColumnDelta(const Lora<T>& a, const int (&s)[kRowTile], int64_t r0, int64_t c,
-                                                int seg, float (&delta)[kRowTile]) {
+__device__ __forceinline__ void ColumnDelta(const Lora<T>& a, const int (&s)[kRowTile], int64_t r0, int64_t c, int seg,
+                                            float (&delta)[kRowTile]) {
 #pragma unroll
   for (int q = 0; q < kRowTile; ++q) delta[q] = 0.0f;
-  unsigned with = 0;
   ForEachSlotRun(s, [&](int sl, unsigned members) {
     if (sl < 0) return;
-    with |= members;
     const T* b = a.B + (static_cast<int64_t>(sl) * a.d_total + c) * a.rank;
     if constexpr (R > 0) {
       constexpr int V = 16 / sizeof(T);
@@ -227,7 +224,6 @@ __device__ __forceinline__ unsigned ColumnDelta(const Lora<T>& a, const int (&s)
       }
     }
   });
-  return with;
 }
 
 // y + delta as the eager path computes it in T: y + T(delta), rounded.
@@ -271,8 +267,9 @@ constexpr int kShrinkJ = 2;
 constexpr int kShrinkUnroll = 4;
 
 template <typename T, int V>
-__global__ void __launch_bounds__(32 * kShrinkWarps, 2) LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale,
-                                 float* t, int64_t rows, int64_t d_in, int64_t r_total, int split) {
+__global__ void __launch_bounds__(32 * kShrinkWarps, 2)
+    LoraShrinkKernel(const T* x, int64_t ldx, const T* A, const int32_t* slot, const float* scale, float* t,
+                     int64_t rows, int64_t d_in, int64_t r_total, int split) {
   __shared__ float part[kShrinkWarps][kRowTile * kShrinkJ];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int per_block = kShrinkJ * kShrinkWarps / split;
@@ -368,14 +365,15 @@ __global__ void LoraExpandKernel(Lora<T> a, const T* y, void* out, bool out_f32,
   const bool every_row = out != static_cast<const void*>(y);
   int s[kRowTile];
   TileSlots(a.slot, r0, n, s);
+  const unsigned written = every_row ? (1u << n) - 1 : AdapterRows(s);
   float old[kRowTile];  // y loaded with the factors, before any store
 #pragma unroll
-  for (int q = 0; q < kRowTile; ++q) old[q] = y && q < n && (every_row || s[q] >= 0) ? ToF(y[(r0 + q) * ld + c]) : 0.0f;
+  for (int q = 0; q < kRowTile; ++q) old[q] = y && Member(written, q) ? ToF(y[(r0 + q) * ld + c]) : 0.0f;
   float delta[kRowTile];
   ColumnDelta<T, R>(a, s, r0, c, a.Segment(c), delta);
 #pragma unroll
   for (int q = 0; q < kRowTile; ++q)
-    if (q < n && (every_row || s[q] >= 0)) StoreSum<T>(out, out_f32, (r0 + q) * ld + c, old[q], delta[q]);
+    if (Member(written, q)) StoreSum<T>(out, out_f32, (r0 + q) * ld + c, old[q], delta[q]);
 }
 
 // ---- the same on tensor cores, for bf16 models ----
@@ -516,13 +514,8 @@ __device__ __forceinline__ void MmaColumnsDelta(const Lora<bf16_t>& a, const int
 }
 
 // Grid (ceil(d_total / kMmaExpandCols), ceil(rows / kRowTile)): each warp
-// adds the delta of kMmaExpandTiles 16-column tiles to the tile's rows.
-// Per slot run: B rows g and g + 8 of each M tile (R / 16 8-byte loads
-// each) against t of the member rows, split t = hi + lo into two bf16
-// operands (two mma per k chunk), so the delta keeps ~16 bits of t.
-// Segments (and so t's offset) change only at multiples of 16 columns.
-// Grid (ceil(d_total / kMmaExpandCols), ceil(rows / kRowTile)): each warp
-// adds the delta of kMmaExpandTiles 16-column tiles to the tile's rows.
+// adds the delta of kMmaExpandTiles 16-column tiles (MmaColumnsDelta) to
+// the tile's rows, as LoraExpandKernel does one column per thread.
 template <int R>
 __global__ void LoraExpandMmaKernel(Lora<bf16_t> a, const bf16_t* y, void* out, bool out_f32, int64_t ld,
                                     int64_t rows) {
@@ -795,18 +788,6 @@ __global__ void GemvKernel(const T* x, int64_t ldx, const T* W, const T* bias, v
 // bf16 ? f<bf16_t>(args...) : f<float>(args...), for the launchers below.
 #define LOOM_DISPATCH(bf16, f, ...) ((bf16) ? f<bf16_t>(__VA_ARGS__) : f<float>(__VA_ARGS__))
 
-namespace {
-// The tensor-core expand takes lora when its rank is 16, 32 or 64 and its
-// segments are whole 16-column tiles.
-bool MmaExpandFits(const LoraArgs& lora) {
-  if (lora.rank != 16 && lora.rank != 32 && lora.rank != 64) return false;
-  if (lora.r_total % 4 != 0 || !Aligned16(lora.t) || (reinterpret_cast<uintptr_t>(lora.B) & 7u) != 0) return false;
-  for (int k = 0; k < kMaxSegments; ++k)
-    if (lora.seg_end[k] % 16 != 0) return false;
-  return true;
-}
-}  // namespace
-
 template <typename T>
 void LaunchRmsNorm(const void* x, const void* add, const void* add_delta, void* sum_out, const void* w, void* out,
                    int64_t rows, int64_t n, float eps, cudaStream_t stream) {
@@ -903,6 +884,16 @@ int ShrinkSplit(int64_t d_in) {
   int split = 1;
   while (split < kShrinkWarps && d_in > kShrinkPart * split) split *= 2;
   return split;
+}
+
+// The tensor-core expand takes lora when its rank is 16, 32 or 64 and its
+// segments are whole 16-column tiles.
+bool MmaExpandFits(const LoraArgs& lora) {
+  if (lora.rank != 16 && lora.rank != 32 && lora.rank != 64) return false;
+  if (lora.r_total % 4 != 0 || !Aligned16(lora.t) || (reinterpret_cast<uintptr_t>(lora.B) & 7u) != 0) return false;
+  for (int k = 0; k < kMaxSegments; ++k)
+    if (lora.seg_end[k] % 16 != 0) return false;
+  return true;
 }
 }  // namespace
 
