@@ -10,6 +10,9 @@
 // captured in one CUDA graph; the figure is µs per launch over 20 replays
 // (DECODE_KERNELS_REPLAYS=n: n).
 // LoRA: 8 slots, rank 32, rows sorted by slot (as the sampler orders them).
+// `cublas || lora X`: projection X's GEMM with its LoRA (shrink, expand)
+// on a forked branch, as the sampler's step runs them; `lora, cublas X`:
+// the same one after the other. Where the two are equal, nothing overlaps.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -172,9 +175,9 @@ int main(int argc, char** argv) {
   };
   auto gemm = [&](int rows, const bf16* w, int n, int kd, bf16* out, cudaStream_t s) {
     const float one = 1.0f, zero = 0.0f;
+    cublasSetStream(blas, s);
     cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, kd, &one, w, CUDA_R_16BF, kd, x, CUDA_R_16BF, kd, &zero, out,
                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    (void)s;
   };
 
   // Correctness first: shrink and expand of layer 0's q, k, v against the
@@ -241,6 +244,23 @@ int main(int argc, char** argv) {
     std::printf("check: SiluMul adding the delta vs LoraExpand in place + SiluMul: max |diff| %.3g\n", s_err);
   }
 
+  cudaStream_t side;
+  Check(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "stream");
+  cudaEvent_t fork, join;
+  cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
+  cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+  // main(s) with lora(side) on a branch forked from s and joined back, as
+  // the sampler's graph runs a projection beside its LoRA.
+  auto forked = [&](cudaStream_t s, const std::function<void(cudaStream_t)>& main,
+                    const std::function<void(cudaStream_t)>& lora) {
+    cudaEventRecord(fork, s);
+    cudaStreamWaitEvent(side, fork, 0);
+    lora(side);
+    cudaEventRecord(join, side);
+    main(s);
+    cudaStreamWaitEvent(s, join, 0);
+  };
+
   std::printf("decode kernels, qwen3-4b shapes, LoRA rank %d, %d slots, us per launch\n", kRank, kSlots);
   for (int rows : row_counts) {
     if (rows < 1 || rows > kMaxRows) continue;
@@ -269,6 +289,21 @@ int main(int argc, char** argv) {
       });
       run(("expand " + n + " (delta)").c_str(), [&, g](int l, cudaStream_t s) {
         k::LoraExpand(true, args(groups[l][g], slots), nullptr, delta, false, groups[l][g].d_total, rows, s);
+      });
+      // The step's critical path for this projection: the GEMM beside its
+      // LoRA branch (forked and joined, as fast_decode runs them), and the
+      // same one after the other on one stream.
+      auto lora = [&, g](int l, cudaStream_t s) {
+        const Group& gr = groups[l][g];
+        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s);
+        k::LoraExpand(true, args(gr, slots), nullptr, delta, false, gr.d_total, rows, s);
+      };
+      auto base = [&, g](cudaStream_t s) { gemm(rows, ws[g], outs[g], d_in, y, s); };
+      run(("cublas || lora " + n).c_str(),
+          [&](int l, cudaStream_t s) { forked(s, base, [&](cudaStream_t b) { lora(l, b); }); });
+      run(("lora, cublas " + n).c_str(), [&](int l, cudaStream_t s) {
+        lora(l, s);
+        base(s);
       });
     }
     run("shrink head", [&](int, cudaStream_t s) {
