@@ -10,9 +10,11 @@
 // factors (rows of one adapter, a tile of 8, share the loads; the sampler
 // sorts a step's rows by slot), so a step with 8 distinct adapters costs
 // the same launches as a step with one. The shrink (x A^T) runs on a
-// parallel branch of the graph beside the base projection of the same x;
-// the expand (t B^T) is added in place to the projection's output before
-// its consumer runs. For bf16 models both run on tensor cores.
+// parallel branch of the graph beside the base projection of the same x,
+// and so does the expand (t B^T), into a delta buffer that the
+// projection's consumer (norm, RoPE, SiLU*up) adds as it reads; only
+// lm_head's expand waits for its GEMM. For bf16 models both run on tensor
+// cores.
 // Projections of at most 4 rows use a matrix-vector kernel, not cuBLAS.
 //
 // Graphs are keyed by (batch bucket, block-table width bucket, with LoRA or

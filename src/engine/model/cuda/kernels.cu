@@ -576,7 +576,7 @@ __global__ void RmsNormKernel(const T* x, const T* add, const T* add_delta, T* s
     float xv = ToF(x[base + i]);
     if (add) {
       float a = ToF(add[base + i]);
-      if (add_delta) a = Round<T>(a + ToF(add_delta[base + i]));
+      if (add_delta) a = AddDelta<T>(a, ToF(add_delta[base + i]));
       xv = Round<T>(xv + a);
       sum_out[base + i] = FromF<T>(xv);
     }
@@ -603,7 +603,7 @@ __global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, 
   const bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;
   const int64_t at = s * width + static_cast<int64_t>(h) * hd + i;
   float v = ToF(qkv[at]);
-  if (delta) v = Round<T>(v + ToF(delta[at]));
+  if (delta) v = AddDelta<T>(v, ToF(delta[at]));
   if (!is_q && !is_k) {  // a value head: straight into the cache
     v_pool[(write_rows[s] * kv_heads + (h - heads - kv_heads)) * hd + i] = FromF<T>(v);
     return;
@@ -638,8 +638,8 @@ __global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t 
   const int64_t gi = r * 2 * inter + c, ui = gi + inter;
   float g = ToF(gate_up[gi]), u = ToF(gate_up[ui]);
   if (delta) {
-    g = Round<T>(g + ToF(delta[gi]));
-    u = Round<T>(u + ToF(delta[ui]));
+    g = AddDelta<T>(g, ToF(delta[gi]));
+    u = AddDelta<T>(u, ToF(delta[ui]));
   }
   const float silu = Round<T>(g / (1.0f + expf(-g)));
   out[r * inter + c] = FromF<T>(silu * u);
