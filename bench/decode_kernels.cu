@@ -13,6 +13,8 @@
 // `cublas || lora X`: projection X's GEMM with its LoRA (shrink, expand)
 // on a forked branch, as the sampler's step runs them; `lora, cublas X`:
 // the same one after the other. Where the two are equal, nothing overlaps.
+// `(split)`: the shrink splits a long d_in over several blocks per output
+// tile (k::ShrinkScratch), as the sampler's step does by default.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -145,6 +147,9 @@ int main(int argc, char** argv) {
   float* logits = Zeros<float>(static_cast<size_t>(kMaxRows) * kVocab);
   bf16* delta = Zeros<bf16>(static_cast<size_t>(kMaxRows) * 2 * kInter);
   float* t = Zeros<float>(static_cast<size_t>(kMaxRows) * 3 * kRank);
+  const int64_t tickets = static_cast<int64_t>(kMaxRows) * ((3 * kRank + 15) / 16);
+  const k::ShrinkScratch split{Zeros<float>(static_cast<size_t>(kMaxRows) * 8 * kRank), int64_t{kMaxRows} * 8 * kRank,
+                               Zeros<int>(static_cast<size_t>(tickets)), tickets};
   float* scale = Zeros<float>(kSlots);
   std::vector<float> ones(kSlots, 1.0f);
   cudaMemcpy(scale, ones.data(), sizeof(float) * kSlots, cudaMemcpyHostToDevice);
@@ -242,6 +247,30 @@ int main(int argc, char** argv) {
     double s_err = 0;
     for (size_t i = 0; i < cells; ++i) s_err = std::max(s_err, double(std::abs(consumer[i] - in_place[i])));
     std::printf("check: SiluMul adding the delta vs LoraExpand in place + SiluMul: max |diff| %.3g\n", s_err);
+    // down's shrink (d_in 9728) split over blocks, twice (the tickets must
+    // be left 0 for the second), against the host.
+    const Group& dn = groups[0][3];
+    const std::vector<float> hxd = host(x, static_cast<size_t>(rows) * dn.d_in);
+    const std::vector<float> hAd = host(dn.A, static_cast<size_t>(kSlots) * dn.r_total * dn.d_in);
+    for (int pass = 0; pass < 2; ++pass) {
+      Check(cudaMemsetAsync(t, 0xff, sizeof(float) * rows * dn.r_total, st), "clear t");
+      const int parts = k::LoraShrink(true, x, dn.d_in, dn.A, slots, scale, t, rows, dn.d_in, dn.r_total, st, &split);
+      std::vector<float> htd(static_cast<size_t>(rows) * dn.r_total);
+      Check(cudaMemcpyAsync(htd.data(), t, htd.size() * sizeof(float), cudaMemcpyDeviceToHost, st), "copy t");
+      Check(cudaStreamSynchronize(st), "check split");
+      double d_err = 0, d_scale = 0;
+      for (int r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < dn.r_total; ++j) {
+          double ref = 0;
+          if (sl[r] >= 0)
+            for (int64_t i = 0; i < dn.d_in; ++i)
+              ref += double(hxd[r * dn.d_in + i]) * hAd[(sl[r] * dn.r_total + j) * dn.d_in + i];
+          d_err = std::max(d_err, std::abs(ref - htd[r * dn.r_total + j]));
+          d_scale = std::max(d_scale, std::abs(ref));
+        }
+      std::printf("check down, shrink split in %d parts, pass %d: max |err| %.3g (|t| <= %.3g)\n", parts, pass + 1,
+                  d_err, d_scale);
+    }
   }
 
   cudaStream_t side;
@@ -293,18 +322,26 @@ int main(int argc, char** argv) {
       // The step's critical path for this projection: the GEMM beside its
       // LoRA branch (forked and joined, as fast_decode runs them), and the
       // same one after the other on one stream.
-      auto lora = [&, g](int l, cudaStream_t s) {
+      auto lora = [&, g](int l, cudaStream_t s, const k::ShrinkScratch* sp) {
         const Group& gr = groups[l][g];
-        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s);
+        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s, sp);
         k::LoraExpand(true, args(gr, slots), nullptr, delta, false, gr.d_total, rows, s);
       };
       auto base = [&, g](cudaStream_t s) { gemm(rows, ws[g], outs[g], d_in, y, s); };
       run(("cublas || lora " + n).c_str(),
-          [&](int l, cudaStream_t s) { forked(s, base, [&](cudaStream_t b) { lora(l, b); }); });
+          [&](int l, cudaStream_t s) { forked(s, base, [&](cudaStream_t b) { lora(l, b, nullptr); }); });
       run(("lora, cublas " + n).c_str(), [&](int l, cudaStream_t s) {
-        lora(l, s);
+        lora(l, s, nullptr);
         base(s);
       });
+      if (d_in > kHidden) {
+        run(("shrink " + n + " (split)").c_str(), [&, g](int l, cudaStream_t s) {
+          const Group& gr = groups[l][g];
+          k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s, &split);
+        });
+        run(("cublas || lora " + n + " (split)").c_str(),
+            [&](int l, cudaStream_t s) { forked(s, base, [&](cudaStream_t b) { lora(l, b, &split); }); });
+      }
     }
     run("shrink head", [&](int, cudaStream_t s) {
       k::LoraShrink(true, x, kHidden, head.A, slots, scale, t, rows, kHidden, head.r_total, s);

@@ -94,6 +94,8 @@ class CudaFastDecode final : public FastDecode {
     profile_ = env && std::string(env) == "1";
     const char* gemv = std::getenv("LOOM_DECODE_GEMV");
     gemv_ = !(gemv && std::string(gemv) == "0");
+    const char* split = std::getenv("LOOM_DECODE_SPLIT");
+    split_ = !(split && std::string(split) == "0");
     // The LoRA branch at the highest priority, so that its few blocks are
     // scheduled ahead of the concurrent projection's waiting ones.
     // LOOM_DECODE_SHRINK_PRIORITY=0: the lowest. On the H200 the two
@@ -163,6 +165,9 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor host_long, host_int, dev_long, dev_int;
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor logits;
+    // The LoRA shrinks' split tickets (cuda::ShrinkScratch), zeroed here
+    // once: every launch leaves them 0.
+    at::Tensor tickets;
     // LOOM_DECODE_PROFILE: event nodes between the graph's stages, and the
     // GPU time each stage label has taken over `replays` replays.
     std::vector<std::pair<const char*, cudaEvent_t>> marks;
@@ -204,6 +209,10 @@ class CudaFastDecode final : public FastDecode {
     const auto pinned_int = at::TensorOptions().dtype(at::kInt).pinned_memory(true);
     g->host_long = at::empty({3 * rows}, pinned_long);
     g->host_int = at::empty({rows * (4 + table)}, pinned_int);
+    if (lora) {
+      const int64_t widest = 3 * bank_->max_rank();  // q, k, v's ranks
+      g->tickets = at::zeros({rows * ((widest + 15) / 16)}, at::TensorOptions().dtype(at::kInt).device(model_->device()));
+    }
     Fill(*g, DecodeStep{});
     g->dev_long = g->host_long.to(model_->device());
     g->dev_int = g->host_int.to(model_->device());
@@ -289,19 +298,20 @@ class CudaFastDecode final : public FastDecode {
 
   // Starts group g's LoRA on the branch stream, beside what the main
   // stream runs next (the base projection of the same x): the shrink of x
-  // into t, then (delta defined) the expand of t into delta, T(delta) per
-  // output cell, which the projection's consumer adds itself. Join makes
-  // the main stream wait for it. Profiling times every stage alone: the
-  // branch then runs on the main stream.
+  // into t (a long d_in split over blocks when `split` is given), then
+  // (delta defined) the expand of t into delta, T(delta) per output cell,
+  // which the projection's consumer adds itself. Join makes the main
+  // stream wait for it. Profiling times every stage alone: the branch then
+  // runs on the main stream.
   void ForkLora(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t,
-                const at::Tensor& delta, cudaStream_t st) const {
+                const at::Tensor& delta, const cuda::ShrinkScratch* split, cudaStream_t st) const {
     const cudaStream_t on = profile_ ? st : branch_;
     if (!profile_) {
       cudaEventRecord(fork_, st);
       cudaStreamWaitEvent(branch_, fork_, 0);
     }
     cuda::LoraShrink(bf16_, x.data_ptr(), x.stride(0), g.A.data_ptr(), slot, bank_->scales().data_ptr<float>(),
-                     t.data_ptr<float>(), x.size(0), g.d_in, g.r_total, on);
+                     t.data_ptr<float>(), x.size(0), g.d_in, g.r_total, on, split);
     Mark("shrink", on);
     if (delta.defined()) {
       cuda::LoraExpand(bf16_, g.Args(slot, t, bank_->max_rank()), nullptr, delta.data_ptr(), false, delta.stride(0),
@@ -349,19 +359,28 @@ class CudaFastDecode final : public FastDecode {
     at::Tensor attn = at::empty({R, H * hd}, x.options());
     at::Tensor act = at::empty({R, m.inter}, x.options());
     // The LoRA branch's buffers: t, the shrink's output, for the widest
-    // group (q, k, v: 3 ranks), and the deltas of qkv, gate_up and the
-    // hidden-wide o and down (o's is read before down's is written). Groups
-    // take turns: each is forked after the consumer of the previous one.
+    // group (q, k, v: 3 ranks); room for 8 partial sums of a one-rank
+    // shrink (down's d_in takes 5 on qwen3-4b); and the deltas of qkv,
+    // gate_up and the hidden-wide o and down (o's is read before down's is
+    // written). Groups take turns: each is forked after the consumer of
+    // the previous one.
     const int64_t rank = bank_ ? bank_->max_rank() : 0;
-    at::Tensor t, d_qkv, d_gate_up, d_hidden;
+    at::Tensor t, part, d_qkv, d_gate_up, d_hidden;
+    cuda::ShrinkScratch scratch;
     if (g.lora) {
       t = at::empty({R * 3 * rank}, x.options().dtype(at::kFloat));
+      if (split_) {
+        part = at::empty({R * 8 * rank}, x.options().dtype(at::kFloat));
+        scratch = {part.data_ptr<float>(), part.numel(), g.tickets.data_ptr<int32_t>(), g.tickets.numel()};
+      }
       d_qkv = at::empty({R, (H + 2 * KVH) * hd}, x.options());
       d_gate_up = at::empty({R, 2 * m.inter}, x.options());
       d_hidden = at::empty_like(x);
     }
     auto fork = [&](int i, int k, const at::Tensor& in, const int32_t* slot, const at::Tensor& delta) {
-      if (g.lora) ForkLora(groups_[static_cast<size_t>(i)][static_cast<size_t>(k)], in, slot, t, delta, st);
+      if (g.lora)
+        ForkLora(groups_[static_cast<size_t>(i)][static_cast<size_t>(k)], in, slot, t, delta,
+                 split_ ? &scratch : nullptr, st);
     };
     auto join = [&] {
       if (g.lora) Join(st);
@@ -414,7 +433,7 @@ class CudaFastDecode final : public FastDecode {
     // it also converts them to fp32 (y in the model dtype, as the eager
     // path rounds it, plus the delta).
     const bool head_lora = g.lora && head_group_.A.defined();
-    if (head_lora) ForkLora(head_group_, h, slot_head, t, at::Tensor(), st);
+    if (head_lora) ForkLora(head_group_, h, slot_head, t, at::Tensor(), split_ ? &scratch : nullptr, st);
     const at::Tensor y = Linear(h, m.lm_head, {}, !head_lora, st);
     at::Tensor logits = y;
     if (head_lora) {
@@ -439,6 +458,7 @@ class CudaFastDecode final : public FastDecode {
   bool has_lora_ = false;
   bool profile_ = false;
   bool gemv_ = true;  // LOOM_DECODE_GEMV=0: cuBLAS for every projection
+  bool split_ = true;  // LOOM_DECODE_SPLIT=0: a LoRA shrink's d_in on one block per output tile
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
   // The LoRA shrinks run on branch_, forked from and joined back to the
   // step's stream (parallel branches of the captured graph).

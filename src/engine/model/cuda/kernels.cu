@@ -410,20 +410,27 @@ __device__ __forceinline__ int AccM(int g, int e) { return g + (e >= 2 ? 8 : 0);
 constexpr int kMmaShrinkWarps = 16;
 constexpr int kMmaShrinkUnroll = 4;  // 32-wide k steps whose loads a lane issues together
 
-// Grid (ceil(rows / kRowTile), ceil(r_total / 16)), kMmaShrinkWarps warps
-// taking turns over d_in in 32-wide steps (each step: one 16-byte load of
-// A rows g and g + 8 and of x row g per lane, two mma). The warps' sums
-// meet in shared memory, added in a fixed order (results do not depend on
-// scheduling).
+// Grid (ceil(rows / kRowTile), ceil(r_total / 16), parts): the
+// parts * kMmaShrinkWarps warps of a (row tile, 16 outputs) take turns over
+// d_in in 32-wide steps (each step: one 16-byte load of A rows g and g + 8
+// and of x row g per lane, two mma). A block's warps' sums meet in shared
+// memory, added in a fixed order. With parts > 1, block z writes its sums
+// to part[z]; the tile's last block to finish (tickets, which it resets
+// for the next launch) adds part[0], part[1], ... in that order into t.
+// Either way the results do not depend on scheduling.
 __global__ void __launch_bounds__(32 * kMmaShrinkWarps) LoraShrinkMmaKernel(const bf16_t* x, int64_t ldx,
                                                                           const bf16_t* A, const int32_t* slot,
-                                                                          const float* scale, float* t, int64_t rows,
-                                                                          int64_t d_in, int64_t r_total) {
+                                                                          const float* scale, float* t, float* part,
+                                                                          int* tickets, int64_t rows, int64_t d_in,
+                                                                          int64_t r_total) {
   __shared__ float red[kMmaShrinkWarps][32][4];
+  __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRowTile, j0 = static_cast<int64_t>(blockIdx.y) * 16;
   const int n = static_cast<int>(min(static_cast<int64_t>(kRowTile), rows - r0));
-  const int64_t steps = d_in / 32;
+  const int64_t steps = d_in / 32, walkers = static_cast<int64_t>(gridDim.z) * kMmaShrinkWarps;
+  const bool split = gridDim.z > 1;
+  float* const out = split ? part + blockIdx.z * rows * r_total : t;
   int s[kRowTile];
   TileSlots(slot, r0, n, s);
   ForEachSlotRun(s, [&](int sl, unsigned members) {
@@ -434,11 +441,11 @@ __global__ void __launch_bounds__(32 * kMmaShrinkWarps) LoraShrinkMmaKernel(cons
       const bf16_t* a_hi = a_lo + 8 * d_in;
       const bf16_t* xr = x + (r0 + g) * ldx + tq * 8;
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      for (int64_t s0 = warp; s0 < steps; s0 += kMmaShrinkWarps * kMmaShrinkUnroll) {
+      for (int64_t s0 = blockIdx.z * kMmaShrinkWarps + warp; s0 < steps; s0 += walkers * kMmaShrinkUnroll) {
         uint4 va[kMmaShrinkUnroll], vb[kMmaShrinkUnroll], vx[kMmaShrinkUnroll];
 #pragma unroll
         for (int u = 0; u < kMmaShrinkUnroll; ++u) {
-          const int64_t st = s0 + u * kMmaShrinkWarps, k = st * 32;
+          const int64_t st = s0 + u * walkers, k = st * 32;
           const bool ok = st < steps;
           va[u] = ok && lo_ok ? *reinterpret_cast<const uint4*>(a_lo + k) : zero;
           vb[u] = ok && hi_ok ? *reinterpret_cast<const uint4*>(a_hi + k) : zero;
@@ -461,11 +468,32 @@ __global__ void __launch_bounds__(32 * kMmaShrinkWarps) LoraShrinkMmaKernel(cons
         for (int w = 0; w < kMmaShrinkWarps; ++w) sum += red[w][lane][e];
         const int q = AccRow(tq, e);
         const int64_t j = j0 + AccM(g, e);
-        if (Member(members, q) && j < r_total) t[(r0 + q) * r_total + j] = sl >= 0 ? sum * scale[sl] : 0.0f;
+        if (Member(members, q) && j < r_total)
+          out[(r0 + q) * r_total + j] = sl < 0 ? 0.0f : split ? sum : sum * scale[sl];
       }
     }
     __syncthreads();
   });
+  if (!split) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* ticket = tickets + blockIdx.y * gridDim.x + blockIdx.x;
+    last = atomicAdd(ticket, 1) == static_cast<int>(gridDim.z) - 1;
+    if (last) *ticket = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < n * 16; i += blockDim.x) {
+    const int q = i / 16;
+    const int64_t j = j0 + i % 16, at = (r0 + q) * r_total + j;
+    if (j >= r_total) continue;
+    float sum = 0.0f;
+    for (unsigned z = 0; z < gridDim.z; ++z) sum += __ldcg(part + z * rows * r_total + at);
+    const int sl = slot[r0 + q];
+    t[at] = sl >= 0 ? sum * scale[sl] : 0.0f;
+  }
 }
 
 constexpr int kMmaExpandWarps = 4;
@@ -898,34 +926,44 @@ bool MmaExpandFits(const LoraArgs& lora) {
 }  // namespace
 
 template <typename T>
-void LaunchShrink(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
-                  int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
+int LaunchShrink(const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale, float* t,
+                 int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream, const ShrinkScratch* split) {
   constexpr int V = 16 / sizeof(T);
   const T* xt = static_cast<const T*>(x);
   const T* at = static_cast<const T*>(A);
   const bool vec = d_in % V == 0 && ldx % V == 0 && Aligned16(x) && Aligned16(A);
   if constexpr (std::is_same_v<T, bf16_t>) {
     if (vec && d_in % 32 == 0) {
-      const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, 16));
-      LoraShrinkMmaKernel<<<grid, 32 * kMmaShrinkWarps, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in,
-                                                                     r_total);
-      return;
+      // As many parts as d_in has rounds of kMmaShrinkUnroll steps per
+      // warp, to the nearest (on the H200 splitting q/k/v's 1.25 rounds did
+      // not help, o's 2 and down's 4.75 did), as far as the scratch holds.
+      const int64_t tiles = Blocks(rows, kRowTile) * Blocks(r_total, 16);
+      const int64_t round = kMmaShrinkWarps * kMmaShrinkUnroll, nearest = (d_in / 32 + round / 2) / round;
+      int64_t parts = 1;
+      if (split && split->part && split->tickets && tiles <= split->tickets_size)
+        parts = std::clamp<int64_t>(nearest, 1, split->part_floats / (rows * r_total));
+      const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, 16), static_cast<unsigned>(parts));
+      LoraShrinkMmaKernel<<<grid, 32 * kMmaShrinkWarps, 0, stream>>>(
+          xt, ldx, at, slot, scale, t, parts > 1 ? split->part : nullptr, parts > 1 ? split->tickets : nullptr, rows,
+          d_in, r_total);
+      return static_cast<int>(parts);
     }
   }
-  const int split = ShrinkSplit(d_in);
-  const int per_block = kShrinkJ * kShrinkWarps / split;
+  const int per_split = ShrinkSplit(d_in);
+  const int per_block = kShrinkJ * kShrinkWarps / per_split;
   const dim3 grid(Blocks(rows, kRowTile), Blocks(r_total, per_block)), block(32 * kShrinkWarps);
   if (vec) {
-    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, split);
+    LoraShrinkKernel<T, V><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, per_split);
   } else {
-    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, split);
+    LoraShrinkKernel<T, 1><<<grid, block, 0, stream>>>(xt, ldx, at, slot, scale, t, rows, d_in, r_total, per_split);
   }
+  return 1;
 }
 
-void LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
-                float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream) {
-  if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchShrink, x, ldx, A, slot, scale, t, rows, d_in, r_total, stream);
+int LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
+               float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream, const ShrinkScratch* split) {
+  if (rows <= 0) return 1;
+  return LOOM_DISPATCH(bf16, LaunchShrink, x, ldx, A, slot, scale, t, rows, d_in, r_total, stream, split);
 }
 
 template <typename T>
