@@ -14,7 +14,8 @@
 // and so does the expand (t B^T), into a delta buffer that the
 // projection's consumer (norm, RoPE, SiLU*up) adds as it reads; only
 // lm_head's expand waits for its GEMM. For bf16 models both run on tensor
-// cores.
+// cores, and a shrink with a long input (down's, o's) is split over several
+// blocks per output tile, the last to finish adding the partial sums.
 // Projections of at most 4 rows use a matrix-vector kernel, not cuBLAS.
 //
 // Graphs are keyed by (batch bucket, block-table width bucket, with LoRA or
@@ -24,7 +25,8 @@
 // Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
 // fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off,
 // LOOM_DECODE_GEMV=0 keeps cuBLAS for every projection,
-// LOOM_DECODE_SHRINK_PRIORITY=0 runs the LoRA branch at the lowest priority, and
+// LOOM_DECODE_SHRINK_PRIORITY=0 runs the LoRA branch at the lowest priority,
+// LOOM_DECODE_SPLIT=0 keeps each shrink's input on one block per tile, and
 // LOOM_DECODE_PROFILE=1 logs each stage's GPU time (stages serialized).
 // Elsewhere MakeFastDecode returns nullptr and the sampler stays eager.
 //
