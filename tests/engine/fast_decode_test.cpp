@@ -90,6 +90,25 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
   return worst;
 }
 
+// A generated model of (arch, preset, seed), written into dir.
+bool Generate(const std::string& dir, const char* arch, const char* preset, uint64_t seed) {
+  MakeModelOptions o;
+  o.arch = arch;
+  o.preset = preset;
+  o.seed = seed;
+  const Status s = MakeModel(o, dir);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return s.ok();
+}
+
+// The model in dir on the GPU in dtype; null (a failure reported) when it does not load.
+std::shared_ptr<const Transformer> LoadOnGpu(const std::string& dir, at::ScalarType dtype) {
+  auto loaded = Transformer::Load(dir, at::kCUDA, dtype);
+  EXPECT_TRUE(loaded.ok()) << loaded.status().message();
+  if (!loaded.ok()) return nullptr;
+  return std::shared_ptr<const Transformer>(std::move(loaded.value()));
+}
+
 void Randomize(SlotBank& bank, int slot, const LoraConfig& c) {
   ASSERT_TRUE(bank.Bind(slot, c).ok());
   at::manual_seed(static_cast<uint64_t>(100 + slot));
@@ -103,16 +122,11 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode");
   for (const char* arch : {"qwen3", "qwen2"}) {
-    MakeModelOptions o;
-    o.arch = arch;
-    o.preset = "small";  // head_dim 32, 4 layers, vocab 8192
-    o.seed = 3;
     const std::string model_dir = dir.path() + "/" + arch;
-    ASSERT_TRUE(MakeModel(o, model_dir).ok());
+    ASSERT_TRUE(Generate(model_dir, arch, "small", 3));  // head_dim 32, 4 layers, vocab 8192
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-      auto loaded = Transformer::Load(model_dir, at::kCUDA, dtype);
-      ASSERT_TRUE(loaded.ok()) << loaded.status().message();
-      std::shared_ptr<const Transformer> model(std::move(loaded.value()));
+      std::shared_ptr<const Transformer> model = LoadOnGpu(model_dir, dtype);
+      ASSERT_TRUE(model);
       // Max rank 16 runs the bf16 expand on tensor cores; 8 reads LoRA
       // factors with 16-byte loads on CUDA cores; 6 takes the scalar path.
       for (int64_t max_rank : {16, 8, 6}) {
@@ -159,14 +173,9 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
 TEST(FastDecode, SplitShrinkEqualsEager) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode-split");
-  MakeModelOptions o;
-  o.arch = "qwen2";
-  o.preset = "qwen2.5-0.5b";
-  o.seed = 5;
-  ASSERT_TRUE(MakeModel(o, dir.path()).ok());
-  auto loaded = Transformer::Load(dir.path(), at::kCUDA, at::kBFloat16);
-  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
-  std::shared_ptr<const Transformer> model(std::move(loaded.value()));
+  ASSERT_TRUE(Generate(dir.path(), "qwen2", "qwen2.5-0.5b", 5));
+  std::shared_ptr<const Transformer> model = LoadOnGpu(dir.path(), at::kBFloat16);
+  ASSERT_TRUE(model);
   SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
   for (int slot = 0; slot < 3; ++slot) {
     LoraConfig c;
@@ -200,16 +209,11 @@ TEST(FastDecode, SplitShrinkEqualsEager) {
 TEST(FastDecode, SampledLogprobsNearTrainerOnGpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode-lp");
-  MakeModelOptions o;
-  o.arch = "qwen3";
-  o.preset = "small";
-  o.seed = 4;
   const std::string model_dir = dir.path() + "/model", adapter = dir.path() + "/adapter";
-  ASSERT_TRUE(MakeModel(o, model_dir).ok());
+  ASSERT_TRUE(Generate(model_dir, "qwen3", "small", 4));
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    auto loaded = Transformer::Load(model_dir, at::kCUDA, dtype);
-    ASSERT_TRUE(loaded.ok()) << loaded.status().message();
-    std::shared_ptr<const Transformer> model(std::move(loaded.value()));
+    std::shared_ptr<const Transformer> model = LoadOnGpu(model_dir, dtype);
+    ASSERT_TRUE(model);
     if (dtype == at::kFloat) {  // one adapter snapshot, B of a trained adapter's size
       SlotBank bank(1, 8, at::kCUDA, model->LoraTargets());
       LoraConfig c;
