@@ -211,7 +211,8 @@ class CudaFastDecode final : public FastDecode {
     g->host_int = at::empty({rows * (4 + table)}, pinned_int);
     if (lora) {
       const int64_t widest = 3 * bank_->max_rank();  // q, k, v's ranks
-      g->tickets = at::zeros({rows * ((widest + 15) / 16)}, at::TensorOptions().dtype(at::kInt).device(model_->device()));
+      const auto ints = at::TensorOptions().dtype(at::kInt).device(model_->device());
+      g->tickets = at::zeros({rows * ((widest + 15) / 16)}, ints);
     }
     Fill(*g, DecodeStep{});
     g->dev_long = g->host_long.to(model_->device());

@@ -78,7 +78,6 @@ constexpr int64_t kGemvMaxRows = 4;
 bool Gemv(bool bf16, const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t rows,
           int64_t n, int64_t k, cudaStream_t stream);
 
-// LoRA "shrink" for rows with their own adapter slot (BGMV):
 // Scratch that lets LoraShrink split a long d_in over several blocks per
 // output tile: part_floats floats for their partial sums, and tickets_size
 // ints, all 0 when first handed over (each launch leaves them 0 again).
@@ -89,12 +88,14 @@ struct ShrinkScratch {
   int64_t tickets_size = 0;
 };
 
+// LoRA "shrink" for rows with their own adapter slot (BGMV):
 // t[s, j] = scale[slot[s]] * dot(x[s, :d_in], A[slot[s], j, :]) in fp32,
 // j < r_total; rows with slot[s] < 0 get 0. x [rows, d_in] (row stride
 // ldx), A [slots, r_total, d_in], both T; t [rows, r_total]. bf16 with
 // d_in a multiple of 32 runs on tensor cores (bf16 products, fp32 sums);
-// there, given `split`, a long d_in is split over as many blocks per
-// output tile as its scratch holds partial sums for. Returns that number
+// there, given `split`, d_in is split over one block per output tile for
+// every 64 of its 32-wide steps (to the nearest; at most as many as the
+// scratch holds partial sums for). Returns the number of blocks per tile
 // (1: no split).
 int LoraShrink(bool bf16, const void* x, int64_t ldx, const void* A, const int32_t* slot, const float* scale,
                float* t, int64_t rows, int64_t d_in, int64_t r_total, cudaStream_t stream,
