@@ -312,10 +312,12 @@ int main(int argc, char** argv) {
         run(("gemv " + n).c_str(), [&, g](int, cudaStream_t s) {
           k::Gemv(true, x, d_in, ws[g], nullptr, y, false, rows, outs[g], d_in, s);
         });
-      run(("shrink " + n).c_str(), [&, g](int l, cudaStream_t s) {
+      // Layer l's shrink of this projection (sp: split over blocks).
+      auto shrink = [&, g](int l, cudaStream_t s, const k::ShrinkScratch* sp) {
         const Group& gr = groups[l][g];
-        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s);
-      });
+        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s, sp);
+      };
+      run(("shrink " + n).c_str(), [&](int l, cudaStream_t s) { shrink(l, s, nullptr); });
       run(("expand " + n + " (delta)").c_str(), [&, g](int l, cudaStream_t s) {
         k::LoraExpand(true, args(groups[l][g], slots), nullptr, delta, false, groups[l][g].d_total, rows, s);
       });
@@ -323,9 +325,8 @@ int main(int argc, char** argv) {
       // LoRA branch (forked and joined, as fast_decode runs them), and the
       // same one after the other on one stream.
       auto lora = [&, g](int l, cudaStream_t s, const k::ShrinkScratch* sp) {
-        const Group& gr = groups[l][g];
-        k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s, sp);
-        k::LoraExpand(true, args(gr, slots), nullptr, delta, false, gr.d_total, rows, s);
+        shrink(l, s, sp);
+        k::LoraExpand(true, args(groups[l][g], slots), nullptr, delta, false, groups[l][g].d_total, rows, s);
       };
       auto base = [&, g](cudaStream_t s) { gemm(rows, ws[g], outs[g], d_in, y, s); };
       run(("cublas || lora " + n).c_str(),
@@ -335,10 +336,7 @@ int main(int argc, char** argv) {
         base(s);
       });
       if (d_in > kHidden) {
-        run(("shrink " + n + " (split)").c_str(), [&, g](int l, cudaStream_t s) {
-          const Group& gr = groups[l][g];
-          k::LoraShrink(true, x, gr.d_in, gr.A, slots, scale, t, rows, gr.d_in, gr.r_total, s, &split);
-        });
+        run(("shrink " + n + " (split)").c_str(), [&](int l, cudaStream_t s) { shrink(l, s, &split); });
         run(("cublas || lora " + n + " (split)").c_str(),
             [&](int l, cudaStream_t s) { forked(s, base, [&](cudaStream_t b) { lora(l, b, &split); }); });
       }

@@ -186,9 +186,9 @@ void WithRank(const LoraArgs& a, F&& f) {
 }
 
 // delta[q] = the unrounded LoRA delta of output column c (segment seg) for
-// each tile row q < n with an adapter (others: delta 0). One thread, one column: for each slot run the
-// column's B row is loaded once (R > 0: into registers, 16 bytes at a
-// time) and dotted with every member row's t.
+// each tile row q < n with an adapter (others: delta 0). One thread, one
+// column: for each slot run the column's B row is loaded once (R > 0: into
+// registers, 16 bytes at a time) and dotted with every member row's t.
 template <typename T, int R>
 __device__ __forceinline__ void ColumnDelta(const Lora<T>& a, const int (&s)[kRowTile], int64_t r0, int64_t c, int seg,
                                             float (&delta)[kRowTile]) {
