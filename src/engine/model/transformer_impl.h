@@ -137,13 +137,16 @@ at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& position
     const auto& l = m.layers[i];
     // Attention block.
     at::Tensor h = RmsNorm(x, l.input_norm, eps);
-    const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+    // The LoRA deltas are added to the fused projection before it is split,
+    // never to the split views: q/k/v (and gate/up below) are then views of
+    // one [T, n] tensor on both paths. Adding to a view makes a contiguous
+    // copy, and ATen's elementwise and reduction kernels round differently on
+    // strided and contiguous inputs (vector body vs scalar tail, which also
+    // depends on the CPU's vector width), so a zero delta would not give the
+    // base's bits.
+    at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+    if (attn_lora) qkv = qkv + at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1);
     at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
-    if (attn_lora) {
-      q = q + lora(i, 0, h);
-      k = k + lora(i, 1, h);
-      v = v + lora(i, 2, h);
-    }
     q = q.reshape({T, m.heads, hd});
     k = k.reshape({T, m.kv_heads, hd});
     v = v.reshape({T, m.kv_heads, hd});
@@ -160,12 +163,9 @@ at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& position
 
     // MLP block (SwiGLU).
     h = RmsNorm(x, l.post_norm, eps);
-    const at::Tensor gate_up = at::linear(h, l.gate_up_w);
-    at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
-    if (mlp_lora) {
-      gate = gate + lora(i, 4, h);
-      up = up + lora(i, 5, h);
-    }
+    at::Tensor gate_up = at::linear(h, l.gate_up_w);
+    if (mlp_lora) gate_up = gate_up + at::cat({lora(i, 4, h), lora(i, 5, h)}, 1);
+    const at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
     const at::Tensor act = at::silu(gate) * up;
     at::Tensor down = at::linear(act, l.down_w);
     if (mlp_lora) down = down + lora(i, 6, act);
