@@ -150,7 +150,20 @@ class Engine {
   virtual std::vector<Result<ForwardBackwardOutput>> ForwardBackward(
       const std::vector<ForwardBackwardCall>& calls) = 0;
 
-  // Steps every listed slot (AdamW, FP32 moments) in one engine call.
+  // A ForwardBackward call takes effect whole or not at all: a pass that
+  // fails half-way (an exception in its backward) leaves every slot's
+  // gradient as it was before the pass. For a request split over several
+  // passes the caller brackets its pieces: MarkGrad(slot) before the first,
+  // RollbackGrad(slot) when any piece fails (the gradient returns to the
+  // mark), ForgetGradMark(slot) after the last. One mark per slot; a new
+  // MarkGrad replaces it; ReleaseSlot forgets it.
+  virtual void MarkGrad(int slot) = 0;
+  virtual void RollbackGrad(int slot) = 0;
+  virtual void ForgetGradMark(int slot) = 0;
+
+  // Steps every listed slot (AdamW, FP32 moments) in one engine call. A step
+  // that would make a slot's weights or moments non-finite fails that call
+  // only and leaves the slot as it was.
   virtual std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) = 0;
 
   // Training state: adapter weights at the slot's own rank, optimizer moments

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <exception>
+#include <map>
 #include <thread>
 
 #include "engine/api.h"
@@ -25,6 +26,7 @@
 #include "engine/train/adamw.h"
 #include "engine/train/atomic_dir.h"
 #include "engine/train/forward_backward.h"
+#include "engine/train/grad_marks.h"
 #include "engine/train/loss_spec.h"
 #include "engine/train/state.h"
 
@@ -77,19 +79,41 @@ class TrainingEngine final : public Engine {
     if (slot < 0 || slot >= info_.max_slots) return;
     bank_.Release(slot);
     optimizer_.Reset(slot);
+    marks_.erase(slot);
   }
 
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
     UseThisThread();
     std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
+    // Where each training slot's gradient stood, to undo a half-done backward.
+    std::vector<train::GradMark> before;
     try {
+      for (const ForwardBackwardCall& c : calls) {
+        if (c.forward_only || !Bound(c.slot)) continue;
+        bool seen = false;
+        for (const train::GradMark& m : before) seen = seen || m.slot == c.slot;
+        if (!seen) before.push_back(train::TakeGradMark(bank_, c.slot));
+      }
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window);
     } catch (const std::exception& e) {
+      for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
       for (auto& r : results)
         if (r.ok() || r.status().code() == Code::kInternal) r = FromException("forward_backward", e);
     }
     return results;
   }
+
+  void MarkGrad(int slot) override {
+    if (!Bound(slot)) return;
+    marks_.insert_or_assign(slot, train::TakeGradMark(bank_, slot));
+  }
+  void RollbackGrad(int slot) override {
+    auto it = marks_.find(slot);
+    if (it == marks_.end()) return;
+    if (Bound(slot)) train::RestoreGradMark(bank_, it->second);
+    marks_.erase(it);
+  }
+  void ForgetGradMark(int slot) override { marks_.erase(slot); }
 
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
     UseThisThread();
@@ -131,6 +155,8 @@ class TrainingEngine final : public Engine {
  private:
   // OpenMP's thread count is a per-thread setting: a new engine thread would
   // otherwise run with the runtime's default rather than options.threads.
+  bool Bound(int slot) const { return slot >= 0 && slot < info_.max_slots && bank_.slot(slot).bound; }
+
   void UseThisThread() {
     const std::thread::id me = std::this_thread::get_id();
     if (me == configured_thread_) return;
@@ -144,6 +170,7 @@ class TrainingEngine final : public Engine {
   ModelInfo info_;
   SlotBank bank_;
   train::SlotOptimizer optimizer_;
+  std::map<int, train::GradMark> marks_;  // MarkGrad's, by slot
 };
 
 }  // namespace

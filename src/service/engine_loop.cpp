@@ -340,6 +340,10 @@ void Service::RunForwardBackwardPass(PassWork& work) {
   for (PieceWork& pw : work.pieces) {
     engine::ForwardBackwardCall call = std::move(pw.op.forward_backward);
     call.slot = pw.slot;
+    // A request split over passes takes effect whole or not at all: its
+    // slot's gradient is marked before its first piece (FinishPiece rolls
+    // back to the mark if a piece fails).
+    if (!pw.piece.last && pw.piece.first && !call.forward_only) engine_->MarkGrad(pw.slot);
     calls.push_back(std::move(call));
   }
   auto results = engine_->ForwardBackward(calls);
@@ -365,8 +369,10 @@ void Service::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput> r
   if (!result.ok()) {
     Status st = result.status();
     if (split) {
+      engine_->RollbackGrad(pw.slot);
       st = Status(st.code(), fmt::format("{} (datums [{}, {}) of a request split over passes by --token-budget; "
-                                         "gradients of its earlier datums stay accumulated)",
+                                         "the gradients of its earlier datums were rolled back, so the request "
+                                         "had no effect)",
                                          st.message(), pw.piece.datum_begin, pw.piece.datum_end));
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -388,6 +394,7 @@ void Service::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput> r
     }
     return;
   }
+  if (split) engine_->ForgetGradMark(pw.slot);
   engine::ForwardBackwardOutput out = std::move(*result);
   if (pw.partial) {
     JoinOutput(*pw.partial, std::move(out));

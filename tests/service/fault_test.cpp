@@ -5,6 +5,8 @@
 // gradient from the failed call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "sched_fixture.h"
 
 namespace loom::testing {
@@ -98,8 +100,27 @@ TEST_F(FaultTest, FailedPieceOfASplitRequestStopsItsLaterPieces) {
     if (e.rfind("fb:0:", 0) == 0) ++a_calls;
   }
   EXPECT_EQ(a_calls, 2u);
+  // The request had no effect: its first piece's gradient was rolled back;
+  // b's split request kept all of its own.
+  EXPECT_EQ(engine_->accumulated(0), 0u);
+  EXPECT_EQ(engine_->accumulated(1), 6u);
+  std::vector<std::string> marks = engine_->grad_log();
+  std::sort(marks.begin(), marks.end());
+  EXPECT_EQ(marks, (std::vector<std::string>{"forget:1", "mark:0", "mark:1", "rollback:0"}));
   // a's model still works afterwards.
   EXPECT_EQ(Wait("a", Submit("a", Fb(a, 2, 5, {2}))).state, FutureState::kDone);
+}
+
+TEST_F(FaultTest, FailedPieceRollsBackToTheGradientAccumulatedBeforeTheRequest) {
+  Open(/*token_budget=*/6);
+  const std::string a = NewModel("a");
+  ASSERT_EQ(Wait("a", Submit("a", Fb(a, 1, 5, {2, 2}))).state, FutureState::kDone);  // 4 tokens, one pass
+  auto req = Fb(a, 2, 5, {4, 4, 4});  // split: one datum a piece
+  req.call.data[2].tokens[0] = 98;    // the last piece fails
+  EXPECT_EQ(Wait("a", Submit("a", std::move(req))).state, FutureState::kFailed);
+  EXPECT_EQ(engine_->accumulated(0), 2u);  // the first request's datums, not the failed one's
+  ASSERT_EQ(Wait("a", Optim("a", a, 3)).state, FutureState::kDone);
+  EXPECT_EQ(engine_->stepped(0), (std::vector<size_t>{2}));
 }
 
 TEST_F(FaultTest, UnloadBetweenPiecesFailsTheRestAndSparesOthers) {

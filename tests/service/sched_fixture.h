@@ -57,6 +57,27 @@ class FaultEngine : public FakeEngine {
     return FakeEngine::OptimStep(calls);
   }
 
+  // Gradient marks over the datum counts, as the real engine keeps them
+  // over the gradient rows.
+  void MarkGrad(int slot) override {
+    FakeEngine::MarkGrad(slot);
+    std::lock_guard<std::mutex> lock(mu2_);
+    marks_[slot] = accumulated_[slot];
+  }
+  void RollbackGrad(int slot) override {
+    FakeEngine::RollbackGrad(slot);
+    std::lock_guard<std::mutex> lock(mu2_);
+    auto it = marks_.find(slot);
+    if (it == marks_.end()) return;
+    accumulated_[slot] = it->second;
+    marks_.erase(it);
+  }
+  void ForgetGradMark(int slot) override {
+    FakeEngine::ForgetGradMark(slot);
+    std::lock_guard<std::mutex> lock(mu2_);
+    marks_.erase(slot);
+  }
+
   // Datums of gradient accumulated in a slot since its last optim_step.
   size_t accumulated(int slot) const {
     std::lock_guard<std::mutex> lock(mu2_);
@@ -78,6 +99,7 @@ class FaultEngine : public FakeEngine {
  private:
   mutable std::mutex mu2_;
   std::map<int, size_t> accumulated_;
+  std::map<int, size_t> marks_;
   std::map<int, std::vector<size_t>> stepped_;
   std::vector<std::vector<size_t>> pass_datums_;
 };

@@ -129,6 +129,7 @@ Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {
     return bad("r", std::to_string(rank) + " must be in [1, " + std::to_string(bank.max_rank()) + "]");
   if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) return bad("lora_alpha", "must be a number");
   const double alpha = j["lora_alpha"].get<double>();
+  if (!(alpha > 0 && alpha <= 1e6)) return bad("lora_alpha", "must be in (0, 1e6]");
   if (j.value("use_rslora", false)) return bad("use_rslora", "is not supported");
   if (j.value("use_dora", false)) return bad("use_dora", "is not supported");
   if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
@@ -181,6 +182,10 @@ Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {
                              ", expected " + ShapeText(want));
     Result<at::Tensor> tensor = LoadTensor(*view, at::kFloat, t.A.device());
     if (!tensor.ok()) return tensor.status();
+    // A non-finite factor would poison every row it is multiplied with (the
+    // slot invariant: a slot's weights are always finite).
+    if (!at::isfinite(*tensor).all().item<bool>())
+      return Status::Invalid(weights_path + ": tensor '" + name + "' holds non-finite values");
     loaded.push_back({where, std::move(*tensor)});
   }
 

@@ -11,6 +11,14 @@
 namespace loom::engine {
 namespace {
 
+// t with its non-finite entries replaced by exact zeros (RoutedDelta).
+at::Tensor FiniteOrZero(const at::Tensor& t) { return at::where(at::isfinite(t), t, at::zeros({}, t.options())); }
+
+// t [rows, n] with every row that holds a non-finite value replaced by zeros.
+at::Tensor FiniteRowsOrZero(const at::Tensor& t) {
+  return at::where(at::isfinite(t).all(1, /*keepdim=*/true), t, at::zeros({}, t.options()));
+}
+
 // Uniform in [-bound, bound) from the top 53 bits of splitmix64. Its output
 // is fixed by its definition, so an adapter's initial weights are the same on
 // every libtorch version and device.
@@ -115,6 +123,7 @@ void SlotBank::Release(int s) {
 
 void SlotBank::ZeroGrad(int s) {
   if (s < 0 || s >= num_slots_) return;
+  slots_[s].grad_dirty = false;
   c10::NoGradGuard no_grad;
   for (auto& t : targets_) {
     if (t.A.grad().defined()) t.A.grad().select(0, s).zero_();
@@ -188,7 +197,8 @@ LoraRouting SlotBank::Route(TargetGroup g, const std::vector<int64_t>& seg_begin
   std::vector<int64_t> owner_host(static_cast<size_t>(U * max_rank_));
   for (size_t c = 0; c < owner_host.size(); ++c) owner_host[c] = static_cast<int64_t>(c) / max_rank_;
   const at::Tensor owner = at::tensor(owner_host, at::kLong).to(device_);
-  r.mask = owner.unsqueeze(0).eq(col).to(at::kFloat) * scale;  // [T, U*R]
+  r.select = owner.unsqueeze(0).eq(col);  // [T, U*R]
+  r.scale = scale;                        // [T, 1]
   return r;
 }
 
@@ -242,9 +252,15 @@ at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const
   const int64_t U = routing.num_slots();
   if (U == 0) return at::zeros({x.size(0), t.d_out}, xf.options());
   const int64_t ur = U * max_rank_;
-  const at::Tensor a = t.A.index_select(0, routing.slots).reshape({ur, t.d_in});                     // [U*R, d_in]
-  const at::Tensor b = t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur});  // [d_out, U*R]
-  return at::linear(at::linear(xf, a) * routing.mask, b);
+  const at::Tensor a = FiniteOrZero(t.A.index_select(0, routing.slots).reshape({ur, t.d_in}));  // [U*R, d_in]
+  const at::Tensor b =
+      FiniteOrZero(t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur}));  // [d_out, U*R]
+  const at::Tensor zero = at::zeros({}, xf.options());
+  const at::Tensor xs = at::where(at::isfinite(xf).all(1, /*keepdim=*/true), xf, zero);
+  const at::Tensor h = at::where(routing.select, at::linear(xs, a) * routing.scale, zero);  // [T, U*R]
+  at::Tensor y = at::linear(h, b);
+  if (y.requires_grad()) y.register_hook([](const at::Tensor& g) { return FiniteRowsOrZero(g); });
+  return y;
 }
 
 LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,

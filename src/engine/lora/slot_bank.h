@@ -32,11 +32,13 @@ struct LoraTarget {
 
 // How a packed batch's tokens reach the slots of one target group, built
 // once per batch and shared by every target of the group (RoutedDelta).
-// slots: the U distinct slots that train the group; mask [T, U*R] fp32 holds
-// the token's slot scale (alpha/r) over that slot's R columns and 0 elsewhere.
+// slots: the U distinct slots that train the group; select [T, U*R] is true
+// over the token's own slot's R columns; scale [T, 1] is that slot's alpha/r
+// (0 for a token with no training slot).
 struct LoraRouting {
-  at::Tensor slots;  // [U] int64 on the device (undefined when U == 0)
-  at::Tensor mask;   // [T, U*R] fp32
+  at::Tensor slots;   // [U] int64 on the device (undefined when U == 0)
+  at::Tensor select;  // [T, U*R] bool
+  at::Tensor scale;   // [T, 1] fp32
   int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
 };
 
@@ -82,6 +84,9 @@ struct SlotState {
   bool bound = false;
   LoraConfig config;
   int64_t step = 0;     // optimizer steps taken
+  // Whether the slot's gradient rows may be non-zero: set by a backward over
+  // its tokens, cleared when they are zeroed (step, ZeroGrad, Release).
+  bool grad_dirty = false;
 };
 
 class SlotBank {
@@ -147,10 +152,21 @@ class SlotBank {
   //                  so only few, low-rank slots pay), else kSegment.
   static LoraForm SelectForm(bool cuda, const LoraBatchShape& shape, int64_t max_rank);
   // Same value as Delta (to fp32 rounding), with a fixed number of kernels
-  // whatever the number of sequences: (((x A_U^T) * mask) B_U^T) with A_U,
+  // whatever the number of sequences: select(x A_U^T * scale) B_U^T with A_U,
   // B_U the routed slots' factors side by side. Rows >= a slot's rank are
   // zero in A and B, so the full R columns add exact zeros, and gradients
   // reach only the routed slots' rows (and stay zero beyond their rank).
+  //
+  // Isolation: every token meets every routed slot's A and B in the two
+  // matmuls, so nothing non-finite may enter them, or 0 * inf = NaN would
+  // carry one slot's (or one sequence's) values into other tokens' rows.
+  // Hence: other slots' columns are selected away (where, not a multiply by
+  // a 0/1 mask); non-finite entries of A_U / B_U enter as 0; a token row of x
+  // that is not finite enters as 0 (its own output is non-finite already);
+  // and in the backward an incoming gradient row that is not finite is
+  // zeroed before it meets the other slots' columns. A token's delta and the
+  // gradients of the other slots are then those of a batch whose poisoned
+  // rows and slots held any finite values, bit for bit.
   at::Tensor RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const;
 
   // The grouped routing of a packed batch for group g (see LoraGroups).

@@ -134,7 +134,7 @@ at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
   }
   int64_t L = 0;
   for (const Sequence* s : seqs) L = std::max(L, s->cached + 1);
-  std::vector<int64_t> tokens(S), positions(S), rows(S), seq_begin(S + 1), ctx(static_cast<size_t>(S * L), 0);
+  std::vector<int64_t> tokens(S), positions(S), rows(S), seq_begin(S + 1), ctx(static_cast<size_t>(S * L));
   std::vector<uint8_t> mask(static_cast<size_t>(S * L), 0);
   std::vector<int> slots(S);
   for (int64_t i = 0; i < S; ++i) {
@@ -144,9 +144,12 @@ at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
     rows[i] = Row(s, s.cached);
     seq_begin[i + 1] = i + 1;
     slots[i] = s.request->slot;
-    for (int64_t p = 0; p <= s.cached; ++p) {
-      ctx[i * L + p] = Row(s, p);
-      mask[i * L + p] = 1;
+    // Context positions past the sequence's own length are masked, but still
+    // read: they point at its own first row, never at a row of another
+    // sequence (0 * inf would carry a poisoned neighbour's values in).
+    for (int64_t p = 0; p < L; ++p) {
+      ctx[i * L + p] = Row(s, p <= s.cached ? p : 0);
+      mask[i * L + p] = p <= s.cached ? 1 : 0;
     }
   }
   CachedBatch b;

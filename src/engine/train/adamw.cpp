@@ -22,6 +22,34 @@ at::Tensor Spread(const at::Tensor& col, int64_t dims) {
   return col.view(shape);
 }
 
+
+// The slots of one round that step targets of group g: those live[k] for
+// which take(k) holds and whose slot trains g, with their factors' inputs.
+struct GroupSteps {
+  std::vector<size_t> ks;  // indices into live
+  std::vector<int64_t> slots, steps;
+  std::vector<AdamParams> params;
+  std::vector<double> scales;
+  bool empty() const { return slots.empty(); }
+  AdamWRows Rows(at::Device device) const { return AdamWRows::Make(slots, params, steps, scales, device); }
+};
+
+template <typename Take>
+GroupSteps StepsOf(const SlotBank& bank, const std::vector<OptimStepCall>& calls, const std::vector<size_t>& live,
+                   const std::vector<double>& scale, TargetGroup g, Take&& take) {
+  GroupSteps r;
+  for (size_t k = 0; k < live.size(); ++k) {
+    const int s = calls[live[k]].slot;
+    if (!take(k) || !bank.trains(s, g)) continue;
+    r.ks.push_back(k);
+    r.slots.push_back(s);
+    r.params.push_back(calls[live[k]].params);
+    r.steps.push_back(bank.slot(s).step + 1);
+    r.scales.push_back(scale[k]);
+  }
+  return r;
+}
+
 }  // namespace
 
 AdamWRows AdamWRows::Make(const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
@@ -55,25 +83,49 @@ AdamWRows AdamWRows::Make(const std::vector<int64_t>& slots, const std::vector<A
   return r;
 }
 
+namespace {
+
+// The updated rows.index rows of param and its moments, computed out of place.
+struct UpdatedRows {
+  at::Tensor p, m, v;
+};
+
+UpdatedRows ComputeRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const AdamWRows& rows) {
+  const int64_t dims = param.dim();
+  auto s = [&](const at::Tensor& col) { return Spread(col, dims); };
+  UpdatedRows u;
+  u.p = param.detach().index_select(0, rows.index);
+  u.m = exp_avg.index_select(0, rows.index);
+  u.v = exp_avg_sq.index_select(0, rows.index);
+  at::Tensor g = grad.defined() ? grad.index_select(0, rows.index).to(at::kFloat) * s(rows.grad_scale)
+                                : at::zeros_like(u.p);
+  u.p.mul_(s(rows.decay));
+  u.m.mul_(s(rows.beta1)).add_(g * s(rows.one_minus_beta1));
+  u.v.mul_(s(rows.beta2)).add_(g * g * s(rows.one_minus_beta2));
+  at::Tensor denom = (u.v.sqrt() * s(rows.inv_sqrt_bc2)).add_(s(rows.eps));
+  u.p.sub_(u.m / denom * s(rows.step_size));
+  return u;
+}
+
+}  // namespace
+
 void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const AdamWRows& rows) {
   if (rows.size() == 0) return;
   c10::NoGradGuard no_grad;
-  const int64_t dims = param.dim();
-  auto s = [&](const at::Tensor& col) { return Spread(col, dims); };
-  at::Tensor p = param.detach().index_select(0, rows.index);
-  at::Tensor m = exp_avg.index_select(0, rows.index);
-  at::Tensor v = exp_avg_sq.index_select(0, rows.index);
-  at::Tensor g = grad.defined() ? grad.index_select(0, rows.index).to(at::kFloat) * s(rows.grad_scale)
-                                : at::zeros_like(p);
-  p.mul_(s(rows.decay));
-  m.mul_(s(rows.beta1)).add_(g * s(rows.one_minus_beta1));
-  v.mul_(s(rows.beta2)).add_(g * g * s(rows.one_minus_beta2));
-  at::Tensor denom = (v.sqrt() * s(rows.inv_sqrt_bc2)).add_(s(rows.eps));
-  p.sub_(m / denom * s(rows.step_size));
-  param.detach().index_copy_(0, rows.index, p);
-  exp_avg.index_copy_(0, rows.index, m);
-  exp_avg_sq.index_copy_(0, rows.index, v);
+  const UpdatedRows u = ComputeRows(param, grad, exp_avg, exp_avg_sq, rows);
+  param.detach().index_copy_(0, rows.index, u.p);
+  exp_avg.index_copy_(0, rows.index, u.m);
+  exp_avg_sq.index_copy_(0, rows.index, u.v);
+}
+
+at::Tensor AdamWRowsStayFinite(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                               const at::Tensor& exp_avg_sq, const AdamWRows& rows) {
+  c10::NoGradGuard no_grad;
+  const UpdatedRows u = ComputeRows(param, grad, exp_avg, exp_avg_sq, rows);
+  const auto finite = [](const at::Tensor& t) { return at::isfinite(t).flatten(1).all(1); };
+  return finite(u.p).logical_and_(finite(u.m)).logical_and_(finite(u.v));
 }
 
 Status ValidateAdamParams(const AdamParams& p) {
@@ -250,6 +302,37 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   at::_foreach_addcdiv_(p, m, denom, neg_step);
 }
 
+std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
+                                        const std::vector<size_t>& live, const std::vector<bool>& finite,
+                                        const std::vector<double>& scale) const {
+  std::vector<bool> stable(live.size(), true);
+  const auto& targets = bank.targets();
+  if (targets.empty()) return stable;
+  const at::Device device = targets[0].A.device();
+  const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
+  // ok[k] accumulates on the device over every target the slot trains.
+  at::Tensor ok = at::ones({static_cast<int64_t>(live.size())}, at::TensorOptions().dtype(at::kBool).device(device));
+  for (TargetGroup g : groups) {
+    const GroupSteps gs = StepsOf(bank, calls, live, scale, g, [&](size_t k) { return finite[k]; });
+    if (gs.empty()) continue;
+    const AdamWRows rows = gs.Rows(device);
+    at::Tensor group_ok = at::ones({rows.size()}, ok.options());
+    for (size_t ti = 0; ti < targets.size(); ++ti) {
+      const LoraTarget& t = targets[ti];
+      if (t.group != g) continue;
+      group_ok.logical_and_(AdamWRowsStayFinite(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, rows));
+      group_ok.logical_and_(AdamWRowsStayFinite(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, rows));
+    }
+    const std::vector<int64_t> ks(gs.ks.begin(), gs.ks.end());
+    const at::Tensor at_k = at::tensor(ks, at::kLong).to(device);
+    ok.index_copy_(0, at_k, ok.index_select(0, at_k).logical_and(group_ok));
+  }
+  const at::Tensor host = ok.cpu();
+  const bool* h = host.data_ptr<bool>();
+  for (size_t k = 0; k < live.size(); ++k) stable[k] = h[k];
+  return stable;
+}
+
 void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
                               const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
   c10::NoGradGuard no_grad;
@@ -274,7 +357,6 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   if (live.empty()) return;
   auto& targets = bank.targets();
   const at::Device device = targets.empty() ? at::Device(at::kCPU) : targets[0].A.device();
-  const int64_t u = static_cast<int64_t>(live.size());
   std::vector<int64_t> slots;
   for (size_t i : live) slots.push_back(calls[i].slot);
   at::Tensor all_index = at::tensor(slots, at::kLong).to(device);
@@ -292,24 +374,22 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
     const double clip = calls[live[k]].params.grad_clip_norm;
     if (finite[k] && clip > 0) scale[k] = std::min(1.0, clip / (norms[k] + 1e-6));
   }
+  // A step whose result would not be finite anywhere in the slot (weights or
+  // moments: an extreme learning rate or decay, a gradient whose square
+  // overflows fp32) is not taken at all: the slot keeps its weights, moments,
+  // step and gradients, and its call fails. Found by running the update out
+  // of place first (one host sync for all slots), so nothing is written yet.
+  std::vector<bool> stable = Stable(bank, calls, live, finite, scale);
+  auto steps_now = [&](size_t k) { return finite[k] && stable[k]; };
+
   AdamWRows rows[3];
   for (int g = 0; g < 3; ++g) {
-    std::vector<int64_t> s_idx, steps;
-    std::vector<AdamParams> params;
-    std::vector<double> scales;
-    for (size_t k = 0; k < live.size(); ++k) {
-      const int s = calls[live[k]].slot;
-      if (!finite[k] || !bank.trains(s, groups[g])) continue;
-      s_idx.push_back(s);
-      params.push_back(calls[live[k]].params);
-      steps.push_back(bank.slot(s).step + 1);
-      scales.push_back(scale[k]);
-    }
-    if (s_idx.empty()) continue;
+    const GroupSteps gs = StepsOf(bank, calls, live, scale, groups[g], steps_now);
+    if (gs.empty()) continue;
     if (path_ == Path::kForeach) {
-      ForeachUpdate(bank, s_idx, params, steps, scales, groups[g]);
+      ForeachUpdate(bank, gs.slots, gs.params, gs.steps, gs.scales, groups[g]);
     } else {
-      rows[g] = AdamWRows::Make(s_idx, params, steps, scales, device);
+      rows[g] = gs.Rows(device);
     }
   }
   if (path_ == Path::kRows) {
@@ -320,9 +400,16 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
       AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
     }
   }
-  // Every stepped or skipped slot starts its next accumulation from zero.
-  if (path_ == Path::kForeach) {
-    std::vector<int64_t> sorted = slots;
+  // Every stepped or skipped slot starts its next accumulation from zero (a
+  // slot whose step was refused keeps its gradients, for a retry).
+  std::vector<int64_t> cleared;
+  for (size_t k = 0; k < live.size(); ++k) {
+    if (!stable[k]) continue;
+    cleared.push_back(calls[live[k]].slot);
+    bank.slot(calls[live[k]].slot).grad_dirty = false;
+  }
+  if (!cleared.empty() && path_ == Path::kForeach) {
+    std::vector<int64_t> sorted = cleared;
     std::sort(sorted.begin(), sorted.end());
     std::vector<std::pair<int64_t, int64_t>> runs;  // (first slot, count) of consecutive slots
     for (int64_t s : sorted) {
@@ -335,15 +422,24 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
         if (p->grad().defined())
           for (const auto& [first, len] : runs) grads.push_back(p->mutable_grad().narrow(0, first, len));
     if (!grads.empty()) at::_foreach_zero_(grads);
-  } else {
+  } else if (!cleared.empty()) {
+    const at::Tensor index = at::tensor(cleared, at::kLong).to(device);
     for (LoraTarget& t : targets) {
       for (at::Tensor* p : {&t.A, &t.B}) {
-        if (p->grad().defined()) p->mutable_grad().index_fill_(0, all_index, 0.0);
+        if (p->grad().defined()) p->mutable_grad().index_fill_(0, index, 0.0);
       }
     }
   }
   for (size_t k = 0; k < live.size(); ++k) {
     const OptimStepCall& c = calls[live[k]];
+    if (!stable[k]) {
+      const AdamParams& a = c.params;
+      results[live[k]] = Status::Invalid(
+          Cat("adam_params: this step would make the adapter's weights or optimizer moments non-finite (learning_rate ",
+              a.learning_rate, ", weight_decay ", a.weight_decay, ", eps ", a.eps, ", gradient norm ", norms[k],
+              "); it was not applied: the adapter keeps its weights, moments, step and accumulated gradients"));
+      continue;
+    }
     SlotState& st = bank.slot(c.slot);
     OptimStepOutput out;
     out.skipped = !finite[k];

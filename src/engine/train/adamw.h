@@ -47,6 +47,12 @@ struct AdamWRows {
 void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const AdamWRows& rows);
 
+// [U] bool: whether the update of each of rows.index's rows would leave the
+// row of param and of both moments finite. Computes the update out of place
+// and writes nothing.
+at::Tensor AdamWRowsStayFinite(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                               const at::Tensor& exp_avg_sq, const AdamWRows& rows);
+
 // Invalid naming the field when a value is non-finite or out of range
 // (learning_rate ≥ 0, 0 ≤ beta < 1, eps ≥ 0, weight_decay ≥ 0, grad_clip_norm ≥ 0).
 Status ValidateAdamParams(const AdamParams& params);
@@ -85,12 +91,19 @@ class SlotOptimizer {
   // (before clipping; absent when not finite), "step", "learning_rate",
   // "skipped"; skipped = true when the norm was not finite (the slot's
   // gradients are zeroed and nothing else changes). After a step the slot's
-  // gradients are zero.
+  // gradients are zero. A step that would make any of the slot's weights or
+  // moments non-finite fails its call (Invalid) and changes nothing.
   std::vector<Result<OptimStepOutput>> Step(SlotBank& bank, const std::vector<OptimStepCall>& calls);
 
  private:
   void StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls, const std::vector<size_t>& which,
                  std::vector<Result<OptimStepOutput>>& results);
+  // Per live slot (calls[live[k]]): false when its step, with the grad
+  // clip scale[k], would leave a weight or moment non-finite (true for slots
+  // whose gradient is not finite: they are skipped, not stepped).
+  std::vector<bool> Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
+                           const std::vector<size_t>& live, const std::vector<bool>& finite,
+                           const std::vector<double>& scale) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,

@@ -120,7 +120,12 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     if (calls[parts[i].call].forward_only || !std::isfinite(loss_values[i])) continue;
     total = total.defined() ? total + losses[i] : losses[i];
   }
-  if (total.defined() && total.requires_grad()) total.backward();
+  if (total.defined() && total.requires_grad()) {
+    for (size_t i = 0; i < parts.size(); ++i)
+      if (!calls[parts[i].call].forward_only && std::isfinite(loss_values[i]))
+        bank.slot(calls[parts[i].call].slot).grad_dirty = true;
+    total.backward();
+  }
 
   // 5. Outputs in datum order.
   at::Tensor lp_host = logprobs.detach().cpu();

@@ -144,6 +144,9 @@ Status LoadSlotState(SlotBank& bank, SlotOptimizer& optimizer, int s, const std:
         return Status::Invalid(Cat(dir, ": tensor ", name, " has shape [", JoinInts(view->shape), "], expected [", JoinInts(shape), "]"));
       auto src = LoadTensor(*view, at::kFloat, t.A.device());
       if (!src.ok()) return src.status();
+      // A slot's weights and moments are always finite (see SlotOptimizer).
+      if (!at::isfinite(*src).all().item<bool>())
+        return Status::Invalid(Cat(dir, ": tensor ", name, " holds non-finite values"));
       pending.push_back({Trim(*tensor, s, r, is_a), *src});
     }
   }
