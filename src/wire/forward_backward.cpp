@@ -23,11 +23,17 @@ namespace pb = ::tinker_public;
 
 namespace {
 
+// "[3,4]"; a shape of more than 8 dims is cut ("[1,1,...] (1000000 dims)") so
+// that an error message stays small.
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  for (size_t i = 0; i < shape.size() && i < 8; ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  if (shape.size() > 8) return s + ",...] (" + std::to_string(shape.size()) + " dims)";
   return s + "]";
 }
+
+// A wire-chosen name as it appears in an error message: at most 64 bytes.
+std::string Shown(const std::string& name) { return name.size() <= 64 ? name : name.substr(0, 64) + "..."; }
 
 const char* DTypeName(int dtype) {
   switch (dtype) {
@@ -97,6 +103,95 @@ Status Numel(const std::vector<int64_t>& shape, const std::string& where, int64_
   return Status::Ok();
 }
 
+// An upper bound of what ParseFromArray allocates beyond the body's own bytes,
+// from one pass over the wire format: an empty submessage is 2 bytes on the
+// wire but a few hundred once parsed (the message, its slot, the engine-side
+// Datum or Array), a packed shape entry 1 byte but 16 (its copy included), and
+// an unknown field 16. The schema is fixed, so the walk is at most 4 deep.
+class ParseCostScan {
+ public:
+  static constexpr uint64_t kMessageBytes = 256, kFieldBytes = 16, kShapeEntryBytes = 16;
+
+  // False when the framing is broken (ParseFromArray would refuse it too).
+  bool Scan(std::string_view bytes) { return Message(bytes, Kind::kRequest); }
+  uint64_t cost() const { return cost_; }
+
+ private:
+  enum class Kind { kRequest, kDatum, kInputEntry, kTensor, kLeaf };
+
+  static bool Varint(std::string_view b, size_t* at, uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64 && *at < b.size(); shift += 7) {
+      const uint8_t byte = static_cast<uint8_t>(b[(*at)++]);
+      *v |= uint64_t{byte & 0x7fu} << shift;
+      if (!(byte & 0x80)) return true;
+    }
+    return false;
+  }
+
+  // The submessage kind of (kind, field), or kLeaf for bytes/strings and
+  // messages that are not walked further.
+  static Kind Child(Kind kind, uint64_t field) {
+    switch (kind) {
+      case Kind::kRequest: return field == 3 ? Kind::kDatum : Kind::kLeaf;   // data; loss_fn_config entries
+      case Kind::kDatum: return field == 2 ? Kind::kInputEntry : Kind::kLeaf;  // loss_fn_inputs; chunks
+      case Kind::kInputEntry: return field == 2 ? Kind::kTensor : Kind::kLeaf;
+      default: return Kind::kLeaf;
+    }
+  }
+  static bool IsMessage(Kind kind, uint64_t field) {
+    switch (kind) {
+      case Kind::kRequest: return field == 3 || field == 5;
+      case Kind::kDatum: return field == 1 || field == 2;
+      case Kind::kInputEntry: return field == 2;
+      case Kind::kTensor: return field == 2;
+      default: return false;
+    }
+  }
+
+  bool Message(std::string_view b, Kind kind) {
+    size_t at = 0;
+    while (at < b.size()) {
+      uint64_t tag = 0, v = 0;
+      if (!Varint(b, &at, &tag)) return false;
+      const uint64_t field = tag >> 3;
+      cost_ += kFieldBytes;
+      switch (tag & 7) {
+        case 0:
+          if (!Varint(b, &at, &v)) return false;
+          if (kind == Kind::kTensor && field == 4) cost_ += kShapeEntryBytes;  // an unpacked shape entry
+          break;
+        case 1:
+          if (b.size() - at < 8) return false;
+          at += 8;
+          break;
+        case 5:
+          if (b.size() - at < 4) return false;
+          at += 4;
+          break;
+        case 2: {
+          if (!Varint(b, &at, &v) || v > b.size() - at) return false;
+          const std::string_view sub = b.substr(at, v);
+          at += v;
+          if (kind == Kind::kTensor && field == 4) {  // packed shape: one entry per final varint byte
+            for (char c : sub) cost_ += (static_cast<uint8_t>(c) & 0x80) ? 0 : kShapeEntryBytes;
+          } else if (IsMessage(kind, field)) {
+            cost_ += kMessageBytes;
+            const Kind child = Child(kind, field);
+            if (child != Kind::kLeaf && !Message(sub, child)) return false;
+          }
+          break;
+        }
+        default:
+          return false;  // groups are not in this schema
+      }
+    }
+    return true;
+  }
+
+  uint64_t cost_ = 0;
+};
+
 // What decoding one request may still allocate: every array is charged here
 // before it is built, so a request's arrays never exceed the cap.
 class DenseBudget {
@@ -118,11 +213,13 @@ class DenseBudget {
     const bool overflow = __builtin_mul_overflow(static_cast<size_t>(numel), esize, &bytes);
     if (overflow || bytes > limit_ - used_)
       return Status::Invalid(what + " needs " + (overflow ? std::string("more than 2^64") : std::to_string(bytes)) +
-                             " dense bytes, which takes the request over its limit of " + std::to_string(limit_) +
-                             " decoded bytes (" + what_ + ")");
+                             " dense bytes, which takes the request over its limit of " + LimitText());
     used_ += bytes;
     return Status::Ok();
   }
+
+  size_t limit() const { return limit_; }
+  std::string LimitText() const { return std::to_string(limit_) + " decoded bytes (" + what_ + ")"; }
 
  private:
   size_t limit_ = 0;
@@ -230,6 +327,9 @@ Status DecodeTensor(const pb::Tensor& t, const std::string& where, int64_t token
                              std::to_string(esize) + " bytes (" + DTypeName(dtype) + ")");
     out->shape = {static_cast<int64_t>(dense.size() / esize)};
   }
+  if (out->shape.size() > 2)
+    return Status::Invalid(where + ": shape " + ShapeText(out->shape) + " has " + std::to_string(out->shape.size()) +
+                           " dimensions; loss inputs are (N,) or (N, K)");
   int64_t numel = 0;
   LOOM_WIRE_TRY(Numel(out->shape, where, &numel));
   if (static_cast<uint64_t>(numel) > dense.size() / esize || dense.size() != static_cast<size_t>(numel) * esize)
@@ -270,7 +370,7 @@ Status DecodeDatum(const pb::Datum& d, const std::string& where, DenseBudget* bu
   const int64_t tokens = static_cast<int64_t>(out->tokens.size());
   for (const auto& [name, tensor] : d.loss_fn_inputs()) {
     engine::Array a;
-    LOOM_WIRE_TRY(DecodeTensor(tensor, where + ".loss_fn_inputs[" + name + "]", tokens, budget, &a));
+    LOOM_WIRE_TRY(DecodeTensor(tensor, where + ".loss_fn_inputs[" + Shown(name) + "]", tokens, budget, &a));
     out->loss_fn_inputs.emplace(name, std::move(a));
   }
   return Status::Ok();
@@ -341,6 +441,14 @@ Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view bod
   if (bytes.size() > static_cast<size_t>(INT_MAX))
     return Status(Code::kPayloadTooLarge, "forward_backward: protobuf bodies are limited to 2 GiB");
 
+  // Parsing itself amplifies (2 bytes of empty Datum become hundreds): bound
+  // it with the same formula as the decoded arrays, before parsing.
+  ParseCostScan scan;
+  if (!scan.Scan(bytes)) return Status::Invalid("forward_backward: body is not a valid protobuf ForwardBackwardRequest");
+  if (const DenseBudget parse_budget(bytes.size(), options); scan.cost() > parse_budget.limit())
+    return Status::Invalid("forward_backward: the body's protobuf messages and fields need about " +
+                           std::to_string(scan.cost()) + " bytes once parsed, over the request's limit of " +
+                           parse_budget.LimitText());
   pb::ForwardBackwardRequest msg;
   if (!msg.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))
     return Status::Invalid("forward_backward: body is not a valid protobuf ForwardBackwardRequest");
@@ -353,7 +461,8 @@ Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view bod
   req.call.forward_only = msg.forward_only();
   for (const auto& [k, v] : msg.loss_fn_config()) {
     // Clip thresholds and beta enter every token's loss: non-finite is poison.
-    if (!std::isfinite(v)) return Status::Invalid("loss_fn_config." + k + ": must be finite, got " + fmt::format("{}", v));
+    if (!std::isfinite(v))
+      return Status::Invalid("loss_fn_config." + Shown(k) + ": must be finite, got " + fmt::format("{}", v));
     req.call.loss_fn_config[k] = v;
   }
   DenseBudget budget(bytes.size(), options);

@@ -111,6 +111,34 @@ TEST(HostileForwardBackward, DenseBytesAreBoundedPerRequestNotPerTensor) {
   ExpectMentions(s, "which takes the request over its limit of");
 }
 
+TEST(HostileForwardBackward, ParsingItselfIsBoundedByTheSameBudget) {
+  // 1M empty datums: a 2 MB body that parsed into ~250 MB.
+  std::string body;
+  for (int i = 0; i < 1000000; ++i) body += std::string("\x1a\x00", 2);
+  g_largest_alloc = 0;
+  Status s = DecodeForwardBackwardRequest(body).status();
+  EXPECT_LT(g_largest_alloc.load(), size_t{1} << 20);
+  ExpectInvalid(s, "forward_backward: the body's protobuf messages and fields need about");
+  ExpectMentions(s, "bytes once parsed, over the request's limit of");
+  // The SDK's biggest chunk of the smallest datums still decodes.
+  pb::Tensor tt;
+  tt.set_dtype(pb::DTYPE_INT64);
+  tt.add_shape(1);
+  tt.set_dense(Raw(std::vector<int64_t>{5}));
+  auto req = Request(1, std::vector<pb::Tensor>(1024, tt));
+  auto r = DecodeForwardBackwardRequest(req.SerializeAsString());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->call.data.size(), 1024u);
+  // A million-dimension shape is refused with a short message.
+  pb::Tensor wide;
+  wide.set_dtype(pb::DTYPE_INT64);
+  for (int i = 0; i < 1000000; ++i) wide.add_shape(1);
+  s = Decode(Request(1, {wide}));
+  ExpectInvalid(s, "data[0].loss_fn_inputs[target_tokens]: shape [1,1,1,1,1,1,1,1,...] (1000000 dims) has 1000000 "
+                   "dimensions");
+  EXPECT_LT(s.message().size(), 200u);
+}
+
 TEST(HostileForwardBackward, NonFiniteLossInputsAndConfigAreRefused) {
   auto with_weights = [](pb::Tensor w) {
     pb::Tensor tt;
