@@ -26,7 +26,7 @@ std::optional<std::string> Sequencer::Lookup(int64_t seq_id) const {
 }
 
 bool Sequencer::InWindow(int64_t seq_id) const {
-  // Callers have seq_id >= next_seq_ >= 0, so the difference cannot overflow.
+  // Past the first test seq_id >= next_seq_ >= 0, so the difference cannot overflow.
   return seq_id < next_seq_ || seq_id - next_seq_ <= kMaxAhead;
 }
 
