@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 namespace loom::service {
 
 const char* OpKindName(OpKind kind) {
@@ -23,9 +25,22 @@ std::optional<std::string> Sequencer::Lookup(int64_t seq_id) const {
   return it->second;
 }
 
+bool Sequencer::InWindow(int64_t seq_id) const {
+  // Past the first test seq_id >= next_seq_ >= 0, so the difference cannot overflow.
+  return seq_id < next_seq_ || seq_id - next_seq_ <= kMaxAhead;
+}
+
+Status Sequencer::CheckWindow(int64_t seq_id) const {
+  if (InWindow(seq_id)) return Status::Ok();
+  return Status::Invalid(fmt::format("seq_id: {} is more than {} ahead of the next expected seq_id {} (a model's "
+                                     "requests may run at most {} ahead of the next one it expects)",
+                                     seq_id, kMaxAhead, next_seq_, kMaxAhead));
+}
+
 Sequencer::AdmitResult Sequencer::Admit(TrainingOp op) {
   if (auto prior = Lookup(op.seq_id)) return {Admission::kDuplicate, *prior};
   if (op.seq_id < next_seq_) return {Admission::kStale, ""};
+  if (!InWindow(op.seq_id)) return {Admission::kOutOfWindow, ""};
   skipped_.erase(op.seq_id);
   seen_[op.seq_id] = op.request_id;
   std::string id = op.request_id;
@@ -36,7 +51,7 @@ Sequencer::AdmitResult Sequencer::Admit(TrainingOp op) {
 }
 
 void Sequencer::Skip(int64_t seq_id) {
-  if (seq_id < next_seq_ || seen_.count(seq_id)) return;
+  if (seq_id < next_seq_ || !InWindow(seq_id) || seen_.count(seq_id)) return;
   skipped_.insert(seq_id);
   Promote();
 }

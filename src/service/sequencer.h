@@ -11,6 +11,11 @@
 // out, the waiting requests are failed and next_seq() jumps past them.
 // A seq_id whose request was rejected before admission (a 4xx) is Skip()ped:
 // the SDK never resends it, so later requests must not wait for it.
+// Only seq_ids at most kMaxAhead past next_seq() are admitted or skipped: a
+// far-future one would otherwise, once its gap timed out, move next_seq() past
+// every request the client sends next (and 2^63-1 would overflow it). So
+// early_ and skipped_ hold at most kMaxAhead entries, and next_seq() grows by
+// at most kMaxAhead + 1 per request: no seq_id arithmetic overflows.
 //
 // Not thread-safe: the Service guards it with its lock.
 #pragma once
@@ -22,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/status.h"
 #include "service/training_op.h"
 
 namespace loom::service {
@@ -30,12 +36,16 @@ class Sequencer {
  public:
   using Clock = std::chrono::steady_clock;
 
+  // The SDK runs ahead of the model only by the chunks of one forward_backward.
+  static constexpr int64_t kMaxAhead = 1024;
+
   explicit Sequencer(int64_t next_seq = 1) : next_seq_(next_seq) {}
 
   enum class Admission {
-    kAccepted,   // queued (ready or waiting for a smaller seq_id)
-    kDuplicate,  // this seq_id was seen before: request_id is the original one
-    kStale,      // seq_id below next_seq() that was never seen (skipped by a gap timeout)
+    kAccepted,     // queued (ready or waiting for a smaller seq_id)
+    kDuplicate,    // this seq_id was seen before: request_id is the original one
+    kStale,        // seq_id below next_seq() that was never seen (skipped by a gap timeout)
+    kOutOfWindow,  // seq_id more than kMaxAhead past next_seq(): not queued, nothing changed
   };
   struct AdmitResult {
     Admission admission;
@@ -45,9 +55,15 @@ class Sequencer {
   // duplicates first with Lookup()).
   AdmitResult Admit(TrainingOp op);
 
+  // Ok, or kInvalidArgument naming the limit and the next expected seq_id
+  // when seq_id is more than kMaxAhead past next_seq() (Admit() would answer
+  // kOutOfWindow). Check it before creating the request's future.
+  Status CheckWindow(int64_t seq_id) const;
+
   // Marks seq_id as used by a request that was rejected before admission, so
-  // the requests after it do not wait for it. No-op if seq_id was admitted or
-  // is below next_seq(). A later Admit() of the same seq_id still succeeds.
+  // the requests after it do not wait for it. No-op if seq_id was admitted, is
+  // below next_seq() or past the window. A later Admit() of the same seq_id
+  // still succeeds.
   void Skip(int64_t seq_id);
 
   // The request_id first submitted with seq_id, if any.
@@ -71,6 +87,7 @@ class Sequencer {
 
  private:
   void Promote();
+  bool InWindow(int64_t seq_id) const;  // seq_id - next_seq_ <= kMaxAhead, without overflow
 
   int64_t next_seq_;
   std::map<int64_t, TrainingOp> early_;

@@ -28,21 +28,33 @@ struct ForwardBackwardRequest {
 struct ForwardBackwardDecodeOptions {
   bool zstd = false;                            // body has Content-Encoding: zstd
   size_t max_decoded_bytes = size_t{512} << 20;  // cap on the protobuf after zstd
-  // Cap on rows x cols of a sparse CSR tensor (its dense form is built here):
-  // a few bytes of CSR must not allocate gigabytes.
-  int64_t max_sparse_dense_elements = int64_t{1} << 27;
+  // Cap on the bytes that all decoded arrays of one request may take (tokens,
+  // and loss inputs after widening and sparse expansion), checked before each
+  // is allocated: dense_bytes_per_body_byte x the size of the protobuf body +
+  // dense_bytes_slack. Widening at most doubles a dense tensor, so any dense
+  // body fits; a few bytes of sparse CSR cannot allocate gigabytes. The same
+  // cap bounds, separately, what protobuf parsing itself allocates (estimated
+  // from one pass over the wire format before parsing: empty datums are 2
+  // bytes each on the wire and hundreds once parsed).
+  size_t dense_bytes_per_body_byte = 2;
+  size_t dense_bytes_slack = size_t{16} << 20;
 };
 
 // Decodes a request body. Errors (all kInvalidArgument unless noted) name the
 // datum and the field, e.g. "data[1].loss_fn_inputs[weights]: dense byte
 // length 12 does not match shape [7] x 4 bytes (float32)":
-//  - not a protobuf ForwardBackwardRequest (malformed bytes);
+//  - not a protobuf ForwardBackwardRequest (malformed bytes), or one whose
+//    parsed form would exceed the cap above;
+//  - loss_fn_config: a value that is not finite;
 //  - model_input: image / dmel chunks ("data[d].model_input chunk i: image
 //    chunks are not supported by this text-only model"), token bytes not a
 //    multiple of 4;
-//  - tensors: unknown dtype, negative dims, byte length != numel x dtype size,
-//    inconsistent sparse CSR (crow_indices length rows+1, monotone, ending at
-//    nnz; col_indices within the column count);
+//  - tensors: unknown dtype, more than 2 dims, negative dims, byte length !=
+//    numel x dtype size, a leading dimension other than the datum's token
+//    count (checked before anything is expanded), inconsistent sparse CSR
+//    (crow_indices length rows+1, monotone, ending at nnz; col_indices within
+//    the column count, no column twice in a row), a float that is not finite;
+//  - the request's decoded arrays would exceed the dense-bytes cap above;
 //  - kPayloadTooLarge when the body (decoded) exceeds max_decoded_bytes.
 // Tensor dtypes widen: FLOAT32/BFLOAT16 -> Array f32, INT64/INT32 -> Array i64.
 // Several encoded_text chunks concatenate into Datum::tokens.

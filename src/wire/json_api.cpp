@@ -5,6 +5,8 @@
 #include <ctime>
 #include <limits>
 
+#include <fmt/format.h>
+
 #include "wire/json_fields.h"
 
 namespace loom::wire {
@@ -13,10 +15,44 @@ namespace f = fields;
 
 // ---------------------------------------------------------------- helpers
 
+namespace {
+
+// True when the text nests objects/arrays deeper than `limit` (the body
+// object is level 1), counted over the raw bytes with strings skipped, so it
+// stops at the first level too many and allocates nothing. Text that is not
+// JSON may be miscounted; the parser refuses it anyway.
+bool NestedDeeperThan(std::string_view text, int limit) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;  // the escaped character cannot end the string
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > limit) return true;
+    } else if (c == '}' || c == ']') {
+      if (--depth < 0) return false;  // not JSON
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 Result<Json> ParseJsonObject(std::string_view body, std::string_view endpoint) {
   size_t i = 0;
   while (i < body.size() && (body[i] == ' ' || body[i] == '\n' || body[i] == '\r' || body[i] == '\t')) ++i;
   if (i == body.size()) return Json::object();
+  // nlohmann parses iteratively, but dump(), copies and comparisons recurse:
+  // bound the depth before a tree exists.
+  if (NestedDeeperThan(body, kMaxJsonDepth))
+    return Status::Invalid(std::string(endpoint) + ": body is JSON nested deeper than " +
+                           std::to_string(kMaxJsonDepth) + " levels");
   Json j = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Status::Invalid(std::string(endpoint) + ": body is not valid JSON");
   if (!j.is_object()) return Status::Invalid(std::string(endpoint) + ": body must be a JSON object");
@@ -104,8 +140,24 @@ Status OptTtl(const Json& obj, const std::string& where, std::optional<int64_t>*
   LOOM_WIRE_TRY(f::OptInt(obj, where, "ttl_seconds", ttl));
   if (*ttl && **ttl < 1)
     return Status::Invalid(f::Path(where, "ttl_seconds") + ": must be >= 1 second, got " + std::to_string(**ttl));
+  if (*ttl && **ttl > kMaxTtlSeconds)
+    return Status::Invalid(f::Path(where, "ttl_seconds") + ": must be <= " + std::to_string(kMaxTtlSeconds) +
+                           " (100 years), got " + std::to_string(**ttl));
   return Status::Ok();
 }
+
+// A training request's seq_id: forward_backward carries it as an int32, so one
+// TrainingClient never numbers past 2^31-1, and nothing downstream can overflow.
+Status TrainingSeqId(const Json& obj, const std::string& where, int64_t* seq_id) {
+  LOOM_WIRE_TRY(f::Int(obj, where, "seq_id", seq_id));
+  if (*seq_id > std::numeric_limits<int32_t>::max())
+    return Status::Invalid(f::Path(where, "seq_id") + ": must be <= 2147483647 (forward_backward carries it as int32), "
+                           "got " + std::to_string(*seq_id));
+  return Status::Ok();
+}
+
+// A double in shortest round-trip form ("1e-12", "1e+300", "10").
+std::string Num(double v) { return fmt::format("{}", v); }
 
 Status OptCheckpointName(const Json& obj, const std::string& where, std::optional<std::string>* name) {
   LOOM_WIRE_TRY(f::OptString(obj, where, "path", name));
@@ -218,29 +270,43 @@ Result<OptimStepRequest> ParseOptimStepRequest(const Json& body) {
   LOOM_WIRE_TRY(f::RequireObject(body, w));
   OptimStepRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
-  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   const Json* ap = f::Find(body, "adam_params");
   const std::string aw = w + ".adam_params";
   if (!ap) return Status::Invalid(aw + ": required field is missing");
   LOOM_WIRE_TRY(f::RequireObject(*ap, aw));
   engine::AdamParams& p = r.adam_params;
+  // Ranges wide enough for any real run (the SDK's defaults are 1e-4, 0.9,
+  // 0.95, 1e-12, 0, 0) and narrow enough that one step stays finite in fp32.
   struct Field {
     const char* key;
     double* out;
-    bool unit_interval;  // [0, 1) instead of [0, inf)
+    double lo, hi;
+    bool hi_open;  // [lo, hi) instead of [lo, hi]
   };
-  const Field fields_[] = {{"learning_rate", &p.learning_rate, false}, {"beta1", &p.beta1, true},
-                           {"beta2", &p.beta2, true},                  {"eps", &p.eps, false},
-                           {"weight_decay", &p.weight_decay, false},   {"grad_clip_norm", &p.grad_clip_norm, false}};
+  const Field fields_[] = {
+      {"learning_rate", &p.learning_rate, 0.0, 10.0, false},
+      {"beta1", &p.beta1, 0.0, 1.0, true},
+      {"beta2", &p.beta2, 0.0, 1.0, true},
+      {"eps", &p.eps, 1e-30, 1.0, false},  // a smaller eps is 0 in fp32, and 0/0 on untouched rows
+      {"weight_decay", &p.weight_decay, 0.0, 10.0, false},
+      {"grad_clip_norm", &p.grad_clip_norm, 0.0, std::numeric_limits<double>::infinity(), false},  // 0 = off
+  };
   for (const Field& fd : fields_) {
     LOOM_WIRE_TRY(f::Double(*ap, aw, fd.key, fd.out));
     const double v = *fd.out;
     if (!std::isfinite(v)) return Status::Invalid(f::Path(aw, fd.key) + ": must be finite");
-    if (fd.unit_interval && !(v >= 0.0 && v < 1.0))
-      return Status::Invalid(f::Path(aw, fd.key) + ": must be in [0, 1), got " + std::to_string(v));
-    if (!fd.unit_interval && v < 0.0)
-      return Status::Invalid(f::Path(aw, fd.key) + ": must be >= 0, got " + std::to_string(v));
+    if (v >= fd.lo && (fd.hi_open ? v < fd.hi : v <= fd.hi)) continue;
+    const std::string range = fd.hi_open                 ? "in [" + Num(fd.lo) + ", " + Num(fd.hi) + ")"
+                              : std::isinf(fd.hi)        ? ">= " + Num(fd.lo)
+                                                         : ">= " + Num(fd.lo) + " and <= " + Num(fd.hi);
+    return Status::Invalid(f::Path(aw, fd.key) + ": must be " + range + ", got " + Num(v));
   }
+  // Decoupled decay multiplies the weights by 1 - lr x wd each step: past 1 it
+  // flips their sign and grows them until they overflow.
+  if (p.learning_rate * p.weight_decay > 1.0)
+    return Status::Invalid(f::Path(aw, "weight_decay") + ": learning_rate x weight_decay must be <= 1, got " +
+                           Num(p.learning_rate * p.weight_decay));
   return r;
 }
 
@@ -249,7 +315,7 @@ Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body) {
   LOOM_WIRE_TRY(f::RequireObject(body, w));
   SaveWeightsRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
-  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
   LOOM_WIRE_TRY(OptTtl(body, w, &r.ttl_seconds));
   LOOM_WIRE_TRY(f::Bool(body, w, "overwrite", &r.overwrite));
@@ -263,7 +329,7 @@ Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
   if (f::Find(body, "model_id")) {
     r.mode = LoadWeightsRequest::Mode::kTrainingClient;
     LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
-    LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+    LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   } else if (f::Find(body, "session_id")) {
     r.mode = LoadWeightsRequest::Mode::kCreateModel;
     LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
@@ -288,7 +354,7 @@ Result<SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Jso
   LOOM_WIRE_TRY(f::RequireObject(body, w));
   SaveWeightsForSamplerRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
-  LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
+  LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
   LOOM_WIRE_TRY(OptTtl(body, w, &r.ttl_seconds));
   LOOM_WIRE_TRY(f::OptInt(body, w, "sampling_session_seq_id", &r.sampling_session_seq_id));

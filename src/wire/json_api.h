@@ -4,7 +4,8 @@
 // optional fields = std::nullopt) and strict where it matters: a wrong type or
 // a missing required field is kInvalidArgument naming the field, e.g.
 // "optim_step.adam_params.learning_rate: expected a number". Range checks that
-// need no state are done here too (rank >= 1, learning_rate finite and >= 0).
+// need no state are done here too (rank >= 1, every AdamParams field in its
+// range, ttl_seconds at most 100 years, training seq_ids within int32).
 //
 // Builders return nlohmann::json; send it with DumpJson(), which never emits
 // NaN/Infinity and never throws on bad UTF-8.
@@ -29,9 +30,16 @@ using Json = nlohmann::json;
 
 // ---------------------------------------------------------------- helpers
 
+// Deepest nesting of objects and arrays a JSON body may have (the body object
+// is level 1). Real SDK bodies stay under 10; what recurses on a tree (dump(),
+// copies, comparisons) then runs on a bounded depth.
+inline constexpr int kMaxJsonDepth = 64;
+
 // Parses a body that must be a JSON object. An empty body counts as {} (the
 // SDK posts publish/unpublish/delete with a JSON content type and no body).
-// `endpoint` prefixes the error ("optim_step: body is not valid JSON ...").
+// `endpoint` prefixes the error ("optim_step: body is not valid JSON ...",
+// "create_session: body is JSON nested deeper than 64 levels"). Every
+// Parse*Request below expects a tree from here (so at most kMaxJsonDepth deep).
 Result<Json> ParseJsonObject(std::string_view body, std::string_view endpoint);
 
 // A finite double as a JSON number; NaN / +-Infinity as null.
@@ -69,6 +77,12 @@ Result<TinkerPath> ParseCheckpointId(std::string_view training_run_id, std::stri
 Status ValidateCheckpointName(std::string_view name, std::string_view field);
 
 // --------------------------------------------------------------- requests
+
+// Longest ttl_seconds accepted (100 years): far past any real retention, and
+// created_ms + ttl x 1000 stays far from int64 overflow.
+inline constexpr int64_t kMaxTtlSeconds = int64_t{100} * 365 * 24 * 3600;
+// Training requests' seq_id (optim_step, save_weights, load_weights,
+// save_weights_for_sampler) is at most 2^31-1, as forward_backward's int32.
 
 using UserMetadata = std::map<std::string, std::string>;  // non-string values kept as JSON text
 
@@ -117,15 +131,17 @@ struct OptimStepRequest {               // POST /api/v1/optim_step
   int64_t seq_id = 0;
   engine::AdamParams adam_params;
 };
-// All six AdamParams are required. Checks (as torch.optim.AdamW): learning_rate,
-// eps, weight_decay, grad_clip_norm finite and >= 0; beta1, beta2 in [0, 1).
+// All six AdamParams are required and finite. Ranges: learning_rate and
+// weight_decay in [0, 10] with learning_rate x weight_decay <= 1 (the decoupled
+// decay factor stays in [0, 1]); beta1, beta2 in [0, 1); eps in [1e-30, 1] (not
+// 0 in fp32); grad_clip_norm >= 0 (0 = off).
 Result<OptimStepRequest> ParseOptimStepRequest(const Json& body);
 
 struct SaveWeightsRequest {             // POST /api/v1/save_weights (save_state)
   std::string model_id;
   int64_t seq_id = 0;
   std::optional<std::string> name;      // `path`: a checkpoint name, not a URI
-  std::optional<int64_t> ttl_seconds;   // absent = never expires; must be >= 1
+  std::optional<int64_t> ttl_seconds;   // absent = never expires; in [1, kMaxTtlSeconds]
   bool overwrite = false;
 };
 Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body);
@@ -186,7 +202,7 @@ struct TelemetryRequest {               // POST /api/v1/telemetry (only counted,
 Result<TelemetryRequest> ParseTelemetryRequest(const Json& body);
 
 struct CheckpointTtlRequest {           // PUT .../checkpoints/{id}/ttl
-  std::optional<int64_t> ttl_seconds;   // nullopt = remove expiry; else >= 1
+  std::optional<int64_t> ttl_seconds;   // nullopt = remove expiry; else in [1, kMaxTtlSeconds]
 };
 Result<CheckpointTtlRequest> ParseCheckpointTtlRequest(const Json& body);
 

@@ -7,24 +7,15 @@
 
 #include <vector>
 
+#include "sequencer_test_ops.h"
+
 namespace loom::service {
 namespace {
 
 using namespace std::chrono_literals;
 
-TrainingOp Op(int64_t seq) {
-  TrainingOp op;
-  op.seq_id = seq;
-  op.request_id = "req-" + std::to_string(seq);
-  op.arrived = Sequencer::Clock::now();
-  return op;
-}
-
-std::vector<int64_t> DrainReady(Sequencer& s) {
-  std::vector<int64_t> out;
-  while (s.HasReady()) out.push_back(s.PopReady().seq_id);
-  return out;
-}
+using testing::DrainReady;
+using testing::Op;
 
 TEST(SequencerSkip, RejectedSeqAfterArrivalsReleasesThem) {
   Sequencer s;

@@ -216,10 +216,10 @@ TEST(ForwardBackwardRequest, BadSparseCsrIsInvalid) {
       {"start at 0", CsrTensor({3, 4}, {1, 1, 1}, {1, 1, 2, 3}, {0, 1, 2})},
       {"non-decreasing", CsrTensor({3, 4}, {1, 1, 1}, {0, 2, 1, 3}, {0, 1, 2})},
       {"end at nnz", CsrTensor({3, 4}, {1, 1, 1}, {0, 1, 2, 2}, {0, 1, 2})},
-      {"twice", CsrTensor({1, 4}, {1, 1}, {0, 2}, {3, 3})},
+      {"twice", CsrTensor({3, 4}, {1, 1}, {0, 2, 2, 2}, {3, 3})},
       {"values has", CsrTensor({3, 4}, {1, 1}, {0, 1, 2, 3}, {0, 1, 2})},
       {"2-D shape", CsrTensor({12}, {1}, {0, 1}, {0})},
-      {"dense elements", CsrTensor({1 << 20, 1 << 20}, {}, std::vector<int64_t>((1 << 20) + 1, 0), {})},
+      {"dense bytes", CsrTensor({3, 1 << 22}, {}, {0, 0, 0, 0}, {})},  // 48 MiB dense from a few bytes
   };
   for (const auto& c : cases) {
     Status s = DecodeStatus(RequestWithTensor(c.t));
