@@ -80,6 +80,15 @@ class ServiceTest : public ::testing::Test {
     return sub->model_id;
   }
 
+  static wire::CreateModelRequest CreateRequest(const std::string& session, int64_t seq) {
+    wire::CreateModelRequest req;
+    req.session_id = session;
+    req.model_seq_id = seq;
+    req.base_model = "test/base";
+    req.lora.rank = 4;
+    return req;
+  }
+
   static wire::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
                                          const std::string& loss = "cross_entropy") {
     wire::ForwardBackwardRequest r;
@@ -246,11 +255,7 @@ TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
   Open({}, /*slots=*/1);
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
-  wire::CreateModelRequest req;
-  req.session_id = s;
-  req.model_seq_id = 1;
-  req.base_model = "test/base";
-  req.lora.rank = 4;
+  const wire::CreateModelRequest req = CreateRequest(s, 1);
   // Refused up front with 503 (the SDK's base client retries it), not as a
   // failed future (a final RequestFailedError), and nothing is recorded.
   auto sub = service_->CreateModel({"alice", ""}, req);
@@ -273,11 +278,7 @@ TEST_F(ServiceTest, TenantQuotaRefusesCreateWith429AndSparesOtherTenants) {
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
   NewModel("alice", s, 1);
-  wire::CreateModelRequest req;
-  req.session_id = s;
-  req.model_seq_id = 2;
-  req.base_model = "test/base";
-  req.lora.rank = 4;
+  const wire::CreateModelRequest req = CreateRequest(s, 2);
   auto third = service_->CreateModel({"alice", ""}, req);
   ASSERT_FALSE(third.ok());
   EXPECT_EQ(third.status().code(), Code::kResourceExhausted);  // 429
@@ -299,9 +300,7 @@ TEST_F(ServiceTest, TenantQuotaRefusesCreateWith429AndSparesOtherTenants) {
   NewModel("bob", b, 1);
   EXPECT_EQ(service_->slots_in_use(), 4);
   // A retry of alice's existing model is not a new model.
-  wire::CreateModelRequest again = req;
-  again.model_seq_id = 1;
-  EXPECT_TRUE(service_->CreateModel({"alice", ""}, again).ok());
+  EXPECT_TRUE(service_->CreateModel({"alice", ""}, CreateRequest(s, 1)).ok());
   // Unloading one of hers makes room for her again.
   ASSERT_TRUE(service_->UnloadModel({"alice", ""}, s + ":train:1").ok());
   auto retried = service_->CreateModel({"alice", ""}, req);
@@ -329,12 +328,7 @@ TEST_F(ServiceTest, IdempotencyKeyIsScopedByRouteAndBody) {
   Caller other_route = first;
   other_route.route = "POST forward";
   EXPECT_EQ(service_->ForwardBackward(other_route, Fb(m, 2, 6)).status().code(), Code::kInvalidArgument);
-  wire::CreateModelRequest create;
-  create.session_id = s;
-  create.model_seq_id = 1;
-  create.base_model = "test/base";
-  create.lora.rank = 4;
-  EXPECT_EQ(service_->CreateModel(first, create).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(service_->CreateModel(first, CreateRequest(s, 1)).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(service_->UnloadModel(first, m).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(service_->CreateSession(first, {}).status().code(), Code::kInvalidArgument);
   // Another tenant's equal key is its own.

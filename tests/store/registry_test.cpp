@@ -436,20 +436,32 @@ std::set<std::string> CheckpointDirsOnDisk(const std::string& data_dir) {
   return out;
 }
 
-TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) {
-  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
-  int kept_old = 0, kept_new = 0;
+// Kills SaveAndDie(save_first)'s child after each step in turn, until a run
+// finishes before its kill step; after each, reopens the data dir, checks that
+// staging/ and trash/ are empty, and hands the registry to check.
+void AfterAKillAtEveryStep(bool save_first, const std::function<void(Registry& reg, bool finished)>& check) {
   bool finished = false;
   for (int crash_at = 0; crash_at < 32 && !finished; ++crash_at) {
     TempDir tmp;
-    const int rc = SaveAndDie(tmp.path(), /*save_first=*/true, crash_at);
+    const int rc = SaveAndDie(tmp.path(), save_first, crash_at);
     ASSERT_TRUE(rc == kCrashed || rc == kFinished) << "child exit " << rc;
     finished = rc == kFinished;
     const std::string step = finished ? "none (finished)" : ReadFile(fs::path(tmp.path()) / "crashed_at");
     SCOPED_TRACE("killed after step " + std::to_string(crash_at) + ": " + step);
     auto reg = OpenOrDie(tmp.path());
     ASSERT_TRUE(reg);
-    auto c = reg->GetCheckpoint(path);
+    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+    check(*reg, finished);
+  }
+  EXPECT_TRUE(finished) << "the save never ran to completion";
+}
+
+TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) {
+  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
+  int kept_old = 0, kept_new = 0;
+  AfterAKillAtEveryStep(/*save_first=*/true, [&](Registry& reg, bool finished) {
+    auto c = reg.GetCheckpoint(path);
     ASSERT_TRUE(c.ok()) << c.status().message();
     const std::string weights = ReadFile(fs::path(c->dir) / "adapter_model.safetensors");
     const bool is_old = c->created_ms == 10 && c->size_bytes == 100 + 7 && weights == Bytes(100, 7);
@@ -465,53 +477,38 @@ TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) 
     }
     if (finished) EXPECT_TRUE(is_new);
     // Listed once, and nothing else is left on disk.
-    auto listed = reg->ListCheckpoints("m:train:0", {-1, 0});
+    auto listed = reg.ListCheckpoints("m:train:0", {-1, 0});
     ASSERT_TRUE(listed.ok());
     ASSERT_EQ(listed->total, 1);
     EXPECT_EQ(listed->items[0].dir, c->dir);
-    EXPECT_EQ(CheckpointDirsOnDisk(reg->data_dir()), std::set<std::string>{c->dir});
-    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
-    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+    EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{c->dir});
     // And it can be overwritten again after the restart.
-    auto again = Save(*reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, true);
+    auto again = Save(reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, true);
     ASSERT_TRUE(again.ok()) << again.status().message();
-    EXPECT_EQ(ReadFile(fs::path(reg->GetCheckpoint(path)->dir) / "adapter_model.safetensors"), Bytes(300, 7));
-    EXPECT_EQ(CheckpointDirsOnDisk(reg->data_dir()).size(), 1u);
-  }
-  EXPECT_TRUE(finished) << "the save never ran to completion";
+    EXPECT_EQ(ReadFile(fs::path(reg.GetCheckpoint(path)->dir) / "adapter_model.safetensors"), Bytes(300, 7));
+    EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()).size(), 1u);
+  });
   EXPECT_GT(kept_old, 0);
   EXPECT_GT(kept_new, 1);
 }
 
 TEST(RegistryCrashTest, KillAtEveryStepOfAFirstSaveLeavesNoOrphanDirectory) {
   const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
-  bool finished = false;
   int lost = 0;
-  for (int crash_at = 0; crash_at < 32 && !finished; ++crash_at) {
-    TempDir tmp;
-    const int rc = SaveAndDie(tmp.path(), /*save_first=*/false, crash_at);
-    ASSERT_TRUE(rc == kCrashed || rc == kFinished) << "child exit " << rc;
-    finished = rc == kFinished;
-    const std::string step = finished ? "none (finished)" : ReadFile(fs::path(tmp.path()) / "crashed_at");
-    SCOPED_TRACE("killed after step " + std::to_string(crash_at) + ": " + step);
-    auto reg = OpenOrDie(tmp.path());
-    ASSERT_TRUE(reg);
-    auto c = reg->GetCheckpoint(path);
+  AfterAKillAtEveryStep(/*save_first=*/false, [&](Registry& reg, bool) {
+    auto c = reg.GetCheckpoint(path);
     if (c.ok()) {  // the row was written: complete
       EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(200, 7));
-      EXPECT_EQ(CheckpointDirsOnDisk(reg->data_dir()), std::set<std::string>{c->dir});
+      EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{c->dir});
     } else {  // never acknowledged: neither listed nor left on disk
       ++lost;
       EXPECT_EQ(c.status().code(), Code::kNotFound);
-      EXPECT_EQ(reg->ListCheckpoints("m:train:0", {-1, 0})->total, 0);
-      EXPECT_EQ(CheckpointDirsOnDisk(reg->data_dir()), std::set<std::string>{});
+      EXPECT_EQ(reg.ListCheckpoints("m:train:0", {-1, 0})->total, 0);
+      EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{});
     }
-    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
-    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
     // The name is free for a new save.
-    ASSERT_TRUE(Save(*reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, c.ok()).ok());
-  }
-  EXPECT_TRUE(finished);
+    ASSERT_TRUE(Save(reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, c.ok()).ok());
+  });
   EXPECT_GT(lost, 0);
 }
 
