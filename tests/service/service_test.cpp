@@ -343,6 +343,31 @@ TEST_F(ServiceTest, IdempotencyKeyIsScopedByRouteAndBody) {
   EXPECT_EQ(FbLog().size(), 2u);
 }
 
+TEST_F(ServiceTest, OverwriteKeepsTheCheckpointLoadableAndItsArchiveLinkWorking) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  const Caller alice{"alice", ""};
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, SaveRequest(m, 1, "ck"))->request_id).state,
+            FutureState::kDone);
+  int64_t expires = 0;
+  auto token = service_->CreateArchiveToken(alice, m, "weights/ck", &expires);
+  ASSERT_TRUE(token.ok());
+  // save_state(overwrite=true) publishes a new version of the files elsewhere.
+  wire::SaveWeightsRequest over = SaveRequest(m, 2, "ck");
+  over.overwrite = true;
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, over)->request_id).state, FutureState::kDone);
+  auto tar = service_->ReadArchive(*token);
+  ASSERT_TRUE(tar.ok()) << tar.status().message();
+  EXPECT_NE(tar->find("state.txt"), std::string::npos);
+  wire::LoadWeightsRequest load;
+  load.model_id = m;
+  load.seq_id = 3;
+  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/ck");
+  EXPECT_EQ(Wait("alice", service_->LoadWeights(alice, load)->request_id).state, FutureState::kDone);
+  EXPECT_EQ((*service_->ListRunCheckpoints(alice, m))["checkpoints"].size(), 1u);
+}
+
 TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
   Open();
   std::string s = NewSession("alice");
