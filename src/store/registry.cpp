@@ -226,8 +226,10 @@ Result<std::unique_ptr<Registry>> Registry::Open(const std::string& data_dir) {
   if (Status s = db->sql->Exec(kSchema); !s.ok()) return s;
   if (Status s = AddVersionColumn(*db->sql); !s.ok()) return s;
   auto registry = std::unique_ptr<Registry>(new Registry(root.string(), std::move(db)));
-  std::lock_guard lock(registry->mu_);
-  if (Status s = registry->ReconcileLocked(); !s.ok()) return s;
+  {
+    std::lock_guard lock(registry->mu_);
+    if (Status s = registry->ReconcileLocked(); !s.ok()) return s;
+  }
   return registry;
 }
 
