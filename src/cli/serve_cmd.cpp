@@ -3,6 +3,7 @@
 // stops accepting, lets the batch in flight finish (queued requests fail
 // cleanly with "shutting down"), and exits 0.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -78,6 +79,8 @@ int Serve(int argc, char** argv) {
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  int max_models_per_tenant = -1;  // -1: the default below
+  app.add_option("--max-models-per-tenant", max_models_per_tenant, "live training models (adapter slots) one tenant may hold; 0 = no limit (default: max(1, max-adapters/4) with --api-keys, no limit in open mode)")->check(CLI::Range(0, 4096));
   app.add_option("--context-window", context_window, "context window W for training and sampling (0 = the model config's)")->default_val(context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   try {
     app.parse(argc, argv);
@@ -133,6 +136,10 @@ int Serve(int argc, char** argv) {
   sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
+  // Keyed tenants share the slots; in open mode (loopback, one developer) a
+  // tenant may take them all unless told otherwise.
+  sopt.max_models_per_tenant =
+      max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, max_adapters / 4);
   // The sampler shares the trainer's frozen base (held once).
   engine::SamplerOptions samp;
   samp.model_dir = model_dir;
@@ -160,9 +167,12 @@ int Serve(int argc, char** argv) {
   if (Status st = server.Start(); !st.ok()) return Fail(st.message());
 
   const auto& info = service.model_info();
-  std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d data_dir=%s%s\n",
+  std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
+              "models_per_tenant=%s data_dir=%s%s\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
-              info.dtype.c_str(), info.max_slots, info.max_rank, data_dir.c_str(),
+              info.dtype.c_str(), info.max_slots, info.max_rank,
+              sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
+              data_dir.c_str(),
               keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys");
   std::fflush(stdout);
 

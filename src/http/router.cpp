@@ -193,6 +193,7 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   }
   ctx.caller.tenant = *tenant;
   ctx.caller.idempotency_key = request.header("x-idempotency-key");
+  ctx.caller.route = request.method + " " + ctx.route;
 
   ctx.body = request.body;
   const std::string encoding = request.header("content-encoding");
@@ -212,6 +213,7 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
     return out;
   }
 
+  ctx.caller.body_digest = service::BodyDigest(ctx.body);
   if (ctx.route == "retrieve_future" && request.method == "POST") {
     out.response = RetrieveFuture(ctx, /*final_answer=*/false);
     if (out.response.status == 0) {  // pending: park

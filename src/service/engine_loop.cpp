@@ -269,7 +269,7 @@ void Service::JanitorLocked(Clock::time_point now, std::vector<int>* slots_to_re
   }
   futures_.Sweep(now);
   for (auto it = idempotent_.begin(); it != idempotent_.end();) {
-    it = now - it->second.second > std::chrono::hours(1) ? idempotent_.erase(it) : std::next(it);
+    it = now - it->second.at > std::chrono::hours(1) ? idempotent_.erase(it) : std::next(it);
   }
   for (auto it = archives_.begin(); it != archives_.end();) {
     it = it->second.expires < now ? archives_.erase(it) : std::next(it);
@@ -511,7 +511,7 @@ Result<std::string> StagingTarget(store::Registry& registry) {
 
 std::optional<int64_t> ExpiresMs(int64_t created_ms, const std::optional<int64_t>& ttl_seconds) {
   if (!ttl_seconds) return std::nullopt;
-  return created_ms + *ttl_seconds * 1000;
+  return store::ExpiryMs(created_ms, *ttl_seconds);  // saturated: a huge TTL never wraps into the past
 }
 }  // namespace
 

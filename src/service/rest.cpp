@@ -110,7 +110,7 @@ Status Service::SetCheckpointTtl(const Caller& caller, const std::string& run_id
   std::optional<int64_t> expires;
   if (ttl_seconds) {
     if (*ttl_seconds < 1) return Status::Invalid(fmt::format("ttl_seconds: must be >= 1 or null (got {})", *ttl_seconds));
-    expires = NowMs() + *ttl_seconds * 1000;
+    expires = store::ExpiryMs(NowMs(), *ttl_seconds);  // saturated, never wraps into the past
   }
   return registry_->SetExpiry(store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name}, expires);
 }
@@ -128,7 +128,8 @@ Result<std::string> Service::CreateArchiveToken(const Caller& caller, const std:
   if (!ckpt.ok()) return ckpt.status();
   std::string token = RandomHex(24);
   std::lock_guard<std::mutex> lock(mu_);
-  archives_[token] = ArchiveGrant{ckpt->dir, "", Clock::now() + options_.archive_url_ttl};
+  archives_[token] =
+      ArchiveGrant{store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name}, "", Clock::now() + options_.archive_url_ttl};
   if (expires_unix) *expires_unix = NowMs() / 1000 + options_.archive_url_ttl.count();
   return token;
 }
@@ -143,9 +144,11 @@ Result<std::string> Service::ReadArchive(const std::string& token) {
     }
     grant = it->second;
   }
+  auto ckpt = registry_->GetCheckpoint(grant.path);
+  if (!ckpt.ok()) return Status::NotFound("archive: checkpoint " + grant.path.ToString() + " is gone (deleted?)");
   store::TarOptions options;
   options.prefix = grant.prefix;
-  auto tar = store::TarDirectory(grant.dir, options);
+  auto tar = store::TarDirectory(ckpt->dir, options);
   if (!tar.ok() && tar.status().code() == Code::kInvalidArgument) {
     return Status::NotFound("archive: checkpoint files are gone (deleted?)");
   }

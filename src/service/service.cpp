@@ -6,6 +6,7 @@
 
 #include <random>
 
+#include "common/hash.h"
 #include "common/log.h"
 #include "service/util.h"
 
@@ -14,6 +15,8 @@ namespace loom::service {
 namespace {
 std::string RandomTag() { return RandomHex(6); }
 }  // namespace
+
+uint64_t BodyDigest(std::string_view body) { return Fnv1a64(body); }
 
 Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
                  std::unique_ptr<store::Registry> registry)
@@ -56,16 +59,54 @@ int Service::slots_in_use() const {
 
 // ------------------------------------------------------------ idempotency
 
-std::optional<Submitted> Service::IdempotentLocked(const Caller& caller) const {
-  if (caller.idempotency_key.empty()) return std::nullopt;
+namespace {
+// What a key is bound to: the operation, the route it came by and its body.
+std::string IdempotencyScope(const Caller& caller, std::string_view op) {
+  return fmt::format("{} via '{}' body {:016x}", op, caller.route, caller.body_digest);
+}
+}  // namespace
+
+Status Service::IdempotentLocked(const Caller& caller, std::string_view op, std::optional<Submitted>* prior) const {
+  prior->reset();
+  if (caller.idempotency_key.empty()) return Status::Ok();
   auto it = idempotent_.find({caller.tenant, caller.idempotency_key});
-  if (it == idempotent_.end()) return std::nullopt;
-  return it->second.first;
+  if (it == idempotent_.end()) return Status::Ok();
+  if (it->second.scope != IdempotencyScope(caller, op)) {
+    return Status::Invalid(fmt::format(
+        "X-Idempotency-Key: '{}' was already used for another request ({}); a key names one request, so send a new "
+        "key for a different route or body",
+        caller.idempotency_key, it->second.scope));
+  }
+  *prior = it->second.submitted;
+  return Status::Ok();
 }
 
-void Service::RememberLocked(const Caller& caller, const Submitted& submitted) {
+void Service::RememberLocked(const Caller& caller, std::string_view op, const Submitted& submitted) {
   if (caller.idempotency_key.empty()) return;
-  idempotent_[{caller.tenant, caller.idempotency_key}] = {submitted, Clock::now()};
+  idempotent_[{caller.tenant, caller.idempotency_key}] = {IdempotencyScope(caller, op), submitted, Clock::now()};
+}
+
+Status Service::AdmitNewModelLocked(const std::string& tenant) const {
+  // A live model holds a slot or is queued to bind one; the others gave theirs back.
+  int live = 0, mine = 0;
+  for (const auto& [id, m] : models_) {
+    if (m->state != ModelState::kActive) continue;
+    ++live;
+    if (m->owner == tenant) ++mine;
+  }
+  const int quota = options_.max_models_per_tenant;
+  if (quota > 0 && mine >= quota) {
+    return Status::Exhausted(fmt::format(
+        "create_model: tenant quota reached: {} of {} live models (--max-models-per-tenant {}); unload_model one of "
+        "yours or let an idle session expire, then retry",
+        mine, quota, quota));
+  }
+  const int slots = engine_->info().max_slots;
+  if (live >= slots) {
+    return Status::Unavailable(fmt::format(
+        "create_model: no free adapter slot: all {} are bound to live models (--max-adapters); retry later", slots));
+  }
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------- sessions
@@ -73,7 +114,9 @@ void Service::RememberLocked(const Caller& caller, const Submitted& submitted) {
 Result<std::string> Service::CreateSession(const Caller& caller, const wire::CreateSessionRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return Status::Unavailable("server is shutting down");
-  if (auto prior = IdempotentLocked(caller)) return prior->request_id;
+  std::optional<Submitted> prior;
+  if (Status st = IdempotentLocked(caller, "create_session", &prior); !st.ok()) return st;
+  if (prior) return prior->request_id;
   std::string id = RandomUuid();
   Session& s = sessions_[id];
   s.session_id = id;
@@ -88,7 +131,7 @@ Result<std::string> Service::CreateSession(const Caller& caller, const wire::Cre
   rec.user_metadata = meta.dump();
   Status st = registry_->AddSession(rec);
   if (!st.ok()) log::Warn("session_record_failed session={} error={}", id, st.message());
-  RememberLocked(caller, {id, ""});
+  RememberLocked(caller, "create_session", {id, ""});
   log::Info("session_created session={} tenant={}", id, caller.tenant);
   return id;
 }
@@ -139,8 +182,9 @@ Result<Submitted> Service::AdmitLocked(const Caller& caller, TrainingModel& mode
   op.arrived = Clock::now();
   op.ticket = next_ticket_++;
   Submitted out{op.request_id, model.model_id};
+  const OpKind kind = op.kind;
   model.sequencer.Admit(std::move(op));
-  RememberLocked(caller, out);
+  RememberLocked(caller, OpKindName(kind), out);
   TouchSessionLocked(model.session_id);
   if (model.sequencer.HasReady()) cv_.notify_all();
   return out;
@@ -150,7 +194,9 @@ Result<Submitted> Service::SubmitOnModel(const Caller& caller, const std::string
                                          Status precheck) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return Status::Unavailable("server is shutting down");
-  if (auto prior = IdempotentLocked(caller)) return *prior;
+  std::optional<Submitted> prior;
+  if (Status st = IdempotentLocked(caller, OpKindName(op.kind), &prior); !st.ok()) return st;
+  if (prior) return *prior;
   auto model = FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
   if (op.seq_id < 1) {
@@ -182,7 +228,9 @@ Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::C
                                        request.lora.rank, info.max_rank));
   }
   if (stopping_) return Status::Unavailable("server is shutting down");
-  if (auto prior = IdempotentLocked(caller)) return *prior;
+  std::optional<Submitted> prior;
+  if (Status st = IdempotentLocked(caller, OpKindName(OpKind::kCreateModel), &prior); !st.ok()) return st;
+  if (prior) return *prior;
   auto sit = sessions_.find(request.session_id);
   if (sit == sessions_.end() || sit->second.owner != caller.tenant) {
     return Status::NotFound("create_model.session_id: session '" + request.session_id + "' not found");
@@ -193,8 +241,10 @@ Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::C
   }
   const std::string model_id = fmt::format("{}:train:{}", request.session_id, request.model_seq_id);
   if (auto it = models_.find(model_id); it != models_.end()) {
-    if (auto prior = it->second->sequencer.Lookup(0)) return Submitted{*prior, model_id};
+    if (auto first = it->second->sequencer.Lookup(0)) return Submitted{*first, model_id};
   }
+  // Limits up front: nothing is recorded for a model that cannot get a slot.
+  if (Status st = AdmitNewModelLocked(caller.tenant); !st.ok()) return st;
   auto model = std::make_unique<TrainingModel>();
   model->model_id = model_id;
   model->owner = caller.tenant;
@@ -317,7 +367,10 @@ Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
 
 Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& model_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto prior = IdempotentLocked(caller)) return *prior;
+  const char* op = OpKindName(OpKind::kUnloadModel);
+  std::optional<Submitted> prior;
+  if (Status st = IdempotentLocked(caller, op, &prior); !st.ok()) return st;
+  if (prior) return *prior;
   auto model = FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
   TrainingModel& m = **model;
@@ -325,9 +378,9 @@ Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& 
     FailModelLocked(m, ModelState::kUnloaded, "model '" + model_id + "' was unloaded", &slots_to_release_);
     cv_.notify_all();
   }
-  Submitted out{futures_.Create(caller.tenant, OpKindName(OpKind::kUnloadModel)), model_id};
+  Submitted out{futures_.Create(caller.tenant, op), model_id};
   futures_.Complete(out.request_id, FutureResult{wire::UnloadModelResultJson(model_id), std::nullopt});
-  RememberLocked(caller, out);
+  RememberLocked(caller, op, out);
   return out;
 }
 

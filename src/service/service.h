@@ -5,7 +5,13 @@
 //
 // Invariants:
 //  - a model's requests take effect in seq_id order; a repeated (model_id,
-//    seq_id) or X-Idempotency-Key returns the first request's future;
+//    seq_id) returns the first request's future, and so does a repeated
+//    X-Idempotency-Key on the same route with the same body (the key reused
+//    for another route or body is a 400 naming the header, as in Stripe);
+//  - a tenant holds at most max_models_per_tenant live models (slots), and
+//    the live models of all tenants at most the slot count: create_model
+//    beyond either is refused up front with a retryable answer (429 for the
+//    tenant's quota, 503 for a full service), before a model is recorded;
 //  - every model, future, checkpoint and session has an owner (tenant); any
 //    other tenant gets NotFound with the same text as for an unknown id;
 //  - a slot is bound to at most one live model; a session without heartbeat
@@ -25,6 +31,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -58,13 +65,22 @@ struct ServiceOptions {
   // arrived for this long (tenants submitting "at once" land in one pass),
   // but never keeps a request waiting longer than kMaxBatchWindows windows.
   std::chrono::milliseconds batch_window{2};
+  // --max-models-per-tenant: live models (adapter slots, held or being bound)
+  // one tenant may have at once; 0 = no per-tenant limit (only the slots).
+  int max_models_per_tenant = 0;
 };
 
 // Who is calling, as http/ authenticated it.
 struct Caller {
   std::string tenant;
   std::string idempotency_key;  // X-Idempotency-Key, "" when absent
+  std::string route;            // "<METHOD> <route under /api/v1/>", "" when not from http/
+  uint64_t body_digest = 0;     // BodyDigest() of the decoded body
 };
+
+// The digest of a request body that scopes its X-Idempotency-Key (FNV-1a 64:
+// it only tells one tenant's own requests apart, so it need not resist attacks).
+uint64_t BodyDigest(std::string_view body);
 
 // The answer to a submitted asynchronous request.
 struct Submitted {
@@ -171,7 +187,7 @@ class Service {
     std::string model_path;
   };
   struct ArchiveGrant {
-    std::string dir;
+    store::TinkerPath path;  // resolved at download: an overwrite moves its files
     std::string prefix;
     Clock::time_point expires;
   };
@@ -208,8 +224,14 @@ class Service {
   // model's sequencer: the SDK never resends a rejected seq_id.
   Result<Submitted> SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op,
                                   Status precheck = Status::Ok());
-  std::optional<Submitted> IdempotentLocked(const Caller& caller) const;
-  void RememberLocked(const Caller& caller, const Submitted& submitted);
+  // The first answer to caller's X-Idempotency-Key when it was used for the
+  // same operation, route and body; the key used for another one is
+  // InvalidArgument naming the header. `op` is the Service operation.
+  Status IdempotentLocked(const Caller& caller, std::string_view op, std::optional<Submitted>* prior) const;
+  void RememberLocked(const Caller& caller, std::string_view op, const Submitted& submitted);
+  // Refuses a new model beyond the tenant's quota (Exhausted, 429) or the
+  // slot count (Unavailable, 503); both say to retry.
+  Status AdmitNewModelLocked(const std::string& tenant) const;
   void TouchSessionLocked(const std::string& session_id);
 
   void EngineLoop();
@@ -268,8 +290,14 @@ class Service {
   std::map<std::string, Session> sessions_;
   std::map<std::string, std::unique_ptr<TrainingModel>> models_;
   std::map<std::string, Sampler> samplers_;
-  // (tenant, X-Idempotency-Key) -> first answer and when; pruned after an hour.
-  std::map<std::pair<std::string, std::string>, std::pair<Submitted, Clock::time_point>> idempotent_;
+  // (tenant, X-Idempotency-Key) -> the first request's scope (operation,
+  // route, body digest), its answer and when; pruned after an hour.
+  struct Remembered {
+    std::string scope;
+    Submitted submitted;
+    Clock::time_point at;
+  };
+  std::map<std::pair<std::string, std::string>, Remembered> idempotent_;
   std::map<std::string, ArchiveGrant> archives_;
   std::set<int> free_slots_;
   std::vector<int> slots_to_release_;  // released on the engine thread

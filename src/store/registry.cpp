@@ -5,10 +5,13 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <limits>
+#include <set>
 #include <system_error>
 
 #include "common/log.h"
@@ -53,6 +56,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
   size_bytes INTEGER NOT NULL,
   expires_ms INTEGER,
   is_public INTEGER NOT NULL,
+  version INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (model_id, kind, name)
 );
 CREATE INDEX IF NOT EXISTS checkpoints_by_owner ON checkpoints (owner, created_ms);
@@ -70,7 +74,7 @@ constexpr const char* kRunColumns =
     "owner, model_id, base_model, lora_rank, train_attn, train_mlp, train_unembed, created_ms, "
     "last_request_ms, user_metadata";
 constexpr const char* kCheckpointColumns =
-    "owner, model_id, kind, name, created_ms, size_bytes, expires_ms, is_public";
+    "owner, model_id, kind, name, created_ms, size_bytes, expires_ms, is_public, version";
 
 TrainingRun ReadRun(const SqliteStatement& s) {
   TrainingRun r;
@@ -85,6 +89,22 @@ TrainingRun ReadRun(const SqliteStatement& s) {
   r.last_request_ms = s.Int(8);
   r.user_metadata = s.Text(9);
   return r;
+}
+
+// Reads a checkpoint row (kCheckpointColumns order); the caller derives dir.
+Checkpoint ReadCheckpointRow(const SqliteStatement& s) {
+  Checkpoint c;
+  c.owner = s.Text(0);
+  c.model_id = s.Text(1);
+  c.kind = s.Text(2);
+  c.name = s.Text(3);
+  c.created_ms = s.Int(4);
+  c.size_bytes = s.Int(5);
+  if (!s.IsNull(6)) c.expires_ms = s.Int(6);
+  c.is_public = s.Int(7) != 0;
+  c.version = s.Int(8);
+  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
+  return c;
 }
 
 Status CheckPage(const PageRequest& page) {
@@ -151,7 +171,32 @@ Result<int64_t> SyncTree(const fs::path& dir) {
   return bytes;
 }
 
+// Registries written before checkpoints had versions: every row is version 0,
+// whose directory is the old layout's.
+Status AddVersionColumn(SqliteDb& db) {
+  auto info = db.Prepare("PRAGMA table_info(checkpoints)");
+  if (!info.ok()) return info.status();
+  bool has_version = false;
+  Result<bool> row = info.value()->Step();
+  for (; row.ok() && row.value(); row = info.value()->Step()) has_version |= info.value()->Text(1) == "version";
+  info.value()->Reset();
+  if (!row.ok()) return row.status();
+  if (has_version) return Status::Ok();
+  log::Info("registry_migrate add_column=checkpoints.version");
+  return db.Exec("ALTER TABLE checkpoints ADD COLUMN version INTEGER NOT NULL DEFAULT 0");
+}
+
 }  // namespace
+
+int64_t ExpiryMs(int64_t from_ms, int64_t ttl_seconds) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  int64_t ttl_ms = 0;
+  if (__builtin_mul_overflow(ttl_seconds, int64_t{1000}, &ttl_ms)) ttl_ms = ttl_seconds > 0 ? kMax : kMin;
+  int64_t at = 0;
+  if (__builtin_add_overflow(from_ms, ttl_ms, &at)) at = ttl_ms > 0 ? kMax : kMin;
+  return std::min(at, kMaxExpiryMs);
+}
 
 Registry::Registry(std::string data_dir, std::unique_ptr<Db> db)
     : data_dir_(std::move(data_dir)), db_(std::move(db)) {}
@@ -172,41 +217,86 @@ Result<std::unique_ptr<Registry>> Registry::Open(const std::string& data_dir) {
   if (db->lock_fd < 0 || ::flock(db->lock_fd, LOCK_EX | LOCK_NB) != 0) {
     return Status::Unavailable("data_dir " + root.string() + " is in use by another loom process");
   }
-  // Leftovers of a crash: half-written saves and half-finished deletes.
-  for (const char* sub : {"staging", "trash"}) {
-    for (const auto& entry : fs::directory_iterator(root / sub, ec)) fs::remove_all(entry.path(), ec);
-  }
   Result<std::unique_ptr<SqliteDb>> sql = SqliteDb::Open((root / "registry.sqlite3").string());
   if (!sql.ok()) return sql.status();
   db->sql = std::move(sql.value());
-  if (Status s = db->sql->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"); !s.ok()) return s;
+  // FULL: a commit is on disk when it returns, so an overwrite never removes
+  // the old version while the row that replaces it could still be lost.
+  if (Status s = db->sql->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"); !s.ok()) return s;
   if (Status s = db->sql->Exec(kSchema); !s.ok()) return s;
+  if (Status s = AddVersionColumn(*db->sql); !s.ok()) return s;
   auto registry = std::unique_ptr<Registry>(new Registry(root.string(), std::move(db)));
-
-  // A row whose files are gone (a crash inside DeleteCheckpoint) is dropped.
-  std::vector<TinkerPath> dangling;
   {
-    auto all = registry->db_->sql->Prepare("SELECT model_id, kind, name FROM checkpoints");
-    if (!all.ok()) return all.status();
-    SqliteStatement* st = all.value();
-    for (Result<bool> row = st->Step(); row.ok() && row.value(); row = st->Step()) {
-      TinkerPath p{st->Text(0), st->Text(1), st->Text(2)};
-      Result<std::string> dir = registry->CheckpointDir(p.model_id, p.kind, p.name);
-      if (!dir.ok() || !fs::is_directory(dir.value(), ec)) dangling.push_back(p);
-    }
-    st->Reset();
-  }
-  for (const TinkerPath& p : dangling) {
-    log::Warn("registry_drop_dangling tinker_path={}", p.ToString());
-    auto del = registry->db_->sql->Prepare(
-        "DELETE FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
-    if (!del.ok()) return del.status();
-    del.value()->Bind(1, p.model_id);
-    del.value()->Bind(2, p.kind);
-    del.value()->Bind(3, p.name);
-    if (Status s = del.value()->Run(); !s.ok()) return s;
+    std::lock_guard lock(registry->mu_);
+    if (Status s = registry->ReconcileLocked(); !s.ok()) return s;
   }
   return registry;
+}
+
+Status Registry::ReconcileLocked() {
+  std::error_code ec;
+  const fs::path root(data_dir_);
+  // Leftovers of a crash: half-written saves and half-finished deletes.
+  for (const char* sub : {"staging", "trash"}) {
+    int removed = 0;
+    for (const auto& entry : fs::directory_iterator(root / sub, ec)) {
+      fs::remove_all(entry.path(), ec);
+      ++removed;
+    }
+    if (removed > 0) log::Info("registry_recover cleared={} entries={}", sub, removed);
+  }
+
+  // A row whose files are gone (a crash inside DeleteCheckpoint, or files
+  // lost behind the registry's back) is dropped; the others name the live
+  // directories.
+  std::vector<Checkpoint> dangling;
+  std::set<std::string> live;
+  {
+    auto all = db_->sql->Prepare(std::string("SELECT ") + kCheckpointColumns + " FROM checkpoints");
+    if (!all.ok()) return all.status();
+    SqliteStatement* st = all.value();
+    Result<bool> row = st->Step();
+    for (; row.ok() && row.value(); row = st->Step()) {
+      Checkpoint c = ReadCheckpointRow(*st);
+      Result<std::string> dir = VersionDir(c.model_id, c.kind, c.name, c.version);
+      if (!dir.ok() || !fs::is_directory(dir.value(), ec)) {
+        dangling.push_back(c);
+      } else {
+        live.insert(dir.value());
+      }
+    }
+    st->Reset();
+    if (!row.ok()) return row.status();
+  }
+  for (const Checkpoint& c : dangling) {
+    log::Warn("registry_drop_dangling tinker_path={} version={} (its files are gone)", c.tinker_path, c.version);
+    auto del = db_->sql->Prepare("DELETE FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
+    if (!del.ok()) return del.status();
+    del.value()->Bind(1, c.model_id);
+    del.value()->Bind(2, c.kind);
+    del.value()->Bind(3, c.name);
+    if (Status s = del.value()->Run(); !s.ok()) return s;
+  }
+  // A checkpoint directory that no row names was never acknowledged (a save
+  // that crashed between its rename and its row) or is the replaced version
+  // of an overwrite that crashed before removing it: delete it.
+  std::vector<fs::path> orphans;
+  for (const auto& run : fs::directory_iterator(root / "runs", ec)) {
+    if (!fs::is_directory(run.symlink_status(ec))) continue;
+    for (const char* kind : {kWeightsKind, kSamplerWeightsKind}) {
+      std::error_code kind_ec;
+      for (const auto& entry : fs::directory_iterator(run.path() / kind, kind_ec)) {
+        if (fs::is_directory(entry.symlink_status(kind_ec)) && !live.count(entry.path().string())) {
+          orphans.push_back(entry.path());
+        }
+      }
+    }
+  }
+  for (const fs::path& dir : orphans) {
+    log::Warn("registry_remove_orphan dir={} (no registry row names it)", dir.string());
+    if (Status s = TrashLocked(dir.string()); !s.ok()) log::Warn("registry_remove_orphan_failed error={}", s.message());
+  }
+  return Status::Ok();
 }
 
 // ---------------------------------------------------------------- layout
@@ -217,6 +307,34 @@ Result<std::string> Registry::CheckpointDir(const std::string& model_id, const s
   if (Status s = ValidateKind(kind); !s.ok()) return s;
   if (Status s = ValidateCheckpointName(name); !s.ok()) return s;
   return (fs::path(data_dir_) / "runs" / SanitizeForPath(model_id) / kind / name).string();
+}
+
+Result<std::string> Registry::VersionDir(const std::string& model_id, const std::string& kind,
+                                         const std::string& name, int64_t version) const {
+  Result<std::string> dir = CheckpointDir(model_id, kind, name);
+  if (!dir.ok() || version == 0) return dir;
+  return dir.value() + "@" + std::to_string(version);
+}
+
+Status Registry::TrashLocked(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(dir, ec))) return Status::Ok();
+  const fs::path trash = fs::path(data_dir_) / "trash" /
+                         (std::to_string(db_->next_unique.fetch_add(1)) + "-" + fs::path(dir).filename().string());
+  fs::rename(dir, trash, ec);
+  if (ec) return Status::Internal("registry: cannot move " + dir + " to trash: " + ec.message());
+  AtStep("trashed");
+  fs::remove_all(trash, ec);
+  return Status::Ok();
+}
+
+void Registry::AtStep(std::string_view step) const {
+  if (step_hook_) step_hook_(step);
+}
+
+void Registry::SetStepHookForTest(std::function<void(std::string_view step)> hook) {
+  std::lock_guard lock(mu_);
+  step_hook_ = std::move(hook);
 }
 
 Result<std::string> Registry::NewStagingDir() {
@@ -294,26 +412,6 @@ Result<Page<TrainingRun>> Registry::ListRuns(const std::string& owner, PageReque
 
 // ---------------------------------------------------------------- checkpoints
 
-namespace {
-
-// Reads a checkpoint row (kCheckpointColumns order); dir and tinker_path are
-// derived by the caller.
-Checkpoint ReadCheckpointRow(const SqliteStatement& s) {
-  Checkpoint c;
-  c.owner = s.Text(0);
-  c.model_id = s.Text(1);
-  c.kind = s.Text(2);
-  c.name = s.Text(3);
-  c.created_ms = s.Int(4);
-  c.size_bytes = s.Int(5);
-  if (!s.IsNull(6)) c.expires_ms = s.Int(6);
-  c.is_public = s.Int(7) != 0;
-  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
-  return c;
-}
-
-}  // namespace
-
 Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
                                               const CheckpointSpec& spec) {
   std::error_code ec;
@@ -323,8 +421,7 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
     return Status::Invalid("staging_dir: " + staging_dir + " is not a folder made by NewStagingDir()");
   }
   Status valid = CheckOwner(spec.owner);
-  Result<std::string> target = CheckpointDir(spec.model_id, spec.kind, spec.name);
-  if (valid.ok()) valid = target.status();
+  if (valid.ok()) valid = CheckpointDir(spec.model_id, spec.kind, spec.name).status();
   if (!valid.ok()) {
     discard_staging();
     return valid;
@@ -336,58 +433,61 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
   }
 
   std::lock_guard lock(mu_);
+  AtStep("synced");
+  const TinkerPath path{spec.model_id, spec.kind, spec.name};
+  Result<Checkpoint> existing = GetLocked(path);
+  if (!existing.ok() && existing.status().code() != Code::kNotFound) {
+    discard_staging();
+    return existing.status();
+  }
+  const bool replacing = existing.ok();
+  if (replacing && !spec.overwrite) {
+    discard_staging();
+    return Status::Exists("checkpoint " + path.ToString() + " already exists (overwrite is false)");
+  }
   Checkpoint c;
   c.owner = spec.owner;
   c.model_id = spec.model_id;
   c.kind = spec.kind;
   c.name = spec.name;
-  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
-  c.dir = target.value();
+  c.tinker_path = path.ToString();
   c.created_ms = spec.created_ms;
   c.size_bytes = size.value();
-  c.expires_ms = spec.expires_ms;
+  if (spec.expires_ms) c.expires_ms = std::min(*spec.expires_ms, kMaxExpiryMs);
   c.is_public = spec.is_public;
+  // The new files go next to the live version, never over it.
+  c.version = replacing ? existing->version + 1 : 0;
+  c.dir = VersionDir(c.model_id, c.kind, c.name, c.version).value();
 
-  auto exists = db_->sql->Prepare(
-      "SELECT owner FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
-  if (!exists.ok()) return exists.status();
-  exists.value()->Bind(1, c.model_id);
-  exists.value()->Bind(2, c.kind);
-  exists.value()->Bind(3, c.name);
-  Result<bool> found = exists.value()->Step();
-  exists.value()->Reset();
-  if (!found.ok()) return found.status();
-  if (found.value() && !spec.overwrite) {
+  // A directory already there has no row (a save that failed before its
+  // row): it is not live.
+  if (Status s = TrashLocked(c.dir); !s.ok()) {
     discard_staging();
-    return Status::Exists("checkpoint " + c.tinker_path + " already exists (overwrite is false)");
+    return s;
   }
-
-  // Move an older version (or a leftover without a row) out of the way.
   const fs::path dest(c.dir);
-  fs::path old;
-  if (fs::exists(dest, ec)) {
-    old = fs::path(data_dir_) / "trash" /
-          (std::to_string(db_->next_unique.fetch_add(1)) + "-replaced");
-    fs::rename(dest, old, ec);
-    if (ec) {
-      discard_staging();
-      return Status::Internal("registry: cannot move old " + dest.string() + ": " + ec.message());
-    }
-  }
   fs::create_directories(dest.parent_path(), ec);
   fs::rename(staging, dest, ec);
   if (ec) {
     const std::string why = ec.message();
     discard_staging();
-    if (!old.empty()) fs::rename(old, dest, ec);  // put the previous version back
     return Status::Internal("registry: cannot publish " + dest.string() + ": " + why);
   }
-  if (Status s = SyncPath(dest.parent_path(), true); !s.ok()) return s;
+  AtStep("renamed");
+  if (Status s = SyncPath(dest.parent_path(), true); !s.ok()) {
+    TrashLocked(c.dir);
+    return s;
+  }
+  AtStep("published");
 
+  // One transaction moves the checkpoint to the new version (synchronous=FULL).
   auto insert = db_->sql->Prepare(
       "INSERT OR REPLACE INTO checkpoints (owner, model_id, kind, name, created_ms, size_bytes, "
-      "expires_ms, is_public) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)");
-  if (!insert.ok()) return insert.status();
+      "expires_ms, is_public, version) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)");
+  if (!insert.ok()) {
+    TrashLocked(c.dir);
+    return insert.status();
+  }
   SqliteStatement* s = insert.value();
   s->Bind(1, c.owner);
   s->Bind(2, c.model_id);
@@ -397,15 +497,22 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
   s->Bind(6, c.size_bytes);
   s->Bind(7, c.expires_ms);
   s->Bind(8, int64_t{c.is_public});
-  if (Status st = s->Run(); !st.ok()) return st;
-  if (!old.empty()) fs::remove_all(old, ec);
+  s->Bind(9, c.version);
+  if (Status st = s->Run(); !st.ok()) {
+    TrashLocked(c.dir);
+    return st;
+  }
+  AtStep("recorded");
+  if (replacing) {
+    // Only now is the old version unreferenced; a failure here leaves a
+    // directory without a row, which the next Open() removes.
+    if (Status st = TrashLocked(existing->dir); !st.ok()) log::Warn("registry_replace_cleanup error={}", st.message());
+  }
   return c;
 }
 
-Result<Checkpoint> Registry::GetCheckpoint(const TinkerPath& path) const {
-  Result<std::string> dir = CheckpointDir(path.model_id, path.kind, path.name);
-  if (!dir.ok()) return dir.status();
-  std::lock_guard lock(mu_);
+Result<Checkpoint> Registry::GetLocked(const TinkerPath& path) const {
+  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
   auto st = db_->sql->Prepare(std::string("SELECT ") + kCheckpointColumns +
                               " FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
   if (!st.ok()) return st.status();
@@ -417,8 +524,13 @@ Result<Checkpoint> Registry::GetCheckpoint(const TinkerPath& path) const {
   if (!row.value()) return Status::NotFound("checkpoint " + path.ToString() + " not found");
   Checkpoint c = ReadCheckpointRow(*st.value());
   st.value()->Reset();
-  c.dir = dir.value();
+  c.dir = VersionDir(c.model_id, c.kind, c.name, c.version).value();
   return c;
+}
+
+Result<Checkpoint> Registry::GetCheckpoint(const TinkerPath& path) const {
+  std::lock_guard lock(mu_);
+  return GetLocked(path);
 }
 
 Result<Checkpoint> Registry::GetCheckpointByPath(const std::string& tinker_path) const {
@@ -447,7 +559,7 @@ Result<Page<Checkpoint>> Registry::ListCheckpoints(const std::string& model_id, 
   if (Status s = CheckPage(page); !s.ok()) return s;
   std::lock_guard lock(mu_);
   return ListCheckpointsWhere(*db_->sql, "model_id", model_id, page, [this](const Checkpoint& c) {
-    Result<std::string> d = CheckpointDir(c.model_id, c.kind, c.name);
+    Result<std::string> d = VersionDir(c.model_id, c.kind, c.name, c.version);
     return d.ok() ? d.value() : std::string();
   });
 }
@@ -456,38 +568,29 @@ Result<Page<Checkpoint>> Registry::ListOwnerCheckpoints(const std::string& owner
   if (Status s = CheckPage(page); !s.ok()) return s;
   std::lock_guard lock(mu_);
   return ListCheckpointsWhere(*db_->sql, "owner", owner, page, [this](const Checkpoint& c) {
-    Result<std::string> d = CheckpointDir(c.model_id, c.kind, c.name);
+    Result<std::string> d = VersionDir(c.model_id, c.kind, c.name, c.version);
     return d.ok() ? d.value() : std::string();
   });
 }
 
-Status Registry::DeleteLocked(const TinkerPath& path) {
-  Result<std::string> dir = CheckpointDir(path.model_id, path.kind, path.name);
-  if (!dir.ok()) return dir.status();
+Status Registry::DeleteLocked(const Checkpoint& c) {
   // Files first: renamed into trash (atomic), so the checkpoint stops being
-  // loadable at once; then the row; then the bytes.
-  std::error_code ec;
-  const fs::path trash = fs::path(data_dir_) / "trash" /
-                         (std::to_string(db_->next_unique.fetch_add(1)) + "-deleted");
-  if (fs::exists(dir.value(), ec)) {
-    fs::rename(dir.value(), trash, ec);
-    if (ec) return Status::Internal("registry: cannot delete " + dir.value() + ": " + ec.message());
-  }
+  // loadable at once; then the row. A crash between the two leaves a row
+  // without files, which Open() drops.
+  if (Status s = TrashLocked(c.dir); !s.ok()) return Status::Internal("registry: cannot delete: " + s.message());
   auto del = db_->sql->Prepare("DELETE FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
   if (!del.ok()) return del.status();
-  del.value()->Bind(1, path.model_id);
-  del.value()->Bind(2, path.kind);
-  del.value()->Bind(3, path.name);
-  if (Status s = del.value()->Run(); !s.ok()) return s;
-  fs::remove_all(trash, ec);
-  return Status::Ok();
+  del.value()->Bind(1, c.model_id);
+  del.value()->Bind(2, c.kind);
+  del.value()->Bind(3, c.name);
+  return del.value()->Run();
 }
 
 Status Registry::DeleteCheckpoint(const TinkerPath& path) {
-  Result<Checkpoint> existing = GetCheckpoint(path);
-  if (!existing.ok()) return existing.status();
   std::lock_guard lock(mu_);
-  return DeleteLocked(path);
+  Result<Checkpoint> existing = GetLocked(path);
+  if (!existing.ok()) return existing.status();
+  return DeleteLocked(*existing);
 }
 
 Status Registry::SetPublic(const TinkerPath& path, bool is_public) {
@@ -514,6 +617,7 @@ Status Registry::SetExpiry(const TinkerPath& path, std::optional<int64_t> expire
   st.value()->Bind(1, path.model_id);
   st.value()->Bind(2, path.kind);
   st.value()->Bind(3, path.name);
+  if (expires_ms) expires_ms = std::min(*expires_ms, kMaxExpiryMs);
   st.value()->Bind(4, expires_ms);
   if (Status s = st.value()->Run(); !s.ok()) return s;
   if (db_->sql->changes() == 0) return Status::NotFound("checkpoint " + path.ToString() + " not found");
@@ -535,9 +639,10 @@ Result<std::vector<Checkpoint>> Registry::SweepExpired(int64_t now_ms) {
     st.value()->Reset();
   }
   for (Checkpoint& c : expired) {
-    Result<std::string> dir = CheckpointDir(c.model_id, c.kind, c.name);
-    if (dir.ok()) c.dir = dir.value();
-    if (Status s = DeleteLocked(TinkerPath{c.model_id, c.kind, c.name}); !s.ok()) return s;
+    Result<std::string> dir = VersionDir(c.model_id, c.kind, c.name, c.version);
+    if (!dir.ok()) continue;  // a row Open() would not have let through
+    c.dir = dir.value();
+    if (Status s = DeleteLocked(c); !s.ok()) return s;
   }
   return expired;
 }

@@ -1,16 +1,27 @@
 // Registry: the durable record of training runs, checkpoints and sessions,
-// kept in SQLite at <data_dir>/registry.sqlite3 (WAL mode), plus the layout of
-// checkpoint files under <data_dir>:
+// kept in SQLite at <data_dir>/registry.sqlite3 (WAL mode, synchronous=FULL),
+// plus the layout of checkpoint files under <data_dir>:
 //
-//   <data_dir>/runs/<SanitizeForPath(model_id)>/<kind>/<name>/   a checkpoint
-//   <data_dir>/staging/<unique>/                                 files being written
-//   <data_dir>/trash/<unique>/                                   files being deleted
+//   <data_dir>/runs/<SanitizeForPath(model_id)>/<kind>/<name>/      version 0
+//   <data_dir>/runs/<SanitizeForPath(model_id)>/<kind>/<name>@<v>/  version v
+//   <data_dir>/staging/<unique>/                                    files being written
+//   <data_dir>/trash/<unique>/                                      files being deleted
+//
+// A checkpoint's row records its version, and only the directory of that
+// version is live ('@' cannot occur in a name, so the map is injective). An
+// overwrite publishes version v+1 next to v, switches the row to v+1 in one
+// SQLite transaction, and only then removes v: a crash at any point leaves the
+// old or the new version listed and loadable, never neither.
 //
 // Invariants: a checkpoint row exists only when its directory is complete
-// (files are written to a staging dir, then renamed into place, then the row
-// is inserted; deletion removes the row's files first, by renaming them into
-// trash, then the row). Reopening the same data_dir lists everything that was
-// committed before, and clears staging/ and trash/ leftovers.
+// (files are written to a staging dir, fsynced, renamed into place, then the
+// row is written; deletion removes the row's files first, by renaming them
+// into trash, then the row). Reopening the same data_dir lists everything that
+// was committed before and reconciles the disk with the rows: staging/ and
+// trash/ are cleared, a row whose directory is gone is dropped, and every
+// directory under runs/ that no row names (a save that crashed before its row
+// was written, so it was never acknowledged, or the old version of a finished
+// overwrite) is deleted. Each repair is logged.
 //
 // Threading: every method may be called from any thread (I/O threads and the
 // engine thread); an internal mutex serialises them. Methods do disk I/O, so
@@ -22,16 +33,27 @@
 // AccessibleBy() also honours is_public). List* filter by owner.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/status.h"
 #include "store/tinker_path.h"
 
 namespace loom::store {
+
+// The latest expiry the registry records: 9999-12-31T23:59:59.999Z, the last
+// instant an ISO 8601 timestamp (and the SDK's Python datetime) can carry.
+inline constexpr int64_t kMaxExpiryMs = 253402300799999;
+
+// from_ms + ttl_seconds * 1000 for any int64 inputs, without overflow:
+// saturated into [INT64_MIN, kMaxExpiryMs], so a huge TTL means "far future"
+// and never wraps into the past (where the TTL sweep would delete it).
+int64_t ExpiryMs(int64_t from_ms, int64_t ttl_seconds);
 
 // One LoRA training client's model (Tinker's TrainingRun; id = model_id).
 struct TrainingRun {
@@ -59,6 +81,7 @@ struct Checkpoint {
   int64_t size_bytes = 0;   // sum of file sizes under dir
   std::optional<int64_t> expires_ms;  // unset: never expires
   bool is_public = false;
+  int64_t version = 0;      // times it was overwritten; names `dir` (see the layout above)
 
   std::string checkpoint_id() const { return kind + "/" + name; }
   bool AccessibleBy(const std::string& tenant) const { return owner == tenant || is_public; }
@@ -93,7 +116,7 @@ struct CheckpointSpec {
   std::string kind;
   std::string name;
   int64_t created_ms = 0;
-  std::optional<int64_t> expires_ms;  // created_ms + ttl_seconds * 1000, or unset
+  std::optional<int64_t> expires_ms;  // ExpiryMs(created_ms, ttl_seconds), or unset
   bool overwrite = false;             // replace an existing checkpoint of that name
   bool is_public = false;
 };
@@ -109,7 +132,9 @@ class Registry {
   const std::string& data_dir() const { return data_dir_; }
 
   // ---- file layout ----
-  // <data_dir>/runs/<sanitised model_id>/<kind>/<name>; validates all three.
+  // <data_dir>/runs/<sanitised model_id>/<kind>/<name>, the directory of a
+  // checkpoint's version 0; validates all three. A checkpoint's files are in
+  // its Checkpoint::dir.
   Result<std::string> CheckpointDir(const std::string& model_id, const std::string& kind,
                                     const std::string& name) const;
   // Creates and returns a fresh empty directory under <data_dir>/staging/
@@ -127,10 +152,11 @@ class Registry {
 
   // ---- checkpoints ----
   // Publishes the files in `staging_dir` (from NewStagingDir) as a checkpoint:
-  // fsyncs them, renames the folder to CheckpointDir(...), measures its size
-  // and inserts the row. An existing checkpoint of that name: Exists unless
-  // spec.overwrite (then the old files and row are replaced). On failure the
-  // staging dir is removed.
+  // fsyncs them, renames the folder to the directory of version 0, measures
+  // its size and inserts the row. An existing checkpoint of that name: Exists
+  // unless spec.overwrite; then the files become version v+1, the row moves to
+  // it, and version v is removed last (crash-safe, see the top). On failure
+  // the staging dir is removed and the previous version stays.
   Result<Checkpoint> CommitCheckpoint(const std::string& staging_dir, const CheckpointSpec& spec);
   Result<Checkpoint> GetCheckpoint(const TinkerPath& path) const;
   Result<Checkpoint> GetCheckpointByPath(const std::string& tinker_path) const;
@@ -147,6 +173,11 @@ class Registry {
   // returns what was removed.
   Result<std::vector<Checkpoint>> SweepExpired(int64_t now_ms);
 
+  // Test seam for crash tests: `hook` is called (under the mutex) with the
+  // name of each step CommitCheckpoint has just made durable or visible; a
+  // test _exit()s a forked child there to stand for kill -9. Empty: none.
+  void SetStepHookForTest(std::function<void(std::string_view step)> hook);
+
   // ---- sessions ----
   // Inserts (or replaces) a session.
   Status AddSession(const SessionRecord& session);
@@ -157,11 +188,22 @@ class Registry {
  private:
   struct Db;  // SQLite connection and prepared statements (registry.cpp)
   Registry(std::string data_dir, std::unique_ptr<Db> db);
-  Status DeleteLocked(const TinkerPath& path);  // mu_ held
+  // The directory of one version of a checkpoint (validates the names).
+  Result<std::string> VersionDir(const std::string& model_id, const std::string& kind, const std::string& name,
+                                 int64_t version) const;
+  Result<Checkpoint> GetLocked(const TinkerPath& path) const;  // mu_ held
+  Status DeleteLocked(const Checkpoint& c);                      // mu_ held; c as read from its row
+  // Open(): drops rows without files and deletes directories without rows.
+  Status ReconcileLocked();
+  void AtStep(std::string_view step) const;  // mu_ held; calls the test hook
+
+  // Moves `dir` (if it exists) into trash/, atomically, then removes it.
+  Status TrashLocked(const std::string& dir);
 
   std::string data_dir_;
   mutable std::mutex mu_;
   std::unique_ptr<Db> db_;  // guarded by mu_
+  std::function<void(std::string_view)> step_hook_;  // guarded by mu_
 };
 
 }  // namespace loom::store

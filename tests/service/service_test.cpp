@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
 #include <thread>
 
 #include "fake_engine.h"
@@ -79,6 +80,15 @@ class ServiceTest : public ::testing::Test {
     return sub->model_id;
   }
 
+  static wire::CreateModelRequest CreateRequest(const std::string& session, int64_t seq) {
+    wire::CreateModelRequest req;
+    req.session_id = session;
+    req.model_seq_id = seq;
+    req.base_model = "test/base";
+    req.lora.rank = 4;
+    return req;
+  }
+
   static wire::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
                                          const std::string& loss = "cross_entropy") {
     wire::ForwardBackwardRequest r;
@@ -140,13 +150,14 @@ TEST_F(ServiceTest, RepeatedSeqIdOrIdempotencyKeyReturnsTheOriginalFuture) {
   auto b = service_->ForwardBackward({"alice", "k2"}, Fb(m, 1, 5));
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(a->request_id, b->request_id);
-  // The same idempotency key on another endpoint returns the first future too.
+  // The same idempotency key on another endpoint is not that call's retry.
   wire::OptimStepRequest o;
   o.model_id = m;
   o.seq_id = 2;
   auto c = service_->OptimStep({"alice", "k1"}, o);
-  ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->request_id, a->request_id);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("X-Idempotency-Key"), std::string::npos) << c.status().message();
   EXPECT_EQ(FbLog().size(), 1u);  // ran once
 }
 
@@ -244,17 +255,144 @@ TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
   Open({}, /*slots=*/1);
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
-  wire::CreateModelRequest req;
-  req.session_id = s;
-  req.model_seq_id = 1;
-  req.base_model = "test/base";
-  req.lora.rank = 4;
+  const wire::CreateModelRequest req = CreateRequest(s, 1);
+  // Refused up front with 503 (the SDK's base client retries it), not as a
+  // failed future (a final RequestFailedError), and nothing is recorded.
   auto sub = service_->CreateModel({"alice", ""}, req);
-  ASSERT_TRUE(sub.ok());
-  FutureView v = Wait("alice", sub->request_id);
-  ASSERT_EQ(v.state, FutureState::kFailed);
-  EXPECT_EQ(v.error.code(), Code::kResourceExhausted);
-  EXPECT_NE(v.error.message().find("no free adapter slot"), std::string::npos);
+  ASSERT_FALSE(sub.ok());
+  EXPECT_EQ(sub.status().code(), Code::kUnavailable);
+  EXPECT_NE(sub.status().message().find("no free adapter slot"), std::string::npos);
+  EXPECT_NE(sub.status().message().find("retry"), std::string::npos);
+  EXPECT_EQ((*service_->ListTrainingRuns({"alice", ""}, {}))["training_runs"].size(), 1u);
+  // Once the slot is free the same request succeeds.
+  ASSERT_TRUE(service_->UnloadModel({"alice", ""}, s + ":train:0").ok());
+  auto retried = service_->CreateModel({"alice", ""}, req);
+  ASSERT_TRUE(retried.ok()) << retried.status().message();
+  EXPECT_EQ(Wait("alice", retried->request_id).state, FutureState::kDone);
+}
+
+TEST_F(ServiceTest, TenantQuotaRefusesCreateWith429AndSparesOtherTenants) {
+  ServiceOptions o;
+  o.max_models_per_tenant = 2;
+  Open(o, /*slots=*/4);
+  std::string s = NewSession("alice");
+  NewModel("alice", s, 0);
+  NewModel("alice", s, 1);
+  const wire::CreateModelRequest req = CreateRequest(s, 2);
+  auto third = service_->CreateModel({"alice", ""}, req);
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), Code::kResourceExhausted);  // 429
+  EXPECT_NE(third.status().message().find("--max-models-per-tenant 2"), std::string::npos)
+      << third.status().message();
+  EXPECT_EQ((*service_->ListTrainingRuns({"alice", ""}, {}))["training_runs"].size(), 2u);
+  // Via load_weights (create_training_client_from_state) the quota holds too.
+  ASSERT_EQ(Wait("alice", service_->SaveWeights({"alice", ""}, SaveRequest(s + ":train:0", 1, "c"))->request_id).state,
+            FutureState::kDone);
+  wire::LoadWeightsRequest load;
+  load.mode = wire::LoadWeightsRequest::Mode::kCreateModel;
+  load.session_id = s;
+  load.model_seq_id = 2;
+  load.path = *wire::ParseTinkerPath("tinker://" + s + ":train:0/weights/c");
+  EXPECT_EQ(service_->LoadWeights({"alice", ""}, load).status().code(), Code::kResourceExhausted);
+  // Another tenant still gets the free slots.
+  std::string b = NewSession("bob");
+  NewModel("bob", b, 0);
+  NewModel("bob", b, 1);
+  EXPECT_EQ(service_->slots_in_use(), 4);
+  // A retry of alice's existing model is not a new model.
+  EXPECT_TRUE(service_->CreateModel({"alice", ""}, CreateRequest(s, 1)).ok());
+  // Unloading one of hers makes room for her again.
+  ASSERT_TRUE(service_->UnloadModel({"alice", ""}, s + ":train:1").ok());
+  auto retried = service_->CreateModel({"alice", ""}, req);
+  ASSERT_TRUE(retried.ok()) << retried.status().message();
+  EXPECT_EQ(Wait("alice", retried->request_id).state, FutureState::kDone);
+}
+
+TEST_F(ServiceTest, IdempotencyKeyIsScopedByRouteAndBody) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  const Caller first{"alice", "k", "POST forward_backward", BodyDigest("body-1")};
+  auto a = service_->ForwardBackward(first, Fb(m, 1, 5));
+  ASSERT_TRUE(a.ok());
+  // The base client's retry: same key, route and body -> the first future.
+  auto retry = service_->ForwardBackward(first, Fb(m, 1, 5));
+  ASSERT_TRUE(retry.ok());
+  EXPECT_EQ(retry->request_id, a->request_id);
+  // Same key, another body (a new seq_id) or another route: a 400 naming the header.
+  Caller other_body = first;
+  other_body.body_digest = BodyDigest("body-2");
+  auto b = service_->ForwardBackward(other_body, Fb(m, 2, 6));
+  EXPECT_EQ(b.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("X-Idempotency-Key: 'k'"), std::string::npos) << b.status().message();
+  Caller other_route = first;
+  other_route.route = "POST forward";
+  EXPECT_EQ(service_->ForwardBackward(other_route, Fb(m, 2, 6)).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(service_->CreateModel(first, CreateRequest(s, 1)).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(service_->UnloadModel(first, m).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(service_->CreateSession(first, {}).status().code(), Code::kInvalidArgument);
+  // Another tenant's equal key is its own.
+  std::string bs = NewSession("bob");
+  std::string bm = NewModel("bob", bs);
+  auto theirs = service_->ForwardBackward({"bob", "k", "POST forward_backward", BodyDigest("body-1")}, Fb(bm, 1, 7));
+  ASSERT_TRUE(theirs.ok());
+  EXPECT_NE(theirs->request_id, a->request_id);
+  EXPECT_EQ(Wait("alice", a->request_id).state, FutureState::kDone);
+  EXPECT_EQ(Wait("bob", theirs->request_id).state, FutureState::kDone);
+  // Nothing that was refused reached the engine.
+  EXPECT_EQ(FbLog().size(), 2u);
+}
+
+TEST_F(ServiceTest, OverwriteKeepsTheCheckpointLoadableAndItsArchiveLinkWorking) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  const Caller alice{"alice", ""};
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, SaveRequest(m, 1, "ck"))->request_id).state,
+            FutureState::kDone);
+  int64_t expires = 0;
+  auto token = service_->CreateArchiveToken(alice, m, "weights/ck", &expires);
+  ASSERT_TRUE(token.ok());
+  // save_state(overwrite=true) publishes a new version of the files elsewhere.
+  wire::SaveWeightsRequest over = SaveRequest(m, 2, "ck");
+  over.overwrite = true;
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, over)->request_id).state, FutureState::kDone);
+  auto tar = service_->ReadArchive(*token);
+  ASSERT_TRUE(tar.ok()) << tar.status().message();
+  EXPECT_NE(tar->find("state.txt"), std::string::npos);
+  wire::LoadWeightsRequest load;
+  load.model_id = m;
+  load.seq_id = 3;
+  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/ck");
+  EXPECT_EQ(Wait("alice", service_->LoadWeights(alice, load)->request_id).state, FutureState::kDone);
+  EXPECT_EQ((*service_->ListRunCheckpoints(alice, m))["checkpoints"].size(), 1u);
+}
+
+TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
+  Open();
+  std::string s = NewSession("alice");
+  std::string m = NewModel("alice", s);
+  const Caller alice{"alice", ""};
+  wire::SaveWeightsRequest save = SaveRequest(m, 1, "forever");
+  save.ttl_seconds = std::numeric_limits<int64_t>::max();
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
+  wire::SaveWeightsForSamplerRequest sampler;
+  sampler.model_id = m;
+  sampler.seq_id = 2;
+  sampler.name = "sampler";
+  sampler.ttl_seconds = std::numeric_limits<int64_t>::max() / 1000;  // ttl * 1000 fits, + now does not
+  ASSERT_EQ(Wait("alice", service_->SaveWeightsForSampler(alice, sampler)->request_id).state, FutureState::kDone);
+  ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, SaveRequest(m, 3, "put"))->request_id).state,
+            FutureState::kDone);
+  // PUT .../ttl computes its expiry the same way.
+  ASSERT_TRUE(service_->SetCheckpointTtl(alice, m, "weights/put", std::numeric_limits<int64_t>::max()).ok());
+  // A restart sweeps expired TTLs (Start()): all three stay, due in year 9999.
+  service_.reset();
+  Open();
+  auto list = service_->ListRunCheckpoints(alice, m);
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ((*list)["checkpoints"].size(), 3u) << list->dump();
+  for (const auto& c : (*list)["checkpoints"]) EXPECT_EQ(c["expires_at"], "9999-12-31T23:59:59Z") << c.dump();
 }
 
 TEST_F(ServiceTest, ForwardBackwardsOfSeveralModelsPackIntoOnePass) {

@@ -1,12 +1,19 @@
 // Tests of the SQLite registry: CRUD, pagination, ownership, TTL sweeps,
-// checkpoint files, name validation and restart.
+// checkpoint files, name validation, restart, and kill -9 at every step of a
+// save (in a forked child) followed by the start-up reconciliation.
 #include "store/registry.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
+#include <limits>
+#include <set>
 #include <thread>
 
+#include "store/sqlite.h"
 #include "store_test_util.h"
 
 namespace loom::store {
@@ -146,7 +153,7 @@ TEST(RegistryTest, CommitPublishesFilesAtomicallyAndRecordsSize) {
   auto over = Save(*reg, "alice", "s1:train:0", kWeightsKind, "step_1", 300, 50, {}, true);
   ASSERT_TRUE(over.ok()) << over.status().message();
   EXPECT_EQ(over->size_bytes, 50 + 7);
-  EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(50, 7));
+  EXPECT_EQ(ReadFile(fs::path(over->dir) / "adapter_model.safetensors"), Bytes(50, 7));
   EXPECT_EQ(reg->ListCheckpoints("s1:train:0", {-1, 0})->total, 1);
   EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
 }
@@ -353,6 +360,217 @@ TEST(RegistryTest, ConcurrentCallersSeeConsistentCounts) {
   for (int t = 0; t < 4; ++t) {
     EXPECT_EQ(reg->ListOwnerCheckpoints("tenant" + std::to_string(t), {-1, 0})->total, 25);
   }
+}
+
+TEST(RegistryTest, HugeTtlSaturatesInsteadOfWrappingIntoThePast) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  const int64_t now = 1'700'000'000'000;
+  EXPECT_EQ(ExpiryMs(now, 60), now + 60'000);
+  EXPECT_EQ(ExpiryMs(now, kMax), kMaxExpiryMs);         // ttl * 1000 overflows
+  EXPECT_EQ(ExpiryMs(now, kMax / 1000), kMaxExpiryMs);  // now + ttl_ms overflows
+  EXPECT_EQ(ExpiryMs(kMax, 1), kMaxExpiryMs);
+  EXPECT_EQ(ExpiryMs(now, kMin), kMin + now);  // ttl * 1000 saturates: long expired, no UB
+  EXPECT_EQ(ExpiryMs(kMin, -1), kMin);
+
+  TempDir tmp;
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto huge = Save(*reg, "alice", "a1", kWeightsKind, "huge", now, 10, ExpiryMs(now, kMax));
+  auto raw = Save(*reg, "alice", "a1", kWeightsKind, "raw", now, 10, kMax);  // clamped on the way in
+  ASSERT_TRUE(huge.ok() && raw.ok());
+  EXPECT_EQ(raw->expires_ms, std::optional<int64_t>(kMaxExpiryMs));
+  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "raw"}, kMax).ok());
+  EXPECT_EQ(reg->GetCheckpoint(TinkerPath{"a1", kWeightsKind, "raw"})->expires_ms, std::optional<int64_t>(kMaxExpiryMs));
+  const int64_t century_ms = int64_t{100} * 365 * 24 * 3600 * 1000;
+  auto swept = reg->SweepExpired(now + century_ms);
+  ASSERT_TRUE(swept.ok());
+  EXPECT_TRUE(swept->empty());
+  EXPECT_EQ(reg->ListCheckpoints("a1", {-1, 0})->total, 2);
+}
+
+// ------------------------------------------------------------ crash safety
+
+constexpr int kFinished = 0;
+constexpr int kCrashed = 42;
+constexpr int kSetupFailed = 3;
+
+// Runs body in a forked child that _exits with its result. _exit at a step
+// stands for kill -9: no destructors run and nothing is flushed, so the disk
+// holds exactly what a killed loom leaves. Returns the exit code, -1 if none.
+int RunInChild(const std::function<int()>& body) {
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(body());
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// In a child: optionally saves m:train:0/weights/ckpt (100 bytes, t=10), then
+// saves it (again) with 200 bytes at t=20 and dies after the crash_at-th step
+// that CommitCheckpoint reports; the step's name goes to <dir>/crashed_at.
+int SaveAndDie(const std::string& dir, bool save_first, int crash_at) {
+  return RunInChild([&] {
+    auto reg = Registry::Open(dir);
+    if (!reg.ok()) return kSetupFailed;
+    if (save_first && !Save(**reg, "alice", "m:train:0", kWeightsKind, "ckpt", 10, 100).ok()) return kSetupFailed;
+    int seen = 0;
+    (*reg)->SetStepHookForTest([&](std::string_view step) {
+      if (seen++ != crash_at) return;
+      WriteFile(fs::path(dir) / "crashed_at", std::string(step));
+      ::_exit(kCrashed);
+    });
+    return Save(**reg, "alice", "m:train:0", kWeightsKind, "ckpt", 20, 200, {}, save_first).ok() ? kFinished
+                                                                                                 : kSetupFailed;
+  });
+}
+
+// Every directory under runs/<model>/weights/.
+std::set<std::string> CheckpointDirsOnDisk(const std::string& data_dir) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(fs::path(data_dir) / "runs" / SanitizeForPath("m:train:0") / "weights", ec)) {
+    out.insert(e.path().string());
+  }
+  return out;
+}
+
+// Kills SaveAndDie(save_first)'s child after each step in turn, until a run
+// finishes before its kill step; after each, reopens the data dir, checks that
+// staging/ and trash/ are empty, and hands the registry to check.
+void AfterAKillAtEveryStep(bool save_first, const std::function<void(Registry& reg, bool finished)>& check) {
+  bool finished = false;
+  for (int crash_at = 0; crash_at < 32 && !finished; ++crash_at) {
+    TempDir tmp;
+    const int rc = SaveAndDie(tmp.path(), save_first, crash_at);
+    ASSERT_TRUE(rc == kCrashed || rc == kFinished) << "child exit " << rc;
+    finished = rc == kFinished;
+    const std::string step = finished ? "none (finished)" : ReadFile(fs::path(tmp.path()) / "crashed_at");
+    SCOPED_TRACE("killed after step " + std::to_string(crash_at) + ": " + step);
+    auto reg = OpenOrDie(tmp.path());
+    ASSERT_TRUE(reg);
+    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
+    EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+    check(*reg, finished);
+  }
+  EXPECT_TRUE(finished) << "the save never ran to completion";
+}
+
+TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) {
+  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
+  int kept_old = 0, kept_new = 0;
+  AfterAKillAtEveryStep(/*save_first=*/true, [&](Registry& reg, bool finished) {
+    auto c = reg.GetCheckpoint(path);
+    ASSERT_TRUE(c.ok()) << c.status().message();
+    const std::string weights = ReadFile(fs::path(c->dir) / "adapter_model.safetensors");
+    const bool is_old = c->created_ms == 10 && c->size_bytes == 100 + 7 && weights == Bytes(100, 7);
+    const bool is_new = c->created_ms == 20 && c->size_bytes == 200 + 7 && weights == Bytes(200, 7);
+    ASSERT_TRUE(is_old || is_new) << "row t=" << c->created_ms << " size=" << c->size_bytes
+                                  << " file bytes=" << weights.size();
+    EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_config.json"), R"({"r":8})");
+    if (is_old) {
+      EXPECT_EQ(kept_new, 0) << "an earlier step already kept the new version";
+      ++kept_old;
+    } else {
+      ++kept_new;
+    }
+    if (finished) EXPECT_TRUE(is_new);
+    // Listed once, and nothing else is left on disk.
+    auto listed = reg.ListCheckpoints("m:train:0", {-1, 0});
+    ASSERT_TRUE(listed.ok());
+    ASSERT_EQ(listed->total, 1);
+    EXPECT_EQ(listed->items[0].dir, c->dir);
+    EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{c->dir});
+    // And it can be overwritten again after the restart.
+    auto again = Save(reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, true);
+    ASSERT_TRUE(again.ok()) << again.status().message();
+    EXPECT_EQ(ReadFile(fs::path(reg.GetCheckpoint(path)->dir) / "adapter_model.safetensors"), Bytes(300, 7));
+    EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()).size(), 1u);
+  });
+  EXPECT_GT(kept_old, 0);
+  EXPECT_GT(kept_new, 1);
+}
+
+TEST(RegistryCrashTest, KillAtEveryStepOfAFirstSaveLeavesNoOrphanDirectory) {
+  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
+  int lost = 0;
+  AfterAKillAtEveryStep(/*save_first=*/false, [&](Registry& reg, bool) {
+    auto c = reg.GetCheckpoint(path);
+    if (c.ok()) {  // the row was written: complete
+      EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(200, 7));
+      EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{c->dir});
+    } else {  // never acknowledged: neither listed nor left on disk
+      ++lost;
+      EXPECT_EQ(c.status().code(), Code::kNotFound);
+      EXPECT_EQ(reg.ListCheckpoints("m:train:0", {-1, 0})->total, 0);
+      EXPECT_EQ(CheckpointDirsOnDisk(reg.data_dir()), std::set<std::string>{});
+    }
+    // The name is free for a new save.
+    ASSERT_TRUE(Save(reg, "alice", "m:train:0", kWeightsKind, "ckpt", 30, 300, {}, c.ok()).ok());
+  });
+  EXPECT_GT(lost, 0);
+}
+
+TEST(RegistryCrashTest, OpenDeletesDirectoriesNoRowNamesAndKeepsLiveOnes) {
+  TempDir tmp;
+  std::string live_dir, replaced_dir;
+  {
+    auto reg = OpenOrDie(tmp.path());
+    ASSERT_TRUE(reg);
+    ASSERT_TRUE(Save(*reg, "alice", "m:train:0", kWeightsKind, "kept", 1, 10).ok());
+    auto v1 = Save(*reg, "alice", "m:train:0", kWeightsKind, "kept", 2, 20, {}, true);
+    ASSERT_TRUE(v1.ok());
+    live_dir = v1->dir;
+    EXPECT_EQ(v1->version, 1);
+    EXPECT_EQ(live_dir, reg->CheckpointDir("m:train:0", kWeightsKind, "kept").value() + "@1");
+    replaced_dir = reg->CheckpointDir("m:train:0", kWeightsKind, "kept").value();
+  }
+  const fs::path runs = fs::path(tmp.path()) / "runs";
+  // What crashes leave: a renamed save whose row never came (the old code's
+  // orphan), a replaced version that was not removed yet, an orphan of a
+  // model with no rows at all, and a stray file (not ours, left alone).
+  WriteFile(runs / SanitizeForPath("m:train:0") / "weights" / "ghost" / "adapter_model.safetensors", "x");
+  WriteFile(fs::path(replaced_dir) / "adapter_model.safetensors", Bytes(10, 7));
+  WriteFile(runs / SanitizeForPath("z:train:9") / "sampler_weights" / "s@4" / "adapter_config.json", "{}");
+  WriteFile(runs / SanitizeForPath("m:train:0") / "weights" / "README", "notes");
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kWeightsKind, "kept"});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->dir, live_dir);
+  EXPECT_EQ(ReadFile(fs::path(live_dir) / "adapter_model.safetensors"), Bytes(20, 7));
+  EXPECT_FALSE(fs::exists(runs / SanitizeForPath("m:train:0") / "weights" / "ghost"));
+  EXPECT_FALSE(fs::exists(replaced_dir));
+  EXPECT_FALSE(fs::exists(runs / SanitizeForPath("z:train:9") / "sampler_weights" / "s@4"));
+  EXPECT_TRUE(fs::exists(runs / SanitizeForPath("m:train:0") / "weights" / "README"));
+  EXPECT_EQ(reg->ListOwnerCheckpoints("alice", {-1, 0})->total, 1);
+  EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
+}
+
+TEST(RegistryCrashTest, RegistryWithoutVersionColumnIsMigratedAndStillLoads) {
+  TempDir tmp;
+  {
+    auto db = SqliteDb::Open((fs::path(tmp.path()) / "registry.sqlite3").string());
+    ASSERT_TRUE(db.ok());
+    ASSERT_TRUE((*db)->Exec(R"sql(
+      CREATE TABLE checkpoints (model_id TEXT NOT NULL, kind TEXT NOT NULL, name TEXT NOT NULL,
+        owner TEXT NOT NULL, created_ms INTEGER NOT NULL, size_bytes INTEGER NOT NULL,
+        expires_ms INTEGER, is_public INTEGER NOT NULL, PRIMARY KEY (model_id, kind, name));
+      INSERT INTO checkpoints VALUES ('m:train:0', 'weights', 'old', 'alice', 5, 3, NULL, 0);)sql").ok());
+  }
+  const fs::path old_dir = fs::path(tmp.path()) / "runs" / SanitizeForPath("m:train:0") / "weights" / "old";
+  WriteFile(old_dir / "adapter_model.safetensors", "abc");
+  auto reg = OpenOrDie(tmp.path());
+  ASSERT_TRUE(reg);
+  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kWeightsKind, "old"});
+  ASSERT_TRUE(c.ok()) << c.status().message();
+  EXPECT_EQ(c->version, 0);
+  EXPECT_EQ(c->dir, old_dir.string());
+  auto over = Save(*reg, "alice", "m:train:0", kWeightsKind, "old", 6, 40, {}, true);
+  ASSERT_TRUE(over.ok()) << over.status().message();
+  EXPECT_EQ(over->version, 1);
+  EXPECT_FALSE(fs::exists(old_dir));
 }
 
 }  // namespace
