@@ -177,6 +177,7 @@ Result<Submitted> Service::AdmitLocked(const Caller& caller, TrainingModel& mode
                                        "(requests of a model are numbered 1, 2, 3, ... without reuse)",
                                        op.seq_id, model.sequencer.next_seq(), model.model_id));
   }
+  if (Status window = model.sequencer.CheckWindow(op.seq_id); !window.ok()) return window;
   op.model_id = model.model_id;
   op.request_id = futures_.Create(caller.tenant, OpKindName(op.kind));
   op.arrived = Clock::now();

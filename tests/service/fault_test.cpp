@@ -141,3 +141,23 @@ TEST_F(FaultTest, UnloadBetweenPiecesFailsTheRestAndSparesOthers) {
 
 }  // namespace
 }  // namespace loom::testing
+
+namespace loom::testing {
+namespace {
+
+TEST_F(SchedFixture, FarFutureSeqIdIsRefusedUpFrontAndTheModelKeepsWorking) {
+  Open(/*token_budget=*/1024);
+  const std::string a = NewModel("a");
+  for (int64_t far : {int64_t{1000000}, int64_t{2147483647}}) {
+    auto sub = service_->ForwardBackward({"a", ""}, Fb(a, far, 5, {2}));
+    ASSERT_FALSE(sub.ok()) << far;
+    EXPECT_EQ(sub.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(sub.status().message().find("ahead of the next expected seq_id 1"), std::string::npos)
+        << sub.status().message();
+  }
+  EXPECT_EQ(Wait("a", Submit("a", Fb(a, 1, 5, {2}))).state, service::FutureState::kDone);
+  EXPECT_EQ(Wait("a", Submit("a", Fb(a, 2, 5, {2}))).state, service::FutureState::kDone);
+}
+
+}  // namespace
+}  // namespace loom::testing
