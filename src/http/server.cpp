@@ -116,6 +116,8 @@ struct HttpServer::Impl {
   ServerOptions options;
   asio::io_context ioc;
   std::unique_ptr<asio::thread_pool> decode_pool;
+  // Keeps ioc.run() going while every coroutine is away on the decode pool.
+  std::optional<asio::executor_work_guard<asio::io_context::executor_type>> keep_running;
   std::unique_ptr<tcp::acceptor> acceptor;
   std::vector<std::thread> threads;
   std::atomic<bool> stopping{false};
@@ -233,27 +235,21 @@ struct HttpServer::Impl {
     if (--decoding_by_tenant[tenant] <= 0) decoding_by_tenant.erase(tenant);
   }
 
-  // Runs the router on the decode pool; the coroutine resumes on its own
-  // executor with the outcome. The I/O thread serves others meanwhile.
+  // Runs the router on the decode pool: the coroutine hops onto a pool
+  // thread and back onto its connection's strand. The I/O thread serves
+  // others meanwhile; nothing else touches this connection until it is back.
   asio::awaitable<RouteOutcome> HandleOnPool(const HttpRequest& request) {
     auto exec = co_await asio::this_coro::executor;
-    co_return co_await asio::async_initiate<decltype(asio::use_awaitable), void(RouteOutcome)>(
-        [this, exec, &request](auto handler) {
-          auto tracked = asio::prefer(exec, asio::execution::outstanding_work.tracked);
-          asio::post(*decode_pool, [this, tracked, &request, handler = std::move(handler)]() mutable {
-            RouteOutcome out;
-            try {
-              out = router.Handle(request);
-            } catch (const std::exception& e) {  // e.g. bad_alloc: answer it, keep the pool thread
-              log::Error("decode_exception target={} what={}", request.target, e.what());
-              out.response = Router::Error(Status::Internal(std::string("internal error: ") + e.what()));
-            }
-            asio::post(tracked, [handler = std::move(handler), out = std::move(out)]() mutable {
-              std::move(handler)(std::move(out));
-            });
-          });
-        },
-        asio::use_awaitable);
+    co_await asio::post(asio::bind_executor(decode_pool->get_executor(), asio::use_awaitable));
+    RouteOutcome out;
+    try {
+      out = router.Handle(request);
+    } catch (const std::exception& e) {  // e.g. bad_alloc: answer it, keep the pool thread
+      log::Error("decode_exception target={} what={}", request.target, e.what());
+      out.response = Router::Error(Status::Internal(std::string("internal error: ") + e.what()));
+    }
+    co_await asio::post(exec, asio::use_awaitable);
+    co_return out;
   }
 
   // Handle(), inline when it is bounded, else on the decode pool.
@@ -389,6 +385,7 @@ Status HttpServer::Start() {
   }
   s.max_connections = FitConnectionCap(s.options.max_connections);
   s.decode_pool = std::make_unique<asio::thread_pool>(static_cast<size_t>(s.options.decode_threads));
+  s.keep_running.emplace(asio::make_work_guard(s.ioc));
   asio::co_spawn(s.ioc, s.Accept(), asio::detached);
   for (int i = 0; i < std::max(1, s.options.io_threads); ++i) {
     s.threads.emplace_back([&s] {
@@ -440,6 +437,7 @@ void HttpServer::Stop(std::chrono::milliseconds grace) {
     log::Warn("http_shutdown_drain_timeout unanswered_requests={} drain_ms={}", s.in_flight.load(),
               s.options.shutdown_drain.count());
   }
+  s.keep_running.reset();
   s.ioc.stop();
   for (auto& t : s.threads) t.join();
   s.threads.clear();

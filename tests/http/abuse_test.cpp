@@ -178,6 +178,32 @@ TEST_F(AbuseTest, AFullDecodeQueueAnswersRetryably503AndOneTenantGetsHalfOfIt) {
   EXPECT_EQ(gate_->entered(), 2);  // the refused ones were never decoded
 }
 
+// Requests hop onto the decode pool and back onto their connection's strand
+// thousands of times, from several tenants at once (this once crashed).
+TEST_F(AbuseTest, ConcurrentHeavyRequestsOfSeveralTenantsAreAllAnswered) {
+  StartGateway("loom_http_abuse_", /*with_sampler=*/false);
+  std::vector<std::thread> tenants;
+  std::atomic<int> answered{0};
+  for (int t = 0; t < 4; ++t) {  // the FakeEngine's 4 slots
+    tenants.emplace_back([&, t] {
+      const std::string key = "tml-tenant-" + std::to_string(t);
+      const std::string model = ModelAndDoneFuture(key.c_str()).first;
+      testing::HttpClient client("127.0.0.1", server_->port());
+      for (int seq = 1; seq <= 100; ++seq) {
+        Reply sub = client.Call("POST", "/api/v1/forward_backward", wire::ZstdCompress(FbBody(model, seq)),
+                                {{"X-API-Key", key}, {"Content-Type", "application/x-protobuf"},
+                                 {"Content-Encoding", "zstd"}});
+        ASSERT_EQ(sub.status, 200) << sub.body;
+        Reply done = testing::RetrieveFuture(client, key, Json::parse(sub.body)["request_id"], /*proto=*/true, 50);
+        ASSERT_EQ(done.status, 200);
+        ++answered;
+      }
+    });
+  }
+  for (auto& t : tenants) t.join();
+  EXPECT_EQ(answered, 400);
+}
+
 // Defect 9: at EMFILE, accept failed at once and was retried at once.
 TEST_F(AbuseTest, AtTheFdLimitTheAcceptLoopPausesAndServesAgainWhenFdsFree) {
   StartGateway("loom_http_abuse_", /*with_sampler=*/false);
