@@ -1,7 +1,8 @@
 // `loom serve`: the Tinker-compatible service. Opens the engine on one model,
 // the registry in --data-dir, and serves HTTP until SIGTERM/SIGINT; then it
 // stops accepting, lets the batch in flight finish (queued requests fail
-// cleanly with "shutting down"), and exits 0.
+// cleanly with "shutting down"), answers every request it has read (503
+// "shutting down" for those read after the signal), and exits 0.
 #include <CLI/CLI.hpp>
 #include <csignal>
 #include <cstdio>

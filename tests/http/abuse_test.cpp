@@ -115,7 +115,7 @@ class AbuseTest : public testing::GatewayFixture {
 };
 
 // Defect 5: decoding (zstd, protobuf, validation) held both I/O threads.
-TEST_F(AbuseTest, HealthAndPollsAnswerWhileEveryIoThreadsWorthOfBodiesIsDecoding) {
+TEST_F(AbuseTest, HealthAndPollsAnswerWhileAsManyBodiesAsIoThreadsDecode) {
   server_opt_.io_threads = 2;
   StartGated();
   auto [model, done] = ModelAndDoneFuture();
