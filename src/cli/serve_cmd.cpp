@@ -1,7 +1,8 @@
 // `loom serve`: the Tinker-compatible service. Opens the engine on one model,
 // the registry in --data-dir, and serves HTTP until SIGTERM/SIGINT; then it
 // stops accepting, lets the batch in flight finish (queued requests fail
-// cleanly with "shutting down"), and exits 0.
+// cleanly with "shutting down"), answers every request it has read (503
+// "shutting down" for those read after the signal), and exits 0.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <csignal>
@@ -54,6 +55,8 @@ int Serve(int argc, char** argv) {
   CLI::App app{"Serve the Tinker API (default model: an embedded tiny qwen3)", "loom serve"};
   std::string model_dir, model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
   int port = 8080, max_adapters = 8, max_rank = 32, io_threads = 2;
+  int decode_threads = 2, decode_queue = 16, max_connections = 1024;
+  std::string admin_key;
   double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
   size_t max_body_bytes = size_t{512} << 20;
   int sampler_adapters = 16;
@@ -77,6 +80,10 @@ int Serve(int argc, char** argv) {
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
+  app.add_option("--decode-threads", decode_threads, "threads that decode heavy bodies (zstd, protobuf, large JSON) off the I/O threads")->default_val(decode_threads)->check(CLI::Range(1, 64));
+  app.add_option("--decode-queue", decode_queue, "heavy requests queued or decoding at once (beyond: 503, retryable); one tenant may hold half")->default_val(decode_queue)->check(CLI::Range(1, 4096));
+  app.add_option("--max-connections", max_connections, "open HTTP connections (beyond: 503 and close); kept below the open-files limit minus a reserve for the store")->default_val(max_connections)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--admin-key", admin_key, "X-API-Key that sees every tenant's series in /metrics (default: none; tenants see their own)");
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   int max_models_per_tenant = -1;  // -1: the default below
@@ -156,11 +163,15 @@ int Serve(int argc, char** argv) {
 
   http::RouterOptions ropt;
   ropt.max_body_bytes = max_body_bytes;
+  ropt.admin_key = admin_key;
   http::Router router(service, keys, ropt);
   http::ServerOptions hopt;
   hopt.host = host;
   hopt.port = static_cast<uint16_t>(port);
   hopt.io_threads = io_threads;
+  hopt.decode_threads = decode_threads;
+  hopt.decode_queue = decode_queue;
+  hopt.max_connections = max_connections;
   hopt.max_body_bytes = max_body_bytes;
   hopt.poll_hold = std::chrono::milliseconds(static_cast<int64_t>(poll_hold * 1000));
   http::HttpServer server(router, service.futures(), hopt);
@@ -168,12 +179,11 @@ int Serve(int argc, char** argv) {
 
   const auto& info = service.model_info();
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
-              "models_per_tenant=%s data_dir=%s%s\n",
+              "models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
-              data_dir.c_str(),
-              keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys");
+              data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
   std::fflush(stdout);
 
   int sig = 0;

@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
+#include <optional>
+#include <set>
 #include <string_view>
 
 #include "common/log.h"
@@ -61,6 +64,85 @@ std::string Join(const std::vector<std::string>& parts, size_t from, size_t to, 
     out += parts[i];
   }
   return out;
+}
+
+// The decoded path of a target (without the query).
+std::string PathOf(const std::string& target) {
+  return PercentDecode(std::string_view(target).substr(0, target.find('?')));
+}
+
+// The route after /api/v1/ without trailing slashes; nullopt outside the API.
+std::optional<std::string> RouteOf(const std::string& path) {
+  const size_t api = path.find(kApi);
+  if (api == std::string::npos) return std::nullopt;
+  std::string route = path.substr(api + kApi.size());
+  while (!route.empty() && route.back() == '/') route.pop_back();
+  return route;
+}
+
+// "x-api-key" -> "X-API-Key", as clients spell the header.
+std::string HeaderName(std::string_view lower) {
+  if (lower == "x-api-key") return "X-API-Key";
+  std::string out(lower);
+  bool start = true;
+  for (char& c : out) {
+    if (start) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    start = c == '-';
+  }
+  return out;
+}
+
+// The methods Router::Dispatch and Router::Rest serve on a route ("" when
+// the route does not exist). Mirrors their branches; abuse_test checks each.
+std::string AllowedMethods(const std::string& route) {
+  static const std::set<std::string> kPost = {
+      "client/config", "client/dynamic_config", "create_session", "session_heartbeat", "telemetry",
+      "create_model", "get_info", "unload_model", "weights_info", "forward_backward", "optim_step",
+      "save_weights", "load_weights", "save_weights_for_sampler", "create_sampling_session", "asample",
+      "auth/token", "retrieve_future"};
+  if (kPost.count(route)) return "POST";
+  if (route == "get_server_capabilities" || (route.rfind("samplers/", 0) == 0 && route.size() > 9)) return "GET";
+  const std::vector<std::string> parts = Split(route, '/');
+  if (parts[0] == "training_runs") {
+    if (parts.size() <= 3 && (parts.size() != 3 || parts[2] == "checkpoints")) return "GET";
+    if (parts.size() == 5 && parts[2] == "checkpoints") return "DELETE";
+    if (parts.size() == 6 && parts[2] == "checkpoints") {
+      if (parts[5] == "archive") return "GET";
+      if (parts[5] == "publish") return "POST, DELETE";
+      if (parts[5] == "ttl") return "PUT";
+    }
+  }
+  if (parts[0] == "checkpoints" && parts.size() == 1) return "GET";
+  if (parts[0] == "sessions") {
+    if (parts.size() <= 2) return "GET";
+    if (parts.size() == 3 && parts[2] == "project") return "PUT";
+  }
+  return "";
+}
+
+// 405 with the Allow header (RFC 9110 §15.5.6).
+HttpResponse MethodNotAllowed(const std::string& method, const std::string& path, const std::string& allow) {
+  HttpResponse r = Router::Error(Status::Invalid(
+      fmt::format("method: {} is not allowed on {} (allowed: {})", method, path, allow)));
+  r.status = 405;
+  r.headers.emplace_back("Allow", allow);
+  return r;
+}
+
+// A route that exists under another method is 405, anything else 404.
+HttpResponse NoRoute(const std::string& method, const std::string& route) {
+  const std::string allow = AllowedMethods(route);
+  if (allow.empty()) return Router::Error(Status::NotFound("no such route: " + method + " /api/v1/" + route));
+  return MethodNotAllowed(method, "/api/v1/" + route, allow);
+}
+
+// Equality in time that does not depend on where the keys differ (the
+// length is not the secret).
+bool SameKey(const std::string& given, const std::string& secret) {
+  if (secret.empty() || given.size() != secret.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < secret.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ secret[i]);
+  return diff == 0;
 }
 
 // ForwardBackwardOutput as pre-0.25 SDKs read it from JSON (spec §8.12).
@@ -138,7 +220,7 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   Context ctx{request, {}, {}, {}, {}, {}};
   const std::string& target = request.target;
   const size_t qpos = target.find('?');
-  ctx.path = PercentDecode(std::string_view(target).substr(0, qpos));
+  ctx.path = PathOf(target);
   if (qpos != std::string::npos) {
     for (const std::string& kv : Split(std::string_view(target).substr(qpos + 1), '&')) {
       if (kv.empty()) continue;
@@ -155,27 +237,39 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
       if (outcome.park_request_id.empty()) metrics.CountResponse(outcome.response.status);
     }
   } count_response{service_.metrics(), out};
-  // Prometheus scrape (unauthenticated, like healthz).
-  if (ctx.path == "/metrics" && request.method == "GET") {
-    out.response.content_type = "text/plain; version=0.0.4; charset=utf-8";
-    out.response.body = service_.MetricsText();
+  // A header that decides who is calling or how to read the body must be
+  // unambiguous: with two, which one wins would be the parser's choice.
+  for (const char* name : {"x-api-key", "x-idempotency-key", "content-encoding"}) {
+    if (std::find(request.repeated_headers.begin(), request.repeated_headers.end(), name) !=
+        request.repeated_headers.end()) {
+      out.response = Error(Status::Invalid(fmt::format("{}: header sent more than once; send exactly one",
+                                                       HeaderName(name))));
+      return out;
+    }
+  }
+  // Prometheus scrape: aggregates for anyone, a model's series for its tenant.
+  if (ctx.path == "/metrics") {
+    out.response = request.method == "GET" ? Scrape(request) : MethodNotAllowed(request.method, ctx.path, "GET");
     return out;
   }
-  const size_t api = ctx.path.find(kApi);
-  if (api == std::string::npos) {
+  auto route = RouteOf(ctx.path);
+  if (!route) {
     out.response = Error(Status::NotFound("no such route: " + request.method + " " + ctx.path +
                                           " (the Tinker API lives under /api/v1/)"));
     return out;
   }
-  ctx.route = ctx.path.substr(api + kApi.size());
-  while (!ctx.route.empty() && ctx.route.back() == '/') ctx.route.pop_back();
+  ctx.route = std::move(*route);
 
   // Unauthenticated routes: health and archive downloads (the token is the credential).
   if (ctx.route == "healthz") {
     out.response = JsonAnswer(wire::HealthzJson());
     return out;
   }
-  if (ctx.route.rfind("archives/", 0) == 0 && request.method == "GET") {
+  if (ctx.route.rfind("archives/", 0) == 0) {
+    if (request.method != "GET") {
+      out.response = MethodNotAllowed(request.method, ctx.path, "GET");
+      return out;
+    }
     auto tar = service_.ReadArchive(ctx.route.substr(9));
     if (!tar.ok()) {
       out.response = Error(tar.status());
@@ -215,11 +309,14 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
 
   ctx.caller.body_digest = service::BodyDigest(ctx.body);
   if (ctx.route == "retrieve_future" && request.method == "POST") {
-    out.response = RetrieveFuture(ctx, /*final_answer=*/false);
-    if (out.response.status == 0) {  // pending: park
-      auto parsed = wire::ParseJsonObject(ctx.body, "retrieve_future");
-      out.park_request_id = wire::ParseRetrieveFutureRequest(*parsed)->request_id;
+    auto body = wire::ParseJsonObject(ctx.body, "retrieve_future");
+    auto req = body.ok() ? wire::ParseRetrieveFutureRequest(*body) : Result<wire::RetrieveFutureRequest>(body.status());
+    if (!req.ok()) {
+      out.response = Error(req.status());
+      return out;
     }
+    out.response = RetrieveFuture(ctx, req->request_id, /*final_answer=*/false);
+    if (out.response.status == 0) out.park_request_id = req->request_id;  // pending: park
     return out;
   }
   try {
@@ -231,31 +328,56 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   return out;
 }
 
-HttpResponse Router::AnswerPoll(const HttpRequest& request) {
-  Context ctx{request, {}, {}, "retrieve_future", request.body, {}};
+HttpResponse Router::Scrape(const HttpRequest& request) {
+  HttpResponse r;
+  r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+  r.body = service_.MetricsText();
+  const std::string key = request.header("x-api-key");
+  if (!options_.admin_key.empty() && SameKey(key, options_.admin_key)) return r;
+  // Without a key: the aggregates only. With one: also that tenant's models.
+  std::string tenant;
+  if (!key.empty()) {
+    auto t = keys_.Authenticate(key);
+    if (!t.ok()) return Error(t.status());
+    tenant = *t;
+  }
+  const service::Caller caller{tenant, ""};
+  r.body = service::Metrics::KeepModelSeries(r.body, [&](const std::string& model_id) {
+    // Live models, then the registry's runs (a model's series outlive its unload).
+    return !tenant.empty() &&
+           (service_.GetInfo(caller, model_id).ok() || service_.GetTrainingRun(caller, model_id).ok());
+  });
+  return r;
+}
+
+std::string Router::HeavyFor(const HttpRequest& request) const {
+  const std::string encoding = request.header("content-encoding");
+  const bool encoded = !encoding.empty() && encoding != "identity";
+  const std::string path = PathOf(request.target);
+  const auto route = RouteOf(path);
+  // Routes that never read the body are bounded whatever it holds.
+  if (path == "/metrics" || !route || *route == "healthz" || route->rfind("archives/", 0) == 0) return "";
+  if (!encoded && request.body.size() <= kInlineBodyBytes && *route != "forward_backward") return "";
+  auto tenant = keys_.Authenticate(request.header("x-api-key"));
+  return tenant.ok() ? *tenant : "";
+}
+
+HttpResponse Router::AnswerPoll(const HttpRequest& request, const std::string& request_id) {
+  Context ctx{request, {}, {}, "retrieve_future", {}, {}};
   auto tenant = keys_.Authenticate(request.header("x-api-key"));
   if (!tenant.ok()) return Error(tenant.status());
   ctx.caller.tenant = *tenant;
-  if (request.header("content-encoding") == "zstd") {
-    auto raw = wire::ZstdDecompress(request.body, options_.max_body_bytes);
-    if (!raw.ok()) return Error(raw.status());
-    ctx.body = std::move(*raw);
-  }
-  HttpResponse answer = RetrieveFuture(ctx, /*final_answer=*/true);
+  HttpResponse answer = RetrieveFuture(ctx, request_id, /*final_answer=*/true);
   service_.metrics().CountResponse(answer.status);
   return answer;
 }
 
-HttpResponse Router::RetrieveFuture(Context& ctx, bool final_answer) {
-  auto body = wire::ParseJsonObject(ctx.body, "retrieve_future");
-  if (!body.ok()) return Error(body.status());
-  auto req = wire::ParseRetrieveFutureRequest(*body);
-  if (!req.ok()) return Error(req.status());
-  auto view = service_.futures().Get(ctx.caller.tenant, req->request_id);
+HttpResponse Router::RetrieveFuture(Context& ctx, const std::string& request_id, bool final_answer) {
+  auto view = service_.futures().Get(ctx.caller.tenant, request_id);
   if (!view.ok()) {
-    if (service_.futures().IsFromEarlierInstance(req->request_id)) {
+    if (service_.futures().IsFromEarlierInstance(request_id)) {
       HttpResponse r = JsonAnswer(
-          {{"error", "request_id '" + req->request_id + "' belongs to an earlier run of this server; resubmit"},
+          {{"error", "request_id '" + request_id + "' belongs to an earlier run of this server; resubmit"},
            {"category", "server"}},
           410);
       return r;
@@ -269,7 +391,7 @@ HttpResponse Router::RetrieveFuture(Context& ctx, bool final_answer) {
         park.status = 0;
         return park;
       }
-      return JsonAnswer(wire::TryAgainJson(req->request_id));
+      return JsonAnswer(wire::TryAgainJson(request_id));
     case service::FutureState::kFailed:
       return JsonAnswer(wire::FutureErrorJson(view->error));
     case service::FutureState::kDone:
@@ -420,7 +542,7 @@ HttpResponse Router::Dispatch(Context& ctx) {
       route.rfind("sessions", 0) == 0) {
     return Rest(ctx);
   }
-  return Error(Status::NotFound("no such route: " + m + " /api/v1/" + route));
+  return NoRoute(m, route);
 }
 
 HttpResponse Router::Rest(Context& ctx) {
@@ -488,7 +610,7 @@ HttpResponse Router::Rest(Context& ctx) {
       return JsonAnswer({{"status", "failed"}, {"error", "trace export is not offered by loom"}});
     }
   }
-  return Error(Status::NotFound("no such route: " + m + " /api/v1/" + ctx.route));
+  return NoRoute(m, ctx.route);
 }
 
 }  // namespace loom::http

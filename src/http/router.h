@@ -8,6 +8,14 @@
 // Handle() returns a `park_request_id`, the server waits for the future
 // (without blocking a thread) and then calls AnswerPoll().
 //
+// Handle() of a request that HeavyFor() names takes time that grows with its
+// body (zstd, protobuf, a large JSON body); the server runs those on a
+// decode pool so that the I/O threads only ever do bounded work.
+//
+// GET /metrics: the aggregate series are public; series labelled with a
+// model_id are shown only to that model's tenant (its X-API-Key), and all of
+// them to RouterOptions::admin_key.
+//
 // Thread-safe: any I/O thread may call any method concurrently.
 #pragma once
 #include <cstdint>
@@ -24,7 +32,8 @@ namespace loom::http {
 struct HttpRequest {
   std::string method;                          // "GET", "POST", ...
   std::string target;                          // path + "?" + query, as received
-  std::map<std::string, std::string> headers;  // names lower-cased
+  std::map<std::string, std::string> headers;  // names lower-cased; a repeated one keeps its last value
+  std::vector<std::string> repeated_headers;   // lower-cased names that came more than once
   std::string body;
 
   std::string header(const std::string& lower_name) const {
@@ -49,16 +58,28 @@ struct RouteOutcome {
 
 struct RouterOptions {
   size_t max_body_bytes = size_t{512} << 20;  // after zstd decoding too
+  std::string admin_key;                      // --admin-key: sees every series of /metrics; "" = none
 };
+
+// Bodies up to this size without a Content-Encoding decode in microseconds:
+// the I/O thread handles them itself.
+constexpr size_t kInlineBodyBytes = 64 * 1024;
 
 class Router {
  public:
   Router(service::Service& service, const ApiKeys& keys, RouterOptions options);
 
   RouteOutcome Handle(const HttpRequest& request);
-  // The final answer of a parked retrieve_future: the result if done by now,
-  // else {"type":"try_again"}.
-  HttpResponse AnswerPoll(const HttpRequest& request);
+  // The final answer of a parked retrieve_future (request_id is the
+  // outcome's park_request_id; the body is not decoded again): the result if
+  // done by now, else {"type":"try_again"}.
+  HttpResponse AnswerPoll(const HttpRequest& request, const std::string& request_id);
+  // The tenant when Handle(request) may take time that grows with the body
+  // (a Content-Encoding, forward_backward's protobuf, a body over
+  // kInlineBodyBytes); "" when it is bounded (including every request that
+  // does not authenticate: Handle answers 401 before decoding anything).
+  // Cheap: no decoding.
+  std::string HeavyFor(const HttpRequest& request) const;
 
   // JSON error answer for a Status (also used by the server for 413 etc.).
   static HttpResponse Error(const Status& status);
@@ -68,7 +89,8 @@ class Router {
   struct Context;
   HttpResponse Dispatch(Context& ctx);
   HttpResponse Rest(Context& ctx);
-  HttpResponse RetrieveFuture(Context& ctx, bool final_answer);
+  HttpResponse RetrieveFuture(Context& ctx, const std::string& request_id, bool final_answer);
+  HttpResponse Scrape(const HttpRequest& request);  // GET /metrics
 
   service::Service& service_;
   const ApiKeys& keys_;

@@ -3,6 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+#include <string_view>
+
 namespace loom::service {
 
 namespace {
@@ -18,6 +21,26 @@ std::string Label(const std::string& v) {
     out += c;
   }
   return out;
+}
+
+// The value of the model_id label of one sample line, unescaped (Label()'s
+// inverse); nullopt when the line has none.
+std::optional<std::string> ModelIdOf(std::string_view line) {
+  constexpr std::string_view kKey = "model_id=\"";
+  const size_t brace = line.find('{');
+  if (brace == std::string_view::npos) return std::nullopt;
+  size_t i = line.find(kKey, brace);
+  if (i == std::string_view::npos) return std::nullopt;
+  std::string value;
+  for (i += kKey.size(); i < line.size() && line[i] != '"'; ++i) {
+    if (line[i] == '\\' && i + 1 < line.size()) {
+      ++i;
+      value += line[i] == 'n' ? '\n' : line[i];
+    } else {
+      value += line[i];
+    }
+  }
+  return value;
 }
 
 void Head(std::string& out, const char* name, const char* type, const char* help) {
@@ -87,6 +110,29 @@ int64_t Metrics::responses(int status_code) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = responses_.find(status_code);
   return it == responses_.end() ? 0 : it->second;
+}
+
+std::string Metrics::KeepModelSeries(const std::string& text,
+                                     const std::function<bool(const std::string& model_id)>& visible) {
+  std::map<std::string, bool> seen;  // model -> visible
+  std::string out;
+  out.reserve(text.size());
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    end = end == std::string::npos ? text.size() : end + 1;
+    const std::string_view line(text.data() + start, end - start);
+    start = end;
+    if (!line.empty() && line[0] != '#') {
+      if (auto model = ModelIdOf(line)) {
+        auto it = seen.find(*model);
+        if (it == seen.end()) it = seen.emplace(*model, visible(*model)).first;
+        if (!it->second) continue;
+      }
+    }
+    out += line;
+  }
+  return out;
 }
 
 std::string Metrics::Render(const QueueSnapshot& live) const {

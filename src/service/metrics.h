@@ -7,11 +7,16 @@
 // Invariant: counters only grow; the tokens/s gauges are rates over the last
 // `window` of recorded work (0 when nothing ran in that window).
 //
+// Who sees what: series with a model_id label belong to that model's tenant;
+// KeepModelSeries() drops the ones a viewer may not see (http/ decides who),
+// the aggregates (no model_id) are for everyone.
+//
 // Threading: every method may be called from any thread (one internal mutex).
 #pragma once
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -52,6 +57,11 @@ class Metrics {
 
   // The whole exposition, with the live gauges of `live`.
   std::string Render(const QueueSnapshot& live) const;
+  // `text` (as Render() writes it) without the samples whose model_id label
+  // names a model `visible` refuses; asks once per model. HELP/TYPE lines
+  // and series without a model_id stay.
+  static std::string KeepModelSeries(const std::string& text,
+                                     const std::function<bool(const std::string& model_id)>& visible);
 
  private:
   struct Sample {

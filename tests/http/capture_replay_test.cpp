@@ -127,7 +127,7 @@ class CaptureReplay : public ::testing::Test {
       HttpResponse res = out.response;
       if (!out.park_request_id.empty()) {
         for (int i = 0; i < 500; ++i) {
-          res = router.AnswerPoll(req);
+          res = router.AnswerPoll(req, out.park_request_id);
           if (res.body.find("try_again") == std::string::npos) break;
           std::this_thread::sleep_for(std::chrono::milliseconds(5));
         }

@@ -1,12 +1,14 @@
 // GatewayFixture: a Service over a FakeEngine (and, when asked, a
 // FakeSampler) behind a real HttpServer on a loopback port, with the JSON
 // helpers the gateway tests share. Open mode keys (any `tml-` key on
-// loopback); each test gets its own data directory.
+// loopback); each test gets its own data directory. A test may set
+// server_opt_, router_opt_ and make_engine_ before StartGateway.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "../service/fake_engine.h"
@@ -14,6 +16,8 @@
 #include "http/router.h"
 #include "http/server.h"
 #include "test_client.h"
+#include "wire/forward_backward.h"
+#include "wire/zstd.h"
 
 namespace loom::testing {
 
@@ -33,7 +37,7 @@ class GatewayFixture : public ::testing::Test {
              std::to_string(::getpid())))
                .string();
     std::filesystem::remove_all(dir_);
-    auto engine = std::make_unique<FakeEngine>(4);
+    auto engine = make_engine_ ? make_engine_() : std::make_unique<FakeEngine>(4);
     engine_ = engine.get();
     auto registry = store::Registry::Open(dir_);
     ASSERT_TRUE(registry.ok());
@@ -43,10 +47,10 @@ class GatewayFixture : public ::testing::Test {
     service_ = std::make_unique<service::Service>(so, std::move(engine), std::move(*registry));
     if (with_sampler) service_->AttachSampler(std::make_unique<FakeSampler>(100, 32));
     service_->Start();
-    http::RouterOptions ro;
+    http::RouterOptions ro = router_opt_;
     ro.max_body_bytes = max_body_bytes;
     router_ = std::make_unique<http::Router>(*service_, keys_, ro);
-    http::ServerOptions opt;
+    http::ServerOptions opt = server_opt_;
     opt.port = 0;
     opt.max_body_bytes = max_body_bytes;
     opt.poll_hold = 1s;
@@ -79,6 +83,48 @@ class GatewayFixture : public ::testing::Test {
                                      {"sdk_version", "0.26.2"}, {"type", "create_session"}}, key)["session_id"];
   }
 
+  std::string CreateModel(const char* key = kAlice) {
+    Json sub = PostOk("create_model", {{"session_id", Session(key)}, {"model_seq_id", 0},
+                                       {"base_model", "test/base"},
+                                       {"lora_config", {{"rank", 4}, {"train_unembed", true}, {"train_mlp", true},
+                                                        {"train_attn", true}}},
+                                       {"type", "create_model"}}, key);
+    Reply r = Retrieve(sub["request_id"], key);
+    Json j = Json::parse(r.body);
+    EXPECT_EQ(j["type"], "create_model");
+    return j["model_id"];
+  }
+  std::string FbBody(const std::string& model, int seq, int first_token = 1) {
+    wire::ForwardBackwardRequest req;
+    req.model_id = model;
+    req.seq_id = seq;
+    engine::Datum d;
+    d.tokens = {first_token, 2, 3};
+    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({2, 3, 4});
+    d.loss_fn_inputs["weights"] = engine::Array::Floats({0, 1, 1});
+    req.call.data.push_back(d);
+    return wire::EncodeForwardBackwardRequest(req);
+  }
+  Reply PostFb(const std::string& body, const char* key = kAlice, bool zstd = false) {
+    std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key},
+                                                       {"Content-Type", "application/x-protobuf"}};
+    if (zstd) h.emplace_back("Content-Encoding", "zstd");
+    return client_->Call("POST", "/api/v1/forward_backward", zstd ? wire::ZstdCompress(body) : body, h);
+  }
+  // Every error is JSON with a non-empty "error".
+  static void ExpectJsonError(const Reply& r, int status, const std::string& fragment = "") {
+    EXPECT_EQ(r.status, status) << r.body;
+    EXPECT_NE(r.content_type.find("json"), std::string::npos);
+    Json j = Json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << r.body;
+    ASSERT_TRUE(j.contains("error")) << r.body;
+    EXPECT_FALSE(j["error"].get<std::string>().empty());
+    if (!fragment.empty()) EXPECT_NE(r.body.find(fragment), std::string::npos) << r.body;
+  }
+
+  http::ServerOptions server_opt_;
+  http::RouterOptions router_opt_;
+  std::function<std::unique_ptr<FakeEngine>()> make_engine_;
   std::string dir_;
   FakeEngine* engine_ = nullptr;
   http::ApiKeys keys_;  // open mode

@@ -22,44 +22,6 @@ using testing::kBob;
 class GatewayTest : public testing::GatewayFixture {
  protected:
   void SetUp() override { StartGateway("loom_http_", /*with_sampler=*/false, /*max_body_bytes=*/64 * 1024); }
-  std::string CreateModel(const char* key = kAlice) {
-    Json sub = PostOk("create_model", {{"session_id", Session(key)}, {"model_seq_id", 0},
-                                       {"base_model", "test/base"},
-                                       {"lora_config", {{"rank", 4}, {"train_unembed", true}, {"train_mlp", true},
-                                                        {"train_attn", true}}},
-                                       {"type", "create_model"}}, key);
-    Reply r = Retrieve(sub["request_id"], key);
-    Json j = Json::parse(r.body);
-    EXPECT_EQ(j["type"], "create_model");
-    return j["model_id"];
-  }
-  std::string FbBody(const std::string& model, int seq, int first_token = 1) {
-    wire::ForwardBackwardRequest req;
-    req.model_id = model;
-    req.seq_id = seq;
-    engine::Datum d;
-    d.tokens = {first_token, 2, 3};
-    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({2, 3, 4});
-    d.loss_fn_inputs["weights"] = engine::Array::Floats({0, 1, 1});
-    req.call.data.push_back(d);
-    return wire::EncodeForwardBackwardRequest(req);
-  }
-  Reply PostFb(const std::string& body, const char* key = kAlice, bool zstd = false) {
-    std::vector<std::pair<std::string, std::string>> h{{"X-API-Key", key},
-                                                       {"Content-Type", "application/x-protobuf"}};
-    if (zstd) h.emplace_back("Content-Encoding", "zstd");
-    return client_->Call("POST", "/api/v1/forward_backward", zstd ? wire::ZstdCompress(body) : body, h);
-  }
-  // Every error is JSON with a non-empty "error".
-  static void ExpectJsonError(const Reply& r, int status, const std::string& fragment = "") {
-    EXPECT_EQ(r.status, status) << r.body;
-    EXPECT_NE(r.content_type.find("json"), std::string::npos);
-    Json j = Json::parse(r.body, nullptr, false);
-    ASSERT_TRUE(j.is_object()) << r.body;
-    ASSERT_TRUE(j.contains("error")) << r.body;
-    EXPECT_FALSE(j["error"].get<std::string>().empty());
-    if (!fragment.empty()) EXPECT_NE(r.body.find(fragment), std::string::npos) << r.body;
-  }
   void ExpectAlive() { EXPECT_EQ(client_->Call("GET", "/api/v1/healthz").status, 200); }
 
 };

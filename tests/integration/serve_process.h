@@ -66,6 +66,9 @@ class ServeProcess {
   uint16_t port() const { return port_; }
   const std::string& banner() const { return banner_; }
 
+  // Sends sig without waiting (Terminate() then collects the exit).
+  void Signal(int sig) { kill(pid_, sig); }
+
   // SIGTERM, then waits; returns the exit status (or -1 if it did not exit).
   int Terminate() {
     kill(pid_, SIGTERM);
