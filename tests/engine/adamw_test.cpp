@@ -291,3 +291,71 @@ TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) {
 
 }  // namespace
 }  // namespace loom::engine::train
+
+namespace loom::engine::train {
+namespace {
+
+// Both update paths: a step whose result would not be finite is not taken
+// (weights, moments, gradients and step of the slot unchanged, bit for bit)
+// and fails its call only; the slot stepped beside it gets exactly what it
+// gets when stepped alone.
+TEST_F(SlotOptimizerTest, StepThatWouldOverflowIsRefusedOnBothPaths) {
+  AdamParams huge_lr;
+  huge_lr.learning_rate = 1e300;
+  AdamParams huge_wd;
+  huge_wd.weight_decay = 1e300;
+  AdamParams sane;
+  sane.learning_rate = 1e-2;
+  for (SlotOptimizer::Path path : {SlotOptimizer::Path::kRows, SlotOptimizer::Path::kForeach}) {
+    // Twins: one steps all three slots, the other slot 1 alone.
+    auto copy = [&](SlotBank& to) {
+      c10::NoGradGuard ng;
+      for (int s = 0; s < 3; ++s) ASSERT_TRUE(to.Bind(s, bank.slot(s).config).ok());
+      for (size_t i = 0; i < 3; ++i) {
+        to.targets()[i].A.copy_(bank.targets()[i].A);
+        to.targets()[i].B.copy_(bank.targets()[i].B);
+        to.targets()[i].A.mutable_grad() = bank.targets()[i].A.grad().clone();
+        to.targets()[i].B.mutable_grad() = bank.targets()[i].B.grad().clone();
+      }
+    };
+    SlotBank all{3, 4, at::kCPU, {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7},
+                                  {"lm_head", TargetGroup::kUnembed, 6, 9}}};
+    SlotBank alone{3, 4, at::kCPU, {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7},
+                                    {"lm_head", TargetGroup::kUnembed, 6, 9}}};
+    copy(all);
+    copy(alone);
+    SlotOptimizer opt_all{all}, opt_alone{alone};
+    opt_all.set_path(path);
+    opt_alone.set_path(path);
+    std::vector<at::Tensor> before;
+    for (int s : {0, 2})
+      for (size_t i = 0; i < 3; ++i)
+        for (const at::Tensor& t : {all.targets()[i].A, all.targets()[i].B, all.targets()[i].A.grad(),
+                                    all.targets()[i].B.grad(), opt_all.a(i).exp_avg, opt_all.b(i).exp_avg_sq})
+          before.push_back(t.select(0, s).clone());
+    auto res = opt_all.Step(all, {{0, huge_lr}, {1, sane}, {2, huge_wd}});
+    auto ref = opt_alone.Step(alone, {{1, sane}});
+    const char* name = path == SlotOptimizer::Path::kRows ? "rows" : "foreach";
+    for (size_t c : {0u, 2u}) {
+      ASSERT_FALSE(res[c].ok()) << name << " call " << c;
+      EXPECT_EQ(res[c].status().code(), Code::kInvalidArgument);
+      EXPECT_NE(res[c].status().message().find("non-finite"), std::string::npos) << res[c].status().message();
+    }
+    ASSERT_TRUE(res[1].ok() && ref[0].ok()) << name;
+    size_t k = 0;
+    for (int s : {0, 2})
+      for (size_t i = 0; i < 3; ++i)
+        for (const at::Tensor& t : {all.targets()[i].A, all.targets()[i].B, all.targets()[i].A.grad(),
+                                    all.targets()[i].B.grad(), opt_all.a(i).exp_avg, opt_all.b(i).exp_avg_sq})
+          EXPECT_TRUE(at::equal(t.select(0, s), before[k++])) << name << " slot " << s << " target " << i;
+    EXPECT_EQ(all.slot(0).step, 0);
+    EXPECT_EQ(all.slot(2).step, 0);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(at::equal(all.targets()[i].A.select(0, 1), alone.targets()[i].A.select(0, 1))) << name;
+      EXPECT_TRUE(at::equal(all.targets()[i].B.select(0, 1), alone.targets()[i].B.select(0, 1))) << name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace loom::engine::train

@@ -223,17 +223,17 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
   return sq;
 }
 
-void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots,
-                                  const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                  const std::vector<double>& scales, TargetGroup group) {
-  c10::NoGradGuard no_grad;
-  std::vector<at::Tensor> p, g, m, v;
-  std::vector<at::Scalar> gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step;
+SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                                              const std::vector<AdamParams>& params,
+                                                              const std::vector<int64_t>& steps,
+                                                              const std::vector<double>& scales, TargetGroup group,
+                                                              bool merge) const {
+  ForeachLists l;
   // Runs of consecutive slot indices with identical factors step as one
   // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
-  // tensor rather than one per slot.
+  // tensor rather than one per slot (unless merge is off: one per slot).
   struct Run {
-    int64_t first = 0, len = 0;
+    int64_t first = 0, len = 0, k = 0;
     float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
   };
   std::vector<size_t> order(slots.size());
@@ -247,6 +247,7 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
     Run r;
     r.first = slots[k];
     r.len = 1;
+    r.k = static_cast<int64_t>(k);
     const float f[9] = {static_cast<float>(scales[k]),
                         static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
                         static_cast<float>(a.beta1),
@@ -257,14 +258,14 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
                         static_cast<float>(a.eps),
                         -static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step)))};
     std::copy(f, f + 9, r.f);
-    if (!runs.empty() && runs.back().first + runs.back().len == r.first &&
+    if (merge && !runs.empty() && runs.back().first + runs.back().len == r.first &&
         std::equal(f, f + 9, runs.back().f)) {
       ++runs.back().len;
       continue;
     }
     runs.push_back(r);
   }
-  auto& targets = bank.targets();
+  const auto& targets = bank.targets();
   for (size_t ti = 0; ti < targets.size(); ++ti) {
     const LoraTarget& t = targets[ti];
     if (t.group != group) continue;
@@ -273,33 +274,79 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
       const Moments& mo = ab == 0 ? a_[ti] : b_[ti];
       const at::Tensor& grad = param.grad();
       for (const Run& r : runs) {
-        p.push_back(param.detach().narrow(0, r.first, r.len));
-        g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(p.back()));
-        m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
-        v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
-        gscale.push_back(r.f[0]);
-        decay.push_back(r.f[1]);
-        b1.push_back(r.f[2]);
-        omb1.push_back(r.f[3]);
-        b2.push_back(r.f[4]);
-        omb2.push_back(r.f[5]);
-        inv_bc2.push_back(r.f[6]);
-        eps.push_back(r.f[7]);
-        neg_step.push_back(r.f[8]);
+        l.p.push_back(param.detach().narrow(0, r.first, r.len));
+        l.g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(l.p.back()));
+        l.m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
+        l.v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
+        l.owner.push_back(r.k);
+        for (int i = 0; i < 9; ++i) l.f[i].push_back(r.f[i]);
       }
     }
   }
-  if (p.empty()) return;
-  const std::vector<at::Tensor> gs = at::_foreach_mul(g, gscale);
-  at::_foreach_mul_(p, decay);
-  at::_foreach_mul_(m, b1);
-  at::_foreach_add_(m, at::_foreach_mul(gs, omb1));
-  at::_foreach_mul_(v, b2);
-  at::_foreach_addcmul_(v, gs, gs, omb2);
-  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+  return l;
+}
+
+void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots,
+                                  const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                  const std::vector<double>& scales, TargetGroup group) {
+  c10::NoGradGuard no_grad;
+  ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
+  if (l.p.empty()) return;
+  const auto& [gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step] = l.f;
+  const std::vector<at::Tensor> gs = at::_foreach_mul(l.g, gscale);
+  at::_foreach_mul_(l.p, decay);
+  at::_foreach_mul_(l.m, b1);
+  at::_foreach_add_(l.m, at::_foreach_mul(gs, omb1));
+  at::_foreach_mul_(l.v, b2);
+  at::_foreach_addcmul_(l.v, gs, gs, omb2);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(l.v);
   at::_foreach_mul_(denom, inv_bc2);
   at::_foreach_add_(denom, eps);
-  at::_foreach_addcdiv_(p, m, denom, neg_step);
+  at::_foreach_addcdiv_(l.p, l.m, denom, neg_step);
+}
+
+at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                             const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                             const std::vector<double>& scales, TargetGroup group) const {
+  c10::NoGradGuard no_grad;
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/false);
+  const at::Device device = bank.targets()[0].A.device();
+  at::Tensor bad = at::zeros({static_cast<int64_t>(slots.size())}, at::TensorOptions().device(device));
+  // Chunks of list entries of at most 2^26 elements each (256 MiB per fp32
+  // list), so the out-of-place update never holds more than a few of those.
+  constexpr int64_t kChunkElements = int64_t{1} << 26;
+  for (size_t begin = 0; begin < l.p.size();) {
+    size_t end = begin;
+    int64_t n = 0;
+    while (end < l.p.size() && (end == begin || n + l.p[end].numel() <= kChunkElements)) n += l.p[end++].numel();
+    auto cut = [&](const auto& list) { return std::vector(list.begin() + begin, list.begin() + end); };
+    const auto p = cut(l.p), g = cut(l.g), m = cut(l.m), v = cut(l.v);
+    std::vector<std::vector<at::Scalar>> f(9);
+    for (int i = 0; i < 9; ++i) f[i] = cut(l.f[i]);
+    // The update of ForeachUpdate, out of place.
+    const std::vector<at::Tensor> gs = at::_foreach_mul(g, f[0]);
+    std::vector<at::Tensor> m2 = at::_foreach_mul(m, f[2]);
+    at::_foreach_add_(m2, at::_foreach_mul(gs, f[3]));
+    std::vector<at::Tensor> v2 = at::_foreach_mul(v, f[4]);
+    at::_foreach_addcmul_(v2, gs, gs, f[5]);
+    std::vector<at::Tensor> denom = at::_foreach_sqrt(v2);
+    at::_foreach_mul_(denom, f[6]);
+    at::_foreach_add_(denom, f[7]);
+    std::vector<at::Tensor> p2 = at::_foreach_mul(p, f[1]);
+    at::_foreach_addcdiv_(p2, m2, denom, f[8]);
+    // x * 0 is 0 where x is finite and NaN elsewhere, so one norm per entry
+    // says whether the entry is all finite (a norm of x itself could
+    // overflow on finite values).
+    at::Tensor entry_bad = at::zeros({static_cast<int64_t>(end - begin)}, bad.options());
+    for (const std::vector<at::Tensor>* list : {&p2, &m2, &v2}) {
+      const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
+      entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
+    }
+    const std::vector<int64_t> owner(l.owner.begin() + begin, l.owner.begin() + end);
+    bad.index_add_(0, at::tensor(owner, at::kLong).to(device), entry_bad);
+    begin = end;
+  }
+  return bad.eq(0);
 }
 
 std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
@@ -315,13 +362,18 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
   for (TargetGroup g : groups) {
     const GroupSteps gs = StepsOf(bank, calls, live, scale, g, [&](size_t k) { return finite[k]; });
     if (gs.empty()) continue;
-    const AdamWRows rows = gs.Rows(device);
-    at::Tensor group_ok = at::ones({rows.size()}, ok.options());
-    for (size_t ti = 0; ti < targets.size(); ++ti) {
-      const LoraTarget& t = targets[ti];
-      if (t.group != g) continue;
-      group_ok.logical_and_(AdamWRowsStayFinite(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, rows));
-      group_ok.logical_and_(AdamWRowsStayFinite(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, rows));
+    at::Tensor group_ok;
+    if (path_ == Path::kForeach) {
+      group_ok = ForeachStaysFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g);
+    } else {
+      const AdamWRows rows = gs.Rows(device);
+      group_ok = at::ones({rows.size()}, ok.options());
+      for (size_t ti = 0; ti < targets.size(); ++ti) {
+        const LoraTarget& t = targets[ti];
+        if (t.group != g) continue;
+        group_ok.logical_and_(AdamWRowsStayFinite(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, rows));
+        group_ok.logical_and_(AdamWRowsStayFinite(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, rows));
+      }
     }
     const std::vector<int64_t> ks(gs.ks.begin(), gs.ks.end());
     const at::Tensor at_k = at::tensor(ks, at::kLong).to(device);

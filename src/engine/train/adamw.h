@@ -106,8 +106,25 @@ class SlotOptimizer {
                            const std::vector<double>& scale) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
+  // The multi-tensor path's lists for group g's targets: per entry one
+  // [len, ...] view of a param, its grad and moments, the index k (into
+  // slots) of its run's first slot, and the 9 fp32 factors (gscale, decay,
+  // b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps, -step size).
+  struct ForeachLists {
+    std::vector<at::Tensor> p, g, m, v;
+    std::vector<int64_t> owner;
+    std::vector<at::Scalar> f[9];
+  };
+  ForeachLists BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                 const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                 const std::vector<double>& scales, TargetGroup group, bool merge) const;
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
+  // [U] bool on the device: whether ForeachUpdate would leave each of slots'
+  // weights and moments finite (computed out of place, in bounded chunks).
+  at::Tensor ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                const std::vector<double>& scales, TargetGroup group) const;
   std::vector<Moments> a_, b_;
   Path path_ = Path::kRows;
 };
