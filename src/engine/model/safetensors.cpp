@@ -61,10 +61,15 @@ std::string ParentDir(const std::string& path) {
 }
 
 // numel * elem_size with overflow detection; false on overflow or negative dims.
+// TensorView::numel() multiplies the dims in order in int64_t, so every partial
+// element count must fit it too (a trailing 0 does not make [2^32, 2^31, 0] safe).
 bool ByteSize(const std::vector<int64_t>& shape, size_t elem, uint64_t* out) {
   uint64_t n = elem;
+  int64_t count = 1;
   for (int64_t d : shape) {
     if (d < 0) return false;
+    if (d != 0 && count > std::numeric_limits<int64_t>::max() / d) return false;
+    count *= d;
     if (d != 0 && n > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) return false;
     n *= static_cast<uint64_t>(d);
   }
