@@ -10,15 +10,20 @@ Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, co
   auto bad = [&](const std::string& field, const std::string& why) {
     return Status::Invalid(path + ": " + field + " " + why);
   };
-  if (j.value("peft_type", std::string("LORA")) != "LORA") return bad("peft_type", "must be \"LORA\"");
+  // Typed reads throughout: json::value() throws on a wrong type.
+  if (j.contains("peft_type") && !(j["peft_type"].is_string() && j["peft_type"].get<std::string>() == "LORA"))
+    return bad("peft_type", "must be \"LORA\"");
   if (!j.contains("r") || !j["r"].is_number_integer()) return bad("r", "must be an integer");
   const int64_t rank = j["r"].get<int64_t>();
   if (rank < 1 || rank > max_rank)
     return bad("r", std::to_string(rank) + " must be in [1, " + std::to_string(max_rank) + "]");
   if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) return bad("lora_alpha", "must be a number");
   const double alpha = j["lora_alpha"].get<double>();
-  if (j.value("use_rslora", false)) return bad("use_rslora", "is not supported");
-  if (j.value("use_dora", false)) return bad("use_dora", "is not supported");
+  for (const char* flag : {"use_rslora", "use_dora"}) {
+    if (!j.contains(flag) || j[flag].is_null()) continue;
+    if (!j[flag].is_boolean()) return bad(flag, "must be a boolean");
+    if (j[flag].get<bool>()) return bad(flag, "is not supported");
+  }
   if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
     return bad("bias", "must be \"none\"");
   for (const char* pattern : {"rank_pattern", "alpha_pattern"})

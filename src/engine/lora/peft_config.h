@@ -23,7 +23,7 @@ struct PeftConfig {
 // Parses the text of an adapter_config.json; `path` names it in errors
 // ("<path>: r 40 must be in [1, 32]"). r must be in [1, max_rank]; every
 // target module must be one loom adapts (q/k/v/o_proj, gate/up/down_proj,
-// lm_head). Malformed text is Status::Invalid.
+// lm_head). Any malformed text or wrong type is Status::Invalid, never a throw.
 Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, const std::string& path);
 
 }  // namespace loom::engine
