@@ -251,7 +251,7 @@ TEST(Safetensors, OffsetsOutOfRangeOrInconsistent) {
   EXPECT_TRUE(SafetensorsFile::Open(p).ok());
 }
 
-// Found by tests/fuzz/safetensors_fuzz: with a 0 last, the byte size is 0 and
+// Caught by tests/fuzz/safetensors_fuzz (UBSan): with a 0 last, the byte size is 0 and
 // fits, but TensorView::numel() multiplies 2^32 * 2^31 first, past int64_t
 // (undefined behaviour before the 0 is reached).
 TEST(Safetensors, ShapeWhoseElementCountOverflowsIsInvalidEvenWhenEmpty) {

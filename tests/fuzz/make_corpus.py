@@ -6,7 +6,8 @@
 Request bodies come from the real SDK captures (the spec's captures/*/NNN_*.json,
 body_b64_on_wire); what the captures lack (safetensors files, adapter_config.json,
 a TTL body) is written here and named synth-*. Each corpus dir is rewritten
-whole, so the committed files are exactly this script's output. Needs the
+whole, so the committed files are exactly this script's output. It also writes
+<target>.dict (libFuzzer dictionaries: the words the decoders look for). Needs the
 `zstd` command for the compressed forward_backward bodies.
 
 Input formats (see each target's .cpp):
@@ -176,6 +177,23 @@ def main():
         "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False}, indent=2).encode())
     ac.add("synth-float-alpha", b'{"r": 4, "lora_alpha": 12.5, "target_modules": ["down_proj", "lm_head"]}')
     ac.add("synth-minimal", b'{"r": 1, "lora_alpha": 1, "target_modules": []}')
+
+    # Dictionaries: the keys and words each decoder looks for, read from its source.
+    words = {
+        "json": ["src/wire/json_api.cpp", "src/wire/sample.cpp", "src/wire/json_fields.cpp"],
+        "adapter_config": ["src/engine/lora/peft_config.cpp"],
+        "safetensors": ["src/engine/model/safetensors.cpp"],
+    }
+    for name, sources in words.items():
+        found = set()
+        for src in sources:
+            found |= set(re.findall(r'"([A-Za-z_][A-Za-z0-9_]*)"', open(os.path.join(REPO, src)).read()))
+        with open(os.path.join(HERE, f"{name}.dict"), "w") as f:
+            f.write(f"# Written by make_corpus.py from {', '.join(sources)}.\n")
+            for w in sorted(found):
+                f.write(f'"\\"{w}\\""\n')
+            for tok in ("tinker://", "{", "}", "[", "]", ":", ",", "null", "true", "false", "-1", "1e308"):
+                f.write('"' + tok.replace('"', '\\"') + '"\n')
 
     total = 0
     for name in ("json", "forward_backward", "zstd", "safetensors", "adapter_config"):
