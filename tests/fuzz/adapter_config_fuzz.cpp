@@ -5,22 +5,12 @@
 // Beyond "no crash, no throw": an accepted config must be one LoadPeft can
 // bind (rank in [1, max], at least one group trained iff any module named).
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 
 #include "engine/lora/peft_config.h"
+#include "require.h"
 
-namespace {
-
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "adapter_config_fuzz: %s\n", what);
-    std::abort();
-  }
-}
-
-}  // namespace
+using loom::fuzz::Require;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   constexpr int64_t kMaxRank = 32;

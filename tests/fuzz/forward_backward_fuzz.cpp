@@ -6,8 +6,6 @@
 // Array holds exactly numel() values of its dtype), and must survive the
 // round trip through EncodeForwardBackwardRequest unchanged.
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <string_view>
 
@@ -15,17 +13,12 @@
 
 #include "wire/errors.h"
 #include "wire/forward_backward.h"
+#include "require.h"
 
 namespace {
 
+using loom::fuzz::Require;
 using namespace loom;
-
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "forward_backward_fuzz: %s\n", what);
-    std::abort();
-  }
-}
 
 void CheckArray(const engine::Array& a) {
   int64_t n = 1;

@@ -12,26 +12,19 @@
 // value outside the ranges its header promises (checked below).
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 
 #include "wire/errors.h"
 #include "wire/json_api.h"
 #include "wire/sample.h"
+#include "require.h"
 
 namespace {
 
+using loom::fuzz::Require;
 using namespace loom;
 using namespace loom::wire;
-
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "json_fuzz: decoder accepted a value its header forbids: %s\n", what);
-    std::abort();
-  }
-}
 
 // Like the gateway: a refused request becomes an error body (errors.cpp).
 bool Answer(const Status& s) {
@@ -45,16 +38,20 @@ bool Answer(const Result<T>& r) {
   return Answer(r.status());
 }
 
-template <typename Parse>
-void Json(std::string_view endpoint, std::string_view body, Parse parse) {
+// On success, check(request) tests what the decoder's header promises.
+template <typename Parse, typename Check>
+void Json(std::string_view endpoint, std::string_view body, Parse parse, Check check) {
   Result<wire::Json> j = ParseJsonObject(body, endpoint);
   if (!Answer(j)) return;
   Require(j->is_object(), "ParseJsonObject returned a non-object");
   auto req = parse(*j);
-  if (Answer(req)) {
-    // Received values are echoed back in answers and logs: dumping must not throw.
-    DumpJson(*j);
-  }
+  if (!Answer(req)) return;
+  check(*req);
+  DumpJson(*j);  // received values are echoed back in answers and logs: dumping must not throw
+}
+template <typename Parse>
+void Json(std::string_view endpoint, std::string_view body, Parse parse) {
+  Json(endpoint, body, parse, [](const auto&) {});
 }
 
 void TtlInRange(const std::optional<int64_t>& ttl) { Require(!ttl || *ttl >= 1, "ttl_seconds < 1"); }
@@ -66,103 +63,79 @@ std::pair<std::string_view, std::string_view> Split(std::string_view s, char sep
   return {s.substr(0, at), s.substr(at + 1)};
 }
 
+using Body = std::string_view;
+
 struct Decoder {
   const char* name;  // the endpoint; make_corpus.py maps captured routes onto it
-  void (*run)(std::string_view body);
+  void (*run)(Body name, Body body);
 };
 
 // ORDER IS THE CORPUS FORMAT: append only.
 const Decoder kDecoders[] = {
-    {"client/config", [](std::string_view b) { Json("client/config", b, ParseClientConfigRequest); }},
-    {"create_session", [](std::string_view b) { Json("create_session", b, ParseCreateSessionRequest); }},
-    {"session_heartbeat", [](std::string_view b) { Json("session_heartbeat", b, ParseSessionHeartbeatRequest); }},
-    {"telemetry", [](std::string_view b) { Json("telemetry", b, ParseTelemetryRequest); }},
+    {"client/config", [](Body e, Body b) { Json(e, b, ParseClientConfigRequest); }},
+    {"create_session", [](Body e, Body b) { Json(e, b, ParseCreateSessionRequest); }},
+    {"session_heartbeat", [](Body e, Body b) { Json(e, b, ParseSessionHeartbeatRequest); }},
+    {"telemetry", [](Body e, Body b) { Json(e, b, ParseTelemetryRequest); }},
     {"create_model",
-     [](std::string_view b) {
-       Json("create_model", b, [](const wire::Json& j) {
-         auto r = ParseCreateModelRequest(j);
-         if (r.ok()) {
-           Require(r->model_seq_id >= 0, "create_model.model_seq_id < 0");
-           Require(r->lora.rank >= 1, "create_model.lora_config.rank < 1");
-           Require(r->lora.train_attn || r->lora.train_mlp || r->lora.train_unembed, "no train_* set");
-         }
-         return r;
+     [](Body e, Body b) {
+       Json(e, b, ParseCreateModelRequest, [](const CreateModelRequest& r) {
+         Require(r.model_seq_id >= 0, "create_model.model_seq_id < 0");
+         Require(r.lora.rank >= 1, "create_model.lora_config.rank < 1");
+         Require(r.lora.train_attn || r.lora.train_mlp || r.lora.train_unembed, "no train_* set");
        });
      }},
-    {"get_info", [](std::string_view b) { Json("get_info", b, ParseGetInfoRequest); }},
-    {"unload_model", [](std::string_view b) { Json("unload_model", b, ParseUnloadModelRequest); }},
-    {"weights_info", [](std::string_view b) { Json("weights_info", b, ParseWeightsInfoRequest); }},
+    {"get_info", [](Body e, Body b) { Json(e, b, ParseGetInfoRequest); }},
+    {"unload_model", [](Body e, Body b) { Json(e, b, ParseUnloadModelRequest); }},
+    {"weights_info", [](Body e, Body b) { Json(e, b, ParseWeightsInfoRequest); }},
     {"optim_step",
-     [](std::string_view b) {
-       Json("optim_step", b, [](const wire::Json& j) {
-         auto r = ParseOptimStepRequest(j);
-         if (r.ok()) {
-           const engine::AdamParams& p = r->adam_params;
-           for (double v : {p.learning_rate, p.eps, p.weight_decay, p.grad_clip_norm})
-             Require(std::isfinite(v) && v >= 0, "optim_step: a non-finite or negative hyperparameter");
-           for (double beta : {p.beta1, p.beta2}) Require(beta >= 0 && beta < 1, "optim_step: beta outside [0, 1)");
-         }
-         return r;
+     [](Body e, Body b) {
+       Json(e, b, ParseOptimStepRequest, [](const OptimStepRequest& r) {
+         const engine::AdamParams& p = r.adam_params;
+         for (double v : {p.learning_rate, p.eps, p.weight_decay, p.grad_clip_norm})
+           Require(std::isfinite(v) && v >= 0, "optim_step: a non-finite or negative hyperparameter");
+         for (double beta : {p.beta1, p.beta2}) Require(beta >= 0 && beta < 1, "optim_step: beta outside [0, 1)");
        });
      }},
     {"save_weights",
-     [](std::string_view b) {
-       Json("save_weights", b, [](const wire::Json& j) {
-         auto r = ParseSaveWeightsRequest(j);
-         if (r.ok()) TtlInRange(r->ttl_seconds);
-         return r;
-       });
+     [](Body e, Body b) {
+       Json(e, b, ParseSaveWeightsRequest, [](const SaveWeightsRequest& r) { TtlInRange(r.ttl_seconds); });
      }},
-    {"load_weights", [](std::string_view b) { Json("load_weights", b, ParseLoadWeightsRequest); }},
+    {"load_weights", [](Body e, Body b) { Json(e, b, ParseLoadWeightsRequest); }},
     {"save_weights_for_sampler",
-     [](std::string_view b) {
-       Json("save_weights_for_sampler", b, [](const wire::Json& j) {
-         auto r = ParseSaveWeightsForSamplerRequest(j);
-         if (r.ok()) {
-           TtlInRange(r->ttl_seconds);
-           Require(r->name || r->sampling_session_seq_id, "save_weights_for_sampler: neither path nor seq id");
-         }
-         return r;
+     [](Body e, Body b) {
+       Json(e, b, ParseSaveWeightsForSamplerRequest, [](const SaveWeightsForSamplerRequest& r) {
+         TtlInRange(r.ttl_seconds);
+         Require(r.name || r.sampling_session_seq_id, "save_weights_for_sampler: neither path nor seq id");
        });
      }},
     {"create_sampling_session",
-     [](std::string_view b) {
-       Json("create_sampling_session", b, [](const wire::Json& j) {
-         auto r = ParseCreateSamplingSessionRequest(j);
-         if (r.ok()) Require(r->base_model || r->model_path, "create_sampling_session: no model");
-         return r;
+     [](Body e, Body b) {
+       Json(e, b, ParseCreateSamplingSessionRequest, [](const CreateSamplingSessionRequest& r) {
+         Require(r.base_model || r.model_path, "create_sampling_session: no model");
        });
      }},
     {"asample",
-     [](std::string_view b) {
-       Json("asample", b, [](const wire::Json& j) {
-         auto r = ParseSampleRequest(j);
-         if (r.ok()) {
-           const SamplingParams& p = r->sampling_params;
-           Require(r->num_samples >= 1, "asample.num_samples < 1");
-           Require(!r->prompt.empty(), "asample.prompt empty");
-           Require(!p.max_tokens || *p.max_tokens >= 0, "asample.max_tokens < 0");
-           Require(std::isfinite(p.temperature) && p.temperature >= 0, "asample.temperature");
-           Require(p.top_p > 0 && p.top_p <= 1, "asample.top_p outside (0, 1]");
-           Require(p.top_k == -1 || p.top_k >= 1, "asample.top_k");
-           Require(r->topk_prompt_logprobs >= 0, "asample.topk_prompt_logprobs < 0");
-         }
-         return r;
+     [](Body e, Body b) {
+       Json(e, b, ParseSampleRequest, [](const SampleRequest& r) {
+         const SamplingParams& p = r.sampling_params;
+         Require(r.num_samples >= 1, "asample.num_samples < 1");
+         Require(!r.prompt.empty(), "asample.prompt empty");
+         Require(!p.max_tokens || *p.max_tokens >= 0, "asample.max_tokens < 0");
+         Require(std::isfinite(p.temperature) && p.temperature >= 0, "asample.temperature");
+         Require(p.top_p > 0 && p.top_p <= 1, "asample.top_p outside (0, 1]");
+         Require(p.top_k == -1 || p.top_k >= 1, "asample.top_k");
+         Require(r.topk_prompt_logprobs >= 0, "asample.topk_prompt_logprobs < 0");
        });
      }},
-    {"retrieve_future", [](std::string_view b) { Json("retrieve_future", b, ParseRetrieveFutureRequest); }},
+    {"retrieve_future", [](Body e, Body b) { Json(e, b, ParseRetrieveFutureRequest); }},
     {"checkpoint ttl",
-     [](std::string_view b) {
-       Json("checkpoint ttl", b, [](const wire::Json& j) {
-         auto r = ParseCheckpointTtlRequest(j);
-         if (r.ok()) TtlInRange(r->ttl_seconds);
-         return r;
-       });
+     [](Body e, Body b) {
+       Json(e, b, ParseCheckpointTtlRequest, [](const CheckpointTtlRequest& r) { TtlInRange(r.ttl_seconds); });
      }},
-    {"assign_project", [](std::string_view b) { Json("assign_project", b, ParseAssignProjectRequest); }},
+    {"assign_project", [](Body e, Body b) { Json(e, b, ParseAssignProjectRequest); }},
     // Text from URLs and from inside bodies (not JSON).
     {"tinker_path",
-     [](std::string_view b) {
+     [](Body, Body b) {
        auto p = ParseTinkerPath(b);
        if (Answer(p)) {
          auto again = ParseTinkerPath(p->ToString());  // what loom hands out must parse back
@@ -170,17 +143,17 @@ const Decoder kDecoders[] = {
        }
      }},
     {"checkpoint_id",
-     [](std::string_view b) {
+     [](Body, Body b) {
        auto [run, id] = Split(b, '\0');
        Answer(ParseCheckpointId(run, id));
      }},
     {"page_params",
-     [](std::string_view b) {
+     [](Body, Body b) {
        auto [limit, offset] = Split(b, '&');
        auto p = ParsePageParams(limit, offset);
        if (Answer(p)) Require(p->limit >= 1 && p->limit <= 10000 && p->offset >= 0, "page params out of range");
      }},
-    {"checkpoint_name", [](std::string_view b) { Answer(ValidateCheckpointName(b, "path")); }},
+    {"checkpoint_name", [](Body, Body b) { Answer(ValidateCheckpointName(b, "path")); }},
 };
 constexpr size_t kNumDecoders = sizeof(kDecoders) / sizeof(kDecoders[0]);
 
@@ -189,6 +162,6 @@ constexpr size_t kNumDecoders = sizeof(kDecoders) / sizeof(kDecoders[0]);
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const Decoder& d = kDecoders[data[0] % kNumDecoders];
-  d.run(std::string_view(reinterpret_cast<const char*>(data + 1), size - 1));
+  d.run(d.name, Body(reinterpret_cast<const char*>(data + 1), size - 1));
   return 0;
 }

@@ -6,23 +6,13 @@
 // invariant (inside the file, nbytes == numel() x dtype size), and reading
 // every byte of every view must stay inside the input (ASan checks that).
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <string>
 
 #include "engine/model/safetensors.h"
+#include "require.h"
 
-namespace {
-
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "safetensors_fuzz: %s\n", what);
-    std::abort();
-  }
-}
-
-}  // namespace
+using loom::fuzz::Require;
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::map<std::string, loom::engine::TensorView> tensors;

@@ -10,8 +10,6 @@
 //                  refused, not decoded into something shorter silently.
 //   mode % 3 == 2: DecodeForwardBackwardRequest(data, zstd = true).
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 
@@ -19,19 +17,14 @@
 
 #include "wire/forward_backward.h"
 #include "wire/zstd.h"
+#include "require.h"
 
 namespace {
 
+using loom::fuzz::Require;
 using namespace loom;
 
 constexpr size_t kCap = size_t{1} << 20;
-
-void Require(bool ok, const char* what) {
-  if (!ok) {
-    std::fprintf(stderr, "zstd_fuzz: %s\n", what);
-    std::abort();
-  }
-}
 
 }  // namespace
 
