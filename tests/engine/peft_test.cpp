@@ -172,5 +172,32 @@ TEST_F(PeftTest, LoadRejectsBadDirectoriesNamingTheProblem) {
   EXPECT_EQ(SavePeft(bank, 1, (dir_ / "x").string(), "m").code(), Code::kFailedPrecondition);
 }
 
+// Found by tests/fuzz/adapter_config_fuzz: a key of the wrong JSON type made
+// nlohmann's value() throw out of LoadPeft (std::terminate on the engine
+// thread) instead of answering Invalid.
+TEST_F(PeftTest, LoadRefusesWrongTypedConfigFieldsWithoutThrowing) {
+  at::manual_seed(6);
+  SlotBank bank(2, 8, at::kCPU, Targets());
+  LoraConfig c;
+  c.rank = 4;
+  BindTrained(bank, 0, c);
+  ASSERT_TRUE(SavePeft(bank, 0, dir_.string(), "m").ok());
+  std::ifstream in(dir_ / "adapter_config.json");
+  const nlohmann::json saved = nlohmann::json::parse(in);
+  in.close();
+  for (const char* field : {"peft_type", "use_rslora", "use_dora"}) {
+    for (const nlohmann::json& wrong : {nlohmann::json(16), nlohmann::json("yes"), nlohmann::json::array()}) {
+      nlohmann::json j = saved;
+      j[field] = wrong;
+      std::ofstream(dir_ / "adapter_config.json") << j.dump();
+      Status s;
+      EXPECT_NO_THROW(s = LoadPeft(bank, 1, dir_.string())) << field << " = " << wrong.dump();
+      EXPECT_EQ(s.code(), Code::kInvalidArgument) << field << " = " << wrong.dump();
+      EXPECT_NE(s.message().find(field), std::string::npos) << s.message();
+      EXPECT_FALSE(bank.slot(1).bound);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace loom::engine

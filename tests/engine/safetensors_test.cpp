@@ -251,6 +251,24 @@ TEST(Safetensors, OffsetsOutOfRangeOrInconsistent) {
   EXPECT_TRUE(SafetensorsFile::Open(p).ok());
 }
 
+// Caught by tests/fuzz/safetensors_fuzz (UBSan): with a 0 last, the byte size is 0 and
+// fits, but TensorView::numel() multiplies 2^32 * 2^31 first, past int64_t
+// (undefined behaviour before the 0 is reached).
+TEST(Safetensors, ShapeWhoseElementCountOverflowsIsInvalidEvenWhenEmpty) {
+  TempDir dir;
+  const std::string p = dir / "e.safetensors";
+  WriteRaw(p, RawFile(R"({"w": {"dtype": "U8", "shape": [4294967296, 2147483648, 0], "data_offsets": [0, 0]}})", 0));
+  auto f = SafetensorsFile::Open(p);
+  ASSERT_FALSE(f.ok()) << "opened, numel() = " << f.value()->find("w")->numel();
+  EXPECT_EQ(f.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("'w': shape overflows"), std::string::npos) << f.status().message();
+  // A 0 first keeps every partial product at 0: a valid empty tensor.
+  WriteRaw(p, RawFile(R"({"w": {"dtype": "U8", "shape": [0, 4294967296, 2147483648], "data_offsets": [0, 0]}})", 0));
+  auto g = SafetensorsFile::Open(p);
+  ASSERT_TRUE(g.ok()) << g.status().message();
+  EXPECT_EQ(g.value()->find("w")->numel(), 0);
+}
+
 // Writes two shards plus an index; returns the model directory.
 void WriteShardedModel(const TempDir& dir, const std::string& index_json) {
   SafetensorsWriter s1, s2;

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "engine/lora/peft_config.h"
 #include "engine/model/safetensors.h"
 #include "engine/model/tensor_io.h"
 
@@ -25,29 +26,18 @@ std::string TensorName(const std::string& module, bool is_a) {
   return std::string(kPrefix) + module + (is_a ? ".lora_A.weight" : ".lora_B.weight");
 }
 
-TargetGroup GroupOfShortName(const std::string& name, bool* known) {
-  *known = true;
-  if (name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj") return TargetGroup::kAttn;
-  if (name == "gate_proj" || name == "up_proj" || name == "down_proj") return TargetGroup::kMlp;
-  if (name == "lm_head") return TargetGroup::kUnembed;
-  *known = false;
-  return TargetGroup::kAttn;
-}
-
 std::string ShapeText(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
 
-Result<nlohmann::json> ReadJson(const std::string& path) {
+Result<std::string> ReadText(const std::string& path) {
   std::ifstream in(path);
   if (!in) return Status::NotFound("cannot read " + path);
   std::stringstream ss;
   ss << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + " is not a JSON object");
-  return j;
+  return ss.str();
 }
 
 }  // namespace
@@ -116,45 +106,13 @@ Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {
                            ")");
   const std::filesystem::path root(dir);
   const std::string config_path = (root / kConfigFile).string();
-  Result<nlohmann::json> cfg = ReadJson(config_path);
+  Result<std::string> text = ReadText(config_path);
+  if (!text.ok()) return text.status();
+  Result<PeftConfig> cfg = ParsePeftConfig(*text, bank.max_rank(), config_path);
   if (!cfg.ok()) return cfg.status();
-  const nlohmann::json& j = *cfg;
-  auto bad = [&](const std::string& field, const std::string& why) {
-    return Status::Invalid(config_path + ": " + field + " " + why);
-  };
-  if (j.value("peft_type", std::string("LORA")) != "LORA") return bad("peft_type", "must be \"LORA\"");
-  if (!j.contains("r") || !j["r"].is_number_integer()) return bad("r", "must be an integer");
-  const int64_t rank = j["r"].get<int64_t>();
-  if (rank < 1 || rank > bank.max_rank())
-    return bad("r", std::to_string(rank) + " must be in [1, " + std::to_string(bank.max_rank()) + "]");
-  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) return bad("lora_alpha", "must be a number");
-  const double alpha = j["lora_alpha"].get<double>();
-  if (!(alpha > 0 && alpha <= 1e6)) return bad("lora_alpha", "must be in (0, 1e6]");
-  if (j.value("use_rslora", false)) return bad("use_rslora", "is not supported");
-  if (j.value("use_dora", false)) return bad("use_dora", "is not supported");
-  if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
-    return bad("bias", "must be \"none\"");
-  for (const char* pattern : {"rank_pattern", "alpha_pattern"})
-    if (j.contains(pattern) && j[pattern].is_object() && !j[pattern].empty())
-      return bad(pattern, "is not supported (one rank and alpha per adapter)");
-  if (!j.contains("target_modules") || !j["target_modules"].is_array())
-    return bad("target_modules", "must be a list of module names");
-
-  std::set<std::string> modules;
-  LoraConfig config;
-  config.rank = static_cast<int>(rank);
-  config.alpha = alpha;
-  config.train_attn = config.train_mlp = config.train_unembed = false;
-  for (const auto& m : j["target_modules"]) {
-    if (!m.is_string()) return bad("target_modules", "must hold strings");
-    const std::string name = m.get<std::string>();
-    bool known = false;
-    const TargetGroup g = GroupOfShortName(name, &known);
-    if (!known) return bad("target_modules", "names '" + name + "', which loom does not adapt");
-    modules.insert(name);
-    (g == TargetGroup::kAttn ? config.train_attn : g == TargetGroup::kMlp ? config.train_mlp : config.train_unembed) =
-        true;
-  }
+  const LoraConfig& config = cfg->lora;
+  const std::set<std::string>& modules = cfg->modules;
+  const int64_t rank = config.rank;
 
   const std::string weights_path = (root / kWeightsFile).string();
   Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);

@@ -61,10 +61,15 @@ std::string ParentDir(const std::string& path) {
 }
 
 // numel * elem_size with overflow detection; false on overflow or negative dims.
+// TensorView::numel() multiplies the dims in order in int64_t, so every partial
+// element count must fit it too (a trailing 0 does not make [2^32, 2^31, 0] safe).
 bool ByteSize(const std::vector<int64_t>& shape, size_t elem, uint64_t* out) {
   uint64_t n = elem;
+  int64_t count = 1;
   for (int64_t d : shape) {
     if (d < 0) return false;
+    if (d != 0 && count > std::numeric_limits<int64_t>::max() / d) return false;
+    count *= d;
     if (d != 0 && n > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(d)) return false;
     n *= static_cast<uint64_t>(d);
   }
@@ -104,19 +109,27 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
   if (::fstat(fd.fd, &st) != 0) return Status::Internal("stat " + path + ": " + ErrnoText());
   if (!S_ISREG(st.st_mode)) return Status::Invalid("safetensors file " + path + " is not a regular file");
   const uint64_t size = static_cast<uint64_t>(st.st_size);
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+  if (size > 0) {  // mmap refuses 0 bytes; ParseSafetensors reports the truncation
+    file->map_size_ = size;
+    file->map_ = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd.fd, 0);
+    if (file->map_ == MAP_FAILED) {
+      file->map_ = nullptr;
+      return Status::Internal("mmap " + path + ": " + ErrnoText());
+    }
+  }
+  Status s = ParseSafetensors(static_cast<const uint8_t*>(file->map_), size, path, &file->tensors_, &file->metadata_);
+  if (!s.ok()) return s;
+  return file;
+}
+
+Status ParseSafetensors(const uint8_t* base, uint64_t size, const std::string& path,
+                        std::map<std::string, TensorView>* tensors, std::map<std::string, std::string>* metadata) {
   if (size < 8) {
     return Status::Invalid("safetensors file " + path + " is truncated: " + std::to_string(size) +
                            " bytes, less than the 8-byte header length");
   }
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  file->map_size_ = size;
-  file->map_ = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd.fd, 0);
-  if (file->map_ == MAP_FAILED) {
-    file->map_ = nullptr;
-    return Status::Internal("mmap " + path + ": " + ErrnoText());
-  }
-  const auto* base = static_cast<const uint8_t*>(file->map_);
   uint64_t header_len = 0;
   for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | base[i];
   if (header_len > kMaxHeaderBytes) {
@@ -149,7 +162,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
           return Status::Invalid("safetensors file " + path + ": __metadata__ value of '" + m.key() +
                                  "' is not a string");
         }
-        file->metadata_[m.key()] = m.value().get<std::string>();
+        (*metadata)[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
@@ -190,7 +203,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
     view.data = data + begin;
     view.nbytes = static_cast<size_t>(expect);
     if (expect > 0) ranges.emplace_back(begin, end);
-    file->tensors_.emplace(name, std::move(view));
+    tensors->emplace(name, std::move(view));
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
@@ -199,7 +212,7 @@ Result<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string
                              std::to_string(ranges[i].first));
     }
   }
-  return file;
+  return Status::Ok();
 }
 
 const TensorView* ModelWeights::find(const std::string& name) const {

@@ -68,6 +68,14 @@ class SafetensorsFile {
   std::map<std::string, TensorView> tensors_;
 };
 
+// The validation half of SafetensorsFile::Open, on a file image already in
+// memory: checks [base, base + size) and adds its tensors (views into it) and
+// metadata to the maps; `path` names the file in errors. Torch- and
+// file-free, so that tests/fuzz/ can feed it bytes. On error the maps may
+// hold part of the file.
+Status ParseSafetensors(const uint8_t* base, uint64_t size, const std::string& path,
+                        std::map<std::string, TensorView>* tensors, std::map<std::string, std::string>* metadata);
+
 // ModelWeights: the weights of a Hugging Face model directory as one
 // name → view map. Opens `model.safetensors`, or else every shard named in
 // `model.safetensors.index.json`'s weight_map (checking that each listed name

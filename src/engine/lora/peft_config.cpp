@@ -1,0 +1,57 @@
+#include "engine/lora/peft_config.h"
+
+#include <nlohmann/json.hpp>
+
+namespace loom::engine {
+
+Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, const std::string& path) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + " is not a JSON object");
+  auto bad = [&](const std::string& field, const std::string& why) {
+    return Status::Invalid(path + ": " + field + " " + why);
+  };
+  // Typed reads throughout: json::value() throws on a wrong type.
+  if (j.contains("peft_type") && !(j["peft_type"].is_string() && j["peft_type"].get<std::string>() == "LORA"))
+    return bad("peft_type", "must be \"LORA\"");
+  if (!j.contains("r") || !j["r"].is_number_integer()) return bad("r", "must be an integer");
+  const int64_t rank = j["r"].get<int64_t>();
+  if (rank < 1 || rank > max_rank)
+    return bad("r", std::to_string(rank) + " must be in [1, " + std::to_string(max_rank) + "]");
+  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) return bad("lora_alpha", "must be a number");
+  const double alpha = j["lora_alpha"].get<double>();
+  if (!(alpha > 0 && alpha <= 1e6)) return bad("lora_alpha", "must be in (0, 1e6]");
+  for (const char* flag : {"use_rslora", "use_dora"}) {
+    if (!j.contains(flag) || j[flag].is_null()) continue;
+    if (!j[flag].is_boolean()) return bad(flag, "must be a boolean");
+    if (j[flag].get<bool>()) return bad(flag, "is not supported");
+  }
+  if (j.contains("bias") && j["bias"].is_string() && j["bias"].get<std::string>() != "none")
+    return bad("bias", "must be \"none\"");
+  for (const char* pattern : {"rank_pattern", "alpha_pattern"})
+    if (j.contains(pattern) && j[pattern].is_object() && !j[pattern].empty())
+      return bad(pattern, "is not supported (one rank and alpha per adapter)");
+  if (!j.contains("target_modules") || !j["target_modules"].is_array())
+    return bad("target_modules", "must be a list of module names");
+
+  PeftConfig out;
+  LoraConfig& config = out.lora;
+  config.rank = static_cast<int>(rank);
+  config.alpha = alpha;
+  config.train_attn = config.train_mlp = config.train_unembed = false;
+  for (const auto& m : j["target_modules"]) {
+    if (!m.is_string()) return bad("target_modules", "must hold strings");
+    const std::string name = m.get<std::string>();
+    if (name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj")
+      config.train_attn = true;
+    else if (name == "gate_proj" || name == "up_proj" || name == "down_proj")
+      config.train_mlp = true;
+    else if (name == "lm_head")
+      config.train_unembed = true;
+    else
+      return bad("target_modules", "names '" + name + "', which loom does not adapt");
+    out.modules.insert(name);
+  }
+  return out;
+}
+
+}  // namespace loom::engine

@@ -1,0 +1,29 @@
+// peft_config: the adapter_config.json half of peft.h (LoadPeft), without
+// libtorch, so that tests/fuzz/ can feed it bytes. It reads what
+// PeftModel.save_pretrained writes: peft_type LORA, r, lora_alpha,
+// target_modules (short module names), and refuses what loom cannot honour
+// (rsLoRA, DoRA, a bias, per-module rank or alpha patterns).
+//
+// Pure functions; any thread may call them.
+#pragma once
+#include <cstdint>
+#include <set>
+#include <string>
+
+#include "common/status.h"
+#include "engine/api.h"
+
+namespace loom::engine {
+
+struct PeftConfig {
+  LoraConfig lora;                // rank, alpha; train_* from target_modules; seed 0
+  std::set<std::string> modules;  // target_modules, short names ("q_proj", "lm_head")
+};
+
+// Parses the text of an adapter_config.json; `path` names it in errors
+// ("<path>: r 40 must be in [1, 32]"). r must be in [1, max_rank]; every
+// target module must be one loom adapts (q/k/v/o_proj, gate/up/down_proj,
+// lm_head). Any malformed text or wrong type is Status::Invalid, never a throw.
+Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, const std::string& path);
+
+}  // namespace loom::engine
