@@ -11,13 +11,9 @@
 namespace loom::engine {
 namespace {
 
-// t with its non-finite entries replaced by exact zeros (RoutedDelta).
-at::Tensor FiniteOrZero(const at::Tensor& t) { return at::where(at::isfinite(t), t, at::zeros({}, t.options())); }
-
-// t [rows, n] with every row that holds a non-finite value replaced by zeros.
-at::Tensor FiniteRowsOrZero(const at::Tensor& t) {
-  return at::where(at::isfinite(t).all(1, /*keepdim=*/true), t, at::zeros({}, t.options()));
-}
+// t with its non-finite entries replaced by exact zeros (RoutedDelta): one
+// elementwise pass, and its gradient passes through where t was finite.
+at::Tensor FiniteOrZero(const at::Tensor& t) { return at::nan_to_num(t, 0.0, 0.0, 0.0); }
 
 // Uniform in [-bound, bound) from the top 53 bits of splitmix64. Its output
 // is fixed by its definition, so an adapter's initial weights are the same on
@@ -256,10 +252,10 @@ at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const
   const at::Tensor b =
       FiniteOrZero(t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur}));  // [d_out, U*R]
   const at::Tensor zero = at::zeros({}, xf.options());
-  const at::Tensor xs = at::where(at::isfinite(xf).all(1, /*keepdim=*/true), xf, zero);
+  const at::Tensor xs = FiniteOrZero(xf);
   const at::Tensor h = at::where(routing.select, at::linear(xs, a) * routing.scale, zero);  // [T, U*R]
   at::Tensor y = at::linear(h, b);
-  if (y.requires_grad()) y.register_hook([](const at::Tensor& g) { return FiniteRowsOrZero(g); });
+  if (y.requires_grad()) y.register_hook([](const at::Tensor& g) { return FiniteOrZero(g); });
   return y;
 }
 

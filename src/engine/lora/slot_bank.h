@@ -161,12 +161,12 @@ class SlotBank {
   // matmuls, so nothing non-finite may enter them, or 0 * inf = NaN would
   // carry one slot's (or one sequence's) values into other tokens' rows.
   // Hence: other slots' columns are selected away (where, not a multiply by
-  // a 0/1 mask); non-finite entries of A_U / B_U enter as 0; a token row of x
-  // that is not finite enters as 0 (its own output is non-finite already);
-  // and in the backward an incoming gradient row that is not finite is
-  // zeroed before it meets the other slots' columns. A token's delta and the
-  // gradients of the other slots are then those of a batch whose poisoned
-  // rows and slots held any finite values, bit for bit.
+  // a 0/1 mask); non-finite entries of A_U / B_U and of x enter as 0 (a row
+  // of x holding one is non-finite in the base output already); and in the
+  // backward the incoming gradient's non-finite entries are zeroed before
+  // they meet the other slots' columns. A token's delta and the gradients of
+  // the other slots are then those of a batch whose poisoned rows and slots
+  // held any finite values, bit for bit.
   at::Tensor RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const;
 
   // The grouped routing of a packed batch for group g (see LoraGroups).

@@ -120,13 +120,6 @@ void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::
   exp_avg_sq.index_copy_(0, rows.index, u.v);
 }
 
-at::Tensor AdamWRowsStayFinite(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                               const at::Tensor& exp_avg_sq, const AdamWRows& rows) {
-  c10::NoGradGuard no_grad;
-  const UpdatedRows u = ComputeRows(param, grad, exp_avg, exp_avg_sq, rows);
-  const auto finite = [](const at::Tensor& t) { return at::isfinite(t).flatten(1).all(1); };
-  return finite(u.p).logical_and_(finite(u.m)).logical_and_(finite(u.v));
-}
 
 Status ValidateAdamParams(const AdamParams& p) {
   auto check = [](const char* name, double v, double lo, double hi, bool hi_open) -> Status {
@@ -336,9 +329,10 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
     at::_foreach_addcdiv_(p2, m2, denom, f[8]);
     // x * 0 is 0 where x is finite and NaN elsewhere, so one norm per entry
     // says whether the entry is all finite (a norm of x itself could
-    // overflow on finite values).
+    // overflow on finite values). The first moment needs no check:
+    // |m'| <= max(|m|, |g|), both finite.
     at::Tensor entry_bad = at::zeros({static_cast<int64_t>(end - begin)}, bad.options());
-    for (const std::vector<at::Tensor>* list : {&p2, &m2, &v2}) {
+    for (const std::vector<at::Tensor>* list : {&p2, &v2}) {
       const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
       entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
     }
@@ -349,9 +343,19 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
   return bad.eq(0);
 }
 
+// The rows path's updated rows of one target, computed once for the check
+// and written after it (only the rows of slots whose step is taken).
+struct SlotOptimizer::PendingRows {
+  size_t target = 0;
+  at::Tensor index;        // the group's stepped slots, [U]
+  std::vector<size_t> ks;  // index k (into live) of each
+  UpdatedRows a, b;
+};
+
 std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                                         const std::vector<size_t>& live, const std::vector<bool>& finite,
-                                        const std::vector<double>& scale) const {
+                                        const std::vector<double>& scale,
+                                        std::vector<PendingRows>* pending) const {
   std::vector<bool> stable(live.size(), true);
   const auto& targets = bank.targets();
   if (targets.empty()) return stable;
@@ -368,11 +372,16 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
     } else {
       const AdamWRows rows = gs.Rows(device);
       group_ok = at::ones({rows.size()}, ok.options());
+      const auto finite_rows = [](const at::Tensor& t) { return at::isfinite(t).flatten(1).all(1); };
       for (size_t ti = 0; ti < targets.size(); ++ti) {
         const LoraTarget& t = targets[ti];
         if (t.group != g) continue;
-        group_ok.logical_and_(AdamWRowsStayFinite(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, rows));
-        group_ok.logical_and_(AdamWRowsStayFinite(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, rows));
+        PendingRows pr{ti, rows.index, gs.ks, ComputeRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, rows),
+                       ComputeRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, rows)};
+        // The first moment needs no check: |m'| <= max(|m|, |g|), both finite.
+        for (const UpdatedRows* u : {&pr.a, &pr.b})
+          for (const at::Tensor* x : {&u->p, &u->v}) group_ok.logical_and_(finite_rows(*x));
+        pending->push_back(std::move(pr));
       }
     }
     const std::vector<int64_t> ks(gs.ks.begin(), gs.ks.end());
@@ -431,25 +440,30 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   // overflows fp32) is not taken at all: the slot keeps its weights, moments,
   // step and gradients, and its call fails. Found by running the update out
   // of place first (one host sync for all slots), so nothing is written yet.
-  std::vector<bool> stable = Stable(bank, calls, live, finite, scale);
+  std::vector<PendingRows> pending;  // the rows path's computed update
+  std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending);
   auto steps_now = [&](size_t k) { return finite[k] && stable[k]; };
 
-  AdamWRows rows[3];
-  for (int g = 0; g < 3; ++g) {
-    const GroupSteps gs = StepsOf(bank, calls, live, scale, groups[g], steps_now);
-    if (gs.empty()) continue;
-    if (path_ == Path::kForeach) {
-      ForeachUpdate(bank, gs.slots, gs.params, gs.steps, gs.scales, groups[g]);
-    } else {
-      rows[g] = gs.Rows(device);
+  if (path_ == Path::kForeach) {
+    for (int g = 0; g < 3; ++g) {
+      const GroupSteps gs = StepsOf(bank, calls, live, scale, groups[g], steps_now);
+      if (!gs.empty()) ForeachUpdate(bank, gs.slots, gs.params, gs.steps, gs.scales, groups[g]);
     }
   }
-  if (path_ == Path::kRows) {
-    for (size_t ti = 0; ti < targets.size(); ++ti) {
-      const LoraTarget& t = targets[ti];
-      const AdamWRows& r = rows[static_cast<int>(t.group)];
-      AdamWUpdateRows(t.A, t.A.grad(), a_[ti].exp_avg, a_[ti].exp_avg_sq, r);
-      AdamWUpdateRows(t.B, t.B.grad(), b_[ti].exp_avg, b_[ti].exp_avg_sq, r);
+  for (const PendingRows& pr : pending) {
+    std::vector<int64_t> keep;  // positions in pr.ks whose slot steps
+    for (size_t i = 0; i < pr.ks.size(); ++i)
+      if (stable[pr.ks[i]]) keep.push_back(static_cast<int64_t>(i));
+    if (keep.empty()) continue;
+    const bool all = keep.size() == pr.ks.size();
+    const at::Tensor sel = all ? at::Tensor() : at::tensor(keep, at::kLong).to(device);
+    const auto pick = [&](const at::Tensor& t) { return all ? t : t.index_select(0, sel); };
+    const at::Tensor index = pick(pr.index);
+    const LoraTarget& t = targets[pr.target];
+    for (auto [param, mo, u] : {std::tuple{&t.A, &a_[pr.target], &pr.a}, std::tuple{&t.B, &b_[pr.target], &pr.b}}) {
+      param->detach().index_copy_(0, index, pick(u->p));
+      mo->exp_avg.index_copy_(0, index, pick(u->m));
+      mo->exp_avg_sq.index_copy_(0, index, pick(u->v));
     }
   }
   // Every stepped or skipped slot starts its next accumulation from zero (a

@@ -47,12 +47,6 @@ struct AdamWRows {
 void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const AdamWRows& rows);
 
-// [U] bool: whether the update of each of rows.index's rows would leave the
-// row of param and of both moments finite. Computes the update out of place
-// and writes nothing.
-at::Tensor AdamWRowsStayFinite(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                               const at::Tensor& exp_avg_sq, const AdamWRows& rows);
-
 // Invalid naming the field when a value is non-finite or out of range
 // (learning_rate ≥ 0, 0 ≤ beta < 1, eps ≥ 0, weight_decay ≥ 0, grad_clip_norm ≥ 0).
 Status ValidateAdamParams(const AdamParams& params);
@@ -101,9 +95,12 @@ class SlotOptimizer {
   // Per live slot (calls[live[k]]): false when its step, with the grad
   // clip scale[k], would leave a weight or moment non-finite (true for slots
   // whose gradient is not finite: they are skipped, not stepped).
+  // On the rows path the update is computed here, once, and kept in
+  // *pending for StepRound to write.
+  struct PendingRows;
   std::vector<bool> Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                            const std::vector<size_t>& live, const std::vector<bool>& finite,
-                           const std::vector<double>& scale) const;
+                           const std::vector<double>& scale, std::vector<PendingRows>* pending) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
   // The multi-tensor path's lists for group g's targets: per entry one
