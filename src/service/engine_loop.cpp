@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <set>
 
+#include "common/batch_window.h"
 #include "common/log.h"
 #include "service/service.h"
 #include "service/util.h"
@@ -231,13 +232,12 @@ void Service::EngineLoop() {
 }
 
 bool Service::BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock) {
-  constexpr int kMaxBatchWindows = 10;
-  const auto window = options_.batch_window;
-  if (window.count() <= 0 || planner_.empty()) return false;
+  const BatchWindow rule{options_.batch_window};
+  if (!rule.enabled() || planner_.empty()) return false;
   const auto now = Clock::now();
-  const auto quiet_at = last_arrival_ + window;
-  const auto oldest = std::chrono::milliseconds(planner_.OldestWaitMs(NowMs()));
-  if (now >= quiet_at || oldest >= kMaxBatchWindows * window) return false;
+  const auto oldest_arrival = now - std::chrono::milliseconds(planner_.OldestWaitMs(NowMs()));
+  if (!rule.KeepWaiting(now, last_arrival_, oldest_arrival)) return false;
+  const auto quiet_at = last_arrival_ + options_.batch_window;
   // Sleep until the window closes or a new request arrives (then look
   // again). Not AnyReadyLocked(): the planner's queue is non-empty here, and
   // waking on it would spin and starve the submitting threads of mu_.

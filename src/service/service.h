@@ -63,7 +63,8 @@ struct ServiceOptions {
   int64_t token_budget = 8192;  // --token-budget: tokens per packed forward(_backward) pass
   // --batch-window-ms: before a pass, the engine waits until no request has
   // arrived for this long (tenants submitting "at once" land in one pass),
-  // but never keeps a request waiting longer than kMaxBatchWindows windows.
+  // but never keeps a request waiting longer than BatchWindow::kMaxWindows
+  // windows (common/batch_window.h, the sampler's rule too).
   std::chrono::milliseconds batch_window{2};
   // --max-models-per-tenant: live models (adapter slots, held or being bound)
   // one tenant may have at once; 0 = no per-tenant limit (only the slots).

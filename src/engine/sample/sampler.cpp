@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/batch_window.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/scheduler.h"
 #include "engine/sample_api.h"
@@ -191,16 +192,20 @@ class SamplerImpl final : public Sampler {
 
   // The sampler was idle and requests are arriving: requests sent together
   // (one RL step's samples, each its own HTTP call) come a little apart, so
-  // wait for a quiet admission_window (at most 10 windows) and give them one
-  // prefill, not the first arrival a prefill of its own.
+  // wait for a quiet admission_window (BatchWindow's rule, the trainer's too)
+  // and give them one prefill, not the first arrival a prefill of its own.
   void GatherBurst(std::unique_lock<std::mutex>& lock) {
-    const auto window = options_.admission_window;
-    if (window.count() <= 0) return;
-    const auto give_up = std::chrono::steady_clock::now() + 10 * window;
+    const BatchWindow rule{options_.admission_window};
+    if (!rule.enabled()) return;
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point first = Clock::now();
+    Clock::time_point newest = first;
     size_t seen = inbox_.size();
-    while (!stop_ && std::chrono::steady_clock::now() < give_up) {
-      if (!cv_.wait_for(lock, window, [&] { return stop_ || inbox_.size() != seen; })) return;  // quiet
-      seen = inbox_.size();
+    while (!stop_ && rule.KeepWaiting(Clock::now(), newest, first)) {
+      if (cv_.wait_until(lock, rule.WaitUntil(newest, first), [&] { return stop_ || inbox_.size() != seen; })) {
+        seen = inbox_.size();
+        newest = Clock::now();
+      }
     }
   }
 
