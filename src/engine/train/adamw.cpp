@@ -22,7 +22,6 @@ at::Tensor Spread(const at::Tensor& col, int64_t dims) {
   return col.view(shape);
 }
 
-
 // The slots of one round that step targets of group g: those live[k] for
 // which take(k) holds and whose slot trains g, with their factors' inputs.
 struct GroupSteps {
@@ -108,6 +107,23 @@ UpdatedRows ComputeRows(const at::Tensor& param, const at::Tensor& grad, const a
   return u;
 }
 
+// The multi-tensor AdamW update of p, m, v in place, with gradients g and
+// the per-entry factors f (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2),
+// eps, -step size).
+void ForeachAdamW(std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, std::vector<at::Tensor>& m,
+                  std::vector<at::Tensor>& v, const std::vector<at::Scalar> (&f)[9]) {
+  const std::vector<at::Tensor> gs = at::_foreach_mul(g, f[0]);
+  at::_foreach_mul_(p, f[1]);
+  at::_foreach_mul_(m, f[2]);
+  at::_foreach_add_(m, at::_foreach_mul(gs, f[3]));
+  at::_foreach_mul_(v, f[4]);
+  at::_foreach_addcmul_(v, gs, gs, f[5]);
+  std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
+  at::_foreach_mul_(denom, f[6]);
+  at::_foreach_add_(denom, f[7]);
+  at::_foreach_addcdiv_(p, m, denom, f[8]);
+}
+
 }  // namespace
 
 void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -119,7 +135,6 @@ void AdamWUpdateRows(const at::Tensor& param, const at::Tensor& grad, const at::
   exp_avg.index_copy_(0, rows.index, u.m);
   exp_avg_sq.index_copy_(0, rows.index, u.v);
 }
-
 
 Status ValidateAdamParams(const AdamParams& p) {
   auto check = [](const char* name, double v, double lo, double hi, bool hi_open) -> Status {
@@ -285,17 +300,7 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   c10::NoGradGuard no_grad;
   ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
   if (l.p.empty()) return;
-  const auto& [gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step] = l.f;
-  const std::vector<at::Tensor> gs = at::_foreach_mul(l.g, gscale);
-  at::_foreach_mul_(l.p, decay);
-  at::_foreach_mul_(l.m, b1);
-  at::_foreach_add_(l.m, at::_foreach_mul(gs, omb1));
-  at::_foreach_mul_(l.v, b2);
-  at::_foreach_addcmul_(l.v, gs, gs, omb2);
-  std::vector<at::Tensor> denom = at::_foreach_sqrt(l.v);
-  at::_foreach_mul_(denom, inv_bc2);
-  at::_foreach_add_(denom, eps);
-  at::_foreach_addcdiv_(l.p, l.m, denom, neg_step);
+  ForeachAdamW(l.p, l.g, l.m, l.v, l.f);
 }
 
 at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
@@ -314,19 +319,16 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
     while (end < l.p.size() && (end == begin || n + l.p[end].numel() <= kChunkElements)) n += l.p[end++].numel();
     auto cut = [&](const auto& list) { return std::vector(list.begin() + begin, list.begin() + end); };
     const auto p = cut(l.p), g = cut(l.g), m = cut(l.m), v = cut(l.v);
-    std::vector<std::vector<at::Scalar>> f(9);
+    std::vector<at::Scalar> f[9];
     for (int i = 0; i < 9; ++i) f[i] = cut(l.f[i]);
-    // The update of ForeachUpdate, out of place.
-    const std::vector<at::Tensor> gs = at::_foreach_mul(g, f[0]);
-    std::vector<at::Tensor> m2 = at::_foreach_mul(m, f[2]);
-    at::_foreach_add_(m2, at::_foreach_mul(gs, f[3]));
-    std::vector<at::Tensor> v2 = at::_foreach_mul(v, f[4]);
-    at::_foreach_addcmul_(v2, gs, gs, f[5]);
-    std::vector<at::Tensor> denom = at::_foreach_sqrt(v2);
-    at::_foreach_mul_(denom, f[6]);
-    at::_foreach_add_(denom, f[7]);
-    std::vector<at::Tensor> p2 = at::_foreach_mul(p, f[1]);
-    at::_foreach_addcdiv_(p2, m2, denom, f[8]);
+    // The update of ForeachUpdate, on copies.
+    const auto copies = [](const std::vector<at::Tensor>& list) {
+      std::vector<at::Tensor> c;
+      for (const at::Tensor& t : list) c.push_back(t.clone());
+      return c;
+    };
+    std::vector<at::Tensor> p2 = copies(p), m2 = copies(m), v2 = copies(v);
+    ForeachAdamW(p2, g, m2, v2, f);
     // x * 0 is 0 where x is finite and NaN elsewhere, so one norm per entry
     // says whether the entry is all finite (a norm of x itself could
     // overflow on finite values). The first moment needs no check:
