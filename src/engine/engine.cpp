@@ -153,10 +153,10 @@ class TrainingEngine final : public Engine {
   }
 
  private:
-  // OpenMP's thread count is a per-thread setting: a new engine thread would
-  // otherwise run with the runtime's default rather than options.threads.
   bool Bound(int slot) const { return slot >= 0 && slot < info_.max_slots && bank_.slot(slot).bound; }
 
+  // OpenMP's thread count is a per-thread setting: a new engine thread would
+  // otherwise run with the runtime's default rather than options.threads.
   void UseThisThread() {
     const std::thread::id me = std::this_thread::get_id();
     if (me == configured_thread_) return;

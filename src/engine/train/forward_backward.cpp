@@ -114,16 +114,17 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
   at::Tensor loss_host = at::stack(losses).detach().to(at::kDouble).cpu();
   const double* loss_values = loss_host.data_ptr<double>();
 
-  // 4. One backward of the finite losses of calls that want gradients.
+  // 4. One backward of the finite losses of calls that want gradients (their
+  // slots' gradients may then be non-zero: grad_dirty).
   at::Tensor total;
+  std::vector<int> touched;
   for (size_t i = 0; i < parts.size(); ++i) {
     if (calls[parts[i].call].forward_only || !std::isfinite(loss_values[i])) continue;
     total = total.defined() ? total + losses[i] : losses[i];
+    touched.push_back(calls[parts[i].call].slot);
   }
   if (total.defined() && total.requires_grad()) {
-    for (size_t i = 0; i < parts.size(); ++i)
-      if (!calls[parts[i].call].forward_only && std::isfinite(loss_values[i]))
-        bank.slot(calls[parts[i].call].slot).grad_dirty = true;
+    for (int s : touched) bank.slot(s).grad_dirty = true;
     total.backward();
   }
 
