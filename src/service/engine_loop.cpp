@@ -81,14 +81,6 @@ const char* PassKindName(const sched::Pass& pass) {
   return "?";
 }
 
-wire::TinkerPath ToWirePath(const store::TinkerPath& p) {
-  wire::TinkerPath w;
-  w.training_run_id = p.model_id;
-  w.kind = p.kind == store::kSamplerWeightsKind ? wire::TinkerPath::Kind::kSampler : wire::TinkerPath::Kind::kTraining;
-  w.name = p.name;
-  return w;
-}
-
 }  // namespace
 
 bool Service::AnyReadyLocked() const {
@@ -400,7 +392,7 @@ void Service::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput> r
     JoinOutput(*pw.partial, std::move(out));
     out = std::move(*pw.partial);
   }
-  futures_.Complete(pw.op.request_id, FutureResult{nullptr, std::move(out)});
+  futures_.Complete(pw.op.request_id, std::move(out));
 }
 
 void Service::RunOptimPass(PassWork& work) {
@@ -416,7 +408,7 @@ void Service::RunOptimPass(PassWork& work) {
     } else {
       auto metrics = results[i]->metrics;
       if (results[i]->skipped) metrics["skipped"] = 1.0;
-      futures_.Complete(rid, FutureResult{wire::OptimStepResultJson(metrics), std::nullopt});
+      futures_.Complete(rid, tinker::OptimStepResult{std::move(metrics)});
     }
   }
 }
@@ -471,9 +463,8 @@ void Service::RunCreateModel(TrainingOp& op) {
     lora = m.lora;
   }
   Status st = engine_->BindSlot(slot, lora);
-  if (st.ok() && !op.load_path.empty()) {
-    auto path = store::ParseTinkerPath(op.load_path, "load_weights.path");
-    auto ckpt = path.ok() ? registry_->GetCheckpoint(*path) : Result<store::Checkpoint>(path.status());
+  if (st.ok() && op.load_path) {
+    auto ckpt = registry_->GetCheckpoint(*op.load_path);
     st = ckpt.ok() ? engine_->LoadState(slot, ckpt->dir, op.with_optimizer) : ckpt.status();
   }
   if (!st.ok()) {
@@ -487,15 +478,11 @@ void Service::RunCreateModel(TrainingOp& op) {
     return;
   }
   log::Info("model_created model={} slot={} rank={}", op.model_id, slot, lora.rank);
-  if (!op.load_path.empty()) {
-    auto p = wire::ParseTinkerPath(op.load_path);
-    futures_.Complete(op.request_id,
-                      FutureResult{p.ok() ? wire::LoadWeightsResultJson(*p, op.model_id)
-                                          : wire::CreateModelResultJson(op.model_id),
-                                   std::nullopt});
+  if (op.load_path) {
+    futures_.Complete(op.request_id, tinker::LoadWeightsResult{*op.load_path, op.model_id});
     return;
   }
-  futures_.Complete(op.request_id, FutureResult{wire::CreateModelResultJson(op.model_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::CreateModelResult{op.model_id});
 }
 
 namespace {
@@ -518,7 +505,7 @@ std::optional<int64_t> ExpiresMs(int64_t created_ms, const std::optional<int64_t
 void Service::RunSaveWeights(TrainingOp& op) {
   auto ref = ModelForRun(op.model_id);
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
-  store::TinkerPath path{op.model_id, store::kWeightsKind, op.name};
+  const tinker::TinkerPath path{op.model_id, tinker::TinkerPath::Kind::kTraining, op.name};
   if (!op.overwrite && registry_->GetCheckpoint(path).ok()) {
     return futures_.Fail(op.request_id,
                          Status::Invalid("save_weights.path: checkpoint '" + op.name + "' already exists for model '" +
@@ -530,7 +517,7 @@ void Service::RunSaveWeights(TrainingOp& op) {
   store::CheckpointSpec spec;
   spec.owner = ref->owner;
   spec.model_id = op.model_id;
-  spec.kind = store::kWeightsKind;
+  spec.kind = path.kind_segment();
   spec.name = op.name;
   spec.created_ms = NowMs();
   spec.expires_ms = ExpiresMs(spec.created_ms, op.ttl_seconds);
@@ -542,24 +529,22 @@ void Service::RunSaveWeights(TrainingOp& op) {
     return futures_.Fail(op.request_id, st);
   }
   registry_->TouchRun(op.model_id, spec.created_ms);
-  futures_.Complete(op.request_id, FutureResult{wire::SaveWeightsResultJson(ToWirePath(path)), std::nullopt});
+  futures_.Complete(op.request_id, tinker::SaveWeightsResult{path});
 }
 
 void Service::RunLoadWeights(TrainingOp& op) {
   auto ref = ModelForRun(op.model_id);
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
-  auto path = store::ParseTinkerPath(op.load_path, "load_weights.path");
-  if (!path.ok()) return futures_.Fail(op.request_id, path.status());
-  auto ckpt = registry_->GetCheckpoint(*path);
+  const tinker::TinkerPath& path = *op.load_path;  // set for every kLoadWeights
+  auto ckpt = registry_->GetCheckpoint(path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(ref->owner)) {
-    return futures_.Fail(op.request_id, Status::NotFound("load_weights.path: checkpoint '" + op.load_path +
+    return futures_.Fail(op.request_id, Status::NotFound("load_weights.path: checkpoint '" + path.ToString() +
                                                          "' not found"));
   }
   if (Status st = engine_->LoadState(ref->slot, ckpt->dir, op.with_optimizer); !st.ok()) {
     return futures_.Fail(op.request_id, st);
   }
-  futures_.Complete(op.request_id,
-                    FutureResult{wire::LoadWeightsResultJson(ToWirePath(*path), op.model_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::LoadWeightsResult{path, op.model_id});
 }
 
 void Service::RunSaveForSampler(TrainingOp& op) {
@@ -567,7 +552,7 @@ void Service::RunSaveForSampler(TrainingOp& op) {
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
   const bool named = !op.name.empty();
   const std::string name = named ? op.name : fmt::format("unnamed-seq-{}", op.seq_id);
-  store::TinkerPath path{op.model_id, store::kSamplerWeightsKind, name};
+  const tinker::TinkerPath path{op.model_id, tinker::TinkerPath::Kind::kSampler, name};
   if (named && registry_->GetCheckpoint(path).ok()) {
     return futures_.Fail(op.request_id, Status::Invalid("save_weights_for_sampler.path: checkpoint '" + name +
                                                         "' already exists for model '" + op.model_id +
@@ -581,7 +566,7 @@ void Service::RunSaveForSampler(TrainingOp& op) {
   store::CheckpointSpec spec;
   spec.owner = ref->owner;
   spec.model_id = op.model_id;
-  spec.kind = store::kSamplerWeightsKind;
+  spec.kind = path.kind_segment();
   spec.name = name;
   spec.created_ms = NowMs();
   spec.expires_ms = ExpiresMs(spec.created_ms, op.ttl_seconds);
@@ -597,12 +582,11 @@ void Service::RunSaveForSampler(TrainingOp& op) {
   if (!named) {
     sampler_id = fmt::format("{}:sample:{}", ref->session_id, op.sampling_session_seq_id.value_or(0));
     std::lock_guard<std::mutex> lock(mu_);
-    samplers_[*sampler_id] = Sampler{*sampler_id, ref->owner, ref->base_model, path.ToString()};
+    samplers_[*sampler_id] = Sampler{*sampler_id, ref->owner, ref->base_model, path};
     auto sit = sessions_.find(ref->session_id);
     if (sit != sessions_.end()) sit->second.sampler_ids.push_back(*sampler_id);
   }
-  futures_.Complete(op.request_id,
-                    FutureResult{wire::SaveWeightsForSamplerResultJson(ToWirePath(path), sampler_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::SaveWeightsForSamplerResult{path, sampler_id});
 }
 
 }  // namespace loom::service

@@ -9,6 +9,7 @@
 #include "common/hash.h"
 #include "common/log.h"
 #include "service/util.h"
+#include "store/tinker_rows.h"
 
 namespace loom::service {
 
@@ -111,7 +112,7 @@ Status Service::AdmitNewModelLocked(const std::string& tenant) const {
 
 // ---------------------------------------------------------------- sessions
 
-Result<std::string> Service::CreateSession(const Caller& caller, const wire::CreateSessionRequest& request) {
+Result<std::string> Service::CreateSession(const Caller& caller, const tinker::CreateSessionRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) return Status::Unavailable("server is shutting down");
   std::optional<Submitted> prior;
@@ -126,9 +127,7 @@ Result<std::string> Service::CreateSession(const Caller& caller, const wire::Cre
   rec.owner = caller.tenant;
   rec.session_id = id;
   rec.created_ms = NowMs();
-  nlohmann::json meta = nlohmann::json::object();
-  for (const auto& [k, v] : request.user_metadata) meta[k] = v;
-  rec.user_metadata = meta.dump();
+  rec.user_metadata = store::UserMetadataText(request.user_metadata);
   Status st = registry_->AddSession(rec);
   if (!st.ok()) log::Warn("session_record_failed session={} error={}", id, st.message());
   RememberLocked(caller, "create_session", {id, ""});
@@ -212,13 +211,13 @@ Result<Submitted> Service::SubmitOnModel(const Caller& caller, const std::string
   return AdmitLocked(caller, **model, std::move(op));
 }
 
-Result<Submitted> Service::CreateModel(const Caller& caller, const wire::CreateModelRequest& request) {
+Result<Submitted> Service::CreateModel(const Caller& caller, const tinker::CreateModelRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
-  return CreateModelLocked(caller, request, "", false);
+  return CreateModelLocked(caller, request, std::nullopt, false);
 }
 
-Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
-                                             const std::string& load_path, bool with_optimizer) {
+Result<Submitted> Service::CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
+                                             std::optional<tinker::TinkerPath> load_path, bool with_optimizer) {
   const auto& info = engine_->info();
   if (request.base_model != options_.base_model_name) {
     return Status::Invalid(fmt::format("create_model.base_model: '{}' is not served here; this server serves '{}'",
@@ -267,9 +266,7 @@ Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::C
   run.train_mlp = request.lora.train_mlp;
   run.train_unembed = request.lora.train_unembed;
   run.created_ms = run.last_request_ms = NowMs();
-  nlohmann::json meta = nlohmann::json::object();
-  for (const auto& [k, v] : request.user_metadata) meta[k] = v;
-  run.user_metadata = meta.dump();
+  run.user_metadata = store::UserMetadataText(request.user_metadata);
   if (Status st = registry_->UpsertRun(run); !st.ok()) {
     log::Warn("run_record_failed model={} error={}", model_id, st.message());
   }
@@ -277,25 +274,25 @@ Result<Submitted> Service::CreateModelLocked(const Caller& caller, const wire::C
   TrainingOp op;
   op.kind = OpKind::kCreateModel;
   op.seq_id = 0;
-  op.load_path = load_path;
+  op.load_path = std::move(load_path);
   op.with_optimizer = with_optimizer;
   return AdmitLocked(caller, m, std::move(op));
 }
 
-Result<Submitted> Service::ForwardBackward(const Caller& caller, wire::ForwardBackwardRequest request) {
+Result<Submitted> Service::ForwardBackward(const Caller& caller, tinker::ForwardBackwardRequest request) {
   // Pure checks first, on this I/O thread: nothing invalid reaches the engine.
   // The slot is bound later, on the engine thread; validate as if slot 0.
-  request.call.slot = 0;
-  Status valid = engine_->ValidateForwardBackward(request.call);
-  request.call.slot = -1;
   TrainingOp op;
   op.kind = OpKind::kForwardBackward;
   op.seq_id = request.seq_id;
-  op.forward_backward = std::move(request.call);
+  static_cast<tinker::ForwardBackwardInput&>(op.forward_backward) = std::move(request.call);
+  op.forward_backward.slot = 0;
+  Status valid = engine_->ValidateForwardBackward(op.forward_backward);
+  op.forward_backward.slot = -1;
   return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
-Result<Submitted> Service::OptimStep(const Caller& caller, const wire::OptimStepRequest& request) {
+Result<Submitted> Service::OptimStep(const Caller& caller, const tinker::OptimStepRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kOptimStep;
   op.seq_id = request.seq_id;
@@ -303,41 +300,42 @@ Result<Submitted> Service::OptimStep(const Caller& caller, const wire::OptimStep
   return SubmitOnModel(caller, request.model_id, std::move(op));
 }
 
-Result<Submitted> Service::SaveWeights(const Caller& caller, const wire::SaveWeightsRequest& request) {
+Result<Submitted> Service::SaveWeights(const Caller& caller, const tinker::SaveWeightsRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kSaveWeights;
   op.seq_id = request.seq_id;
   op.name = request.name.value_or(fmt::format("seq-{}", request.seq_id));
-  Status valid = store::ValidateCheckpointName(op.name, "save_weights.path");
+  Status valid = tinker::ValidateCheckpointName(op.name, "save_weights.path");
   op.ttl_seconds = request.ttl_seconds;
   op.overwrite = request.overwrite;
   return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
-Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWeightsRequest& request) {
+Result<Submitted> Service::LoadWeights(const Caller& caller, const tinker::LoadWeightsRequest& request) {
   Status valid;
-  if (request.path.kind != wire::TinkerPath::Kind::kTraining) {
+  if (request.path.kind != tinker::TinkerPath::Kind::kTraining) {
     valid = Status::Invalid("load_weights.path: '" + request.path.ToString() +
                             "' is a sampler_weights checkpoint; load_state needs a /weights/ checkpoint");
-    if (request.mode != wire::LoadWeightsRequest::Mode::kTrainingClient) return valid;
+    if (request.mode != tinker::LoadWeightsRequest::Mode::kTrainingClient) return valid;
   }
   TrainingOp op;
   op.kind = OpKind::kLoadWeights;
-  op.load_path = request.path.ToString();
+  op.load_path = request.path;
   op.with_optimizer = request.optimizer;
-  if (request.mode == wire::LoadWeightsRequest::Mode::kTrainingClient) {
+  if (request.mode == tinker::LoadWeightsRequest::Mode::kTrainingClient) {
     op.seq_id = request.seq_id;
     return SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
   }
   // create_model_via_load_weights: a new model whose LoRA config is the
   // checkpoint's, created and loaded as its seq 0.
-  auto ckpt = registry_->GetCheckpointByPath(op.load_path);
+  const std::string shown = request.path.ToString();
+  auto ckpt = registry_->GetCheckpoint(request.path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
-    return Status::NotFound("load_weights.path: checkpoint '" + op.load_path + "' not found");
+    return Status::NotFound("load_weights.path: checkpoint '" + shown + "' not found");
   }
   auto run = registry_->GetRun(ckpt->model_id);
-  if (!run.ok()) return Status::NotFound("load_weights.path: training run of '" + op.load_path + "' not found");
-  wire::CreateModelRequest create;
+  if (!run.ok()) return Status::NotFound("load_weights.path: training run of '" + shown + "' not found");
+  tinker::CreateModelRequest create;
   create.session_id = request.session_id;
   create.model_seq_id = request.model_seq_id;
   create.base_model = request.base_model.value_or(run->base_model);
@@ -351,7 +349,7 @@ Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWei
 }
 
 Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
-                                                 const wire::SaveWeightsForSamplerRequest& request) {
+                                                 const tinker::SaveWeightsForSamplerRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kSaveForSampler;
   op.seq_id = request.seq_id;
@@ -359,7 +357,7 @@ Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
   Status valid;
   if (request.named()) {
     op.name = *request.name;
-    valid = store::ValidateCheckpointName(op.name, "save_weights_for_sampler.path");
+    valid = tinker::ValidateCheckpointName(op.name, "save_weights_for_sampler.path");
   } else {
     op.sampling_session_seq_id = request.sampling_session_seq_id;
   }
@@ -380,7 +378,7 @@ Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& 
     cv_.notify_all();
   }
   Submitted out{futures_.Create(caller.tenant, op), model_id};
-  futures_.Complete(out.request_id, FutureResult{wire::UnloadModelResultJson(model_id), std::nullopt});
+  futures_.Complete(out.request_id, tinker::UnloadModelResult{model_id});
   RememberLocked(caller, op, out);
   return out;
 }
@@ -397,30 +395,33 @@ void Service::FailModelLocked(TrainingModel& model, ModelState state, const std:
   for (uint64_t id : planner_.DropModel(model.model_id)) FailPlannedLocked(id, Status::Precondition(reason));
 }
 
-Result<nlohmann::json> Service::GetInfo(const Caller& caller, const std::string& model_id) {
+Result<tinker::GetInfoResult> Service::GetInfo(const Caller& caller, const std::string& model_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto model = FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
-  wire::ModelData data;
-  data.arch = engine_->info().model_type;
-  data.model_name = (*model)->base_model;
-  data.tokenizer_id = options_.tokenizer_id.empty() ? options_.base_model_name : options_.tokenizer_id;
-  return wire::GetInfoJson(model_id, data, (*model)->lora.rank);
+  tinker::GetInfoResult info;
+  info.model_id = model_id;
+  info.model_data.arch = engine_->info().model_type;
+  info.model_data.model_name = (*model)->base_model;
+  info.model_data.tokenizer_id = options_.tokenizer_id.empty() ? options_.base_model_name : options_.tokenizer_id;
+  info.lora_rank = (*model)->lora.rank;
+  return info;
 }
 
-Result<nlohmann::json> Service::WeightsInfo(const Caller& caller, const wire::TinkerPath& path) {
-  auto ckpt = registry_->GetCheckpointByPath(path.ToString());
+Result<tinker::WeightsInfoResult> Service::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
+  auto ckpt = registry_->GetCheckpoint(path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
     return Status::NotFound("weights_info.tinker_path: checkpoint '" + path.ToString() + "' not found");
   }
   auto run = registry_->GetRun(ckpt->model_id);
   if (!run.ok()) return Status::NotFound("weights_info.tinker_path: run of '" + path.ToString() + "' not found");
-  engine::LoraConfig lora;
-  lora.rank = run->lora_rank;
-  lora.train_attn = run->train_attn;
-  lora.train_mlp = run->train_mlp;
-  lora.train_unembed = run->train_unembed;
-  return wire::WeightsInfoJson(run->base_model, lora);
+  tinker::WeightsInfoResult info;
+  info.base_model = run->base_model;
+  info.lora.rank = run->lora_rank;
+  info.lora.train_attn = run->train_attn;
+  info.lora.train_mlp = run->train_mlp;
+  info.lora.train_unembed = run->train_unembed;
+  return info;
 }
 
 }  // namespace loom::service
