@@ -38,7 +38,7 @@ bool SameArray(const engine::Array& x, const engine::Array& y) {
          (x.f32.empty() || std::memcmp(x.f32.data(), y.f32.data(), x.f32.size() * sizeof(float)) == 0);
 }
 
-bool SameRequest(const wire::ForwardBackwardRequest& x, const wire::ForwardBackwardRequest& y) {
+bool SameRequest(const tinker::ForwardBackwardRequest& x, const tinker::ForwardBackwardRequest& y) {
   if (x.model_id != y.model_id || x.seq_id != y.seq_id || x.call.loss_fn != y.call.loss_fn ||
       x.call.forward_only != y.call.forward_only || x.call.data.size() != y.call.data.size() ||
       x.call.loss_fn_config.size() != y.call.loss_fn_config.size())
