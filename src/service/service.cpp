@@ -30,7 +30,7 @@ void Service::Start() {
   std::lock_guard<std::mutex> lock(lock_.mu);
   if (loop_.StartedLocked()) return;
   checkpoints_.SweepExpired();
-  loop_.StartLocked(janitor_);
+  loop_.StartLocked([this](Clock::time_point now) { janitor_.SweepIfDueLocked(now); });
 }
 
 void Service::Stop() { loop_.Stop(); }

@@ -1,4 +1,4 @@
-// The engine thread (service/train_loop.h): feed -> plan -> run -> finish.
+// The engine thread (service/train_loop.h): chores, then feed -> plan -> run -> finish.
 #include "service/train_loop.h"
 
 #include <fmt/format.h>
@@ -8,7 +8,6 @@
 
 #include "common/batch_window.h"
 #include "common/log.h"
-#include "service/janitor.h"
 #include "service/util.h"
 
 namespace loom::service {
@@ -102,9 +101,9 @@ TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, Futu
 
 // ------------------------------------------------------------- lifecycle
 
-void TrainLoop::StartLocked(Janitor& janitor) {
+void TrainLoop::StartLocked(Chores chores) {
   started_ = true;
-  janitor_ = &janitor;
+  chores_ = std::move(chores);
   engine_thread_ = std::thread([this] { EngineLoop(); });
 }
 
@@ -142,7 +141,7 @@ void TrainLoop::EngineLoop() {
   std::unique_lock<std::mutex> lock(lock_.mu);
   while (true) {
     WaitForWorkLocked(lock);
-    janitor_->SweepIfDueLocked(Clock::now());
+    chores_(Clock::now());
     ReleaseSlots(lock);
     if (lock_.stopping) {
       FailAllLocked();

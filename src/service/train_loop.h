@@ -26,6 +26,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -46,8 +47,6 @@
 
 namespace loom::service {
 
-class Janitor;
-
 class TrainLoop {
  public:
   using Clock = std::chrono::steady_clock;
@@ -58,8 +57,11 @@ class TrainLoop {
             ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints);
 
   bool StartedLocked() const { return started_; }
-  // Starts the engine thread, which lets `janitor` sweep each turn.
-  void StartLocked(Janitor& janitor);
+  // The periodic chores the engine thread runs each turn, under the lock,
+  // before it looks for work (the Janitor's sweep).
+  using Chores = std::function<void(Clock::time_point now)>;
+  // Starts the engine thread.
+  void StartLocked(Chores chores);
   // Lets the batch in flight finish, fails everything still queued with
   // Unavailable ("server shutting down"), and joins the engine thread.
   void Stop();
@@ -130,7 +132,7 @@ class TrainLoop {
   Sessions& sessions_;          // [lock_.mu]
   TrainingModels& models_;      // [lock_.mu]
   Checkpoints& checkpoints_;
-  Janitor* janitor_ = nullptr;  // set by StartLocked, used by the engine thread under lock_.mu
+  Chores chores_;  // set by StartLocked, run by the engine thread under lock_.mu
 
   bool started_ = false;                 // [lock_.mu]
   std::thread engine_thread_;

@@ -222,7 +222,7 @@ Result<TrainingModels::ModelRef> TrainingModels::ModelForRun(const std::string& 
   if (it == models_.end()) return Status::NotFound("model_id '" + model_id + "' not found");
   const TrainingModel& m = *it->second;
   if (m.state != ModelState::kActive) return Status::Precondition(m.state_reason);
-  return ModelRef{m.model_id, m.owner, m.session_id, m.base_model, m.lora, m.slot};
+  return static_cast<const ModelRef&>(m);
 }
 
 int TrainingModels::TakeFreeSlotLocked() {

@@ -54,17 +54,6 @@ class TrainingModels {
  public:
   using Clock = std::chrono::steady_clock;
   enum class ModelState { kActive, kFailed, kExpired, kUnloaded };
-  struct TrainingModel {
-    std::string model_id;
-    std::string owner;
-    std::string session_id;
-    std::string base_model;
-    engine::LoraConfig lora;
-    int slot = -1;
-    ModelState state = ModelState::kActive;
-    std::string state_reason;  // why it is not active
-    Sequencer sequencer{0};    // create_model is seq 0
-  };
   // What the engine thread needs of a model, copied under the lock.
   struct ModelRef {
     std::string model_id;
@@ -73,6 +62,11 @@ class TrainingModels {
     std::string base_model;
     engine::LoraConfig lora;
     int slot = -1;
+  };
+  struct TrainingModel : ModelRef {
+    ModelState state = ModelState::kActive;
+    std::string state_reason;  // why it is not active
+    Sequencer sequencer{0};    // create_model is seq 0
   };
 
   TrainingModels(const ServiceOptions& options, const engine::ModelInfo& info, store::Registry& registry,
