@@ -107,16 +107,22 @@ UpdatedRows ComputeRows(const at::Tensor& param, const at::Tensor& grad, const a
   return u;
 }
 
-// The multi-tensor AdamW update of p, m, v in place, with gradients g and
-// the per-entry factors f (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2),
-// eps, -step size).
+// The multi-tensor AdamW update of p, m, v, with gradients g and the
+// per-entry factors f (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps,
+// -step size). In place, or (in_place false) into new tensors that replace
+// the lists' entries, leaving the tensors they named untouched: the first
+// multiply of each list writes a fresh tensor, so no separate copy is made.
 void ForeachAdamW(std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, std::vector<at::Tensor>& m,
-                  std::vector<at::Tensor>& v, const std::vector<at::Scalar> (&f)[9]) {
+                  std::vector<at::Tensor>& v, const std::vector<at::Scalar> (&f)[9], bool in_place) {
   const std::vector<at::Tensor> gs = at::_foreach_mul(g, f[0]);
-  at::_foreach_mul_(p, f[1]);
-  at::_foreach_mul_(m, f[2]);
+  const auto scale = [&](std::vector<at::Tensor>& x, const std::vector<at::Scalar>& by) {
+    if (in_place) at::_foreach_mul_(x, by);
+    else x = at::_foreach_mul(x, by);
+  };
+  scale(p, f[1]);
+  scale(m, f[2]);
   at::_foreach_add_(m, at::_foreach_mul(gs, f[3]));
-  at::_foreach_mul_(v, f[4]);
+  scale(v, f[4]);
   at::_foreach_addcmul_(v, gs, gs, f[5]);
   std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
   at::_foreach_mul_(denom, f[6]);
@@ -241,7 +247,8 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
   // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
   // tensor rather than one per slot (unless merge is off: one per slot).
   struct Run {
-    int64_t first = 0, len = 0, k = 0;
+    int64_t first = 0, len = 0;
+    std::vector<int64_t> ks;  // indices into slots, one per slot of the run
     float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
   };
   std::vector<size_t> order(slots.size());
@@ -255,7 +262,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
     Run r;
     r.first = slots[k];
     r.len = 1;
-    r.k = static_cast<int64_t>(k);
+    r.ks = {static_cast<int64_t>(k)};
     const float f[9] = {static_cast<float>(scales[k]),
                         static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
                         static_cast<float>(a.beta1),
@@ -269,6 +276,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
     if (merge && !runs.empty() && runs.back().first + runs.back().len == r.first &&
         std::equal(f, f + 9, runs.back().f)) {
       ++runs.back().len;
+      runs.back().ks.push_back(static_cast<int64_t>(k));
       continue;
     }
     runs.push_back(r);
@@ -286,7 +294,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
         l.g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(l.p.back()));
         l.m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
         l.v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
-        l.owner.push_back(r.k);
+        l.owners.push_back(r.ks);
         for (int i = 0; i < 9; ++i) l.f[i].push_back(r.f[i]);
       }
     }
@@ -300,14 +308,15 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   c10::NoGradGuard no_grad;
   ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
   if (l.p.empty()) return;
-  ForeachAdamW(l.p, l.g, l.m, l.v, l.f);
+  ForeachAdamW(l.p, l.g, l.m, l.v, l.f, /*in_place=*/true);
 }
 
 at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                              const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                             const std::vector<double>& scales, TargetGroup group) const {
+                                             const std::vector<double>& scales, TargetGroup group,
+                                             bool merge) const {
   c10::NoGradGuard no_grad;
-  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/false);
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, merge);
   const at::Device device = bank.targets()[0].A.device();
   at::Tensor bad = at::zeros({static_cast<int64_t>(slots.size())}, at::TensorOptions().device(device));
   // Chunks of list entries of at most 2^26 elements each (256 MiB per fp32
@@ -318,28 +327,29 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
     int64_t n = 0;
     while (end < l.p.size() && (end == begin || n + l.p[end].numel() <= kChunkElements)) n += l.p[end++].numel();
     auto cut = [&](const auto& list) { return std::vector(list.begin() + begin, list.begin() + end); };
-    const auto p = cut(l.p), g = cut(l.g), m = cut(l.m), v = cut(l.v);
+    std::vector<at::Tensor> p = cut(l.p), m = cut(l.m), v = cut(l.v);
     std::vector<at::Scalar> f[9];
     for (int i = 0; i < 9; ++i) f[i] = cut(l.f[i]);
-    // The update of ForeachUpdate, on copies.
-    const auto copies = [](const std::vector<at::Tensor>& list) {
-      std::vector<at::Tensor> c;
-      for (const at::Tensor& t : list) c.push_back(t.clone());
-      return c;
-    };
-    std::vector<at::Tensor> p2 = copies(p), m2 = copies(m), v2 = copies(v);
-    ForeachAdamW(p2, g, m2, v2, f);
+    // The update of ForeachUpdate, out of place.
+    ForeachAdamW(p, cut(l.g), m, v, f, /*in_place=*/false);
     // x * 0 is 0 where x is finite and NaN elsewhere, so one norm per entry
     // says whether the entry is all finite (a norm of x itself could
     // overflow on finite values). The first moment needs no check:
     // |m'| <= max(|m|, |g|), both finite.
     at::Tensor entry_bad = at::zeros({static_cast<int64_t>(end - begin)}, bad.options());
-    for (const std::vector<at::Tensor>* list : {&p2, &v2}) {
+    for (const std::vector<at::Tensor>* list : {&p, &v}) {
       const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
       entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
     }
-    const std::vector<int64_t> owner(l.owner.begin() + begin, l.owner.begin() + end);
-    bad.index_add_(0, at::tensor(owner, at::kLong).to(device), entry_bad);
+    // An entry's verdict goes to every slot of its run.
+    std::vector<int64_t> entry, owner;
+    for (size_t e = begin; e < end; ++e)
+      for (int64_t k : l.owners[e]) {
+        entry.push_back(static_cast<int64_t>(e - begin));
+        owner.push_back(k);
+      }
+    bad.index_add_(0, at::tensor(owner, at::kLong).to(device),
+                   entry_bad.index_select(0, at::tensor(entry, at::kLong).to(device)));
     begin = end;
   }
   return bad.eq(0);
@@ -356,8 +366,8 @@ struct SlotOptimizer::PendingRows {
 
 std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                                         const std::vector<size_t>& live, const std::vector<bool>& finite,
-                                        const std::vector<double>& scale,
-                                        std::vector<PendingRows>* pending) const {
+                                        const std::vector<double>& scale, std::vector<PendingRows>* pending,
+                                        bool merge) const {
   std::vector<bool> stable(live.size(), true);
   const auto& targets = bank.targets();
   if (targets.empty()) return stable;
@@ -370,7 +380,7 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
     if (gs.empty()) continue;
     at::Tensor group_ok;
     if (path_ == Path::kForeach) {
-      group_ok = ForeachStaysFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g);
+      group_ok = ForeachStaysFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g, merge);
     } else {
       const AdamWRows rows = gs.Rows(device);
       group_ok = at::ones({rows.size()}, ok.options());
@@ -443,7 +453,11 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   // step and gradients, and its call fails. Found by running the update out
   // of place first (one host sync for all slots), so nothing is written yet.
   std::vector<PendingRows> pending;  // the rows path's computed update
-  std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending);
+  std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending, /*merge=*/true);
+  // A refused run of merged slots is checked again slot by slot, so that
+  // only the slots whose own step is unstable are refused.
+  if (path_ == Path::kForeach && std::find(stable.begin(), stable.end(), false) != stable.end())
+    stable = Stable(bank, calls, live, finite, scale, &pending, /*merge=*/false);
   auto steps_now = [&](size_t k) { return finite[k] && stable[k]; };
 
   if (path_ == Path::kForeach) {

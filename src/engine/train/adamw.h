@@ -96,20 +96,21 @@ class SlotOptimizer {
   // clip scale[k], would leave a weight or moment non-finite (true for slots
   // whose gradient is not finite: they are skipped, not stepped).
   // On the rows path the update is computed here, once, and kept in
-  // *pending for StepRound to write.
+  // *pending for StepRound to write. merge: see ForeachStaysFinite.
   struct PendingRows;
   std::vector<bool> Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                            const std::vector<size_t>& live, const std::vector<bool>& finite,
-                           const std::vector<double>& scale, std::vector<PendingRows>* pending) const;
+                           const std::vector<double>& scale, std::vector<PendingRows>* pending,
+                           bool merge) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
   // The multi-tensor path's lists for group g's targets: per entry one
-  // [len, ...] view of a param, its grad and moments, the index k (into
-  // slots) of its run's first slot, and the 9 fp32 factors (gscale, decay,
+  // [len, ...] view of a param, its grad and moments, the indices k (into
+  // slots) of its run's slots, and the 9 fp32 factors (gscale, decay,
   // b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps, -step size).
   struct ForeachLists {
     std::vector<at::Tensor> p, g, m, v;
-    std::vector<int64_t> owner;
+    std::vector<std::vector<int64_t>> owners;
     std::vector<at::Scalar> f[9];
   };
   ForeachLists BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
@@ -119,9 +120,11 @@ class SlotOptimizer {
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
   // [U] bool on the device: whether ForeachUpdate would leave each of slots'
   // weights and moments finite (computed out of place, in bounded chunks).
+  // With merge, a run of slots with equal factors is checked as one entry
+  // and all of them get its verdict (exact when every slot passes).
   at::Tensor ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                 const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                const std::vector<double>& scales, TargetGroup group) const;
+                                const std::vector<double>& scales, TargetGroup group, bool merge) const;
   std::vector<Moments> a_, b_;
   Path path_ = Path::kRows;
 };
