@@ -311,12 +311,42 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   ForeachAdamW(l.p, l.g, l.m, l.v, l.f, /*in_place=*/true);
 }
 
+std::vector<bool> SlotOptimizer::ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                                     const std::vector<AdamParams>& params,
+                                                     const std::vector<int64_t>& steps,
+                                                     const std::vector<double>& scales, TargetGroup group) const {
+  c10::NoGradGuard no_grad;
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
+  std::vector<bool> proven(slots.size(), true);
+  if (l.p.empty()) return proven;
+  // max |x| per entry of each list, one host copy: [4, entries].
+  const auto max_abs = [](const std::vector<at::Tensor>& list) {
+    return at::stack(at::_foreach_norm(list, at::Scalar(HUGE_VAL))).to(at::kDouble);
+  };
+  const at::Tensor maxima = at::stack({max_abs(l.p), max_abs(l.m), max_abs(l.v), max_abs(l.g)}).cpu();
+  const auto mx = maxima.accessor<double, 2>();
+  // Bounds of the update's magnitudes from the inputs' (ForeachAdamW's
+  // order): |v'| <= b2 |v| + (1-b2) |g s|^2, |m'| <= b1 |m| + (1-b1) |g s|,
+  // |p'| <= |decay| |p| + step |m'| / eps. Far below FLT_MAX (3.4e38), fp32
+  // rounding cannot carry a value past it; NaN or inf inputs compare false.
+  constexpr double kBound = 1e37;
+  for (size_t e = 0; e < l.p.size(); ++e) {
+    const auto f = [&](int i) { return l.f[i][e].toDouble(); };
+    const double g = f(0) * mx[3][e];
+    const double v = f(4) * mx[2][e] + f(5) * g * g;
+    const double m = f(2) * mx[1][e] + f(3) * g;
+    const double p = std::abs(f(1)) * mx[0][e] + std::abs(f(8)) * m / f(7);
+    if (f(7) > 0 && v <= kBound && p <= kBound) continue;
+    for (int64_t k : l.owners[e]) proven[static_cast<size_t>(k)] = false;
+  }
+  return proven;
+}
+
 at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                              const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                             const std::vector<double>& scales, TargetGroup group,
-                                             bool merge) const {
+                                             const std::vector<double>& scales, TargetGroup group) const {
   c10::NoGradGuard no_grad;
-  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, merge);
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/false);
   const at::Device device = bank.targets()[0].A.device();
   at::Tensor bad = at::zeros({static_cast<int64_t>(slots.size())}, at::TensorOptions().device(device));
   // Chunks of list entries of at most 2^26 elements each (256 MiB per fp32
@@ -341,15 +371,9 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
       const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
       entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
     }
-    // An entry's verdict goes to every slot of its run.
-    std::vector<int64_t> entry, owner;
-    for (size_t e = begin; e < end; ++e)
-      for (int64_t k : l.owners[e]) {
-        entry.push_back(static_cast<int64_t>(e - begin));
-        owner.push_back(k);
-      }
-    bad.index_add_(0, at::tensor(owner, at::kLong).to(device),
-                   entry_bad.index_select(0, at::tensor(entry, at::kLong).to(device)));
+    std::vector<int64_t> owner;  // unmerged: one slot per entry
+    for (size_t e = begin; e < end; ++e) owner.push_back(l.owners[e].front());
+    bad.index_add_(0, at::tensor(owner, at::kLong).to(device), entry_bad);
     begin = end;
   }
   return bad.eq(0);
@@ -366,8 +390,8 @@ struct SlotOptimizer::PendingRows {
 
 std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                                         const std::vector<size_t>& live, const std::vector<bool>& finite,
-                                        const std::vector<double>& scale, std::vector<PendingRows>* pending,
-                                        bool merge) const {
+                                        const std::vector<double>& scale,
+                                        std::vector<PendingRows>* pending) const {
   std::vector<bool> stable(live.size(), true);
   const auto& targets = bank.targets();
   if (targets.empty()) return stable;
@@ -380,7 +404,22 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
     if (gs.empty()) continue;
     at::Tensor group_ok;
     if (path_ == Path::kForeach) {
-      group_ok = ForeachStaysFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g, merge);
+      // Bounds prove most steps finite; the rest get the exact dry run.
+      const std::vector<bool> proven = ForeachProvenFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g);
+      group_ok = at::ones({static_cast<int64_t>(gs.slots.size())}, ok.options());
+      GroupSteps rest;
+      std::vector<int64_t> at_rest;  // positions in gs of rest's slots
+      for (size_t i = 0; i < proven.size(); ++i) {
+        if (proven[i]) continue;
+        at_rest.push_back(static_cast<int64_t>(i));
+        rest.slots.push_back(gs.slots[i]);
+        rest.params.push_back(gs.params[i]);
+        rest.steps.push_back(gs.steps[i]);
+        rest.scales.push_back(gs.scales[i]);
+      }
+      if (!rest.empty())
+        group_ok.index_copy_(0, at::tensor(at_rest, at::kLong).to(device),
+                             ForeachStaysFinite(bank, rest.slots, rest.params, rest.steps, rest.scales, g));
     } else {
       const AdamWRows rows = gs.Rows(device);
       group_ok = at::ones({rows.size()}, ok.options());
@@ -453,11 +492,7 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
   // step and gradients, and its call fails. Found by running the update out
   // of place first (one host sync for all slots), so nothing is written yet.
   std::vector<PendingRows> pending;  // the rows path's computed update
-  std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending, /*merge=*/true);
-  // A refused run of merged slots is checked again slot by slot, so that
-  // only the slots whose own step is unstable are refused.
-  if (path_ == Path::kForeach && std::find(stable.begin(), stable.end(), false) != stable.end())
-    stable = Stable(bank, calls, live, finite, scale, &pending, /*merge=*/false);
+  std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending);
   auto steps_now = [&](size_t k) { return finite[k] && stable[k]; };
 
   if (path_ == Path::kForeach) {

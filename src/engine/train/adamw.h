@@ -96,12 +96,11 @@ class SlotOptimizer {
   // clip scale[k], would leave a weight or moment non-finite (true for slots
   // whose gradient is not finite: they are skipped, not stepped).
   // On the rows path the update is computed here, once, and kept in
-  // *pending for StepRound to write. merge: see ForeachStaysFinite.
+  // *pending for StepRound to write.
   struct PendingRows;
   std::vector<bool> Stable(const SlotBank& bank, const std::vector<OptimStepCall>& calls,
                            const std::vector<size_t>& live, const std::vector<bool>& finite,
-                           const std::vector<double>& scale, std::vector<PendingRows>* pending,
-                           bool merge) const;
+                           const std::vector<double>& scale, std::vector<PendingRows>* pending) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
   // The multi-tensor path's lists for group g's targets: per entry one
@@ -118,13 +117,19 @@ class SlotOptimizer {
                                  const std::vector<double>& scales, TargetGroup group, bool merge) const;
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
+  // Per slot (host): true when bounds computed from the largest |weight|,
+  // |moment| and |gradient| of the slot's entries (4 multi-tensor max
+  // reductions, merged runs) prove that ForeachUpdate leaves it finite. A
+  // false is no verdict: ForeachStaysFinite decides those slots.
+  std::vector<bool> ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                        const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                        const std::vector<double>& scales, TargetGroup group) const;
   // [U] bool on the device: whether ForeachUpdate would leave each of slots'
-  // weights and moments finite (computed out of place, in bounded chunks).
-  // With merge, a run of slots with equal factors is checked as one entry
-  // and all of them get its verdict (exact when every slot passes).
+  // weights and moments finite, exactly (the update run out of place, slot
+  // by slot, in bounded chunks).
   at::Tensor ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                 const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                const std::vector<double>& scales, TargetGroup group, bool merge) const;
+                                const std::vector<double>& scales, TargetGroup group) const;
   std::vector<Moments> a_, b_;
   Path path_ = Path::kRows;
 };
