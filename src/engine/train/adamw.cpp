@@ -319,11 +319,15 @@ std::vector<bool> SlotOptimizer::ForeachProvenFinite(const SlotBank& bank, const
   const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
   std::vector<bool> proven(slots.size(), true);
   if (l.p.empty()) return proven;
-  // max |x| per entry of each list, one host copy: [4, entries].
-  const auto max_abs = [](const std::vector<at::Tensor>& list) {
-    return at::stack(at::_foreach_norm(list, at::Scalar(HUGE_VAL))).to(at::kDouble);
-  };
-  const at::Tensor maxima = at::stack({max_abs(l.p), max_abs(l.m), max_abs(l.v), max_abs(l.g)}).cpu();
+  // max |x| per entry of each list: one multi-tensor reduction over the four
+  // lists side by side, one host copy, read as [4, entries].
+  std::vector<at::Tensor> all;
+  all.reserve(4 * l.p.size());
+  for (const std::vector<at::Tensor>* list : {&l.p, &l.m, &l.v, &l.g}) all.insert(all.end(), list->begin(), list->end());
+  const at::Tensor maxima = at::stack(at::_foreach_norm(all, at::Scalar(HUGE_VAL)))
+                                .to(at::kDouble)
+                                .view({4, static_cast<int64_t>(l.p.size())})
+                                .cpu();
   const auto mx = maxima.accessor<double, 2>();
   // Bounds of the update's magnitudes from the inputs' (ForeachAdamW's
   // order): |v'| <= b2 |v| + (1-b2) |g s|^2, |m'| <= b1 |m| + (1-b1) |g s|,
