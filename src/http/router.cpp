@@ -402,6 +402,13 @@ std::vector<Router::Route> Router::MakeRoutes() {
     return JsonAnswer(wire::UntypedFutureJson(sub.value().request_id, sub.value().model_id));
   };
   auto empty_or_error = [](const Status& st) { return st.ok() ? JsonAnswer(Json::object()) : Error(st); };
+  // A typed answer in its JSON form (wire/), or its error.
+  auto encoded = [](const auto& answer, auto encode) {
+    return answer.ok() ? JsonAnswer(encode(answer.value())) : Error(answer.status());
+  };
+  auto page = [](const Context& ctx, int64_t default_limit) {
+    return wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), default_limit);
+  };
   // The JSON body of a POST/PUT parsed by `parser`, or the error answer.
 #define LOOM_PARSE(var, endpoint, parser)                          \
   auto var##_json = wire::ParseJsonObject(ctx.body, endpoint);     \
@@ -423,14 +430,14 @@ std::vector<Router::Route> Router::MakeRoutes() {
          return JsonAnswer(wire::DynamicConfigJson());
        }},
       {"POST", "create_session",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "create_session", wire::ParseCreateSessionRequest);
          auto id = service_.CreateSession(ctx.caller, *req);
          if (!id.ok()) return Error(id.status());
          return JsonAnswer(wire::CreateSessionJson(*id));
        }},
       {"POST", "session_heartbeat",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "session_heartbeat", wire::ParseSessionHeartbeatRequest);
          Status st = service_.Heartbeat(ctx.caller, req->session_id);
          return st.ok() ? JsonAnswer(wire::SessionHeartbeatJson()) : Error(st);
@@ -441,29 +448,27 @@ std::vector<Router::Route> Router::MakeRoutes() {
          return JsonAnswer(wire::TelemetryAcceptedJson());
        }},
       {"POST", "create_model",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "create_model", wire::ParseCreateModelRequest);
          return future_answer(service_.CreateModel(ctx.caller, *req));
        }},
       {"POST", "get_info",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "get_info", wire::ParseGetInfoRequest);
-         auto info = service_.GetInfo(ctx.caller, req->model_id);
-         return info.ok() ? JsonAnswer(wire::GetInfoJson(*info)) : Error(info.status());
+         return encoded(service_.GetInfo(ctx.caller, req->model_id), wire::GetInfoJson);
        }},
       {"POST", "unload_model",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "unload_model", wire::ParseUnloadModelRequest);
          return future_answer(service_.UnloadModel(ctx.caller, req->model_id));
        }},
       {"POST", "weights_info",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "weights_info", wire::ParseWeightsInfoRequest);
-         auto info = service_.WeightsInfo(ctx.caller, req->path);
-         return info.ok() ? JsonAnswer(wire::WeightsInfoJson(*info)) : Error(info.status());
+         return encoded(service_.WeightsInfo(ctx.caller, req->path), wire::WeightsInfoJson);
        }},
       {"POST", "forward_backward",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          const std::string type = ctx.request.header("content-type");
          if (type.find("json") != std::string::npos) {
            return Error(Status::Invalid(
@@ -477,34 +482,34 @@ std::vector<Router::Route> Router::MakeRoutes() {
          return future_answer(service_.ForwardBackward(ctx.caller, std::move(*req)));
        }},
       {"POST", "optim_step",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "optim_step", wire::ParseOptimStepRequest);
          return future_answer(service_.OptimStep(ctx.caller, *req));
        }},
       {"POST", "save_weights",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "save_weights", wire::ParseSaveWeightsRequest);
          return future_answer(service_.SaveWeights(ctx.caller, *req));
        }},
       {"POST", "load_weights",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "load_weights", wire::ParseLoadWeightsRequest);
          return future_answer(service_.LoadWeights(ctx.caller, *req));
        }},
       {"POST", "save_weights_for_sampler",
-       [this, future_answer](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
          return future_answer(service_.SaveWeightsForSampler(ctx.caller, *req));
        }},
       {"POST", "create_sampling_session",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
          auto id = service_.CreateSamplingSession(ctx.caller, *req);
          if (!id.ok()) return Error(id.status());
          return JsonAnswer(wire::CreateSamplingSessionJson(*id));
        }},
       {"POST", "asample",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "asample", wire::ParseSampleRequest);
          auto sub = service_.Sample(ctx.caller, *req);
          if (!sub.ok()) return Error(sub.status());
@@ -518,46 +523,42 @@ std::vector<Router::Route> Router::MakeRoutes() {
                            501);
        }},
       {"POST", "retrieve_future",
-       [this](Context& ctx, const Args&) {
+       [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "retrieve_future", wire::ParseRetrieveFutureRequest);
          HttpResponse answer = RetrieveFuture(ctx, req->request_id, /*final_answer=*/false);
          if (answer.status == 0) ctx.park_request_id = req->request_id;  // pending: park
          return answer;
        }},
       {"GET", "samplers/**",
-       [this](Context& ctx, const Args& a) {
-         auto sampler = service_.GetSampler(ctx.caller, a[0]);
-         return sampler.ok() ? JsonAnswer(wire::GetSamplerJson(*sampler)) : Error(sampler.status());
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetSampler(ctx.caller, a[0]), wire::GetSamplerJson);
        }},
       {"GET", "get_server_capabilities",
-       [this](Context&, const Args&) {
+       [=, this](Context&, const Args&) {
          wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
          return JsonAnswer(wire::ServerCapabilitiesJson({model}));
        }},
       // ---- REST (§8.8)
       {"GET", "training_runs",
-       [this](Context& ctx, const Args&) {
-         auto p = wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), 20);
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 20);
          if (!p.ok()) return Error(p.status());
-         auto runs = service_.ListTrainingRuns(ctx.caller, *p);
-         return runs.ok() ? JsonAnswer(wire::TrainingRunsJson(*runs)) : Error(runs.status());
+         return encoded(service_.ListTrainingRuns(ctx.caller, *p), wire::TrainingRunsJson);
        }},
       {"GET", "training_runs/{}",
-       [this](Context& ctx, const Args& a) {
-         auto run = service_.GetTrainingRun(ctx.caller, a[0]);
-         return run.ok() ? JsonAnswer(wire::TrainingRunJson(*run)) : Error(run.status());
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetTrainingRun(ctx.caller, a[0]), wire::TrainingRunJson);
        }},
       {"GET", "training_runs/{}/checkpoints",
-       [this](Context& ctx, const Args& a) {
-         auto list = service_.ListRunCheckpoints(ctx.caller, a[0]);
-         return list.ok() ? JsonAnswer(wire::CheckpointsListJson(*list)) : Error(list.status());
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.ListRunCheckpoints(ctx.caller, a[0]), wire::CheckpointsListJson);
        }},
       {"DELETE", "training_runs/{}/checkpoints/{}/{}",
-       [this, empty_or_error, checkpoint_id](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          return empty_or_error(service_.DeleteCheckpoint(ctx.caller, a[0], checkpoint_id(a)));
        }},
       {"GET", "training_runs/{}/checkpoints/{}/{}/archive",
-       [this, checkpoint_id](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          int64_t expires = 0;
          auto token = service_.CreateArchiveToken(ctx.caller, a[0], checkpoint_id(a), &expires);
          if (!token.ok()) return Error(token.status());
@@ -566,39 +567,36 @@ std::vector<Router::Route> Router::MakeRoutes() {
          return JsonAnswer(wire::CheckpointArchiveUrlJson("http://" + host + "/api/v1/archives/" + *token, expires));
        }},
       {"POST", "training_runs/{}/checkpoints/{}/{}/publish",
-       [this, empty_or_error, checkpoint_id](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), true));
        }},
       {"DELETE", "training_runs/{}/checkpoints/{}/{}/publish",
-       [this, empty_or_error, checkpoint_id](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), false));
        }},
       {"PUT", "training_runs/{}/checkpoints/{}/{}/ttl",
-       [this, empty_or_error, checkpoint_id](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          LOOM_PARSE(req, "checkpoint ttl", wire::ParseCheckpointTtlRequest);
          return empty_or_error(service_.SetCheckpointTtl(ctx.caller, a[0], checkpoint_id(a), req->ttl_seconds));
        }},
       {"GET", "checkpoints",
-       [this](Context& ctx, const Args&) {
-         auto p = wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), 100);
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 100);
          if (!p.ok()) return Error(p.status());
-         auto list = service_.ListUserCheckpoints(ctx.caller, *p);
-         return list.ok() ? JsonAnswer(wire::CheckpointsListJson(*list)) : Error(list.status());
+         return encoded(service_.ListUserCheckpoints(ctx.caller, *p), wire::CheckpointsListJson);
        }},
       {"GET", "sessions",
-       [this](Context& ctx, const Args&) {
-         auto p = wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), 20);
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 20);
          if (!p.ok()) return Error(p.status());
-         auto list = service_.ListSessions(ctx.caller, *p);
-         return list.ok() ? JsonAnswer(wire::SessionsListJson(*list)) : Error(list.status());
+         return encoded(service_.ListSessions(ctx.caller, *p), wire::SessionsListJson);
        }},
       {"GET", "sessions/{}",
-       [this](Context& ctx, const Args& a) {
-         auto session = service_.GetSession(ctx.caller, a[0]);
-         return session.ok() ? JsonAnswer(wire::SessionJson(*session)) : Error(session.status());
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetSession(ctx.caller, a[0]), wire::SessionJson);
        }},
       {"PUT", "sessions/{}/project",
-       [this](Context& ctx, const Args& a) {
+       [=, this](Context& ctx, const Args& a) {
          auto s = service_.GetSession(ctx.caller, a[0]);
          return s.ok() ? JsonAnswer(Json::object()) : Error(s.status());
        }},
