@@ -1,4 +1,4 @@
-// decode_kernels: GPU time of each fused decode kernel (src/engine/model/cuda
+// decode_kernels: GPU time of each fused decode kernel (src/engine/sample/cuda
 // /kernels.h) alone, at the shapes of the qwen3-4b preset, with and
 // without LoRA, next to cuBLAS for the base projections of the same rows.
 // Built with the GPU build (build-gpu/bench/decode_kernels); run:
@@ -28,7 +28,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/model/cuda/kernels.h"
+#include "engine/sample/cuda/kernels.h"
 
 namespace {
 

@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample_api.h"
 
@@ -122,9 +122,9 @@ int Run(const Options& o) {
   std::string model_dir = o.model_dir;
   if (model_dir.empty()) {
     model_dir = scratch + "/model";
-    engine::MakeModelOptions m;
+    testmodel::MakeModelOptions m;
     m.preset = o.preset;
-    if (Status s = engine::MakeModel(m, model_dir); !s.ok())
+    if (Status s = testmodel::MakeModel(m, model_dir); !s.ok())
       return std::fprintf(stderr, "loom bench sample: %s\n", s.message().c_str()), 1;
   }
   const bool cuda = o.device == "cuda" || (o.device == "auto" && at::hasCUDA());

@@ -15,7 +15,7 @@
 #include "common/log.h"
 #include "engine/api.h"
 #include "engine/sample_api.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "http/auth.h"
 #include "http/router.h"
 #include "http/server.h"
@@ -36,14 +36,14 @@ int Fail(const std::string& message) {
 Result<std::string> DefaultModel(const std::string& data_dir) {
   const std::string dir = data_dir + "/default-model";
   if (std::filesystem::exists(dir + "/config.json")) return dir;
-  engine::MakeModelOptions opt;
+  testmodel::MakeModelOptions opt;
   opt.arch = "qwen3";
   opt.preset = "tiny";
   opt.seed = 1;
   const std::string tmp = data_dir + "/default-model.tmp";
   std::error_code ec;
   std::filesystem::remove_all(tmp, ec);
-  if (Status st = engine::MakeModel(opt, tmp); !st.ok()) return st;
+  if (Status st = testmodel::MakeModel(opt, tmp); !st.ok()) return st;
   std::filesystem::rename(tmp, dir, ec);
   if (ec) return Status::Internal("cannot move the default model into " + dir + ": " + ec.message());
   return dir;

@@ -1,4 +1,4 @@
-// The CUDA fast decode path (engine/model/fast_decode.h) against the eager
+// The CUDA fast decode path (engine/sample/fast_decode.h) against the eager
 // KV-cached forward: two ModelRunners over the same model and adapters, one
 // with LOOM_CUDA_GRAPHS=0, fed the same prompts and tokens; their decode
 // logits must agree. Skipped where there is no CUDA device or no fast path
@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <future>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/model_runner.h"
 #include "engine/sample_api.h"
@@ -92,11 +92,11 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
 
 // A generated model of (arch, preset, seed), written into dir.
 bool Generate(const std::string& dir, const char* arch, const char* preset, uint64_t seed) {
-  MakeModelOptions o;
+  testmodel::MakeModelOptions o;
   o.arch = arch;
   o.preset = preset;
   o.seed = seed;
-  const Status s = MakeModel(o, dir);
+  const Status s = testmodel::MakeModel(o, dir);
   EXPECT_TRUE(s.ok()) << s.message();
   return s.ok();
 }
@@ -165,7 +165,7 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
 }
 
 // A bf16 LoRA shrink over a long input is split over blocks, the partial
-// sums added by the tile's last block (engine/model/cuda/kernels.h,
+// sums added by the tile's last block (engine/sample/cuda/kernels.h,
 // ShrinkScratch). The small preset's inputs are too short for that;
 // qwen2.5-0.5b's down projection (d_in 4864) takes 2 parts. Fast decode
 // with the split (the default) against fast decode without it

@@ -16,7 +16,7 @@
 
 #include "engine/lora/slot_bank.h"
 #include "engine/model/cached_batch.h"
-#include "engine/model/fast_decode.h"
+#include "engine/sample/fast_decode.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/sequence.h"
 

@@ -1,5 +1,5 @@
 // MakeFastDecode for CUDA builds: the graph-captured decode step described
-// in engine/model/fast_decode.h, over the kernels of kernels.cu.
+// in engine/sample/fast_decode.h, over the kernels of kernels.cu.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
@@ -14,8 +14,8 @@
 #include <tuple>
 
 #include "common/log.h"
-#include "engine/model/cuda/kernels.h"
-#include "engine/model/fast_decode.h"
+#include "engine/sample/cuda/kernels.h"
+#include "engine/sample/fast_decode.h"
 #include "engine/model/transformer_impl.h"
 
 namespace loom::engine {

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "engine/model/cuda/kernels.h"
+#include "engine/sample/cuda/kernels.h"
 
 namespace loom::engine::cuda {
 namespace {

@@ -1,5 +1,5 @@
 // FastDecode: the sampler's decode step as one replayed CUDA graph of fused
-// kernels (engine/model/cuda), instead of ~70 eager libtorch ops per layer.
+// kernels (engine/sample/cuda), instead of ~70 eager libtorch ops per layer.
 // It computes what Transformer::ForwardCached + Logits compute for a decode
 // batch (same op order, rounding to the model dtype where the eager path
 // rounds); only where the eager path runs a matmul in fp32 on fp32 LoRA
