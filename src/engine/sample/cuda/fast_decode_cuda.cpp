@@ -1,5 +1,6 @@
 // MakeFastDecode for CUDA builds: the graph-captured decode step described
-// in engine/sample/fast_decode.h, over the kernels of kernels.cu.
+// in engine/sample/fast_decode.h, over the kernels of this folder (one
+// family per .cu).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
@@ -14,9 +15,14 @@
 #include <tuple>
 
 #include "common/log.h"
-#include "engine/sample/cuda/kernels.h"
-#include "engine/sample/fast_decode.h"
 #include "engine/model/transformer_impl.h"
+#include "engine/sample/cuda/attention.h"
+#include "engine/sample/cuda/gemv.h"
+#include "engine/sample/cuda/lora.h"
+#include "engine/sample/cuda/rmsnorm.h"
+#include "engine/sample/cuda/rope.h"
+#include "engine/sample/cuda/silu.h"
+#include "engine/sample/fast_decode.h"
 
 namespace loom::engine {
 namespace {
