@@ -6,7 +6,7 @@
 namespace loom::engine {
 
 std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer>, const SlotBank*, KvCache*, int64_t,
-                                           int64_t) {
+                                           int64_t, const DecodeOptions&) {
   return nullptr;
 }
 
