@@ -24,6 +24,8 @@ using json = nlohmann::json;
 
 using TempDir = loom::test::TempDir;
 using engine::ModelConfig;
+using engine::ModelWeights;
+using engine::TensorView;
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
