@@ -94,19 +94,19 @@ nlohmann::json LegacySampleResponseJson(const wire::SampleResult& result) {
 // ------------------------------------------------------------ the service
 
 void Service::AttachSampler(std::unique_ptr<engine::Sampler> sampler) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(lock_.mu);
   sampling_.sampler = std::move(sampler);
 }
 
 Result<std::string> Service::CreateSamplingSession(const Caller& caller,
                                                    const wire::CreateSamplingSessionRequest& request) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_) return Status::Unavailable("server is shutting down");
-  auto sit = sessions_.find(request.session_id);
-  if (sit == sessions_.end() || sit->second.owner != caller.tenant) {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  if (lock_.stopping) return Status::Unavailable("server is shutting down");
+  const Sessions::Session* session = sessions_.FindLocked(request.session_id);
+  if (session == nullptr || session->owner != caller.tenant) {
     return Status::NotFound("create_sampling_session.session_id: session '" + request.session_id + "' not found");
   }
-  if (sit->second.expired) {
+  if (session->expired) {
     return Status::Precondition("create_sampling_session.session_id: session '" + request.session_id +
                                 "' expired (no heartbeat); create a new ServiceClient");
   }
@@ -115,15 +115,15 @@ Result<std::string> Service::CreateSamplingSession(const Caller& caller,
                                        request.sampling_session_seq_id));
   }
   const std::string id = fmt::format("{}:sample:{}", request.session_id, request.sampling_session_seq_id);
-  if (auto it = samplers_.find(id); it != samplers_.end() && it->second.owner == caller.tenant) {
-    TouchSessionLocked(request.session_id);
+  if (const auto* known = sessions_.FindSamplerLocked(id); known != nullptr && known->owner == caller.tenant) {
+    sessions_.TouchSessionLocked(request.session_id);
     return id;  // a retried create answers the same session
   }
   if (request.base_model && *request.base_model != options_.base_model_name) {
     return Status::Invalid(fmt::format("create_sampling_session.base_model: '{}' is not served here; this server "
                                        "serves '{}'", *request.base_model, options_.base_model_name));
   }
-  Sampler s{id, caller.tenant, options_.base_model_name, ""};
+  Sessions::SamplingSession s{id, caller.tenant, options_.base_model_name, ""};
   if (request.model_path) {
     const std::string& path = *request.model_path;
     auto parsed = wire::ParseTinkerPath(path);
@@ -142,20 +142,19 @@ Result<std::string> Service::CreateSamplingSession(const Caller& caller,
   } else if (!request.base_model) {
     return Status::Invalid("create_sampling_session: one of base_model / model_path is required");
   }
-  samplers_[id] = s;
-  sit->second.sampler_ids.push_back(id);
-  TouchSessionLocked(request.session_id);
+  sessions_.AddSamplerLocked(s, request.session_id);
+  sessions_.TouchSessionLocked(request.session_id);
   log::Info("sampling_session_created id={} tenant={} model_path={}", id, caller.tenant, s.model_path);
   return id;
 }
 
 Result<nlohmann::json> Service::GetSampler(const Caller& caller, const std::string& sampler_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = samplers_.find(sampler_id);
-  if (it == samplers_.end() || it->second.owner != caller.tenant) {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  const Sessions::SamplingSession* found = sessions_.FindSamplerLocked(sampler_id);
+  if (found == nullptr || found->owner != caller.tenant) {
     return Status::NotFound("samplers/" + sampler_id + ": sampling session '" + sampler_id + "' not found");
   }
-  const Sampler& s = it->second;
+  const Sessions::SamplingSession& s = *found;
   return wire::GetSamplerJson(s.sampler_id, s.base_model,
                               s.model_path.empty() ? std::nullopt : std::optional<std::string>(s.model_path));
 }
@@ -165,14 +164,14 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::Sample
   engine::Sampler* sampler = nullptr;
   SampleSubmitted out;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) return Status::Unavailable("server is shutting down");
-    auto it = samplers_.find(request.sampling_session_id);
-    if (it == samplers_.end() || it->second.owner != caller.tenant) {
+    std::lock_guard<std::mutex> lock(lock_.mu);
+    if (lock_.stopping) return Status::Unavailable("server is shutting down");
+    const Sessions::SamplingSession* found = sessions_.FindSamplerLocked(request.sampling_session_id);
+    if (found == nullptr || found->owner != caller.tenant) {
       return Status::NotFound("asample.sampling_session_id: sampling session '" + request.sampling_session_id +
                               "' not found");
     }
-    const Sampler& session = it->second;
+    const Sessions::SamplingSession& session = *found;
     const auto key = std::make_pair(request.sampling_session_id, request.seq_id);
     const auto now = Clock::now();
     if (auto prior = sampling_.admitted.find(key); prior != sampling_.admitted.end()) return prior->second.first;
@@ -206,7 +205,7 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::Sample
       sampling_.last_prune = now;
     }
     sampling_.admitted[key] = {out, now};
-    TouchSessionLocked(session.sampler_id.substr(0, session.sampler_id.rfind(":sample:")));
+    sessions_.TouchSessionLocked(session.sampler_id.substr(0, session.sampler_id.rfind(":sample:")));
   }
   // The sampler lives until ~Service (after Stop), so the pointer stays valid.
   // The callback runs on the decode thread; FutureTable is thread-safe and

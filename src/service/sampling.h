@@ -9,7 +9,9 @@
 // (sampling_session_id, seq_id) is admitted at most once (a repeat answers
 // the first request's future and sequence ids).
 //
-// Threading: SamplingState is guarded by Service's mutex; the Sampler it owns
+// The sampling sessions themselves are Sessions' (sessions.h).
+//
+// Threading: SamplingState is guarded by ServiceLock::mu; the Sampler it owns
 // is thread-safe and completes futures on its own decode thread.
 #pragma once
 #include <chrono>
@@ -35,7 +37,7 @@ struct SampleSubmitted {
   std::vector<std::string> sample_sequence_ids;
 };
 
-// What Service holds for sampling (guarded by Service::mu_).
+// What Service holds for sampling (guarded by ServiceLock::mu).
 struct SamplingState {
   std::unique_ptr<engine::Sampler> sampler;  // null: sampling is not served
   // (sampling_session_id, seq_id) -> first answer and when (pruned after an hour).

@@ -107,16 +107,22 @@ UpdatedRows ComputeRows(const at::Tensor& param, const at::Tensor& grad, const a
   return u;
 }
 
-// The multi-tensor AdamW update of p, m, v in place, with gradients g and
-// the per-entry factors f (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2),
-// eps, -step size).
+// The multi-tensor AdamW update of p, m, v, with gradients g and the
+// per-entry factors f (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps,
+// -step size). In place, or (in_place false) into new tensors that replace
+// the lists' entries, leaving the tensors they named untouched: the first
+// multiply of each list writes a fresh tensor, so no separate copy is made.
 void ForeachAdamW(std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g, std::vector<at::Tensor>& m,
-                  std::vector<at::Tensor>& v, const std::vector<at::Scalar> (&f)[9]) {
+                  std::vector<at::Tensor>& v, const std::vector<at::Scalar> (&f)[9], bool in_place) {
   const std::vector<at::Tensor> gs = at::_foreach_mul(g, f[0]);
-  at::_foreach_mul_(p, f[1]);
-  at::_foreach_mul_(m, f[2]);
+  const auto scale = [&](std::vector<at::Tensor>& x, const std::vector<at::Scalar>& by) {
+    if (in_place) at::_foreach_mul_(x, by);
+    else x = at::_foreach_mul(x, by);
+  };
+  scale(p, f[1]);
+  scale(m, f[2]);
   at::_foreach_add_(m, at::_foreach_mul(gs, f[3]));
-  at::_foreach_mul_(v, f[4]);
+  scale(v, f[4]);
   at::_foreach_addcmul_(v, gs, gs, f[5]);
   std::vector<at::Tensor> denom = at::_foreach_sqrt(v);
   at::_foreach_mul_(denom, f[6]);
@@ -241,7 +247,8 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
   // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
   // tensor rather than one per slot (unless merge is off: one per slot).
   struct Run {
-    int64_t first = 0, len = 0, k = 0;
+    int64_t first = 0, len = 0;
+    std::vector<int64_t> ks;  // indices into slots, one per slot of the run
     float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
   };
   std::vector<size_t> order(slots.size());
@@ -255,7 +262,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
     Run r;
     r.first = slots[k];
     r.len = 1;
-    r.k = static_cast<int64_t>(k);
+    r.ks = {static_cast<int64_t>(k)};
     const float f[9] = {static_cast<float>(scales[k]),
                         static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
                         static_cast<float>(a.beta1),
@@ -269,6 +276,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
     if (merge && !runs.empty() && runs.back().first + runs.back().len == r.first &&
         std::equal(f, f + 9, runs.back().f)) {
       ++runs.back().len;
+      runs.back().ks.push_back(static_cast<int64_t>(k));
       continue;
     }
     runs.push_back(r);
@@ -286,7 +294,7 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
         l.g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(l.p.back()));
         l.m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
         l.v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
-        l.owner.push_back(r.k);
+        l.owners.push_back(r.ks);
         for (int i = 0; i < 9; ++i) l.f[i].push_back(r.f[i]);
       }
     }
@@ -300,7 +308,42 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   c10::NoGradGuard no_grad;
   ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
   if (l.p.empty()) return;
-  ForeachAdamW(l.p, l.g, l.m, l.v, l.f);
+  ForeachAdamW(l.p, l.g, l.m, l.v, l.f, /*in_place=*/true);
+}
+
+std::vector<bool> SlotOptimizer::ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                                     const std::vector<AdamParams>& params,
+                                                     const std::vector<int64_t>& steps,
+                                                     const std::vector<double>& scales, TargetGroup group) const {
+  c10::NoGradGuard no_grad;
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
+  std::vector<bool> proven(slots.size(), true);
+  if (l.p.empty()) return proven;
+  // max |x| per entry of each list: one multi-tensor reduction over the four
+  // lists side by side, one host copy, read as [4, entries].
+  std::vector<at::Tensor> all;
+  all.reserve(4 * l.p.size());
+  for (const std::vector<at::Tensor>* list : {&l.p, &l.m, &l.v, &l.g}) all.insert(all.end(), list->begin(), list->end());
+  const at::Tensor maxima = at::stack(at::_foreach_norm(all, at::Scalar(HUGE_VAL)))
+                                .to(at::kDouble)
+                                .view({4, static_cast<int64_t>(l.p.size())})
+                                .cpu();
+  const auto mx = maxima.accessor<double, 2>();
+  // Bounds of the update's magnitudes from the inputs' (ForeachAdamW's
+  // order): |v'| <= b2 |v| + (1-b2) |g s|^2, |m'| <= b1 |m| + (1-b1) |g s|,
+  // |p'| <= |decay| |p| + step |m'| / eps. Far below FLT_MAX (3.4e38), fp32
+  // rounding cannot carry a value past it; NaN or inf inputs compare false.
+  constexpr double kBound = 1e37;
+  for (size_t e = 0; e < l.p.size(); ++e) {
+    const auto f = [&](int i) { return l.f[i][e].toDouble(); };
+    const double g = f(0) * mx[3][e];
+    const double v = f(4) * mx[2][e] + f(5) * g * g;
+    const double m = f(2) * mx[1][e] + f(3) * g;
+    const double p = std::abs(f(1)) * mx[0][e] + std::abs(f(8)) * m / f(7);
+    if (f(7) > 0 && v <= kBound && p <= kBound) continue;
+    for (int64_t k : l.owners[e]) proven[static_cast<size_t>(k)] = false;
+  }
+  return proven;
 }
 
 at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
@@ -318,27 +361,22 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
     int64_t n = 0;
     while (end < l.p.size() && (end == begin || n + l.p[end].numel() <= kChunkElements)) n += l.p[end++].numel();
     auto cut = [&](const auto& list) { return std::vector(list.begin() + begin, list.begin() + end); };
-    const auto p = cut(l.p), g = cut(l.g), m = cut(l.m), v = cut(l.v);
+    std::vector<at::Tensor> p = cut(l.p), m = cut(l.m), v = cut(l.v);
     std::vector<at::Scalar> f[9];
     for (int i = 0; i < 9; ++i) f[i] = cut(l.f[i]);
-    // The update of ForeachUpdate, on copies.
-    const auto copies = [](const std::vector<at::Tensor>& list) {
-      std::vector<at::Tensor> c;
-      for (const at::Tensor& t : list) c.push_back(t.clone());
-      return c;
-    };
-    std::vector<at::Tensor> p2 = copies(p), m2 = copies(m), v2 = copies(v);
-    ForeachAdamW(p2, g, m2, v2, f);
+    // The update of ForeachUpdate, out of place.
+    ForeachAdamW(p, cut(l.g), m, v, f, /*in_place=*/false);
     // x * 0 is 0 where x is finite and NaN elsewhere, so one norm per entry
     // says whether the entry is all finite (a norm of x itself could
     // overflow on finite values). The first moment needs no check:
     // |m'| <= max(|m|, |g|), both finite.
     at::Tensor entry_bad = at::zeros({static_cast<int64_t>(end - begin)}, bad.options());
-    for (const std::vector<at::Tensor>* list : {&p2, &v2}) {
+    for (const std::vector<at::Tensor>* list : {&p, &v}) {
       const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
       entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
     }
-    const std::vector<int64_t> owner(l.owner.begin() + begin, l.owner.begin() + end);
+    std::vector<int64_t> owner;  // unmerged: one slot per entry
+    for (size_t e = begin; e < end; ++e) owner.push_back(l.owners[e].front());
     bad.index_add_(0, at::tensor(owner, at::kLong).to(device), entry_bad);
     begin = end;
   }
@@ -370,7 +408,22 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
     if (gs.empty()) continue;
     at::Tensor group_ok;
     if (path_ == Path::kForeach) {
-      group_ok = ForeachStaysFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g);
+      // Bounds prove most steps finite; the rest get the exact dry run.
+      const std::vector<bool> proven = ForeachProvenFinite(bank, gs.slots, gs.params, gs.steps, gs.scales, g);
+      group_ok = at::ones({static_cast<int64_t>(gs.slots.size())}, ok.options());
+      GroupSteps rest;
+      std::vector<int64_t> at_rest;  // positions in gs of rest's slots
+      for (size_t i = 0; i < proven.size(); ++i) {
+        if (proven[i]) continue;
+        at_rest.push_back(static_cast<int64_t>(i));
+        rest.slots.push_back(gs.slots[i]);
+        rest.params.push_back(gs.params[i]);
+        rest.steps.push_back(gs.steps[i]);
+        rest.scales.push_back(gs.scales[i]);
+      }
+      if (!rest.empty())
+        group_ok.index_copy_(0, at::tensor(at_rest, at::kLong).to(device),
+                             ForeachStaysFinite(bank, rest.slots, rest.params, rest.steps, rest.scales, g));
     } else {
       const AdamWRows rows = gs.Rows(device);
       group_ok = at::ones({rows.size()}, ok.options());

@@ -104,12 +104,12 @@ class SlotOptimizer {
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
   // The multi-tensor path's lists for group g's targets: per entry one
-  // [len, ...] view of a param, its grad and moments, the index k (into
-  // slots) of its run's first slot, and the 9 fp32 factors (gscale, decay,
+  // [len, ...] view of a param, its grad and moments, the indices k (into
+  // slots) of its run's slots, and the 9 fp32 factors (gscale, decay,
   // b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps, -step size).
   struct ForeachLists {
     std::vector<at::Tensor> p, g, m, v;
-    std::vector<int64_t> owner;
+    std::vector<std::vector<int64_t>> owners;
     std::vector<at::Scalar> f[9];
   };
   ForeachLists BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
@@ -117,8 +117,16 @@ class SlotOptimizer {
                                  const std::vector<double>& scales, TargetGroup group, bool merge) const;
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
+  // Per slot (host): true when bounds computed from the largest |weight|,
+  // |moment| and |gradient| of the slot's entries (4 multi-tensor max
+  // reductions, merged runs) prove that ForeachUpdate leaves it finite. A
+  // false is no verdict: ForeachStaysFinite decides those slots.
+  std::vector<bool> ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                        const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
+                                        const std::vector<double>& scales, TargetGroup group) const;
   // [U] bool on the device: whether ForeachUpdate would leave each of slots'
-  // weights and moments finite (computed out of place, in bounded chunks).
+  // weights and moments finite, exactly (the update run out of place, slot
+  // by slot, in bounded chunks).
   at::Tensor ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                 const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
                                 const std::vector<double>& scales, TargetGroup group) const;

@@ -1,0 +1,74 @@
+# The training anchor: a plain Hugging Face + PEFT LoRA loop on the same model directory and the
+# same LoRA targets as `loom bench train` (q, k, v, o, gate, up, down and lm_head), bf16, SDPA
+# attention, fused torch AdamW, random tokens, cross-entropy on every next token. Prints one JSON
+# line: tokens/s, MFU and the caching allocator's peak memory.
+#
+#   python3 bench/hf_peft_train.py MODEL_DIR BATCH SEQLEN RANK [--compile] [--steps N]
+#
+# MFU convention (the same as `loom bench train`): 4 N FLOPs per trained token, N = the base
+# model's parameters (a tied embedding counted once), against 989 TFLOP/s (dense bf16, H100/H200).
+# A frozen base does no weight-gradient matmuls, so forward (2N) + input gradients (2N); attention
+# and the LoRA factors are left out.
+import argparse, json, sys, time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+PEAK_FLOPS = 989e12
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("batch", type=int)
+    ap.add_argument("seqlen", type=int)
+    ap.add_argument("rank", type=int)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--alpha", type=float, default=32.0)  # loom serve's default lora_alpha
+    a = ap.parse_args()
+    out = {"system": "hf+peft", "compile": a.compile, "batch": a.batch, "seqlen": a.seqlen, "rank": a.rank,
+           "flop_convention": "4*N per token, N = base parameters (tied embedding once), peak 989 TFLOP/s"}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(a.model_dir, torch_dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa").cuda()
+        n_base = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        model = get_peft_model(model, LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0,
+                                                 target_modules=TARGETS))
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+        step_fn = torch.compile(model) if a.compile else model
+        vocab = model.config.vocab_size
+
+        def step():
+            ids = torch.randint(0, vocab, (a.batch, a.seqlen), device="cuda")
+            loss = step_fn(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(a.warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t = time.time()
+        for _ in range(a.steps):
+            step()
+        torch.cuda.synchronize()
+        dt = time.time() - t
+        tok_s = a.batch * a.seqlen * a.steps / dt
+        out.update(tokens_per_s=round(tok_s, 1), step_ms=round(dt / a.steps * 1e3, 2), base_params=n_base,
+                   mfu=round(4 * n_base * tok_s / PEAK_FLOPS, 4),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    except torch.cuda.OutOfMemoryError:
+        out.update(error="out of memory", peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+    print(json.dumps(out))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

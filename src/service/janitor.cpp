@@ -1,0 +1,42 @@
+#include "service/janitor.h"
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+
+namespace loom::service {
+
+void Janitor::SweepIfDueLocked(Clock::time_point now) {
+  if (now - last_sweep_ < options_.janitor_period) return;
+  SweepLocked(now);
+  last_sweep_ = now;
+}
+
+void Janitor::SweepLocked(Clock::time_point now) {
+  for (Sessions::Session* session : sessions_.ExpireIdleLocked(now)) ExpireSessionLocked(*session);
+  models_.ExpireGapsLocked(now);
+  futures_.Sweep(now);
+  idempotency_.ExpireLocked(now);
+  checkpoints_.ExpireGrants(now);
+  if (!last_ttl_sweep_) last_ttl_sweep_ = now;
+  if (now - *last_ttl_sweep_ > std::chrono::seconds(60)) {
+    last_ttl_sweep_ = now;
+    checkpoints_.SweepExpired();
+  }
+}
+
+void Janitor::ExpireSessionLocked(const Sessions::Session& session) {
+  const std::string reason = fmt::format(
+      "model expired: session '{}' sent no heartbeat for {} s (--session-ttl), so its adapter slot was released; "
+      "saved checkpoints remain loadable",
+      session.session_id, options_.session_ttl.count() / 1000.0);
+  for (const std::string& mid : session.model_ids) {
+    TrainingModels::TrainingModel* model = models_.FindLocked(mid);
+    if (model != nullptr && model->state == TrainingModels::ModelState::kActive) {
+      loop_.FailModelLocked(*model, TrainingModels::ModelState::kExpired, reason);
+    }
+  }
+  log::Info("session_expired session={} models={}", session.session_id, session.model_ids.size());
+}
+
+}  // namespace loom::service

@@ -1,0 +1,60 @@
+// Janitor: the one periodic sweep. The engine thread calls it each turn (the
+// train loop's chores, wired by Service); every janitor_period it asks each
+// part to expire its own things, in this order: idle sessions (their models
+// fail and give back their slots), seq_id gaps that waited too long,
+// finished futures past retention, idempotency keys older than an hour,
+// archive grants past their TTL, and (every minute) checkpoints past their TTL.
+//
+// Owns: when it last swept and when it last swept checkpoint TTLs.
+//
+// Threading: only the engine thread calls it, with ServiceLock::mu held (the
+// parts it sweeps are guarded by it; see service_lock.h); its own members
+// are touched by that thread alone.
+#pragma once
+#include <chrono>
+#include <optional>
+
+#include "service/checkpoints.h"
+#include "service/future_table.h"
+#include "service/idempotency.h"
+#include "service/options.h"
+#include "service/sessions.h"
+#include "service/train_loop.h"
+#include "service/training_models.h"
+
+namespace loom::service {
+
+class Janitor {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Janitor(const ServiceOptions& options, FutureTable& futures, Sessions& sessions, TrainingModels& models,
+          TrainLoop& loop, IdempotencyMemory& idempotency, Checkpoints& checkpoints)
+      : options_(options),
+        futures_(futures),
+        sessions_(sessions),
+        models_(models),
+        loop_(loop),
+        idempotency_(idempotency),
+        checkpoints_(checkpoints) {}
+
+  // Sweeps when janitor_period has passed since the last sweep.
+  void SweepIfDueLocked(Clock::time_point now);
+
+ private:
+  void SweepLocked(Clock::time_point now);
+  // Fails the active models of a session that just expired.
+  void ExpireSessionLocked(const Sessions::Session& session);
+
+  const ServiceOptions& options_;
+  FutureTable& futures_;
+  Sessions& sessions_;
+  TrainingModels& models_;
+  TrainLoop& loop_;
+  IdempotencyMemory& idempotency_;
+  Checkpoints& checkpoints_;
+  Clock::time_point last_sweep_{};
+  std::optional<Clock::time_point> last_ttl_sweep_;  // the first sweep's time until a TTL sweep
+};
+
+}  // namespace loom::service

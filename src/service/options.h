@@ -1,0 +1,31 @@
+// ServiceOptions: the Service's settings, set from the CLI (cli/serve) and
+// read by every part of the Service. Plain data, fixed after construction.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace loom::service {
+
+struct ServiceOptions {
+  std::string base_model_name = "loom/tiny-qwen3";  // --model-name: base_model clients send
+  std::string tokenizer_id;                          // "" = base_model_name
+  std::chrono::milliseconds session_ttl{std::chrono::seconds(300)};
+  std::chrono::milliseconds seq_gap_timeout{std::chrono::seconds(120)};
+  std::chrono::milliseconds janitor_period{std::chrono::milliseconds(500)};
+  std::chrono::seconds future_retention{std::chrono::hours(2)};
+  std::chrono::seconds archive_url_ttl{std::chrono::minutes(15)};
+  double lora_alpha = 32.0;
+  std::string instance_tag;  // prefix of request ids; "" = random
+  int64_t token_budget = 8192;  // --token-budget: tokens per packed forward(_backward) pass
+  // --batch-window-ms: before a pass, the engine waits until no request has
+  // arrived for this long (tenants submitting "at once" land in one pass),
+  // but never keeps a request waiting longer than BatchWindow::kMaxWindows
+  // windows (common/batch_window.h, the sampler's rule too).
+  std::chrono::milliseconds batch_window{2};
+  // --max-models-per-tenant: live models (adapter slots, held or being bound)
+  // one tenant may have at once; 0 = no per-tenant limit (only the slots).
+  int max_models_per_tenant = 0;
+};
+
+}  // namespace loom::service

@@ -1,0 +1,84 @@
+// Sessions: the clients' sessions (heartbeat leases) and the sampling
+// sessions made on them, with their REST listings.
+//
+// Owns: sessions_ (session id -> Session: owner, lease, the model and
+// sampling session ids made on it) and samplers_ (sampling session id ->
+// SamplingSession).
+//
+// Invariants: a session belongs to the tenant that created it, and another
+// tenant gets NotFound with the text for an unknown id; once expired (no
+// heartbeat for session_ttl) a session stays expired and its heartbeats fail
+// with a FailedPrecondition that says "expired"; a sampling session id is
+// "{session_id}:sample:{n}", made once per (session, n) and owned by its
+// session's tenant.
+//
+// Threading: both maps are guarded by ServiceLock::mu (see service_lock.h
+// for why it is shared). Methods named *Locked expect it held; the others
+// take it. The registry is thread-safe and called under the lock only where
+// the Service always did (create_session's record).
+#pragma once
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "service/caller.h"
+#include "service/idempotency.h"
+#include "service/options.h"
+#include "service/service_lock.h"
+#include "store/registry.h"
+#include "wire/json_api.h"
+
+namespace loom::service {
+
+class Sessions {
+ public:
+  using Clock = std::chrono::steady_clock;
+  struct Session {
+    std::string session_id;
+    std::string owner;
+    Clock::time_point last_seen;
+    bool expired = false;
+    std::vector<std::string> model_ids;
+    std::vector<std::string> sampler_ids;
+  };
+  struct SamplingSession {
+    std::string sampler_id;
+    std::string owner;
+    std::string base_model;
+    std::string model_path;
+  };
+
+  Sessions(const ServiceOptions& options, ServiceLock& lock, IdempotencyMemory& idempotency,
+           store::Registry& registry)
+      : options_(options), lock_(lock), idempotency_(idempotency), registry_(registry) {}
+
+  Result<std::string> CreateSession(const Caller& caller, const wire::CreateSessionRequest& request);
+  Status Heartbeat(const Caller& caller, const std::string& session_id);
+  // REST: the caller's sessions, live or recorded.
+  Result<nlohmann::json> ListSessions(const Caller& caller, wire::PageParams page);
+  Result<nlohmann::json> GetSession(const Caller& caller, const std::string& session_id);
+
+  Session* FindLocked(const std::string& session_id);
+  // A request on the session counts as a heartbeat (not once expired).
+  void TouchSessionLocked(const std::string& session_id);
+  // Records a sampling session and lists it on its session (if that is still known).
+  void AddSamplerLocked(SamplingSession sampler, const std::string& session_id);
+  const SamplingSession* FindSamplerLocked(const std::string& sampler_id) const;
+  // The janitor: marks the sessions idle longer than session_ttl expired and
+  // returns them (their models are the caller's to fail).
+  std::vector<Session*> ExpireIdleLocked(Clock::time_point now);
+
+ private:
+  const ServiceOptions& options_;
+  ServiceLock& lock_;
+  IdempotencyMemory& idempotency_;  // [lock_.mu]
+  store::Registry& registry_;
+  std::map<std::string, Session> sessions_;          // [lock_.mu]
+  std::map<std::string, SamplingSession> samplers_;  // [lock_.mu]
+};
+
+}  // namespace loom::service

@@ -1,0 +1,282 @@
+// TrainingModels: create_model, admission onto a model, failing a model, and
+// what the engine thread and the janitor ask of the models.
+#include "service/training_models.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "service/util.h"
+
+namespace loom::service {
+
+TrainingModels::TrainingModels(const ServiceOptions& options, const engine::ModelInfo& info,
+                               store::Registry& registry, FutureTable& futures, ServiceLock& lock,
+                               Sessions& sessions, IdempotencyMemory& idempotency)
+    : options_(options),
+      info_(info),
+      registry_(registry),
+      futures_(futures),
+      lock_(lock),
+      sessions_(sessions),
+      idempotency_(idempotency) {
+  for (int s = 0; s < info_.max_slots; ++s) free_slots_.insert(s);
+}
+
+// -------------------------------------------------------------- admission
+
+Status TrainingModels::AdmitNewModelLocked(const std::string& tenant) const {
+  // A live model holds a slot or is queued to bind one; the others gave theirs back.
+  int live = 0, mine = 0;
+  for (const auto& [id, m] : models_) {
+    if (m->state != ModelState::kActive) continue;
+    ++live;
+    if (m->owner == tenant) ++mine;
+  }
+  const int quota = options_.max_models_per_tenant;
+  if (quota > 0 && mine >= quota) {
+    return Status::Exhausted(fmt::format(
+        "create_model: tenant quota reached: {} of {} live models (--max-models-per-tenant {}); unload_model one of "
+        "yours or let an idle session expire, then retry",
+        mine, quota, quota));
+  }
+  const int slots = info_.max_slots;
+  if (live >= slots) {
+    return Status::Unavailable(fmt::format(
+        "create_model: no free adapter slot: all {} are bound to live models (--max-adapters); retry later", slots));
+  }
+  return Status::Ok();
+}
+
+Result<TrainingModels::TrainingModel*> TrainingModels::FindModelLocked(const std::string& tenant,
+                                                                       const std::string& model_id,
+                                                                       bool must_be_active) {
+  auto it = models_.find(model_id);
+  if (it == models_.end() || it->second->owner != tenant) {
+    return Status::NotFound("model_id '" + model_id + "' not found");
+  }
+  TrainingModel* m = it->second.get();
+  if (must_be_active && m->state != ModelState::kActive) return Status::Precondition(m->state_reason);
+  return m;
+}
+
+Result<Submitted> TrainingModels::AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op) {
+  if (auto prior = model.sequencer.Lookup(op.seq_id)) return Submitted{*prior, model.model_id};
+  if (model.state != ModelState::kActive) return Status::Precondition(model.state_reason);
+  if (op.seq_id < model.sequencer.next_seq()) {
+    return Status::Invalid(fmt::format("seq_id: {} is below the next expected seq_id {} of model '{}' "
+                                       "(requests of a model are numbered 1, 2, 3, ... without reuse)",
+                                       op.seq_id, model.sequencer.next_seq(), model.model_id));
+  }
+  if (Status window = model.sequencer.CheckWindow(op.seq_id); !window.ok()) return window;
+  op.model_id = model.model_id;
+  op.request_id = futures_.Create(caller.tenant, OpKindName(op.kind));
+  op.arrived = Clock::now();
+  op.ticket = next_ticket_++;
+  Submitted out{op.request_id, model.model_id};
+  const OpKind kind = op.kind;
+  model.sequencer.Admit(std::move(op));
+  idempotency_.RememberLocked(caller, OpKindName(kind), out);
+  sessions_.TouchSessionLocked(model.session_id);
+  if (model.sequencer.HasReady()) lock_.work.notify_all();
+  return out;
+}
+
+Result<Submitted> TrainingModels::SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op,
+                                                Status precheck) {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  if (lock_.stopping) return Status::Unavailable("server is shutting down");
+  std::optional<Submitted> prior;
+  if (Status st = idempotency_.IdempotentLocked(caller, OpKindName(op.kind), &prior); !st.ok()) return st;
+  if (prior) return *prior;
+  auto model = FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
+  if (!model.ok()) return model.status();
+  if (op.seq_id < 1) {
+    return Status::Invalid(fmt::format("seq_id: must be >= 1 (got {}); seq_id 0 is the model's create_model",
+                                       op.seq_id));
+  }
+  if (!precheck.ok()) {
+    (*model)->sequencer.Skip(op.seq_id);
+    if ((*model)->sequencer.HasReady()) lock_.work.notify_all();
+    return precheck;
+  }
+  return AdmitLocked(caller, **model, std::move(op));
+}
+
+Result<Submitted> TrainingModels::CreateModel(const Caller& caller, const wire::CreateModelRequest& request,
+                                              const std::string& load_path, bool with_optimizer) {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  return CreateModelLocked(caller, request, load_path, with_optimizer);
+}
+
+Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
+                                                    const std::string& load_path, bool with_optimizer) {
+  const auto& info = info_;
+  if (request.base_model != options_.base_model_name) {
+    return Status::Invalid(fmt::format("create_model.base_model: '{}' is not served here; this server serves '{}'",
+                                       request.base_model, options_.base_model_name));
+  }
+  if (request.lora.rank < 1 || request.lora.rank > info.max_rank) {
+    return Status::Invalid(fmt::format("create_model.lora_config.rank: {} is outside [1, {}] (--max-rank)",
+                                       request.lora.rank, info.max_rank));
+  }
+  if (lock_.stopping) return Status::Unavailable("server is shutting down");
+  std::optional<Submitted> prior;
+  if (Status st = idempotency_.IdempotentLocked(caller, OpKindName(OpKind::kCreateModel), &prior); !st.ok()) {
+    return st;
+  }
+  if (prior) return *prior;
+  Sessions::Session* session = sessions_.FindLocked(request.session_id);
+  if (session == nullptr || session->owner != caller.tenant) {
+    return Status::NotFound("create_model.session_id: session '" + request.session_id + "' not found");
+  }
+  if (session->expired) {
+    return Status::Precondition("create_model.session_id: session '" + request.session_id +
+                                "' expired (no heartbeat); create a new ServiceClient");
+  }
+  const std::string model_id = fmt::format("{}:train:{}", request.session_id, request.model_seq_id);
+  if (auto it = models_.find(model_id); it != models_.end()) {
+    if (auto first = it->second->sequencer.Lookup(0)) return Submitted{*first, model_id};
+  }
+  // Limits up front: nothing is recorded for a model that cannot get a slot.
+  if (Status st = AdmitNewModelLocked(caller.tenant); !st.ok()) return st;
+  auto model = std::make_unique<TrainingModel>();
+  model->model_id = model_id;
+  model->owner = caller.tenant;
+  model->session_id = request.session_id;
+  model->base_model = request.base_model;
+  model->lora = request.lora;
+  model->lora.alpha = options_.lora_alpha;
+  if (!request.seed_given) model->lora.seed = RandomU64();
+  TrainingModel& m = *model;
+  models_[model_id] = std::move(model);
+  session->model_ids.push_back(model_id);
+
+  store::TrainingRun run;
+  run.owner = caller.tenant;
+  run.model_id = model_id;
+  run.base_model = request.base_model;
+  run.lora_rank = request.lora.rank;
+  run.train_attn = request.lora.train_attn;
+  run.train_mlp = request.lora.train_mlp;
+  run.train_unembed = request.lora.train_unembed;
+  run.created_ms = run.last_request_ms = NowMs();
+  nlohmann::json meta = nlohmann::json::object();
+  for (const auto& [k, v] : request.user_metadata) meta[k] = v;
+  run.user_metadata = meta.dump();
+  if (Status st = registry_.UpsertRun(run); !st.ok()) {
+    log::Warn("run_record_failed model={} error={}", model_id, st.message());
+  }
+
+  TrainingOp op;
+  op.kind = OpKind::kCreateModel;
+  op.seq_id = 0;
+  op.load_path = load_path;
+  op.with_optimizer = with_optimizer;
+  return AdmitLocked(caller, m, std::move(op));
+}
+
+void TrainingModels::FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason) {
+  model.state = state;
+  model.state_reason = reason;
+  if (model.slot >= 0) {
+    slots_to_release_.push_back(model.slot);
+    model.slot = -1;
+  }
+  for (TrainingOp& op : model.sequencer.DrainAll()) futures_.Fail(op.request_id, Status::Precondition(reason));
+}
+
+// ------------------------------------------------------- the engine thread
+
+bool TrainingModels::AnyReadyLocked() const {
+  for (const auto& [id, m] : models_) {
+    if (m->sequencer.HasReady()) return true;
+  }
+  return false;
+}
+
+std::vector<TrainingOp> TrainingModels::PopReadyLocked() {
+  std::vector<TrainingModel*> feeding;
+  for (auto& [id, m] : models_) {
+    if (m->sequencer.HasReady()) feeding.push_back(m.get());
+  }
+  std::stable_sort(feeding.begin(), feeding.end(), [](const TrainingModel* a, const TrainingModel* b) {
+    return a->sequencer.FrontReady().ticket < b->sequencer.FrontReady().ticket;
+  });
+  std::vector<TrainingOp> ready;
+  for (TrainingModel* m : feeding) {
+    while (m->sequencer.HasReady()) ready.push_back(m->sequencer.PopReady());
+  }
+  return ready;
+}
+
+TrainingModels::TrainingModel* TrainingModels::FindLocked(const std::string& model_id) {
+  auto it = models_.find(model_id);
+  return it == models_.end() ? nullptr : it->second.get();
+}
+
+Result<TrainingModels::ModelRef> TrainingModels::ModelForRun(const std::string& model_id) {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  auto it = models_.find(model_id);
+  if (it == models_.end()) return Status::NotFound("model_id '" + model_id + "' not found");
+  const TrainingModel& m = *it->second;
+  if (m.state != ModelState::kActive) return Status::Precondition(m.state_reason);
+  return static_cast<const ModelRef&>(m);
+}
+
+int TrainingModels::TakeFreeSlotLocked() {
+  if (free_slots_.empty()) return -1;
+  const int slot = *free_slots_.begin();
+  free_slots_.erase(free_slots_.begin());
+  return slot;
+}
+
+std::vector<int> TrainingModels::TakeSlotsToReleaseLocked() {
+  std::vector<int> release;
+  release.swap(slots_to_release_);
+  return release;
+}
+
+void TrainingModels::FreeSlotsLocked(const std::vector<int>& released) {
+  for (int s : released) free_slots_.insert(s);
+}
+
+std::vector<TrainingOp> TrainingModels::DrainAllLocked() {
+  std::vector<TrainingOp> all;
+  for (auto& [id, m] : models_) {
+    for (TrainingOp& op : m->sequencer.DrainAll()) all.push_back(std::move(op));
+  }
+  return all;
+}
+
+// ------------------------------------------------------------ the janitor
+
+void TrainingModels::ExpireGapsLocked(Clock::time_point now) {
+  for (auto& [id, m] : models_) {
+    if (m->state != ModelState::kActive || m->sequencer.waiting() == 0) continue;
+    const int64_t gap = m->sequencer.next_seq();
+    for (TrainingOp& op : m->sequencer.ExpireGap(now, options_.seq_gap_timeout)) {
+      futures_.Fail(op.request_id,
+                    Status::Precondition(fmt::format(
+                        "seq_id {} of model '{}' never arrived within {} s (--seq-gap-timeout); request seq_id {} "
+                        "waited behind it and was failed",
+                        gap, id, options_.seq_gap_timeout.count() / 1000.0, op.seq_id)));
+    }
+  }
+}
+
+// ----------------------------------------------------------------- gauges
+
+int TrainingModels::SlotsInUseLocked() const { return info_.max_slots - static_cast<int>(free_slots_.size()); }
+
+void TrainingModels::QueueDepthsLocked(QueueSnapshot* live) const {
+  for (const auto& [id, m] : models_) {
+    if (m->state != ModelState::kActive) continue;
+    QueueSnapshot::Model q;
+    q.queued = m->sequencer.ready_count() + m->sequencer.waiting();
+    live->models[id] = q;
+  }
+}
+
+}  // namespace loom::service

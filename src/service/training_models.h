@@ -1,0 +1,140 @@
+// TrainingModels: the training models (owner, session, LoRA config, adapter
+// slot, state) with their sequencers, the free adapter slots, and the
+// admission of requests onto a model (ownership, dedup, ordering, quota).
+//
+// Owns: models_ (model id -> TrainingModel, each with the Sequencer that puts
+// its requests into seq_id order), free_slots_, slots_to_release_ (slots of
+// failed/expired/unloaded models, released on the engine thread, then free
+// again), next_ticket_ (arrival order across models).
+//
+// Invariants:
+//  - a model's requests take effect in seq_id order; a repeated (model_id,
+//    seq_id) returns the first request's future, and so does a repeated
+//    X-Idempotency-Key on the same route with the same body
+//    (IdempotencyMemory);
+//  - a tenant holds at most max_models_per_tenant live models, and the live
+//    models of all tenants at most the slot count: create_model beyond either
+//    is refused up front with a retryable answer (429 for the tenant's quota,
+//    503 for a full service), before a model is recorded;
+//  - a model belongs to its creating tenant; another tenant gets NotFound
+//    with the text for an unknown id;
+//  - a slot is in exactly one of: free_slots_, bound to one active model,
+//    slots_to_release_ (or on its way from there to free_slots_);
+//  - a model that is not active has no slot and nothing queued; later calls
+//    on it fail with a FailedPrecondition saying why (e.g. "expired").
+//
+// Threading: everything is guarded by ServiceLock::mu (shared with sessions
+// and the train loop: see service_lock.h). Methods named *Locked expect it
+// held; the others take it. None calls the Engine except its pure info().
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "engine/api.h"
+#include "service/caller.h"
+#include "service/future_table.h"
+#include "service/idempotency.h"
+#include "service/metrics.h"
+#include "service/options.h"
+#include "service/sequencer.h"
+#include "service/service_lock.h"
+#include "service/sessions.h"
+#include "store/registry.h"
+#include "wire/json_api.h"
+
+namespace loom::service {
+
+class TrainingModels {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum class ModelState { kActive, kFailed, kExpired, kUnloaded };
+  // What the engine thread needs of a model, copied under the lock.
+  struct ModelRef {
+    std::string model_id;
+    std::string owner;
+    std::string session_id;
+    std::string base_model;
+    engine::LoraConfig lora;
+    int slot = -1;
+  };
+  struct TrainingModel : ModelRef {
+    ModelState state = ModelState::kActive;
+    std::string state_reason;  // why it is not active
+    Sequencer sequencer{0};    // create_model is seq 0
+  };
+
+  TrainingModels(const ServiceOptions& options, const engine::ModelInfo& info, store::Registry& registry,
+                 FutureTable& futures, ServiceLock& lock, Sessions& sessions, IdempotencyMemory& idempotency);
+
+  // ---- admission (I/O threads) ----
+  // Checks and records a new model and admits its create_model as seq 0
+  // (load_path: created from that checkpoint).
+  Result<Submitted> CreateModel(const Caller& caller, const wire::CreateModelRequest& request,
+                                const std::string& load_path, bool with_optimizer);
+  // Locks and admits op on its model. A failed precheck (bad input found
+  // before admission) is returned as is, and op.seq_id is skipped in the
+  // model's sequencer: the SDK never resends a rejected seq_id.
+  Result<Submitted> SubmitOnModel(const Caller& caller, const std::string& model_id, TrainingOp op,
+                                  Status precheck = Status::Ok());
+  // Finds a live model of this tenant (NotFound / expired / failed errors).
+  Result<TrainingModel*> FindModelLocked(const std::string& tenant, const std::string& model_id,
+                                         bool must_be_active);
+  // Marks model failed/expired/unloaded: its slot goes to be released, its
+  // queued requests fail with `reason`. Its planned pieces are the train
+  // loop's (TrainLoop::FailModelLocked does both).
+  void FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason);
+
+  // ---- the engine thread ----
+  bool AnyReadyLocked() const;
+  // Everything the sequencers released, each model's in seq_id order, models
+  // oldest ready head first (so tickets follow arrival across models).
+  std::vector<TrainingOp> PopReadyLocked();
+  // Any model (any tenant), or null.
+  TrainingModel* FindLocked(const std::string& model_id);
+  Result<ModelRef> ModelForRun(const std::string& model_id);
+  // A free slot, taken; -1 when none.
+  int TakeFreeSlotLocked();
+  std::vector<int> TakeSlotsToReleaseLocked();
+  bool HasSlotsToReleaseLocked() const { return !slots_to_release_.empty(); }
+  void FreeSlotsLocked(const std::vector<int>& released);
+  // Stop(): removes and returns every model's queued requests.
+  std::vector<TrainingOp> DrainAllLocked();
+
+  // ---- the janitor ----
+  // Fails the requests that waited longer than seq_gap_timeout for a gap.
+  void ExpireGapsLocked(Clock::time_point now);
+
+  // ---- gauges ----
+  int SlotsInUseLocked() const;
+  void QueueDepthsLocked(QueueSnapshot* live) const;  // active models' queued requests
+
+ private:
+  Result<Submitted> CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
+                                      const std::string& load_path, bool with_optimizer);
+  // Admits op on its model: dedup, expiry check, ordering.
+  Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
+  // Refuses a new model beyond the tenant's quota (Exhausted, 429) or the
+  // slot count (Unavailable, 503); both say to retry.
+  Status AdmitNewModelLocked(const std::string& tenant) const;
+
+  const ServiceOptions& options_;
+  const engine::ModelInfo& info_;
+  store::Registry& registry_;
+  FutureTable& futures_;
+  ServiceLock& lock_;
+  Sessions& sessions_;              // [lock_.mu]
+  IdempotencyMemory& idempotency_;  // [lock_.mu]
+
+  std::map<std::string, std::unique_ptr<TrainingModel>> models_;  // [lock_.mu]
+  std::set<int> free_slots_;                                      // [lock_.mu]
+  std::vector<int> slots_to_release_;                             // [lock_.mu] released on the engine thread
+  uint64_t next_ticket_ = 1;                                      // [lock_.mu]
+};
+
+}  // namespace loom::service
