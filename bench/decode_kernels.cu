@@ -1,5 +1,5 @@
-// decode_kernels: GPU time of each fused decode kernel (src/engine/model/cuda
-// /kernels.h) alone, at the shapes of the qwen3-4b preset, with and
+// decode_kernels: GPU time of each fused decode kernel (src/engine/sample/cuda,
+// one family per .cu) alone, at the shapes of the qwen3-4b preset, with and
 // without LoRA, next to cuBLAS for the base projections of the same rows.
 // Built with the GPU build (build-gpu/bench/decode_kernels); run:
 //
@@ -28,7 +28,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/model/cuda/kernels.h"
+#include "engine/sample/cuda/attention.h"
+#include "engine/sample/cuda/gemv.h"
+#include "engine/sample/cuda/lora.h"
+#include "engine/sample/cuda/rmsnorm.h"
+#include "engine/sample/cuda/rope.h"
+#include "engine/sample/cuda/silu.h"
 
 namespace {
 

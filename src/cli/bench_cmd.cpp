@@ -15,7 +15,7 @@
 #include "cli/bench_sample.h"
 #include "cli/commands.h"
 #include "engine/api.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 
 namespace loom::cli {
 namespace {
@@ -95,11 +95,11 @@ int BenchTrain(const TrainBenchOptions& o) {
     }
     scratch = templ;
     model_dir = scratch + "/model";
-    engine::MakeModelOptions mm;
+    testmodel::MakeModelOptions mm;
     mm.arch = "qwen3";
     mm.preset = "tiny";
     mm.seed = 1;
-    if (Status s = engine::MakeModel(mm, model_dir); !s.ok()) {
+    if (Status s = testmodel::MakeModel(mm, model_dir); !s.ok()) {
       std::fprintf(stderr, "loom bench train: %s\n", s.message().c_str());
       return 1;
     }

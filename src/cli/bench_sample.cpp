@@ -22,11 +22,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/lora/peft.h"
+#include "cli/decode_flags.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample_api.h"
+#include "testmodel/make_model.h"
 
 namespace loom::cli {
 namespace {
@@ -46,6 +47,7 @@ struct Options {
   int new_tokens = 64;
   int rank = 16;
   int threads = 0;
+  engine::DecodeOptions decode;
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -122,9 +124,9 @@ int Run(const Options& o) {
   std::string model_dir = o.model_dir;
   if (model_dir.empty()) {
     model_dir = scratch + "/model";
-    engine::MakeModelOptions m;
+    testmodel::MakeModelOptions m;
     m.preset = o.preset;
-    if (Status s = engine::MakeModel(m, model_dir); !s.ok())
+    if (Status s = testmodel::MakeModel(m, model_dir); !s.ok())
       return std::fprintf(stderr, "loom bench sample: %s\n", s.message().c_str()), 1;
   }
   const bool cuda = o.device == "cuda" || (o.device == "auto" && at::hasCUDA());
@@ -149,6 +151,7 @@ int Run(const Options& o) {
   so.context_window = o.prompt_len + o.new_tokens + 16;
   so.threads = o.threads;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
+  so.decode = o.decode;
   auto sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
   if (!sampler.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", sampler.status().message().c_str()), 1;
   engine::Sampler& s = **sampler;
@@ -207,11 +210,13 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);
   app.add_option("--threads", o.threads, "CPU threads (0 = libtorch default)")->default_val(o.threads);
+  const DecodeFlags decode_flags(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  o.decode = decode_flags.options();
   return Run(o);
 }
 

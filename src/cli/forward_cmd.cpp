@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cli/commands.h"
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/model/transformer.h"
 
 namespace loom::cli {

@@ -4,14 +4,14 @@
 #include <string>
 
 #include "cli/commands.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 
 namespace loom::cli {
 
 int MakeModel(int argc, char** argv) {
   CLI::App app{"Write a random-initialised model in Hugging Face layout (same seed => identical files)",
                "loom make-model"};
-  engine::MakeModelOptions opt;
+  testmodel::MakeModelOptions opt;
   std::string out;
   app.add_option("--arch", opt.arch, "qwen2 | qwen3")->required();
   app.add_option("--preset", opt.preset, "tiny | small | qwen2.5-0.5b | qwen3-4b")->required();
@@ -25,7 +25,7 @@ int MakeModel(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  const Status s = engine::MakeModel(opt, out);
+  const Status s = testmodel::MakeModel(opt, out);
   if (!s.ok()) {
     std::fprintf(stderr, "loom make-model: %s\n", s.message().c_str());
     return 2;

@@ -12,15 +12,16 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/decode_flags.h"
 #include "common/log.h"
 #include "engine/api.h"
 #include "engine/sample_api.h"
-#include "engine/model/make_model.h"
 #include "http/auth.h"
 #include "http/router.h"
 #include "http/server.h"
 #include "service/service.h"
 #include "store/registry.h"
+#include "testmodel/make_model.h"
 
 namespace loom::cli {
 
@@ -36,14 +37,14 @@ int Fail(const std::string& message) {
 Result<std::string> DefaultModel(const std::string& data_dir) {
   const std::string dir = data_dir + "/default-model";
   if (std::filesystem::exists(dir + "/config.json")) return dir;
-  engine::MakeModelOptions opt;
+  testmodel::MakeModelOptions opt;
   opt.arch = "qwen3";
   opt.preset = "tiny";
   opt.seed = 1;
   const std::string tmp = data_dir + "/default-model.tmp";
   std::error_code ec;
   std::filesystem::remove_all(tmp, ec);
-  if (Status st = engine::MakeModel(opt, tmp); !st.ok()) return st;
+  if (Status st = testmodel::MakeModel(opt, tmp); !st.ok()) return st;
   std::filesystem::rename(tmp, dir, ec);
   if (ec) return Status::Internal("cannot move the default model into " + dir + ": " + ec.message());
   return dir;
@@ -89,6 +90,7 @@ int Serve(int argc, char** argv) {
   int max_models_per_tenant = -1;  // -1: the default below
   app.add_option("--max-models-per-tenant", max_models_per_tenant, "live training models (adapter slots) one tenant may hold; 0 = no limit (default: max(1, max-adapters/4) with --api-keys, no limit in open mode)")->check(CLI::Range(0, 4096));
   app.add_option("--context-window", context_window, "context window W for training and sampling (0 = the model config's)")->default_val(context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  const DecodeFlags decode_flags(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -155,6 +157,7 @@ int Serve(int argc, char** argv) {
   samp.kv_budget_tokens = kv_budget_tokens;
   samp.context_window = (*engine)->info().context_window;
   samp.admission_window = std::chrono::milliseconds(batch_window_ms);
+  samp.decode = decode_flags.options();
   auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
   if (!sampler.ok()) return Fail("sampler: " + sampler.status().message());
   service::Service service(sopt, std::move(*engine), std::move(*registry));

@@ -5,7 +5,7 @@
 #include <filesystem>
 #include <mutex>
 
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "store/registry.h"
 
 namespace loom::cli {
@@ -15,14 +15,14 @@ namespace fs = std::filesystem;
 Result<std::string> EmbeddedModel(const std::string& data_dir) {
   const std::string dir = data_dir + "/default-model";
   if (fs::exists(dir + "/config.json")) return dir;
-  engine::MakeModelOptions opt;
+  testmodel::MakeModelOptions opt;
   opt.arch = "qwen3";
   opt.preset = "tiny";
   opt.seed = 1;
   const std::string tmp = dir + ".tmp";
   std::error_code ec;
   fs::remove_all(tmp, ec);
-  if (Status st = engine::MakeModel(opt, tmp); !st.ok()) return st;
+  if (Status st = testmodel::MakeModel(opt, tmp); !st.ok()) return st;
   fs::rename(tmp, dir, ec);
   if (ec) return Status::Internal("cannot move the default model into " + dir + ": " + ec.message());
   return dir;

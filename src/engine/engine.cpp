@@ -19,12 +19,12 @@
 #include <map>
 #include <thread>
 
+#include "common/durable.h"
 #include "engine/api.h"
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
 #include "engine/train/adamw.h"
-#include "engine/train/atomic_dir.h"
 #include "engine/train/forward_backward.h"
 #include "engine/train/grad_marks.h"
 #include "engine/train/loss_spec.h"
@@ -145,7 +145,7 @@ class TrainingEngine final : public Engine {
       return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
     if (!bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
     try {
-      return train::PublishDirectory(
+      return durable::PublishDirectory(
           dir, [&](const std::string& tmp) { return SavePeft(bank_, slot, tmp, base_model_name); });
     } catch (const std::exception& e) {
       return FromException("save_weights_for_sampler", e);

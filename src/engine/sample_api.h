@@ -36,6 +36,16 @@ struct SampleCall {
   int32_t topk_prompt_logprobs = 0;  // 0 = off
 };
 
+// Switches of the sampler's CUDA decode fast path (engine/sample/fast_decode.h),
+// set from `loom serve` and `loom bench sample` flags. Where there is no
+// fast path (CPU builds, CPU devices) they change nothing.
+struct DecodeOptions {
+  bool cuda_graphs = true;   // --cuda-graphs off: every decode step runs eager libtorch
+  bool gemv = true;          // --decode-gemv off: cuBLAS for every projection, also of <= 4 rows
+  bool split_shrink = true;  // --decode-split off: a LoRA shrink's long input on one block per output tile
+  bool profile = false;      // --decode-profile: log each stage's GPU time (stages serialized, slower)
+};
+
 struct SamplerOptions {
   std::string model_dir;          // for tokenizer.json and generation_config.json (may be empty)
   int sampler_adapters = 4;       // adapter cache slots (--sampler-adapters)
@@ -52,6 +62,7 @@ struct SamplerOptions {
   // this long after the newest arrival (at most 10 windows) before the first
   // step, so requests sent together share one prefill. 0 = start at once.
   std::chrono::microseconds admission_window{0};
+  DecodeOptions decode;
 };
 
 struct SamplerInfo {

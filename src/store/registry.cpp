@@ -14,6 +14,7 @@
 #include <set>
 #include <system_error>
 
+#include "common/durable.h"
 #include "common/log.h"
 #include "store/dir_names.h"
 #include "store/sqlite.h"
@@ -140,36 +141,6 @@ Result<Page<T>> ListWhere(SqliteDb& db, const std::string& table, const std::str
 Status CheckOwner(const std::string& owner) {
   if (owner.empty()) return Status::Invalid("owner: must not be empty");
   return Status::Ok();
-}
-
-// fsyncs a file or directory; errors are reported, not ignored.
-Status SyncPath(const fs::path& p, bool directory) {
-  const int fd = ::open(p.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return Status::Internal("registry: cannot open " + p.string() + " to sync");
-  const int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return Status::Internal("registry: fsync failed for " + p.string());
-  return Status::Ok();
-}
-
-// Syncs every file and folder under `dir` and returns the total file size.
-Result<int64_t> SyncTree(const fs::path& dir) {
-  std::error_code ec;
-  int64_t bytes = 0;
-  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it);
-       it.increment(ec)) {
-    const fs::file_status st = it->symlink_status(ec);
-    if (ec) break;
-    if (fs::is_regular_file(st)) {
-      bytes += static_cast<int64_t>(it->file_size(ec));
-      if (Status s = SyncPath(it->path(), false); !s.ok()) return s;
-    } else if (fs::is_directory(st)) {
-      if (Status s = SyncPath(it->path(), true); !s.ok()) return s;
-    }
-  }
-  if (ec) return Status::Internal("registry: cannot walk " + dir.string() + ": " + ec.message());
-  if (Status s = SyncPath(dir, true); !s.ok()) return s;
-  return bytes;
 }
 
 // Registries written before checkpoints had versions: every row is version 0,
@@ -427,7 +398,7 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
     discard_staging();
     return valid;
   }
-  Result<int64_t> size = SyncTree(staging);  // outside the lock: may be slow
+  Result<int64_t> size = durable::SyncTree(staging);  // outside the lock: may be slow
   if (!size.ok()) {
     discard_staging();
     return size.status();
@@ -475,7 +446,7 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
     return Status::Internal("registry: cannot publish " + dest.string() + ": " + why);
   }
   AtStep("renamed");
-  if (Status s = SyncPath(dest.parent_path(), true); !s.ok()) {
+  if (Status s = durable::Sync(dest.parent_path(), true); !s.ok()) {
     TrashLocked(c.dir);
     return s;
   }

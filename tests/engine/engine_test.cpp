@@ -16,8 +16,8 @@
 
 #include "engine/api.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
-#include "engine/model/safetensors.h"
+#include "testmodel/make_model.h"
+#include "engine/io/safetensors.h"
 #include "engine/model/transformer.h"
 #include "engine/train/forward_backward.h"
 
@@ -43,11 +43,11 @@ struct TempDir {
 const std::string& ModelDir() {
   static TempDir dir;
   static bool made = [] {
-    MakeModelOptions o;
+    testmodel::MakeModelOptions o;
     o.arch = "qwen3";
     o.preset = "tiny";
     o.seed = 1;
-    Status s = MakeModel(o, dir.path + "/model");
+    Status s = testmodel::MakeModel(o, dir.path + "/model");
     EXPECT_TRUE(s.ok()) << s.message();
     return true;
   }();

@@ -1,6 +1,6 @@
-// The CUDA fast decode path (engine/model/fast_decode.h) against the eager
+// The CUDA fast decode path (engine/sample/fast_decode.h) against the eager
 // KV-cached forward: two ModelRunners over the same model and adapters, one
-// with LOOM_CUDA_GRAPHS=0, fed the same prompts and tokens; their decode
+// with DecodeOptions::cuda_graphs off, fed the same prompts and tokens; their decode
 // logits must agree. Skipped where there is no CUDA device or no fast path
 // (the CPU build); run on the GPU machine.
 #include <c10/core/GradMode.h>
@@ -10,9 +10,9 @@
 #include <filesystem>
 #include <future>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/model_runner.h"
 #include "engine/sample_api.h"
@@ -52,16 +52,20 @@ Rows MakeRows(const std::vector<int64_t>& lens, const std::vector<int>& slots, i
   return r;
 }
 
+DecodeOptions Eager() {
+  DecodeOptions o;
+  o.cuda_graphs = false;
+  return o;
+}
+
 // Max |logit difference| over `steps` decode steps of every row, fast
-// decode vs a reference runner made with `off`=0 set (by default
-// LOOM_CUDA_GRAPHS: the eager path).
+// decode (made with fast_options) vs a reference runner made with
+// ref_options (by default the eager path).
 double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, const std::vector<int64_t>& lens,
                      const std::vector<int>& slots, int64_t steps, bool* fast_used,
-                     const char* off = "LOOM_CUDA_GRAPHS") {
-  ::setenv(off, "0", 1);
-  ModelRunner ref(model, &bank, 64, kBlock);
-  ::unsetenv(off);
-  ModelRunner fast(model, &bank, 64, kBlock);
+                     const DecodeOptions& fast_options = {}, const DecodeOptions& ref_options = Eager()) {
+  ModelRunner ref(model, &bank, 64, kBlock, ref_options);
+  ModelRunner fast(model, &bank, 64, kBlock, fast_options);
   *fast_used = fast.fast_decode();
   if (!*fast_used) return 0.0;
   for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
@@ -92,11 +96,11 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
 
 // A generated model of (arch, preset, seed), written into dir.
 bool Generate(const std::string& dir, const char* arch, const char* preset, uint64_t seed) {
-  MakeModelOptions o;
+  testmodel::MakeModelOptions o;
   o.arch = arch;
   o.preset = preset;
   o.seed = seed;
-  const Status s = MakeModel(o, dir);
+  const Status s = testmodel::MakeModel(o, dir);
   EXPECT_TRUE(s.ok()) << s.message();
   return s.ok();
 }
@@ -165,11 +169,11 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
 }
 
 // A bf16 LoRA shrink over a long input is split over blocks, the partial
-// sums added by the tile's last block (engine/model/cuda/kernels.h,
+// sums added by the tile's last block (engine/sample/cuda/lora.h,
 // ShrinkScratch). The small preset's inputs are too short for that;
 // qwen2.5-0.5b's down projection (d_in 4864) takes 2 parts. Fast decode
 // with the split (the default) against fast decode without it
-// (LOOM_DECODE_SPLIT=0), and both against eager.
+// (DecodeOptions::split_shrink off), and both against eager.
 TEST(FastDecode, SplitShrinkEqualsEager) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode-split");
@@ -187,10 +191,12 @@ TEST(FastDecode, SplitShrinkEqualsEager) {
   bool used = false;
   const double split = MaxDecodeDiff(model, bank, lens, slots, 2, &used);
   if (!used) GTEST_SKIP() << "no fast decode path in this build";
-  ::setenv("LOOM_DECODE_SPLIT", "0", 1);
-  const double whole = MaxDecodeDiff(model, bank, lens, slots, 2, &used);
-  ::unsetenv("LOOM_DECODE_SPLIT");
-  const double between = MaxDecodeDiff(model, bank, lens, slots, 2, &used, "LOOM_DECODE_SPLIT");
+  DecodeOptions unsplit;
+  unsplit.split_shrink = false;
+  DecodeOptions unsplit_eager = Eager();
+  unsplit_eager.split_shrink = false;
+  const double whole = MaxDecodeDiff(model, bank, lens, slots, 2, &used, unsplit, unsplit_eager);
+  const double between = MaxDecodeDiff(model, bank, lens, slots, 2, &used, {}, unsplit);
   std::printf("fast decode qwen2.5-0.5b bf16, 12 rows, 3 adapters: max |logit diff| vs eager: split %.3g, "
               "unsplit %.3g; split vs unsplit %.3g\n",
               split, whole, between);

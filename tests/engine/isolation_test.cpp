@@ -17,9 +17,9 @@
 
 #include "../common/temp_dir.h"
 #include "engine/api.h"
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample_api.h"
 #include "engine/train/forward_backward.h"
@@ -34,11 +34,11 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 const std::string& ModelDir() {
   static test::TempDir dir("loom-isolation-test");
   static const std::string model = [] {
-    MakeModelOptions o;
+    testmodel::MakeModelOptions o;
     o.arch = "qwen3";
     o.preset = "tiny";
     o.seed = 3;
-    Status s = MakeModel(o, dir / "model");
+    Status s = testmodel::MakeModel(o, dir / "model");
     EXPECT_TRUE(s.ok()) << s.message();
     return dir / "model";
   }();

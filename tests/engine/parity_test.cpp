@@ -17,12 +17,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "../common/temp_dir.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
-#include "engine/model/safetensors.h"
-#include "engine/model/tensor_io.h"
+#include "testmodel/make_model.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tensor_io.h"
 #include "engine/model/transformer.h"
 
 namespace loom::engine {
@@ -50,10 +50,10 @@ class ParityTest : public ::testing::TestWithParam<std::string> {};
 // make-model and the transformer agree on which base tensors a model has.
 TEST_P(ParityTest, MadeModelHasExactlyTheTransformersWeights) {
   for (const char* preset : {"tiny", "small", "qwen2.5-0.5b", "qwen3-4b"}) {
-    auto cfg = PresetConfig(GetParam(), preset);
+    auto cfg = testmodel::PresetConfig(GetParam(), preset);
     ASSERT_TRUE(cfg.ok());
     std::map<std::string, std::vector<int64_t>> made, expected;
-    for (const WeightSpec& w : BaseWeightSpecs(cfg.value())) made[w.name] = w.shape;
+    for (const testmodel::WeightSpec& w : testmodel::BaseWeightSpecs(cfg.value())) made[w.name] = w.shape;
     for (const auto& [name, shape] : Transformer::ExpectedWeights(cfg.value())) expected[name] = shape;
     EXPECT_EQ(made, expected) << preset;
   }
@@ -63,11 +63,11 @@ TEST_P(ParityTest, MadeModelHasExactlyTheTransformersWeights) {
 // transformer and gives finite logprobs near uniform (HF init, std 0.02).
 TEST_P(ParityTest, TransformerLoadsMadeModel) {
   TempDir dir;
-  MakeModelOptions o;
+  testmodel::MakeModelOptions o;
   o.arch = GetParam();
   o.preset = "tiny";
   o.seed = 4;
-  ASSERT_TRUE(MakeModel(o, dir.path()).ok());
+  ASSERT_TRUE(testmodel::MakeModel(o, dir.path()).ok());
   auto model = Transformer::Load(dir.path(), at::kCPU, at::kFloat);
   ASSERT_TRUE(model.ok()) << model.status().message();
   const ModelConfig& c = model.value()->config();
@@ -100,12 +100,12 @@ void RunGolden(const std::string& arch, at::Device dev, at::ScalarType dt, doubl
 
   // The same base model the golden was computed on, regenerated bit-identically.
   TempDir model_dir;
-  MakeModelOptions o;
+  testmodel::MakeModelOptions o;
   o.arch = ident["arch"].get<std::string>();
   o.preset = ident["preset"].get<std::string>();
   o.seed = ident["seed"].get<uint64_t>();
   o.dtype = ident["dtype"].get<std::string>();
-  ASSERT_TRUE(MakeModel(o, model_dir.path()).ok());
+  ASSERT_TRUE(testmodel::MakeModel(o, model_dir.path()).ok());
   auto model = Transformer::Load(model_dir.path(), dev, dt);
   ASSERT_TRUE(model.ok()) << model.status().message();
 

@@ -1,6 +1,6 @@
 // PEFT adapter directories: save -> load round trip, the file layout HF PEFT
 // expects, and errors on bad directories.
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -11,7 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 
 namespace loom::engine {
 namespace {

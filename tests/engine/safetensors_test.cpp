@@ -1,6 +1,6 @@
 // safetensors reader/writer and tensor_io: round trips, sharded model
 // directories, and clean errors for damaged files.
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 #include "../common/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -12,7 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "engine/model/tensor_io.h"
+#include "common/durable.h"
+#include "engine/io/tensor_io.h"
 
 namespace loom::engine {
 namespace {
@@ -278,7 +279,7 @@ void WriteShardedModel(const TempDir& dir, const std::string& index_json) {
   ASSERT_TRUE(s2.Add("z.weight", "BF16", {2}, c.data(), 4).ok());
   ASSERT_TRUE(s1.Write(dir / "model-00001-of-00002.safetensors").ok());
   ASSERT_TRUE(s2.Write(dir / "model-00002-of-00002.safetensors").ok());
-  ASSERT_TRUE(WriteFileAtomic(dir / "model.safetensors.index.json", index_json).ok());
+  ASSERT_TRUE(durable::ReplaceFile(dir / "model.safetensors.index.json", index_json).ok());
 }
 
 TEST(ModelWeights, OpensShardedIndexAsOneMap) {
@@ -331,7 +332,7 @@ TEST(ModelWeights, IndexErrors) {
     ASSERT_TRUE(s.Add("x.weight", "F32", {2}, v, 8).ok());
     ASSERT_TRUE(s.Write(dir / "a.safetensors").ok());
     ASSERT_TRUE(s.Write(dir / "b.safetensors").ok());
-    ASSERT_TRUE(WriteFileAtomic(dir / "model.safetensors.index.json",
+    ASSERT_TRUE(durable::ReplaceFile(dir / "model.safetensors.index.json",
                                 R"({"weight_map": {"x.weight": "a.safetensors", "y": "b.safetensors"}})")
                     .ok());
     auto w = ModelWeights::Open(dir.path());

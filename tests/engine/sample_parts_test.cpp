@@ -5,7 +5,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/sample/block_manager.h"
 #include "engine/sample/detokenizer.h"
 #include "engine/sample/sampling.h"
@@ -44,7 +44,7 @@ TEST(SampleBlockManager, ReservationsAndRefcounts) {
 }
 
 TEST(SampleDetokenizer, DecodesByteLevelVocabAndAddedTokens) {
-  auto d = Detokenizer::Parse(MakeTokenizerJson(512));
+  auto d = Detokenizer::Parse(testmodel::MakeTokenizerJson(512));
   ASSERT_TRUE(d.ok()) << d.status().message();
   EXPECT_EQ((*d)->size(), 512);
   for (int b = 0; b < 256; ++b) EXPECT_EQ((*d)->Bytes(b), std::string(1, static_cast<char>(b))) << b;

@@ -14,9 +14,9 @@
 #include <memory>
 #include <thread>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/detokenizer.h"
 #include "engine/sample_api.h"
@@ -36,11 +36,11 @@ struct World {
     std::string templ = (fs::temp_directory_path() / "loom-sample-test-XXXXXX").string();
     root = ::mkdtemp(templ.data());
     model_dir = root + "/model";
-    MakeModelOptions o;
+    testmodel::MakeModelOptions o;
     o.arch = "qwen3";
     o.preset = "tiny";
     o.seed = 5;
-    EXPECT_TRUE(MakeModel(o, model_dir).ok());
+    EXPECT_TRUE(testmodel::MakeModel(o, model_dir).ok());
     auto t = Transformer::Load(model_dir, at::kCPU, at::kFloat);
     EXPECT_TRUE(t.ok()) << t.status().message();
     model = std::shared_ptr<const Transformer>(std::move(t.value()));

@@ -14,8 +14,8 @@
 #include <map>
 
 #include "engine/model/attention.h"
-#include "engine/model/make_model.h"
-#include "engine/model/safetensors.h"
+#include "testmodel/make_model.h"
+#include "engine/io/safetensors.h"
 
 namespace loom::engine {
 namespace {
@@ -362,11 +362,11 @@ TEST(TransformerLoad, LoadsMakeModelDirectoriesAndNamesAMissingTensor) {
   const fs::path root = fs::temp_directory_path() / ("loom_transformer_load_" + std::to_string(::getpid()));
   for (const std::string arch : {"qwen2", "qwen3"}) {
     const fs::path dir = root / arch;
-    MakeModelOptions opts;
+    testmodel::MakeModelOptions opts;
     opts.arch = arch;
     opts.preset = "tiny";
     opts.seed = 3;
-    ASSERT_TRUE(MakeModel(opts, dir.string()).ok());
+    ASSERT_TRUE(testmodel::MakeModel(opts, dir.string()).ok());
     auto model = Transformer::Load(dir.string(), at::kCPU, at::kFloat);
     ASSERT_TRUE(model.ok()) << arch << ": " << model.status().message();
     EXPECT_EQ((*model)->config().model_type, arch);

@@ -1,4 +1,4 @@
-// libFuzzer target: adapter_config.json parsing (engine/lora/peft_config.h,
+// libFuzzer target: adapter_config.json parsing (engine/io/peft_config.h,
 // what LoadPeft reads before it touches a slot). The input is the file's text;
 // the bank's max rank is 32 (serve's default).
 //
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/lora/peft_config.h"
+#include "engine/io/peft_config.h"
 #include "require.h"
 
 using loom::fuzz::Require;

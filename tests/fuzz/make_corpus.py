@@ -181,8 +181,8 @@ def main():
     # Dictionaries: the keys and words each decoder looks for, read from its source.
     words = {
         "json": ["src/wire/json_api.cpp", "src/wire/sample.cpp", "src/wire/json_fields.cpp"],
-        "adapter_config": ["src/engine/lora/peft_config.cpp"],
-        "safetensors": ["src/engine/model/safetensors.cpp"],
+        "adapter_config": ["src/engine/io/peft_config.cpp"],
+        "safetensors": ["src/engine/io/safetensors.cpp"],
     }
     for name, sources in words.items():
         found = set()

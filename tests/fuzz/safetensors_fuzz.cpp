@@ -1,5 +1,5 @@
 // libFuzzer target: the safetensors reader's validation
-// (engine/model/safetensors.h, ParseSafetensors, which SafetensorsFile::Open
+// (engine/io/safetensors.h, ParseSafetensors, which SafetensorsFile::Open
 // runs on its mapping). The input is the whole file image.
 //
 // Beyond "no crash": every view Open hands out must keep the header's
@@ -9,7 +9,7 @@
 #include <map>
 #include <string>
 
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 #include "require.h"
 
 using loom::fuzz::Require;

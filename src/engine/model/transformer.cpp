@@ -6,8 +6,8 @@
 #include <string>
 #include <utility>
 
-#include "engine/model/safetensors.h"
-#include "engine/model/tensor_io.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tensor_io.h"
 #include "engine/model/transformer_impl.h"
 #include "engine/model/unembed.h"
 

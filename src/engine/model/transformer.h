@@ -56,7 +56,7 @@ class Transformer {
   const ModelConfig& config() const { return config_; }
   at::Device device() const { return device_; }
   at::ScalarType dtype() const { return dtype_; }
-  // The frozen weights, for the fused decode path (engine/model/cuda); the
+  // The frozen weights, for the fused decode path (engine/sample/cuda); the
   // type is private, so callers hold it as `const auto&`.
   const Impl& weights() const { return *impl_; }
 

@@ -2,7 +2,7 @@
 
 #include <filesystem>
 
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 
 namespace loom::engine::sample {
 

@@ -26,12 +26,12 @@ PackedBatch Routing(std::vector<int64_t> seq_begin, std::vector<int> seq_slot) {
 }  // namespace
 
 ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* bank, int64_t num_blocks,
-                         int64_t block_size)
+                         int64_t block_size, const DecodeOptions& decode)
     : model_(std::move(model)), bank_(bank), block_size_(block_size) {
   const ModelConfig& c = model_->config();
   cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, c.num_key_value_heads, HeadDim(c),
                              model_->device(), model_->dtype());
-  fast_ = MakeFastDecode(model_, bank_, &cache_, block_size_, num_blocks * block_size_);
+  fast_ = MakeFastDecode(model_, bank_, &cache_, block_size_, num_blocks * block_size_, decode);
 }
 
 int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {

@@ -16,15 +16,17 @@
 
 #include "engine/lora/slot_bank.h"
 #include "engine/model/cached_batch.h"
-#include "engine/model/fast_decode.h"
 #include "engine/model/transformer.h"
+#include "engine/sample/fast_decode.h"
 #include "engine/sample/sequence.h"
 
 namespace loom::engine::sample {
 
 class ModelRunner {
  public:
-  ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* bank, int64_t num_blocks, int64_t block_size);
+  // decode: the fast path's switches (DecodeOptions::cuda_graphs off: none).
+  ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* bank, int64_t num_blocks, int64_t block_size,
+              const DecodeOptions& decode);
 
   // Bytes of K and V for one token across all layers, in the model dtype.
   static int64_t KvBytesPerToken(const Transformer& model);

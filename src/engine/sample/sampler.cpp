@@ -62,7 +62,7 @@ class SamplerImpl final : public Sampler {
     limits.max_batch_rows = options.max_batch_rows;
     limits.max_prefill_tokens = options.max_prefill_tokens;
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
-                                             limits, detok_.get(), info_.eos_token_ids);
+                                             limits, options.decode, detok_.get(), info_.eos_token_ids);
     stats_ = scheduler_->stats();
     thread_ = std::thread([this] { Loop(); });
   }

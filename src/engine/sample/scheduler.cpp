@@ -9,11 +9,12 @@
 namespace loom::engine::sample {
 
 Scheduler::Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<SlotBank> bank, int64_t num_blocks,
-                     int64_t block_size, SchedulerLimits limits, const Detokenizer* detok, std::vector<int32_t> eos)
+                     int64_t block_size, SchedulerLimits limits, const DecodeOptions& decode, const Detokenizer* detok,
+                     std::vector<int32_t> eos)
     : bank_(std::move(bank)),
       adapters_(bank_.get()),
       blocks_(num_blocks, block_size),
-      runner_(std::move(model), bank_.get(), num_blocks, block_size),
+      runner_(std::move(model), bank_.get(), num_blocks, block_size, decode),
       limits_(limits),
       detok_(detok),
       eos_(std::move(eos)) {}

@@ -30,7 +30,8 @@ struct SchedulerLimits {
 class Scheduler {
  public:
   Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<SlotBank> bank, int64_t num_blocks,
-            int64_t block_size, SchedulerLimits limits, const Detokenizer* detok, std::vector<int32_t> eos);
+            int64_t block_size, SchedulerLimits limits, const DecodeOptions& decode, const Detokenizer* detok,
+            std::vector<int32_t> eos);
 
   void Add(std::unique_ptr<SampleRequest> r) { waiting_.push_back(std::move(r)); }
   bool idle() const { return waiting_.empty() && admitted_.empty(); }

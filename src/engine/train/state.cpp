@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "engine/model/safetensors.h"
-#include "engine/model/tensor_io.h"
-#include "engine/train/atomic_dir.h"
+#include "common/durable.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tensor_io.h"
 
 namespace loom::engine::train {
 namespace {
@@ -58,7 +58,7 @@ Status SaveSlotState(const SlotBank& bank, const SlotOptimizer& optimizer, int s
   json meta{{"format", kFormat}, {"version", kVersion}, {"lora", ConfigJson(st.config)},
             {"step", st.step},   {"has_optimizer", true}, {"targets", targets}};
   writer.SetMetadata("format", kFormat);
-  return PublishDirectory(dir, [&](const std::string& tmp) -> Status {
+  return durable::PublishDirectory(dir, [&](const std::string& tmp) -> Status {
     if (Status w = writer.Write(tmp + "/" + kStateTensors); !w.ok()) return w;
     std::ofstream out(tmp + "/" + kStateJson);
     out << meta.dump(2) << "\n";

@@ -3,7 +3,7 @@
 // rank r (not the bank's R), a state loads into any bank whose max_rank ≥ r
 // and whose slot count differs.
 //
-// Layout of a state directory (published atomically, see atomic_dir.h):
+// Layout of a state directory (published atomically, durable::PublishDirectory):
 //   state.json                 {"format": "loom-training-state", "version": 1,
 //                               "lora": {rank, alpha, seed, train_attn, train_mlp, train_unembed},
 //                               "step": K, "has_optimizer": true, "targets": [module, ...]}

@@ -1,4 +1,4 @@
-#include "engine/lora/peft.h"
+#include "engine/io/peft.h"
 
 #include <c10/core/GradMode.h>
 
@@ -11,9 +11,10 @@
 #include <set>
 #include <sstream>
 
-#include "engine/lora/peft_config.h"
-#include "engine/model/safetensors.h"
-#include "engine/model/tensor_io.h"
+#include "common/durable.h"
+#include "engine/io/peft_config.h"
+#include "engine/io/safetensors.h"
+#include "engine/io/tensor_io.h"
 
 namespace loom::engine {
 namespace {
@@ -97,7 +98,7 @@ Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const st
 
   const std::filesystem::path root(dir);
   if (Status s = writer.WriteAtomic((root / kWeightsFile).string()); !s.ok()) return s;
-  return WriteFileAtomic((root / kConfigFile).string(), config.dump(2) + "\n");
+  return durable::ReplaceFile((root / kConfigFile).string(), config.dump(2) + "\n");
 }
 
 Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {

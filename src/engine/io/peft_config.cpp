@@ -1,4 +1,4 @@
-#include "engine/lora/peft_config.h"
+#include "engine/io/peft_config.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,5 +1,5 @@
 // make_model: deterministic random Qwen-family models in Hugging Face layout.
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 
 #include <cmath>
 #include <cstring>
@@ -8,14 +8,19 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "common/durable.h"
 #include "common/hash.h"
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 
 // The generator's floating-point must be the same on every machine: forbid
 // fusing a*b+c into FMA (it would change last bits where FMA is available).
 #pragma GCC optimize("fp-contract=off")
 
-namespace loom::engine {
+namespace loom::testmodel {
+
+using engine::ModelConfig;
+using engine::SafetensorsWriter;
+
 namespace {
 
 // ------------------------------------------------------------ random numbers
@@ -345,20 +350,20 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
   if (shards.size() > 1) {
     fs::remove(single, ec);
     nlohmann::json idx = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    if (Status s = WriteFileAtomic(index.string(), idx.dump(2) + "\n"); !s.ok()) return s;
+    if (Status s = durable::ReplaceFile(index.string(), idx.dump(2) + "\n"); !s.ok()) return s;
   } else {
     fs::remove(index, ec);
   }
 
-  if (Status s = WriteFileAtomic((fs::path(out_dir) / "config.json").string(), c.ToJson()); !s.ok()) return s;
+  if (Status s = durable::ReplaceFile((fs::path(out_dir) / "config.json").string(), c.ToJson()); !s.ok()) return s;
   nlohmann::ordered_json gen;
   gen["bos_token_id"] = c.bos_token_id;
   gen["eos_token_id"] = c.eos_token_id;
   gen["do_sample"] = false;
-  if (Status s = WriteFileAtomic((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n"); !s.ok()) {
+  if (Status s = durable::ReplaceFile((fs::path(out_dir) / "generation_config.json").string(), gen.dump(2) + "\n"); !s.ok()) {
     return s;
   }
-  if (Status s = WriteFileAtomic((fs::path(out_dir) / "tokenizer.json").string(), MakeTokenizerJson(c.vocab_size));
+  if (Status s = durable::ReplaceFile((fs::path(out_dir) / "tokenizer.json").string(), MakeTokenizerJson(c.vocab_size));
       !s.ok()) {
     return s;
   }
@@ -368,7 +373,7 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
   tok_cfg["eos_token"] = "<|endoftext|>";
   tok_cfg["pad_token"] = "<|endoftext|>";
   tok_cfg["model_max_length"] = c.max_position_embeddings;
-  return WriteFileAtomic((fs::path(out_dir) / "tokenizer_config.json").string(), tok_cfg.dump(2) + "\n");
+  return durable::ReplaceFile((fs::path(out_dir) / "tokenizer_config.json").string(), tok_cfg.dump(2) + "\n");
 }
 
-}  // namespace loom::engine
+}  // namespace loom::testmodel

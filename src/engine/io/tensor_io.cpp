@@ -1,5 +1,5 @@
 // tensor_io: safetensors views → at::Tensor (copying) and at::Tensor → writer.
-#include "engine/model/tensor_io.h"
+#include "engine/io/tensor_io.h"
 
 #include <c10/core/GradMode.h>
 

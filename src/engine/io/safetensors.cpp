@@ -1,5 +1,5 @@
 // safetensors reader (mmap + validation) and writer (streamed, fsync'd).
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -20,6 +20,8 @@
 #include <thread>
 #include <utility>
 
+#include "common/durable.h"
+
 namespace loom::engine {
 namespace {
 
@@ -39,26 +41,6 @@ struct Fd {
     if (fd >= 0) ::close(fd);
   }
 };
-
-Status WriteAll(int fd, const void* data, size_t n, const std::string& path) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return Status::Internal("write " + path + ": " + ErrnoText());
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return Status::Ok();
-}
-
-std::string ParentDir(const std::string& path) {
-  std::filesystem::path p(path);
-  auto parent = p.parent_path();
-  return parent.empty() ? std::string(".") : parent.string();
-}
 
 // numel * elem_size with overflow detection; false on overflow or negative dims.
 // TensorView::numel() multiplies the dims in order in int64_t, so every partial
@@ -356,16 +338,13 @@ std::string SafetensorsWriter::HeaderJson() const {
   return text;
 }
 
-Status SafetensorsWriter::Write(const std::string& path) const {
-  Fd fd;
-  fd.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd.fd < 0) return Status::Internal("create " + path + ": " + ErrnoText());
+Status SafetensorsWriter::WriteTo(int fd, const std::string& path) const {
   const std::string header = HeaderJson();
   uint8_t len[8];
   uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  if (Status s = WriteAll(fd.fd, len, 8, path); !s.ok()) return s;
-  if (Status s = WriteAll(fd.fd, header.data(), header.size(), path); !s.ok()) return s;
+  if (Status s = durable::WriteAll(fd, len, 8, path); !s.ok()) return s;
+  if (Status s = durable::WriteAll(fd, header.data(), header.size(), path); !s.ok()) return s;
   // Produced tensors are generated ahead on worker threads (a window of up
   // to one per core and kAheadBytes in flight) and written in order.
   const size_t workers = std::max(1u, std::thread::hardware_concurrency());
@@ -390,7 +369,7 @@ Status SafetensorsWriter::Write(const std::string& path) const {
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     if (!e.producer) {
-      if (Status s = WriteAll(fd.fd, e.bytes.data(), e.bytes.size(), path); !s.ok()) return s;
+      if (Status s = durable::WriteAll(fd, e.bytes.data(), e.bytes.size(), path); !s.ok()) return s;
       continue;
     }
     start_more(i);
@@ -398,52 +377,20 @@ Status SafetensorsWriter::Write(const std::string& path) const {
     ahead.pop_front();
     in_flight -= e.nbytes;
     start_more(i + 1);
-    if (Status s = WriteAll(fd.fd, bytes.data(), bytes.size(), path); !s.ok()) {
+    if (Status s = durable::WriteAll(fd, bytes.data(), bytes.size(), path); !s.ok()) {
       for (auto& f : ahead) f.wait();
       return s;
     }
   }
-  if (::fsync(fd.fd) != 0) return Status::Internal("fsync " + path + ": " + ErrnoText());
   return Status::Ok();
+}
+
+Status SafetensorsWriter::Write(const std::string& path) const {
+  return durable::WriteSynced(path, [this](int fd, const std::string& p) { return WriteTo(fd, p); });
 }
 
 Status SafetensorsWriter::WriteAtomic(const std::string& path) const {
-  const std::string tmp = path + ".tmp";
-  if (Status s = Write(tmp); !s.ok()) {
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    Status s = Status::Internal("rename " + tmp + " -> " + path + ": " + ErrnoText());
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  return SyncDirectory(ParentDir(path));
-}
-
-Status SyncDirectory(const std::string& dir) {
-  Fd fd;
-  fd.fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd.fd < 0) return Status::Internal("open directory " + dir + ": " + ErrnoText());
-  if (::fsync(fd.fd) != 0) return Status::Internal("fsync directory " + dir + ": " + ErrnoText());
-  return Status::Ok();
-}
-
-Status WriteFileAtomic(const std::string& path, const std::string& contents) {
-  const std::string tmp = path + ".tmp";
-  {
-    Fd fd;
-    fd.fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd.fd < 0) return Status::Internal("create " + tmp + ": " + ErrnoText());
-    if (Status s = WriteAll(fd.fd, contents.data(), contents.size(), tmp); !s.ok()) return s;
-    if (::fsync(fd.fd) != 0) return Status::Internal("fsync " + tmp + ": " + ErrnoText());
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    Status s = Status::Internal("rename " + tmp + " -> " + path + ": " + ErrnoText());
-    ::unlink(tmp.c_str());
-    return s;
-  }
-  return SyncDirectory(ParentDir(path));
+  return durable::ReplaceFile(path, [this](int fd, const std::string& p) { return WriteTo(fd, p); });
 }
 
 }  // namespace loom::engine

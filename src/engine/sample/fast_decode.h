@@ -1,5 +1,5 @@
 // FastDecode: the sampler's decode step as one replayed CUDA graph of fused
-// kernels (engine/model/cuda), instead of ~70 eager libtorch ops per layer.
+// kernels (engine/sample/cuda, one family per file), instead of ~70 eager libtorch ops per layer.
 // It computes what Transformer::ForwardCached + Logits compute for a decode
 // batch (same op order, rounding to the model dtype where the eager path
 // rounds); only where the eager path runs a matmul in fp32 on fp32 LoRA
@@ -23,12 +23,15 @@
 // padding rows write to a scratch KV row that no sequence owns.
 //
 // Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
-// fp32 models with head_dim 32/64/128/256; LOOM_CUDA_GRAPHS=0 turns it off,
-// LOOM_DECODE_GEMV=0 keeps cuBLAS for every projection,
-// LOOM_DECODE_SHRINK_PRIORITY=0 runs the LoRA branch at the lowest priority,
-// LOOM_DECODE_SPLIT=0 keeps each shrink's input on one block per tile, and
-// LOOM_DECODE_PROFILE=1 logs each stage's GPU time (stages serialized).
-// Elsewhere MakeFastDecode returns nullptr and the sampler stays eager.
+// fp32 models with head_dim 32/64/128/256, unless DecodeOptions turns it
+// off (cuda_graphs); its other switches (gemv, split_shrink) are fixed at
+// construction. Elsewhere MakeFastDecode returns nullptr and the sampler
+// stays eager.
+//
+// Profiling: DecodeOptions::profile hands the step a DecodeProfiler
+// (engine/sample/cuda/decode_profiler.h) that times each stage. Without it
+// (production) the profiler is null and costs a pointer test per stage
+// while a graph is captured and one per step.
 //
 // Threading: the sampler's decode thread only.
 #pragma once
@@ -41,6 +44,7 @@
 #include "engine/lora/slot_bank.h"
 #include "engine/model/cached_batch.h"
 #include "engine/model/transformer.h"
+#include "engine/sample_api.h"
 
 namespace loom::engine {
 
@@ -66,6 +70,7 @@ class FastDecode {
 
 // scratch_row: a KV row (in every layer's pools) that no sequence uses.
 std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank,
-                                           KvCache* cache, int64_t block_size, int64_t scratch_row);
+                                           KvCache* cache, int64_t block_size, int64_t scratch_row,
+                                           const DecodeOptions& options);
 
 }  // namespace loom::engine

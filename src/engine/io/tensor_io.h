@@ -7,7 +7,7 @@
 #include <string>
 
 #include "common/status.h"
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 
 namespace loom::engine {
 

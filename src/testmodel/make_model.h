@@ -14,7 +14,7 @@
 #include "common/status.h"
 #include "engine/model/config.h"
 
-namespace loom::engine {
+namespace loom::testmodel {
 
 struct MakeModelOptions {
   std::string arch = "qwen3";     // qwen2 | qwen3
@@ -26,7 +26,7 @@ struct MakeModelOptions {
 
 // The config a preset stands for (torch_dtype set from dtype, "" = default).
 // Invalid names the flag: "arch", "preset" or "dtype".
-Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype = "");
+Result<engine::ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype = "");
 
 // The names, shapes and order of the base weights written for config
 // (HF names: model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight, ...;
@@ -35,7 +35,7 @@ struct WeightSpec {
   std::string name;
   std::vector<int64_t> shape;
 };
-std::vector<WeightSpec> BaseWeightSpecs(const ModelConfig& config);
+std::vector<WeightSpec> BaseWeightSpecs(const engine::ModelConfig& config);
 
 // Writes the model into out_dir (created if missing; existing files of the
 // same names are replaced). One shard → model.safetensors; more →
@@ -48,4 +48,4 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir);
 // the end-of-text token "<|endoftext|>" (vocab_size - 1 = eos_token_id).
 std::string MakeTokenizerJson(int64_t vocab_size);
 
-}  // namespace loom::engine
+}  // namespace loom::testmodel

@@ -120,9 +120,11 @@ class SafetensorsWriter {
   size_t num_tensors() const { return entries_.size(); }
   uint64_t payload_bytes() const { return payload_bytes_; }  // sum of tensor sizes
 
-  // Writes the file at path (truncating) and fsyncs it. Not atomic.
+  // Writes the file at path (truncating) and fsyncs it. Not atomic
+  // (durable::WriteSynced).
   Status Write(const std::string& path) const;
-  // Writes path + ".tmp", fsyncs it, renames it onto path, fsyncs the directory.
+  // Replaces path as a whole (durable::ReplaceFile: a temp sibling,
+  // fsynced, renamed, the directory fsynced).
   Status WriteAtomic(const std::string& path) const;
 
  private:
@@ -136,16 +138,11 @@ class SafetensorsWriter {
   };
   Status Check(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape) const;
   std::string HeaderJson() const;
+  Status WriteTo(int fd, const std::string& path) const;  // the whole file into fd
 
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
   uint64_t payload_bytes_ = 0;
 };
-
-// Small filesystem helpers shared by writers of model files and checkpoints.
-// Writes text to path + ".tmp", fsyncs, renames onto path, fsyncs the directory.
-Status WriteFileAtomic(const std::string& path, const std::string& contents);
-// fsyncs a directory (so a rename inside it is durable).
-Status SyncDirectory(const std::string& dir);
 
 }  // namespace loom::engine

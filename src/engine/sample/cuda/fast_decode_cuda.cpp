@@ -1,5 +1,6 @@
 // MakeFastDecode for CUDA builds: the graph-captured decode step described
-// in engine/model/fast_decode.h, over the kernels of kernels.cu.
+// in engine/sample/fast_decode.h, over the kernels of this folder (one
+// family per .cu).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/GradMode.h>
@@ -8,22 +9,25 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
-#include <string>
 #include <tuple>
 
 #include "common/log.h"
-#include "engine/model/cuda/kernels.h"
-#include "engine/model/fast_decode.h"
 #include "engine/model/transformer_impl.h"
+#include "engine/sample/cuda/attention.h"
+#include "engine/sample/cuda/decode_profiler.h"
+#include "engine/sample/cuda/gemv.h"
+#include "engine/sample/cuda/lora.h"
+#include "engine/sample/cuda/rmsnorm.h"
+#include "engine/sample/cuda/rope.h"
+#include "engine/sample/cuda/silu.h"
+#include "engine/sample/fast_decode.h"
 
 namespace loom::engine {
 namespace {
 
 constexpr int64_t kMaxRows = 512;   // larger steps run eager
 constexpr int64_t kMinTable = 16;   // smallest block-table width bucket
-constexpr int64_t kProfileReplays = 64;
 
 int64_t Pow2AtLeast(int64_t n, int64_t lo) {
   int64_t p = lo;
@@ -80,8 +84,9 @@ struct LoraGroup {
 
 class CudaFastDecode final : public FastDecode {
  public:
+  // profiler: null in production; given, every stage is timed (serialized).
   CudaFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank, KvCache* cache, int64_t block_size,
-                 int64_t scratch_row)
+                 int64_t scratch_row, const DecodeOptions& options, std::unique_ptr<DecodeProfiler> profiler)
       : model_(std::move(model)),
         bank_(bank),
         cache_(cache),
@@ -89,33 +94,25 @@ class CudaFastDecode final : public FastDecode {
         scratch_row_(scratch_row),
         bf16_(model_->dtype() == at::kBFloat16),
         stale_(bank ? static_cast<size_t>(bank->num_slots()) : 0, true),
-        pool_(at::cuda::graph_pool_handle()) {
-    const char* env = std::getenv("LOOM_DECODE_PROFILE");
-    profile_ = env && std::string(env) == "1";
-    const char* gemv = std::getenv("LOOM_DECODE_GEMV");
-    gemv_ = !(gemv && std::string(gemv) == "0");
-    const char* split = std::getenv("LOOM_DECODE_SPLIT");
-    split_ = !(split && std::string(split) == "0");
+        pool_(at::cuda::graph_pool_handle()),
+        gemv_(options.gemv),
+        split_(options.split_shrink),
+        profiler_(std::move(profiler)) {
     // The LoRA branch at the highest priority, so that its few blocks are
-    // scheduled ahead of the concurrent projection's waiting ones.
-    // LOOM_DECODE_SHRINK_PRIORITY=0: the lowest. On the H200 the two
-    // measured the same (docs/benchmarks.md, 2026-11-29 session 5).
-    const char* prio = std::getenv("LOOM_DECODE_SHRINK_PRIORITY");
+    // scheduled ahead of the concurrent projection's waiting ones. (The
+    // lowest measured the same on the H200, docs/benchmarks.md 2026-11-29
+    // session 5: no switch.)
     int least = 0, greatest = 0;
     cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking,
-                                 prio && std::string(prio) == "0" ? least : greatest);
+    cudaStreamCreateWithPriority(&branch_, cudaStreamNonBlocking, greatest);
     cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming);
     cudaEventCreateWithFlags(&join_, cudaEventDisableTiming);
     BuildMirror();
   }
 
   ~CudaFastDecode() override {
-    for (auto& [key, g] : graphs_) {
-      if (profile_ && g->replays > 0) LogProfile(*g);
-      for (auto& [label, e] : g->marks) cudaEventDestroy(e);
-    }
     graphs_.clear();
+    profiler_.reset();  // logs the replays since its last lines
     cudaEventDestroy(fork_);
     cudaEventDestroy(join_);
     cudaStreamDestroy(branch_);
@@ -152,7 +149,7 @@ class CudaFastDecode final : public FastDecode {
     g.dev_long.copy_(g.host_long, /*non_blocking=*/true);
     g.dev_int.copy_(g.host_int, /*non_blocking=*/true);
     g.graph->replay();
-    if (profile_) Measure(g);
+    if (profiler_) profiler_->Replayed(g.profile, at::cuda::getCurrentCUDAStream().stream());
     return g.logits.narrow(0, 0, S);
   }
 
@@ -168,11 +165,7 @@ class CudaFastDecode final : public FastDecode {
     // The LoRA shrinks' split tickets (cuda::ShrinkScratch), zeroed here
     // once: every launch leaves them 0.
     at::Tensor tickets;
-    // LOOM_DECODE_PROFILE: event nodes between the graph's stages, and the
-    // GPU time each stage label has taken over `replays` replays.
-    std::vector<std::pair<const char*, cudaEvent_t>> marks;
-    std::map<std::string, double> stage_ms;
-    int64_t replays = 0;
+    int profile = -1;  // its id in profiler_ (when there is one)
   };
 
   void BuildMirror() {
@@ -226,6 +219,7 @@ class CudaFastDecode final : public FastDecode {
       c10::cuda::CUDAStreamGuard guard(side);
       Run(*g);
       side.synchronize();
+      if (profiler_) g->profile = profiler_->AddGraph(rows, table, lora);
       g->graph = std::make_unique<at::cuda::CUDAGraph>();
       g->graph->capture_begin(pool_, cudaStreamCaptureModeThreadLocal);
       capturing_ = g.get();
@@ -243,35 +237,7 @@ class CudaFastDecode final : public FastDecode {
   // Profiling only: an event node at this point of the graph being captured;
   // the stage since the previous mark is charged to `label`.
   void Mark(const char* label, cudaStream_t st) const {
-    if (!profile_ || !capturing_) return;
-    cudaEvent_t e;
-    cudaEventCreate(&e);
-    cudaEventRecordWithFlags(e, st, cudaEventRecordExternal);
-    capturing_->marks.emplace_back(label, e);
-  }
-
-  void Measure(Graph& g) const {
-    at::cuda::getCurrentCUDAStream().synchronize();
-    for (size_t i = 1; i < g.marks.size(); ++i) {
-      float ms = 0;
-      if (cudaEventElapsedTime(&ms, g.marks[i - 1].second, g.marks[i].second) == cudaSuccess)
-        g.stage_ms[g.marks[i].first] += ms;
-    }
-    if (++g.replays == kProfileReplays) {  // one line per kProfileReplays steps
-      LogProfile(g);
-      g.stage_ms.clear();
-      g.replays = 0;
-    }
-  }
-
-  static void LogProfile(const Graph& g) {
-    double total = 0;
-    for (const auto& [label, ms] : g.stage_ms) total += ms;
-    std::string line;
-    for (const auto& [label, ms] : g.stage_ms)
-      line += fmt::format(" {}={:.1f}", label, ms * 1e3 / static_cast<double>(g.replays));
-    log::Info("fast decode profile rows={} table={} lora={} replays={} us/step: total={:.1f}{}", g.rows, g.table,
-              g.lora, g.replays, total * 1e3 / static_cast<double>(g.replays), line);
+    if (profiler_ && capturing_) profiler_->Mark(capturing_->profile, label, st);
   }
 
   // Host inputs of the step; rows beyond it are padding that writes to the
@@ -306,8 +272,9 @@ class CudaFastDecode final : public FastDecode {
   // runs on the main stream.
   void ForkLora(const LoraGroup& g, const at::Tensor& x, const int32_t* slot, const at::Tensor& t,
                 const at::Tensor& delta, const cuda::ShrinkScratch* split, cudaStream_t st) const {
-    const cudaStream_t on = profile_ ? st : branch_;
-    if (!profile_) {
+    const bool serial = profiler_ != nullptr;
+    const cudaStream_t on = serial ? st : branch_;
+    if (!serial) {
       cudaEventRecord(fork_, st);
       cudaStreamWaitEvent(branch_, fork_, 0);
     }
@@ -319,10 +286,10 @@ class CudaFastDecode final : public FastDecode {
                        x.size(0), on);
       Mark("expand", on);
     }
-    if (!profile_) cudaEventRecord(join_, branch_);
+    if (!serial) cudaEventRecord(join_, branch_);
   }
   void Join(cudaStream_t st) const {
-    if (!profile_) cudaStreamWaitEvent(st, join_, 0);
+    if (!profiler_) cudaStreamWaitEvent(st, join_, 0);
   }
 
   // x @ w^T + b: the matrix-vector kernel for a few rows, else cuBLAS.
@@ -457,9 +424,9 @@ class CudaFastDecode final : public FastDecode {
   std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down
   LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
-  bool profile_ = false;
-  bool gemv_ = true;  // LOOM_DECODE_GEMV=0: cuBLAS for every projection
-  bool split_ = true;  // LOOM_DECODE_SPLIT=0: a LoRA shrink's d_in on one block per output tile
+  bool gemv_;   // DecodeOptions::gemv off: cuBLAS for every projection
+  bool split_;  // DecodeOptions::split_shrink off: a LoRA shrink's d_in on one block per output tile
+  std::unique_ptr<DecodeProfiler> profiler_;  // null in production
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
   // The LoRA shrinks run on branch_, forked from and joined back to the
   // step's stream (parallel branches of the captured graph).
@@ -474,17 +441,19 @@ bool Supported(const Transformer& model) {
   const auto& m = model.weights();
   if (m.head_dim != 32 && m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) return false;
   if (m.kv_heads <= 0 || m.heads % m.kv_heads != 0) return false;
-  if (m.embed.size(1) > cuda::kMaxNormWidth) return false;
-  const char* env = std::getenv("LOOM_CUDA_GRAPHS");
-  return !(env && std::string(env) == "0");
+  return m.embed.size(1) <= cuda::kMaxNormWidth;
 }
 
 }  // namespace
 
 std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank,
-                                           KvCache* cache, int64_t block_size, int64_t scratch_row) {
-  if (!model || !cache || !Supported(*model)) return nullptr;
-  return std::make_unique<CudaFastDecode>(std::move(model), bank, cache, block_size, scratch_row);
+                                           KvCache* cache, int64_t block_size, int64_t scratch_row,
+                                           const DecodeOptions& options) {
+  if (!options.cuda_graphs || !model || !cache || !Supported(*model)) return nullptr;
+  std::unique_ptr<DecodeProfiler> profiler;
+  if (options.profile) profiler = std::make_unique<DecodeProfiler>();
+  return std::make_unique<CudaFastDecode>(std::move(model), bank, cache, block_size, scratch_row, options,
+                                          std::move(profiler));
 }
 
 }  // namespace loom::engine

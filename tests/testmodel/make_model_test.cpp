@@ -1,6 +1,6 @@
 // make-model: deterministic bytes, HF-initialisation statistics, sharding,
 // presets with the real shapes, and the byte-level tokenizer.
-#include "engine/model/make_model.h"
+#include "testmodel/make_model.h"
 #include "../common/temp_dir.h"
 
 #include <gtest/gtest.h>
@@ -14,15 +14,18 @@
 #include <set>
 #include <sstream>
 
-#include "engine/model/safetensors.h"
+#include "engine/io/safetensors.h"
 
-namespace loom::engine {
+namespace loom::testmodel {
 namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 using TempDir = loom::test::TempDir;
+using engine::ModelConfig;
+using engine::ModelWeights;
+using engine::TensorView;
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -273,4 +276,4 @@ TEST(MakeModel, TokenizerIsByteLevelBpeCoveringEveryId) {
 }
 
 }  // namespace
-}  // namespace loom::engine
+}  // namespace loom::testmodel

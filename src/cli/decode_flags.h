@@ -1,0 +1,25 @@
+// The sampler's decode switches (engine::DecodeOptions) as flags, shared by
+// `loom serve` and `loom bench sample`. Each on/off flag takes exactly "on"
+// or "off"; anything else fails the command line at start-up with the
+// flag's name and its allowed values (CLI11's check, exit non-zero).
+#pragma once
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "engine/sample_api.h"
+
+namespace loom::cli {
+
+class DecodeFlags {
+ public:
+  // Adds --cuda-graphs, --decode-gemv, --decode-split and --decode-profile to app.
+  explicit DecodeFlags(CLI::App& app);
+  // The options the parsed flags stand for (call after app.parse).
+  engine::DecodeOptions options() const;
+
+ private:
+  std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on";
+  bool profile_ = false;
+};
+
+}  // namespace loom::cli

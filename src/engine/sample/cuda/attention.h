@@ -1,0 +1,21 @@
+// DecodeAttention: one query token per row over its paged KV cache.
+//
+// Conventions of every decode kernel (the model dtype T, where results
+// round, streams and buffer ownership): engine/sample/cuda/device.cuh.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace loom::engine::cuda {
+
+// One query token per row over its cached context: row s attends to
+// positions [0, ctx_len[s]) whose K/V rows are
+// block_table[s][p / block_size] * block_size + p % block_size.
+// q [rows, H, hd]; pools [pool_rows, KVH, hd]; out [rows, H * hd].
+// Softmax in fp32 with scale 1/sqrt(hd); grouped-query heads share K/V.
+void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v_pool, const int32_t* block_table,
+                     int64_t table_stride, const int32_t* ctx_len, int64_t block_size, void* out, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream);
+
+}  // namespace loom::engine::cuda

@@ -1,0 +1,71 @@
+// QkNormRopeWrite (rope.h).
+#include "engine/sample/cuda/rope.h"
+
+#include "engine/sample/cuda/device.cuh"
+
+namespace loom::engine::cuda {
+
+using namespace dev;
+
+namespace {
+
+// Grid (rows, H + 2 KVH heads), hd threads; qkv's delta is added first.
+template <typename T>
+__global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, const T* k_norm, const int64_t* positions,
+                                 const float* inv_freq, const int64_t* write_rows, T* q_out, T* k_pool, T* v_pool,
+                                 int heads, int kv_heads, int hd, float eps) {
+  extern __shared__ float head[];  // hd
+  const int64_t s = blockIdx.x;
+  const int h = blockIdx.y, i = threadIdx.x;
+  const int64_t width = static_cast<int64_t>(heads + 2 * kv_heads) * hd;
+  const bool is_q = h < heads, is_k = !is_q && h < heads + kv_heads;
+  const int64_t at = s * width + static_cast<int64_t>(h) * hd + i;
+  float v = ToF(qkv[at]);
+  if (delta) v = AddDelta<T>(v, ToF(delta[at]));
+  if (!is_q && !is_k) {  // a value head: straight into the cache
+    v_pool[(write_rows[s] * kv_heads + (h - heads - kv_heads)) * hd + i] = FromF<T>(v);
+    return;
+  }
+  const T* norm_w = is_q ? q_norm : k_norm;
+  if (norm_w) {
+    const float inv = rsqrtf(BlockSum(v * v) / static_cast<float>(hd) + eps);
+    v = Round<T>(ToF(norm_w[i]) * Round<T>(v * inv));
+  }
+  head[i] = v;
+  __syncthreads();
+  const int half = hd / 2;
+  const float rot = i < half ? -head[i + half] : head[i - half];
+  const float angle = static_cast<float>(positions[s]) * inv_freq[i % half];
+  const float cs = Round<T>(cosf(angle)), sn = Round<T>(sinf(angle));
+  const T out = FromF<T>(Round<T>(v * cs) + Round<T>(rot * sn));
+  if (is_q) {
+    q_out[(s * heads + h) * hd + i] = out;
+  } else {
+    k_pool[(write_rows[s] * kv_heads + (h - heads)) * hd + i] = out;
+  }
+}
+
+template <typename T>
+void LaunchQkNormRope(const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
+                      const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
+                      void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      float eps, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
+  QkNormRopeKernel<T><<<grid, static_cast<unsigned>(head_dim), static_cast<size_t>(head_dim) * sizeof(float), stream>>>(
+      static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
+      static_cast<const T*>(k_norm), positions, inv_freq, write_rows, static_cast<T*>(q_out), static_cast<T*>(k_pool),
+      static_cast<T*>(v_pool), static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_dim), eps);
+}
+
+}  // namespace
+
+void QkNormRopeWrite(bool bf16, const void* qkv, const void* qkv_delta, const void* q_norm, const void* k_norm,
+                     const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
+                     void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     float eps, cudaStream_t stream) {
+  if (rows <= 0) return;
+  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_delta, q_norm, k_norm, positions, inv_freq, write_rows, q_out, k_pool,
+                v_pool, rows, heads, kv_heads, head_dim, eps, stream);
+}
+
+}  // namespace loom::engine::cuda

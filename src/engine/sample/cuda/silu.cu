@@ -1,0 +1,46 @@
+// SiluMul (silu.h).
+#include "engine/sample/cuda/silu.h"
+
+#include "engine/sample/cuda/device.cuh"
+
+namespace loom::engine::cuda {
+
+using namespace dev;
+
+namespace {
+
+constexpr int kSiluThreads = 256;
+
+// Grid (ceil(inter / kSiluThreads), rows): out = T(silu(gate')) * up',
+// gate' and up' with their deltas added (rounded to T) when given.
+template <typename T>
+__global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t inter) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSiluThreads + threadIdx.x, r = blockIdx.y;
+  if (c >= inter) return;
+  const int64_t gi = r * 2 * inter + c, ui = gi + inter;
+  float g = ToF(gate_up[gi]), u = ToF(gate_up[ui]);
+  if (delta) {
+    g = AddDelta<T>(g, ToF(delta[gi]));
+    u = AddDelta<T>(u, ToF(delta[ui]));
+  }
+  const float silu = Round<T>(g / (1.0f + expf(-g)));
+  out[r * inter + c] = FromF<T>(silu * u);
+}
+
+template <typename T>
+void LaunchSiluMul(const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
+                   cudaStream_t stream) {
+  const dim3 grid(Blocks(inter, kSiluThreads), static_cast<unsigned>(rows));
+  SiluMulKernel<T><<<grid, kSiluThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(delta),
+                                                      static_cast<T*>(out), inter);
+}
+
+}  // namespace
+
+void SiluMul(bool bf16, const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
+             cudaStream_t stream) {
+  if (rows <= 0) return;
+  LOOM_DISPATCH(bf16, LaunchSiluMul, gate_up, delta, out, rows, inter, stream);
+}
+
+}  // namespace loom::engine::cuda
