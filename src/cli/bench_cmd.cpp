@@ -1,7 +1,12 @@
 // `loom bench train`: training throughput of one tenant alone against N
 // tenants packed into one engine call (forward_backward + optim_step per
 // step), on the same engine code the service runs. Prints tokens/s for both
-// and their ratio: the payoff of multi-tenant packing.
+// and their ratio (the payoff of multi-tenant packing), the MFU and the
+// device allocator's peak. MFU convention (bench/hf_peft_train.py's): 4 N
+// FLOPs per trained token, N = the base parameters (a tied embedding once):
+// forward 2N plus input gradients 2N, a frozen base has no weight-gradient
+// matmuls; attention and the LoRA factors are left out; against 989 TFLOP/s
+// (dense bf16, H100/H200). Printed on the GPU only.
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
@@ -51,6 +56,7 @@ std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
 struct StepTimes {
   double forward_backward = 0;  // seconds per step
   double optim_step = 0;
+  int64_t peak_bytes = 0;  // the device allocator's peak over the timed steps
   double total() const { return forward_backward + optim_step; }
 };
 
@@ -70,6 +76,7 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
   }
   StepTimes t;
   for (int i = 0; i <= steps; ++i) {
+    if (i == 1) e.ResetPeakMemory();
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& r : e.ForwardBackward(calls))
       if (!r.ok()) return r.status();
@@ -81,6 +88,7 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
     t.forward_backward += std::chrono::duration<double>(t1 - t0).count() / steps;
     t.optim_step += std::chrono::duration<double>(t2 - t1).count() / steps;
   }
+  t.peak_bytes = e.Memory().peak_allocated;
   return t;
 }
 
@@ -159,11 +167,20 @@ int BenchTrain(const TrainBenchOptions& o) {
   }
   const double tps_one = o.tokens_per_tenant / one->total();
   const double tps_packed = static_cast<double>(o.tenants) * o.tokens_per_tenant / packed->total();
-  std::printf("%-20s %14s %14s %12s %12s\n", "per step", "fwd_bwd ms", "optim ms", "total ms", "tokens/s");
-  std::printf("%-20s %14.1f %14.1f %12.1f %12.0f\n", "1 tenant", one->forward_backward * 1e3,
-              one->optim_step * 1e3, one->total() * 1e3, tps_one);
-  std::printf("%-20s %14.1f %14.1f %12.1f %12.0f\n", (std::to_string(o.tenants) + " tenants packed").c_str(),
-              packed->forward_backward * 1e3, packed->optim_step * 1e3, packed->total() * 1e3, tps_packed);
+  const bool gpu = info.device == "cuda";
+  constexpr double kPeakFlops = 989e12;
+  std::printf("%-20s %14s %14s %12s %12s%s\n", "per step", "fwd_bwd ms", "optim ms", "total ms", "tokens/s",
+              gpu ? "      MFU   peak GiB" : "");
+  const auto row = [&](const std::string& name, const StepTimes& t, double tps) {
+    std::printf("%-20s %14.1f %14.1f %12.1f %12.0f", name.c_str(), t.forward_backward * 1e3, t.optim_step * 1e3,
+                t.total() * 1e3, tps);
+    if (gpu)
+      std::printf(" %7.1f%% %10.2f", 100.0 * 4.0 * static_cast<double>(info.base_parameters) * tps / kPeakFlops,
+                  static_cast<double>(t.peak_bytes) / (1 << 30));
+    std::printf("\n");
+  };
+  row("1 tenant", *one, tps_one);
+  row(std::to_string(o.tenants) + " tenants packed", *packed, tps_packed);
   std::printf("packed / alone throughput ratio: %.2fx (%d tokens per tenant per step)\n", tps_packed / tps_one,
               o.tokens_per_tenant);
   return 0;

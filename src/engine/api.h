@@ -61,6 +61,15 @@ struct ModelInfo {
   int64_t hidden_size = 0;
   int max_slots = 0;
   int max_rank = 0;
+  int64_t base_parameters = 0;  // the frozen weights' element count (a tied embedding once)
+};
+
+// The device allocator's bytes (libtorch's caching allocator, not what the
+// driver reports); all 0 on the CPU.
+struct DeviceMemory {
+  int64_t allocated = 0;       // held by live tensors now
+  int64_t peak_allocated = 0;  // the most since the last ResetPeakMemory()
+  int64_t reserved = 0;        // held by the allocator's cache
 };
 
 // What a saved training state says about the adapter it holds.
@@ -116,6 +125,9 @@ class Engine {
 
   // Immutable PEFT snapshot (adapter_config.json + adapter_model.safetensors).
   virtual Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) = 0;
+
+  virtual DeviceMemory Memory() const { return {}; }
+  virtual void ResetPeakMemory() {}
 
   // The frozen base model, for a Sampler to share (so it is held once).
   // Read-only; safe to use from another thread. nullptr for test doubles.

@@ -14,6 +14,10 @@
 #include <c10/core/GradMode.h>
 #include "engine/train/text.h"
 
+#if LOOM_CUDA_KERNELS
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include <cmath>
 #include <exception>
 #include <map>
@@ -115,6 +119,27 @@ class TrainingEngine final : public Engine {
   }
   void ForgetGradMark(int slot) override { marks_.erase(slot); }
 
+  DeviceMemory Memory() const override {
+    DeviceMemory m;
+#if LOOM_CUDA_KERNELS
+    if (model_->device().is_cuda()) {
+      namespace alloc = c10::cuda::CUDACachingAllocator;
+      const auto stats = alloc::getDeviceStats(model_->device().index() < 0 ? 0 : model_->device().index());
+      constexpr size_t all = 0;  // StatType::AGGREGATE (its namespace moved between 1.13 and 2.x)
+      m.allocated = stats.allocated_bytes[all].current;
+      m.peak_allocated = stats.allocated_bytes[all].peak;
+      m.reserved = stats.reserved_bytes[all].current;
+    }
+#endif
+    return m;
+  }
+  void ResetPeakMemory() override {
+#if LOOM_CUDA_KERNELS
+    if (model_->device().is_cuda())
+      c10::cuda::CUDACachingAllocator::resetPeakStats(model_->device().index() < 0 ? 0 : model_->device().index());
+#endif
+  }
+
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
     UseThisThread();
     try {
@@ -214,6 +239,11 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     info.hidden_size = cfg.hidden_size;
     info.max_slots = options.max_slots;
     info.max_rank = options.max_rank;
+    for (const auto& [name, shape] : Transformer::ExpectedWeights(cfg)) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      info.base_parameters += n;
+    }
     return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info), threads));
   } catch (const std::exception& e) {
     return FromException("open", e);

@@ -416,6 +416,13 @@ TEST(Engine, OpenReportsTheModelAndLayout) {
   EXPECT_EQ(i.context_window, 64);
   EXPECT_EQ(i.max_slots, 3);
   EXPECT_EQ(i.max_rank, 16);
+  // The frozen weights' element count (MFU's N) is what the checkpoint holds.
+  auto weights = ModelWeights::Open(ModelDir());
+  ASSERT_TRUE(weights.ok()) << weights.status().message();
+  int64_t stored = 0;
+  for (const auto& [name, view] : weights->tensors()) stored += view.numel();
+  EXPECT_EQ(i.base_parameters, stored);
+  EXPECT_EQ(e->Memory().peak_allocated, 0);  // no device allocator on the CPU
   EngineOptions bad;
   bad.model_dir = ModelDir();
   bad.dtype = "fp8";

@@ -1,7 +1,9 @@
 // The sampler's torch-free parts: block accounting and reservations, the
 // byte-level detokenizer, stop-string matching, the counter-based PRNG.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <set>
 #include <stdexcept>
 
@@ -81,6 +83,26 @@ TEST(SamplePrng, DrawsAreKeyedAndUniform) {
   EXPECT_NEAR(sum / 4000, 0.5, 0.02);
   EXPECT_NE(UniformDraw(7, 0, 5), UniformDraw(7, 1, 5));
   EXPECT_NE(UniformDraw(7, 0, 5), UniformDraw(8, 0, 5));
+}
+
+// A temperature so small that 1/T overflows fp32 samples as its limit,
+// greedy, with a finite logprob, plain or truncated; the other rows of the
+// step draw as usual.
+TEST(SampleChoice, TinyTemperatureIsItsGreedyLimit) {
+  const at::Tensor logits = at::tensor({0.0f, 1.0f, -2.0f, 3.0f, 2.5f, 0.0f}).view({1, 6}).repeat({3, 1});
+  std::vector<RowChoiceParams> rows(3);
+  rows[0].temperature = 1e-45;
+  rows[0].u = 0.999;
+  rows[1].temperature = 1e-300;
+  rows[1].top_p = 0.9;
+  rows[1].u = 0.5;
+  rows[2].temperature = 1.0;
+  rows[2].u = 0.0;  // the first token of the cdf with mass above 0
+  const Choices c = ChooseTokens(logits, rows);
+  EXPECT_EQ(c.tokens[0], 3);
+  EXPECT_EQ(c.tokens[1], 3);
+  EXPECT_EQ(c.tokens[2], 0);
+  for (float lp : c.logprobs) EXPECT_TRUE(std::isfinite(lp));
 }
 
 }  // namespace

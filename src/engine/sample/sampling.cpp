@@ -21,6 +21,8 @@ double UniformDraw(uint64_t seed, uint64_t sample_index, uint64_t step) {
 
 namespace {
 
+constexpr double kMaxInverseTemperature = 1e30;
+
 // Inverse-CDF draws for the rows idx of logits, written into chosen. With
 // truncation (some row has top-k or top-p), over the tokens sorted by
 // probability; without, over token-id order, which needs no sort of the
@@ -35,7 +37,10 @@ void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const 
   std::vector<int64_t> top_k(n);
   for (int64_t i = 0; i < n; ++i) {
     const RowChoiceParams& p = rows[rows_idx[i]];
-    inv_t[i] = static_cast<float>(1.0 / p.temperature);
+    // Capped where fp32 still holds logit / T (|logit| < 3.4e8): beyond it
+    // the draw is its greedy limit either way, and an infinite 1/T would
+    // turn the row's softmax into NaN (0 * inf).
+    inv_t[i] = static_cast<float>(std::min(1.0 / p.temperature, kMaxInverseTemperature));
     top_k[i] = p.top_k > 0 ? std::min<int64_t>(p.top_k, V) : V;
     top_p[i] = static_cast<float>(p.top_p);
     u[i] = static_cast<float>(p.u);
