@@ -76,7 +76,7 @@ ServiceDriver::~ServiceDriver() {
 Result<Tenant> ServiceDriver::NewTenant(const std::string& name, int rank, uint64_t seed) {
   auto session = service_->CreateSession({name, ""}, {});
   if (!session.ok()) return session.status();
-  wire::CreateModelRequest req;
+  tinker::CreateModelRequest req;
   req.session_id = *session;
   req.base_model = service_->options().base_model_name;
   req.lora.rank = rank;
@@ -91,7 +91,7 @@ Result<Tenant> ServiceDriver::NewTenant(const std::string& name, int rank, uint6
 }
 
 Result<std::string> ServiceDriver::SubmitForwardBackward(Tenant& t, engine::ForwardBackwardCall call) {
-  wire::ForwardBackwardRequest req;
+  tinker::ForwardBackwardRequest req;
   req.model_id = t.model_id;
   req.seq_id = static_cast<int32_t>(t.next_seq++);
   req.call = std::move(call);
@@ -101,7 +101,7 @@ Result<std::string> ServiceDriver::SubmitForwardBackward(Tenant& t, engine::Forw
 }
 
 Result<std::string> ServiceDriver::SubmitOptimStep(Tenant& t, const engine::AdamParams& adam) {
-  wire::OptimStepRequest req;
+  tinker::OptimStepRequest req;
   req.model_id = t.model_id;
   req.seq_id = t.next_seq++;
   req.adam_params = adam;
@@ -137,13 +137,13 @@ Result<service::FutureView> ServiceDriver::Await(const Tenant& t, const std::str
 
 Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
                                                    const std::string& snapshot) {
-  wire::CreateSamplingSessionRequest session;
+  tinker::CreateSamplingSessionRequest session;
   session.session_id = t.session_id;
   session.sampling_session_seq_id = t.next_sampling_seq++;
   if (snapshot.empty()) {
     session.base_model = service_->options().base_model_name;
   } else {
-    wire::SaveWeightsForSamplerRequest save;
+    tinker::SaveWeightsForSamplerRequest save;
     save.model_id = t.model_id;
     save.seq_id = t.next_seq++;
     save.name = snapshot;
@@ -151,11 +151,13 @@ Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<
     if (!sub.ok()) return sub.status();
     auto saved = Await(t, sub->request_id);
     if (!saved.ok()) return saved.status();
-    session.model_path = saved->result->json.value("path", "");
+    const auto* result = std::get_if<tinker::SaveWeightsForSamplerResult>(saved->result.get());
+    if (!result || !result->path) return Status::Internal("save_weights_for_sampler answered without a path");
+    session.model_path = result->path->ToString();
   }
   auto sampling_id = service_->CreateSamplingSession({t.name, ""}, session);
   if (!sampling_id.ok()) return sampling_id.status();
-  wire::SampleRequest req;
+  tinker::SampleRequest req;
   req.sampling_session_id = *sampling_id;
   req.seq_id = 0;
   req.prompt = prompt;
@@ -165,10 +167,9 @@ Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<
   if (!sub.ok()) return sub.status();
   auto done = Await(t, sub->request_id);
   if (!done.ok()) return done.status();
-  if (!done->result->sample || done->result->sample->sequences.empty()) {
-    return Status::Internal("asample answered without a sequence");
-  }
-  return done->result->sample->sequences[0].tokens;
+  const auto* sample = std::get_if<tinker::SampleOutput>(done->result.get());
+  if (!sample || sample->sequences.empty()) return Status::Internal("asample answered without a sequence");
+  return sample->sequences[0].tokens;
 }
 
 }  // namespace loom::cli

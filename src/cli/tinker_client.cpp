@@ -119,7 +119,7 @@ Status TinkerClient::CreateModel(const std::string& base_model, int rank, uint64
 }
 
 Result<std::string> TinkerClient::SubmitForwardBackward(const engine::ForwardBackwardCall& call) {
-  wire::ForwardBackwardRequest req;
+  tinker::ForwardBackwardRequest req;
   req.model_id = model_id_;
   req.seq_id = static_cast<int32_t>(seq_++);
   req.call = call;

@@ -13,80 +13,22 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tinker/types.h"
 
 namespace loom::engine {
 
 class Transformer;  // engine/model/transformer.h; opaque here (no tensors above engine/)
 
-// A dense row-major array, as carried by Tinker's TensorData (loss_fn_inputs
-// and per-datum outputs). Exactly one of f32 / i64 holds numel() values.
-struct Array {
-  enum class DType { kFloat32, kInt64 };
-  DType dtype = DType::kFloat32;
-  std::vector<int64_t> shape;
-  std::vector<float> f32;
-  std::vector<int64_t> i64;
+// Tinker's nouns (tinker/types.h), under the names the engine has always used.
+using tinker::AdamParams;
+using tinker::Array;
+using tinker::Datum;
+using tinker::ForwardBackwardOutput;
+using tinker::LoraConfig;
 
-  int64_t numel() const {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
-  }
-  static Array Floats(std::vector<float> v) {
-    Array a;
-    a.shape = {static_cast<int64_t>(v.size())};
-    a.f32 = std::move(v);
-    return a;
-  }
-  static Array Ints(std::vector<int64_t> v) {
-    Array a;
-    a.dtype = DType::kInt64;
-    a.shape = {static_cast<int64_t>(v.size())};
-    a.i64 = std::move(v);
-    return a;
-  }
-};
-
-// One training example: the model input tokens and the loss inputs, each with
-// leading dimension tokens.size() (position t predicts target_tokens[t]).
-struct Datum {
-  std::vector<int32_t> tokens;
-  std::map<std::string, Array> loss_fn_inputs;
-};
-
-// Tinker's LoraConfig plus loom's per-slot alpha. Scale = alpha / rank.
-struct LoraConfig {
-  int rank = 32;
-  double alpha = 32.0;
-  uint64_t seed = 0;
-  bool train_attn = true;     // q, k, v, o
-  bool train_mlp = true;      // gate, up, down
-  bool train_unembed = true;  // lm_head
-};
-
-struct ForwardBackwardCall {
+// One request's input on one adapter slot.
+struct ForwardBackwardCall : tinker::ForwardBackwardInput {
   int slot = -1;
-  std::vector<Datum> data;
-  std::string loss_fn = "cross_entropy";
-  std::map<std::string, double> loss_fn_config;
-  bool forward_only = false;
-};
-
-struct ForwardBackwardOutput {
-  // One map per datum, in datum order: "logprobs" always, "elementwise_loss".
-  std::vector<std::map<std::string, Array>> outputs;
-  // "name:reduction" keys, exactly one colon each (e.g. "loss:sum").
-  std::map<std::string, double> metrics;
-};
-
-// Tinker's AdamParams; weight decay is decoupled (AdamW), grad_clip_norm 0 = off.
-struct AdamParams {
-  double learning_rate = 1e-4;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-12;
-  double weight_decay = 0.0;
-  double grad_clip_norm = 0.0;
 };
 
 struct OptimStepCall {

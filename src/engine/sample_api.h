@@ -15,22 +15,17 @@
 #include <vector>
 
 #include "common/status.h"
+#include "tinker/types.h"
 
 namespace loom::engine {
 
 class Transformer;
 
-// Tinker's SamplingParams, already parsed (wire/sample.h does the JSON).
-struct SamplingParams {
-  // Tokens to generate at most; unset = up to the context window.
-  std::optional<int32_t> max_tokens;
-  double temperature = 1.0;        // 0 = greedy (argmax)
-  int32_t top_k = -1;              // -1 = off, else >= 1
-  double top_p = 1.0;              // in (0, 1]
-  std::optional<uint64_t> seed;    // same seed + same inputs -> same tokens; unset = fresh entropy
-  std::vector<int32_t> stop_tokens;
-  std::vector<std::string> stop_strings;  // matched on detokenized generated text (needs tokenizer.json)
-};
+// Tinker's nouns (tinker/types.h), under the names the sampler has always used.
+using tinker::SampledSequence;
+using tinker::SampleOutput;
+using tinker::SamplingParams;
+using SampleStopReason = tinker::StopReason;
 
 struct SampleCall {
   std::string adapter_dir;         // PEFT snapshot directory; empty = the base model
@@ -39,26 +34,6 @@ struct SampleCall {
   SamplingParams params;
   bool prompt_logprobs = false;
   int32_t topk_prompt_logprobs = 0;  // 0 = off
-};
-
-enum class SampleStopReason { kStop, kLength };  // kStop: EOS, stop token or stop string
-
-struct SampledSequence {
-  std::vector<int32_t> tokens;     // generated tokens, the stop token / string's last token included
-  std::vector<float> logprobs;     // per token: log_softmax of the adapter's unscaled logits
-  SampleStopReason stop_reason = SampleStopReason::kLength;
-};
-
-struct SampleOutput {
-  std::vector<SampledSequence> sequences;  // num_samples of them, in sample order
-  // One per prompt token; [0] is NaN (nothing predicts the first token).
-  std::optional<std::vector<float>> prompt_logprobs;
-  // N x K row-major (N = prompt length, K = topk_prompt_logprobs), best
-  // first; row 0 is padding: token id 0, logprob kTopkPad.
-  static constexpr float kTopkPad = -99999.0f;
-  int32_t topk = 0;
-  std::vector<int32_t> topk_token_ids;
-  std::vector<float> topk_logprobs;
 };
 
 // Switches of the sampler's CUDA decode fast path (engine/sample/fast_decode.h),

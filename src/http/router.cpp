@@ -5,12 +5,12 @@
 #include <algorithm>
 #include <cctype>
 #include <optional>
-#include <set>
 #include <string_view>
 
 #include "common/log.h"
 #include "wire/errors.h"
 #include "wire/forward_backward.h"
+#include "wire/future_result.h"
 #include "wire/json_api.h"
 #include "wire/sample.h"
 #include "wire/zstd.h"
@@ -92,34 +92,6 @@ std::string HeaderName(std::string_view lower) {
   return out;
 }
 
-// The methods Router::Dispatch and Router::Rest serve on a route ("" when
-// the route does not exist). Mirrors their branches; abuse_test checks each.
-std::string AllowedMethods(const std::string& route) {
-  static const std::set<std::string> kPost = {
-      "client/config", "client/dynamic_config", "create_session", "session_heartbeat", "telemetry",
-      "create_model", "get_info", "unload_model", "weights_info", "forward_backward", "optim_step",
-      "save_weights", "load_weights", "save_weights_for_sampler", "create_sampling_session", "asample",
-      "auth/token", "retrieve_future"};
-  if (kPost.count(route)) return "POST";
-  if (route == "get_server_capabilities" || (route.rfind("samplers/", 0) == 0 && route.size() > 9)) return "GET";
-  const std::vector<std::string> parts = Split(route, '/');
-  if (parts[0] == "training_runs") {
-    if (parts.size() <= 3 && (parts.size() != 3 || parts[2] == "checkpoints")) return "GET";
-    if (parts.size() == 5 && parts[2] == "checkpoints") return "DELETE";
-    if (parts.size() == 6 && parts[2] == "checkpoints") {
-      if (parts[5] == "archive") return "GET";
-      if (parts[5] == "publish") return "POST, DELETE";
-      if (parts[5] == "ttl") return "PUT";
-    }
-  }
-  if (parts[0] == "checkpoints" && parts.size() == 1) return "GET";
-  if (parts[0] == "sessions") {
-    if (parts.size() <= 2) return "GET";
-    if (parts.size() == 3 && parts[2] == "project") return "PUT";
-  }
-  return "";
-}
-
 // 405 with the Allow header (RFC 9110 §15.5.6).
 HttpResponse MethodNotAllowed(const std::string& method, const std::string& path, const std::string& allow) {
   HttpResponse r = Router::Error(Status::Invalid(
@@ -129,13 +101,6 @@ HttpResponse MethodNotAllowed(const std::string& method, const std::string& path
   return r;
 }
 
-// A route that exists under another method is 405, anything else 404.
-HttpResponse NoRoute(const std::string& method, const std::string& route) {
-  const std::string allow = AllowedMethods(route);
-  if (allow.empty()) return Router::Error(Status::NotFound("no such route: " + method + " /api/v1/" + route));
-  return MethodNotAllowed(method, "/api/v1/" + route, allow);
-}
-
 // Equality in time that does not depend on where the keys differ (the
 // length is not the secret).
 bool SameKey(const std::string& given, const std::string& secret) {
@@ -143,29 +108,6 @@ bool SameKey(const std::string& given, const std::string& secret) {
   unsigned char diff = 0;
   for (size_t i = 0; i < secret.size(); ++i) diff |= static_cast<unsigned char>(given[i] ^ secret[i]);
   return diff == 0;
-}
-
-// ForwardBackwardOutput as pre-0.25 SDKs read it from JSON (spec §8.12).
-Json LegacyForwardBackwardJson(const engine::ForwardBackwardOutput& out) {
-  Json outputs = Json::array();
-  for (const auto& datum : out.outputs) {
-    Json m = Json::object();
-    for (const auto& [name, a] : datum) {
-      Json data = Json::array();
-      if (a.dtype == engine::Array::DType::kFloat32) {
-        for (float v : a.f32) data.push_back(wire::JsonNumber(v));
-      } else {
-        for (int64_t v : a.i64) data.push_back(v);
-      }
-      m[name] = {{"data", data},
-                 {"dtype", a.dtype == engine::Array::DType::kFloat32 ? "float32" : "int64"},
-                 {"shape", a.shape}};
-    }
-    outputs.push_back(m);
-  }
-  Json metrics = Json::object();
-  for (const auto& [k, v] : out.metrics) metrics[k] = wire::JsonNumber(v);
-  return {{"loss_fn_output_type", "ArrayRecord"}, {"loss_fn_outputs", outputs}, {"metrics", metrics}};
 }
 
 }  // namespace
@@ -178,6 +120,7 @@ struct Router::Context {
   std::string route;                         // the part after /api/v1/
   std::string body;                          // zstd-decoded
   service::Caller caller;
+  std::string park_request_id;               // set by a retrieve_future that found its future pending
 
   std::string q(const std::string& key) const {
     auto it = query.find(key);
@@ -214,10 +157,10 @@ HttpResponse Router::Error(const Status& status) {
 }
 
 Router::Router(service::Service& service, const ApiKeys& keys, RouterOptions options)
-    : service_(service), keys_(keys), options_(options) {}
+    : service_(service), keys_(keys), options_(options), routes_(MakeRoutes()) {}
 
 RouteOutcome Router::Handle(const HttpRequest& request) {
-  Context ctx{request, {}, {}, {}, {}, {}};
+  Context ctx{request, {}, {}, {}, {}, {}, {}};
   const std::string& target = request.target;
   const size_t qpos = target.find('?');
   ctx.path = PathOf(target);
@@ -308,19 +251,9 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   }
 
   ctx.caller.body_digest = service::BodyDigest(ctx.body);
-  if (ctx.route == "retrieve_future" && request.method == "POST") {
-    auto body = wire::ParseJsonObject(ctx.body, "retrieve_future");
-    auto req = body.ok() ? wire::ParseRetrieveFutureRequest(*body) : Result<wire::RetrieveFutureRequest>(body.status());
-    if (!req.ok()) {
-      out.response = Error(req.status());
-      return out;
-    }
-    out.response = RetrieveFuture(ctx, req->request_id, /*final_answer=*/false);
-    if (out.response.status == 0) out.park_request_id = req->request_id;  // pending: park
-    return out;
-  }
   try {
     out.response = Dispatch(ctx);
+    out.park_request_id = ctx.park_request_id;
   } catch (const std::exception& e) {  // a bug; never take the server down
     log::Error("route_exception route={} what={}", ctx.route, e.what());
     out.response = Error(Status::Internal(std::string("internal error: ") + e.what()));
@@ -363,7 +296,7 @@ std::string Router::HeavyFor(const HttpRequest& request) const {
 }
 
 HttpResponse Router::AnswerPoll(const HttpRequest& request, const std::string& request_id) {
-  Context ctx{request, {}, {}, "retrieve_future", {}, {}};
+  Context ctx{request, {}, {}, "retrieve_future", {}, {}, {}};
   auto tenant = keys_.Authenticate(request.header("x-api-key"));
   if (!tenant.ok()) return Error(tenant.status());
   ctx.caller.tenant = *tenant;
@@ -398,219 +331,282 @@ HttpResponse Router::RetrieveFuture(Context& ctx, const std::string& request_id,
       break;
   }
   const service::FutureResult& result = *view->result;
-  if (result.forward_backward) {
-    if (ctx.request.header("accept").find("application/x-protobuf") != std::string::npos) {
-      auto bytes = wire::EncodeForwardBackwardOutput(*result.forward_backward);
-      if (!bytes.ok()) return JsonAnswer(wire::FutureErrorJson(bytes.status()));
-      HttpResponse r;
-      r.content_type = "application/x-protobuf";
-      r.body = std::move(*bytes);
-      return r;
-    }
-    return JsonAnswer(LegacyForwardBackwardJson(*result.forward_backward));
+  // forward_backward and asample: protobuf when the SDK accepts it, else
+  // their legacy JSON shapes; every other result is JSON.
+  if (wire::HasProtobufForm(result) &&
+      ctx.request.header("accept").find("application/x-protobuf") != std::string::npos) {
+    auto bytes = wire::FutureResultProtobuf(result);
+    if (!bytes.ok()) return JsonAnswer(wire::FutureErrorJson(bytes.status()));
+    HttpResponse r;
+    r.content_type = "application/x-protobuf";
+    r.body = std::move(*bytes);
+    return r;
   }
-  if (result.sample) {  // asample: protobuf SampleResponse, or the legacy JSON shape
-    if (ctx.request.header("accept").find("application/x-protobuf") != std::string::npos) {
-      auto bytes = wire::EncodeSampleResponse(*result.sample);
-      if (!bytes.ok()) return JsonAnswer(wire::FutureErrorJson(bytes.status()));
-      HttpResponse r;
-      r.content_type = "application/x-protobuf";
-      r.body = std::move(*bytes);
-      return r;
-    }
-    return JsonAnswer(service::LegacySampleResponseJson(*result.sample));
+  return JsonAnswer(wire::FutureResultJson(result));
+}
+
+// ------------------------------------------------------------ the routes
+
+bool Router::Route::Matches(const std::string& route, std::vector<std::string>* args) const {
+  args->clear();
+  const std::string_view p = pattern;
+  if (p.ends_with("/**")) {  // the rest of the route, at least one character
+    const std::string_view prefix = p.substr(0, p.size() - 2);
+    if (route.size() <= prefix.size() || route.compare(0, prefix.size(), prefix) != 0) return false;
+    args->push_back(route.substr(prefix.size()));
+    return true;
   }
-  return JsonAnswer(result.json);
+  const std::vector<std::string> want = Split(p, '/');
+  const std::vector<std::string> parts = Split(route, '/');
+  if (want.size() != parts.size()) return false;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i] == "{}") {
+      args->push_back(parts[i]);
+    } else if (want[i] != parts[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string Router::AllowedMethods(const std::string& route) const {
+  std::string allow;
+  std::vector<std::string> args;
+  for (const Route& r : routes_) {
+    if (!r.Matches(route, &args)) continue;
+    if (!allow.empty()) allow += ", ";
+    allow += r.method;
+  }
+  return allow;
 }
 
 HttpResponse Router::Dispatch(Context& ctx) {
-  const std::string& m = ctx.request.method;
-  const std::string& route = ctx.route;
-  const service::Caller& caller = ctx.caller;
+  std::vector<std::string> args;
+  for (const Route& r : routes_) {
+    if ((r.method == std::string_view("*") || r.method == ctx.request.method) && r.Matches(ctx.route, &args)) {
+      return r.handle(ctx, args);
+    }
+  }
+  // A route that exists under another method is 405, anything else 404.
+  const std::string allow = AllowedMethods(ctx.route);
+  if (allow.empty()) {
+    return Error(Status::NotFound("no such route: " + ctx.request.method + " /api/v1/" + ctx.route));
+  }
+  return MethodNotAllowed(ctx.request.method, "/api/v1/" + ctx.route, allow);
+}
 
-  auto parse = [&](std::string_view endpoint) { return wire::ParseJsonObject(ctx.body, endpoint); };
-  auto future_answer = [&](const Result<service::Submitted>& sub) {
+std::vector<Router::Route> Router::MakeRoutes() {
+  using Args = std::vector<std::string>;
+  auto future_answer = [](const Result<service::Submitted>& sub) {
     if (!sub.ok()) return Error(sub.status());
     return JsonAnswer(wire::UntypedFutureJson(sub.value().request_id, sub.value().model_id));
   };
-#define LOOM_PARSE(var, endpoint, parser)      \
-  auto var##_json = parse(endpoint);           \
-  if (!var##_json.ok()) return Error(var##_json.status()); \
-  auto var = parser(*var##_json);              \
-  if (!var.ok()) return Error(var.status());
-
-  if (m == "POST") {
-    if (route == "client/config") {
-      LOOM_PARSE(req, "client/config", wire::ParseClientConfigRequest);
-      return JsonAnswer(wire::ClientConfigJson());
-    }
-    if (route == "client/dynamic_config") {
-      LOOM_PARSE(req, "client/dynamic_config", wire::ParseClientConfigRequest);
-      return JsonAnswer(wire::DynamicConfigJson());
-    }
-    if (route == "create_session") {
-      LOOM_PARSE(req, "create_session", wire::ParseCreateSessionRequest);
-      auto id = service_.CreateSession(caller, *req);
-      if (!id.ok()) return Error(id.status());
-      return JsonAnswer(wire::CreateSessionJson(*id));
-    }
-    if (route == "session_heartbeat") {
-      LOOM_PARSE(req, "session_heartbeat", wire::ParseSessionHeartbeatRequest);
-      Status st = service_.Heartbeat(caller, req->session_id);
-      return st.ok() ? JsonAnswer(wire::SessionHeartbeatJson()) : Error(st);
-    }
-    if (route == "telemetry") {
-      LOOM_PARSE(req, "telemetry", wire::ParseTelemetryRequest);
-      return JsonAnswer(wire::TelemetryAcceptedJson());
-    }
-    if (route == "create_model") {
-      LOOM_PARSE(req, "create_model", wire::ParseCreateModelRequest);
-      return future_answer(service_.CreateModel(caller, *req));
-    }
-    if (route == "get_info") {
-      LOOM_PARSE(req, "get_info", wire::ParseGetInfoRequest);
-      auto info = service_.GetInfo(caller, req->model_id);
-      return info.ok() ? JsonAnswer(*info) : Error(info.status());
-    }
-    if (route == "unload_model") {
-      LOOM_PARSE(req, "unload_model", wire::ParseUnloadModelRequest);
-      return future_answer(service_.UnloadModel(caller, req->model_id));
-    }
-    if (route == "weights_info") {
-      LOOM_PARSE(req, "weights_info", wire::ParseWeightsInfoRequest);
-      auto info = service_.WeightsInfo(caller, req->path);
-      return info.ok() ? JsonAnswer(*info) : Error(info.status());
-    }
-    if (route == "forward_backward") {
-      const std::string type = ctx.request.header("content-type");
-      if (type.find("json") != std::string::npos) {
-        return Error(Status::Invalid(
-            "forward_backward: body must be protobuf tinker_public.ForwardBackwardRequest "
-            "(Content-Type: application/x-protobuf), as tinker>=0.25 sends it"));
-      }
-      wire::ForwardBackwardDecodeOptions opts;
-      opts.max_decoded_bytes = options_.max_body_bytes;
-      auto req = wire::DecodeForwardBackwardRequest(ctx.body, opts);
-      if (!req.ok()) return Error(req.status());
-      return future_answer(service_.ForwardBackward(caller, std::move(*req)));
-    }
-    if (route == "optim_step") {
-      LOOM_PARSE(req, "optim_step", wire::ParseOptimStepRequest);
-      return future_answer(service_.OptimStep(caller, *req));
-    }
-    if (route == "save_weights") {
-      LOOM_PARSE(req, "save_weights", wire::ParseSaveWeightsRequest);
-      return future_answer(service_.SaveWeights(caller, *req));
-    }
-    if (route == "load_weights") {
-      LOOM_PARSE(req, "load_weights", wire::ParseLoadWeightsRequest);
-      return future_answer(service_.LoadWeights(caller, *req));
-    }
-    if (route == "save_weights_for_sampler") {
-      LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
-      return future_answer(service_.SaveWeightsForSampler(caller, *req));
-    }
-    if (route == "create_sampling_session") {
-      LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
-      auto id = service_.CreateSamplingSession(caller, *req);
-      if (!id.ok()) return Error(id.status());
-      return JsonAnswer(wire::CreateSamplingSessionJson(*id));
-    }
-    if (route == "asample") {
-      LOOM_PARSE(req, "asample", wire::ParseSampleRequest);
-      auto sub = service_.Sample(caller, *req);
-      if (!sub.ok()) return Error(sub.status());
-      return JsonAnswer(wire::UntypedFutureJson(sub->request_id, std::nullopt, sub->sample_sequence_ids));
-    }
-    if (route == "auth/token") {
-      return JsonAnswer({{"error", "auth/token: JWT exchange is not offered (client/config says "
-                                   "pjwt_auth_enabled=false); send the API key in X-API-Key"},
-                         {"category", "user"}},
-                        501);
-    }
-  }
-  if (m == "GET" && route.rfind("samplers/", 0) == 0 && route.size() > 9) {
-    auto sampler = service_.GetSampler(caller, route.substr(9));
-    return sampler.ok() ? JsonAnswer(*sampler) : Error(sampler.status());
-  }
-  if (m == "GET" && route == "get_server_capabilities") {
-    wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
-    return JsonAnswer(wire::ServerCapabilitiesJson({model}));
-  }
-#undef LOOM_PARSE
-  if (route.rfind("training_runs", 0) == 0 || route.rfind("checkpoints", 0) == 0 ||
-      route.rfind("sessions", 0) == 0) {
-    return Rest(ctx);
-  }
-  return NoRoute(m, route);
-}
-
-HttpResponse Router::Rest(Context& ctx) {
-  const std::string& m = ctx.request.method;
-  const service::Caller& caller = ctx.caller;
-  const std::vector<std::string> parts = Split(ctx.route, '/');
-  auto page = [&](int64_t default_limit) { return wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), default_limit); };
-  auto json_or_error = [](const Result<nlohmann::json>& r) { return r.ok() ? JsonAnswer(r.value()) : Error(r.status()); };
   auto empty_or_error = [](const Status& st) { return st.ok() ? JsonAnswer(Json::object()) : Error(st); };
+  // A typed answer in its JSON form (wire/), or its error.
+  auto encoded = [](const auto& answer, auto encode) {
+    return answer.ok() ? JsonAnswer(encode(answer.value())) : Error(answer.status());
+  };
+  auto page = [](const Context& ctx, int64_t default_limit) {
+    return wire::ParsePageParams(ctx.q("limit"), ctx.q("offset"), default_limit);
+  };
+  // The JSON body of a POST/PUT parsed by `parser`, or the error answer.
+#define LOOM_PARSE(var, endpoint, parser)                          \
+  auto var##_json = wire::ParseJsonObject(ctx.body, endpoint);     \
+  if (!var##_json.ok()) return Error(var##_json.status());         \
+  auto var = parser(*var##_json);                                  \
+  if (!var.ok()) return Error(var.status());
+  // A checkpoint route's "<kind>/<name>" (the id is not URL-encoded).
+  auto checkpoint_id = [](const Args& a) { return a[1] + "/" + a[2]; };
 
-  if (parts[0] == "training_runs") {
-    if (parts.size() == 1 && m == "GET") {
-      auto p = page(20);
-      if (!p.ok()) return Error(p.status());
-      return json_or_error(service_.ListTrainingRuns(caller, *p));
-    }
-    const std::string& run = parts[1];
-    if (parts.size() == 2 && m == "GET") return json_or_error(service_.GetTrainingRun(caller, run));
-    if (parts.size() == 3 && parts[2] == "checkpoints" && m == "GET") {
-      return json_or_error(service_.ListRunCheckpoints(caller, run));
-    }
-    if (parts.size() >= 5 && parts[2] == "checkpoints") {
-      // checkpoint_id is "<kind>/<name>" and is not URL-encoded.
-      const std::string& last = parts.back();
-      if (parts.size() == 6 && last == "archive" && m == "GET") {
-        int64_t expires = 0;
-        auto token = service_.CreateArchiveToken(caller, run, Join(parts, 3, 5, '/'), &expires);
-        if (!token.ok()) return Error(token.status());
-        std::string host = ctx.request.header("host");
-        if (host.empty()) host = "127.0.0.1";
-        return JsonAnswer(wire::CheckpointArchiveUrlJson("http://" + host + "/api/v1/archives/" + *token, expires));
-      }
-      if (parts.size() == 6 && last == "publish" && (m == "POST" || m == "DELETE")) {
-        return empty_or_error(service_.SetCheckpointPublic(caller, run, Join(parts, 3, 5, '/'), m == "POST"));
-      }
-      if (parts.size() == 6 && last == "ttl" && m == "PUT") {
-        auto body = wire::ParseJsonObject(ctx.body, "checkpoint ttl");
-        if (!body.ok()) return Error(body.status());
-        auto req = wire::ParseCheckpointTtlRequest(*body);
-        if (!req.ok()) return Error(req.status());
-        return empty_or_error(service_.SetCheckpointTtl(caller, run, Join(parts, 3, 5, '/'), req->ttl_seconds));
-      }
-      if (parts.size() == 5 && m == "DELETE") {
-        return empty_or_error(service_.DeleteCheckpoint(caller, run, Join(parts, 3, 5, '/')));
-      }
-    }
-  }
-  if (parts[0] == "checkpoints" && parts.size() == 1 && m == "GET") {
-    auto p = page(100);
-    if (!p.ok()) return Error(p.status());
-    return json_or_error(service_.ListUserCheckpoints(caller, *p));
-  }
-  if (parts[0] == "sessions") {
-    if (parts.size() == 1 && m == "GET") {
-      auto p = page(20);
-      if (!p.ok()) return Error(p.status());
-      return json_or_error(service_.ListSessions(caller, *p));
-    }
-    if (parts.size() == 2 && m == "GET") return json_or_error(service_.GetSession(caller, parts[1]));
-    if (parts.size() == 3 && parts[2] == "project" && m == "PUT") {
-      auto s = service_.GetSession(caller, parts[1]);
-      return s.ok() ? JsonAnswer(Json::object()) : Error(s.status());
-    }
-    if (parts.size() == 3 && parts[2] == "trace_export") {
-      return JsonAnswer({{"status", "failed"}, {"error", "trace export is not offered by loom"}});
-    }
-  }
-  return NoRoute(m, ctx.route);
+  std::vector<Route> routes = {
+      {"POST", "client/config",
+       [](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "client/config", wire::ParseClientConfigRequest);
+         return JsonAnswer(wire::ClientConfigJson());
+       }},
+      {"POST", "client/dynamic_config",
+       [](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "client/dynamic_config", wire::ParseClientConfigRequest);
+         return JsonAnswer(wire::DynamicConfigJson());
+       }},
+      {"POST", "create_session",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "create_session", wire::ParseCreateSessionRequest);
+         auto id = service_.CreateSession(ctx.caller, *req);
+         if (!id.ok()) return Error(id.status());
+         return JsonAnswer(wire::CreateSessionJson(*id));
+       }},
+      {"POST", "session_heartbeat",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "session_heartbeat", wire::ParseSessionHeartbeatRequest);
+         Status st = service_.Heartbeat(ctx.caller, req->session_id);
+         return st.ok() ? JsonAnswer(wire::SessionHeartbeatJson()) : Error(st);
+       }},
+      {"POST", "telemetry",
+       [](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "telemetry", wire::ParseTelemetryRequest);
+         return JsonAnswer(wire::TelemetryAcceptedJson());
+       }},
+      {"POST", "create_model",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "create_model", wire::ParseCreateModelRequest);
+         return future_answer(service_.CreateModel(ctx.caller, *req));
+       }},
+      {"POST", "get_info",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "get_info", wire::ParseGetInfoRequest);
+         return encoded(service_.GetInfo(ctx.caller, req->model_id), wire::GetInfoJson);
+       }},
+      {"POST", "unload_model",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "unload_model", wire::ParseUnloadModelRequest);
+         return future_answer(service_.UnloadModel(ctx.caller, req->model_id));
+       }},
+      {"POST", "weights_info",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "weights_info", wire::ParseWeightsInfoRequest);
+         return encoded(service_.WeightsInfo(ctx.caller, req->path), wire::WeightsInfoJson);
+       }},
+      {"POST", "forward_backward",
+       [=, this](Context& ctx, const Args&) {
+         const std::string type = ctx.request.header("content-type");
+         if (type.find("json") != std::string::npos) {
+           return Error(Status::Invalid(
+               "forward_backward: body must be protobuf tinker_public.ForwardBackwardRequest "
+               "(Content-Type: application/x-protobuf), as tinker>=0.25 sends it"));
+         }
+         wire::ForwardBackwardDecodeOptions opts;
+         opts.max_decoded_bytes = options_.max_body_bytes;
+         auto req = wire::DecodeForwardBackwardRequest(ctx.body, opts);
+         if (!req.ok()) return Error(req.status());
+         return future_answer(service_.ForwardBackward(ctx.caller, std::move(*req)));
+       }},
+      {"POST", "optim_step",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "optim_step", wire::ParseOptimStepRequest);
+         return future_answer(service_.OptimStep(ctx.caller, *req));
+       }},
+      {"POST", "save_weights",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "save_weights", wire::ParseSaveWeightsRequest);
+         return future_answer(service_.SaveWeights(ctx.caller, *req));
+       }},
+      {"POST", "load_weights",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "load_weights", wire::ParseLoadWeightsRequest);
+         return future_answer(service_.LoadWeights(ctx.caller, *req));
+       }},
+      {"POST", "save_weights_for_sampler",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
+         return future_answer(service_.SaveWeightsForSampler(ctx.caller, *req));
+       }},
+      {"POST", "create_sampling_session",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
+         auto id = service_.CreateSamplingSession(ctx.caller, *req);
+         if (!id.ok()) return Error(id.status());
+         return JsonAnswer(wire::CreateSamplingSessionJson(*id));
+       }},
+      {"POST", "asample",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "asample", wire::ParseSampleRequest);
+         auto sub = service_.Sample(ctx.caller, *req);
+         if (!sub.ok()) return Error(sub.status());
+         return JsonAnswer(wire::UntypedFutureJson(sub->request_id, std::nullopt, sub->sample_sequence_ids));
+       }},
+      {"POST", "auth/token",
+       [](Context&, const Args&) {
+         return JsonAnswer({{"error", "auth/token: JWT exchange is not offered (client/config says "
+                                      "pjwt_auth_enabled=false); send the API key in X-API-Key"},
+                            {"category", "user"}},
+                           501);
+       }},
+      {"POST", "retrieve_future",
+       [=, this](Context& ctx, const Args&) {
+         LOOM_PARSE(req, "retrieve_future", wire::ParseRetrieveFutureRequest);
+         HttpResponse answer = RetrieveFuture(ctx, req->request_id, /*final_answer=*/false);
+         if (answer.status == 0) ctx.park_request_id = req->request_id;  // pending: park
+         return answer;
+       }},
+      {"GET", "samplers/**",
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetSampler(ctx.caller, a[0]), wire::GetSamplerJson);
+       }},
+      {"GET", "get_server_capabilities",
+       [=, this](Context&, const Args&) {
+         wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
+         return JsonAnswer(wire::ServerCapabilitiesJson({model}));
+       }},
+      // ---- REST (§8.8)
+      {"GET", "training_runs",
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 20);
+         if (!p.ok()) return Error(p.status());
+         return encoded(service_.ListTrainingRuns(ctx.caller, *p), wire::TrainingRunsJson);
+       }},
+      {"GET", "training_runs/{}",
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetTrainingRun(ctx.caller, a[0]), wire::TrainingRunJson);
+       }},
+      {"GET", "training_runs/{}/checkpoints",
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.ListRunCheckpoints(ctx.caller, a[0]), wire::CheckpointsListJson);
+       }},
+      {"DELETE", "training_runs/{}/checkpoints/{}/{}",
+       [=, this](Context& ctx, const Args& a) {
+         return empty_or_error(service_.DeleteCheckpoint(ctx.caller, a[0], checkpoint_id(a)));
+       }},
+      {"GET", "training_runs/{}/checkpoints/{}/{}/archive",
+       [=, this](Context& ctx, const Args& a) {
+         int64_t expires = 0;
+         auto token = service_.CreateArchiveToken(ctx.caller, a[0], checkpoint_id(a), &expires);
+         if (!token.ok()) return Error(token.status());
+         std::string host = ctx.request.header("host");
+         if (host.empty()) host = "127.0.0.1";
+         return JsonAnswer(wire::CheckpointArchiveUrlJson("http://" + host + "/api/v1/archives/" + *token, expires));
+       }},
+      {"POST", "training_runs/{}/checkpoints/{}/{}/publish",
+       [=, this](Context& ctx, const Args& a) {
+         return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), true));
+       }},
+      {"DELETE", "training_runs/{}/checkpoints/{}/{}/publish",
+       [=, this](Context& ctx, const Args& a) {
+         return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), false));
+       }},
+      {"PUT", "training_runs/{}/checkpoints/{}/{}/ttl",
+       [=, this](Context& ctx, const Args& a) {
+         LOOM_PARSE(req, "checkpoint ttl", wire::ParseCheckpointTtlRequest);
+         return empty_or_error(service_.SetCheckpointTtl(ctx.caller, a[0], checkpoint_id(a), req->ttl_seconds));
+       }},
+      {"GET", "checkpoints",
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 100);
+         if (!p.ok()) return Error(p.status());
+         return encoded(service_.ListUserCheckpoints(ctx.caller, *p), wire::CheckpointsListJson);
+       }},
+      {"GET", "sessions",
+       [=, this](Context& ctx, const Args&) {
+         auto p = page(ctx, 20);
+         if (!p.ok()) return Error(p.status());
+         return encoded(service_.ListSessions(ctx.caller, *p), wire::SessionsListJson);
+       }},
+      {"GET", "sessions/{}",
+       [=, this](Context& ctx, const Args& a) {
+         return encoded(service_.GetSession(ctx.caller, a[0]), wire::SessionJson);
+       }},
+      {"PUT", "sessions/{}/project",
+       [=, this](Context& ctx, const Args& a) {
+         auto s = service_.GetSession(ctx.caller, a[0]);
+         return s.ok() ? JsonAnswer(Json::object()) : Error(s.status());
+       }},
+      {"*", "sessions/{}/trace_export",
+       [](Context&, const Args&) {
+         return JsonAnswer({{"status", "failed"}, {"error", "trace export is not offered by loom"}});
+       }},
+  };
+#undef LOOM_PARSE
+  return routes;
 }
 
 }  // namespace loom::http

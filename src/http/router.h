@@ -19,6 +19,7 @@
 // Thread-safe: any I/O thread may call any method concurrently.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -87,14 +88,30 @@ class Router {
 
  private:
   struct Context;
+  // One route of the API under /api/v1/: a method ("*" = any) and a pattern
+  // of '/'-separated segments, where "{}" is any one segment and a final
+  // "**" the rest of the route (one character at least). The matched parts
+  // are the handler's arguments, in order. The table is both what Dispatch()
+  // serves and what a 405's Allow header lists.
+  struct Route {
+    const char* method;
+    const char* pattern;
+    std::function<HttpResponse(Context&, const std::vector<std::string>&)> handle;
+    bool Matches(const std::string& route, std::vector<std::string>* args) const;
+  };
+  std::vector<Route> MakeRoutes();
+  // The first route matching the request's method and route, else 405 (the
+  // route exists under other methods) or 404.
   HttpResponse Dispatch(Context& ctx);
-  HttpResponse Rest(Context& ctx);
+  // The methods the table serves on a route, in table order ("" = none).
+  std::string AllowedMethods(const std::string& route) const;
   HttpResponse RetrieveFuture(Context& ctx, const std::string& request_id, bool final_answer);
   HttpResponse Scrape(const HttpRequest& request);  // GET /metrics
 
   service::Service& service_;
   const ApiKeys& keys_;
   const RouterOptions options_;
+  const std::vector<Route> routes_;  // after the members its handlers use
 };
 
 }  // namespace loom::http

@@ -31,7 +31,7 @@ std::optional<int64_t> ExpiresMs(int64_t created_ms, const std::optional<int64_t
 }
 }  // namespace
 
-Result<store::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef& ref) {
+Result<tinker::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef& ref) {
   const bool for_sampler = op.kind == OpKind::kSaveForSampler;
   const std::string field = for_sampler ? "save_weights_for_sampler.path" : "save_weights.path";
   // save_weights overwrites when asked; a named sampler save never does; an
@@ -39,7 +39,8 @@ Result<store::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef
   const bool named = !op.name.empty();
   const std::string name = for_sampler && !named ? fmt::format("unnamed-seq-{}", op.seq_id) : op.name;
   const bool overwrite = for_sampler ? !named : op.overwrite;
-  store::TinkerPath path{op.model_id, for_sampler ? store::kSamplerWeightsKind : store::kWeightsKind, name};
+  const tinker::TinkerPath path{
+      op.model_id, for_sampler ? tinker::TinkerPath::Kind::kSampler : tinker::TinkerPath::Kind::kTraining, name};
   if (!overwrite && registry_.GetCheckpoint(path).ok()) {
     return Status::Invalid(fmt::format("{}: checkpoint '{}' already exists for model '{}'; choose another name{}",
                                        field, name, op.model_id, for_sampler ? "" : " or pass overwrite=true"));
@@ -52,7 +53,7 @@ Result<store::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef
   store::CheckpointSpec spec;
   spec.owner = ref.owner;
   spec.model_id = op.model_id;
-  spec.kind = path.kind;
+  spec.kind = path.kind_segment();
   spec.name = name;
   spec.created_ms = NowMs();
   spec.expires_ms = ExpiresMs(spec.created_ms, op.ttl_seconds);
@@ -67,20 +68,18 @@ Result<store::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef
   return path;
 }
 
-Result<store::TinkerPath> Checkpoints::Load(const TrainingOp& op, const ModelRef& ref) {
-  auto path = store::ParseTinkerPath(op.load_path, "load_weights.path");
-  if (!path.ok()) return path.status();
-  auto ckpt = registry_.GetCheckpoint(*path);
+Result<tinker::TinkerPath> Checkpoints::Load(const TrainingOp& op, const ModelRef& ref) {
+  const tinker::TinkerPath& path = *op.load_path;  // set for every kLoadWeights
+  auto ckpt = registry_.GetCheckpoint(path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(ref.owner)) {
-    return Status::NotFound("load_weights.path: checkpoint '" + op.load_path + "' not found");
+    return Status::NotFound("load_weights.path: checkpoint '" + path.ToString() + "' not found");
   }
   if (Status st = engine_.LoadState(ref.slot, ckpt->dir, op.with_optimizer); !st.ok()) return st;
   return path;
 }
 
-Status Checkpoints::Restore(int slot, const std::string& load_path, bool with_optimizer) {
-  auto path = store::ParseTinkerPath(load_path, "load_weights.path");
-  auto ckpt = path.ok() ? registry_.GetCheckpoint(*path) : Result<store::Checkpoint>(path.status());
+Status Checkpoints::Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer) {
+  auto ckpt = registry_.GetCheckpoint(load_path);
   return ckpt.ok() ? engine_.LoadState(slot, ckpt->dir, with_optimizer) : ckpt.status();
 }
 

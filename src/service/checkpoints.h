@@ -26,8 +26,6 @@
 #include <optional>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "engine/api.h"
 #include "service/caller.h"
@@ -35,7 +33,9 @@
 #include "service/training_models.h"
 #include "service/training_op.h"
 #include "store/registry.h"
-#include "wire/json_api.h"
+#include "tinker/path.h"
+#include "tinker/requests.h"
+#include "tinker/results.h"
 
 namespace loom::service {
 
@@ -50,22 +50,22 @@ class Checkpoints {
   // ---- the engine thread ----
   // save_weights (kSaveWeights) or save_weights_for_sampler (kSaveForSampler)
   // of ref's slot: the committed checkpoint's path.
-  Result<store::TinkerPath> Save(const TrainingOp& op, const ModelRef& ref);
+  Result<tinker::TinkerPath> Save(const TrainingOp& op, const ModelRef& ref);
   // load_state[_with_optimizer] into ref's slot, from a checkpoint ref's
   // owner may read: the loaded path.
-  Result<store::TinkerPath> Load(const TrainingOp& op, const ModelRef& ref);
+  Result<tinker::TinkerPath> Load(const TrainingOp& op, const ModelRef& ref);
   // Loads load_path into a freshly bound slot (create_model_via_load_weights,
   // whose access was checked at admission).
-  Status Restore(int slot, const std::string& load_path, bool with_optimizer);
+  Status Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer);
   // Deletes the checkpoints whose TTL has passed (and logs how many).
   void SweepExpired();
 
   // ---- REST (any thread; rest.cpp) ----
-  Result<nlohmann::json> WeightsInfo(const Caller& caller, const wire::TinkerPath& path);
-  Result<nlohmann::json> ListTrainingRuns(const Caller& caller, wire::PageParams page);
-  Result<nlohmann::json> GetTrainingRun(const Caller& caller, const std::string& run_id);
-  Result<nlohmann::json> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
-  Result<nlohmann::json> ListUserCheckpoints(const Caller& caller, wire::PageParams page);
+  Result<tinker::WeightsInfoResult> WeightsInfo(const Caller& caller, const tinker::TinkerPath& path);
+  Result<tinker::TrainingRunsPage> ListTrainingRuns(const Caller& caller, tinker::PageParams page);
+  Result<tinker::TrainingRun> GetTrainingRun(const Caller& caller, const std::string& run_id);
+  Result<tinker::CheckpointsPage> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
+  Result<tinker::CheckpointsPage> ListUserCheckpoints(const Caller& caller, tinker::PageParams page);
   Status DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id);
   Status SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
                           std::optional<int64_t> ttl_seconds);
@@ -80,15 +80,13 @@ class Checkpoints {
 
  private:
   struct ArchiveGrant {
-    store::TinkerPath path;  // resolved at download: an overwrite moves its files
+    tinker::TinkerPath path;  // resolved at download: an overwrite moves its files
     std::string prefix;
     Clock::time_point expires;
   };
 
   Result<store::Checkpoint> OwnedCheckpoint(const Caller& caller, const std::string& run_id,
                                             const std::string& checkpoint_id);
-  wire::Checkpoint ToWire(const store::Checkpoint& c) const;
-  wire::TrainingRun ToWire(const store::TrainingRun& r);
 
   const ServiceOptions& options_;
   engine::Engine& engine_;

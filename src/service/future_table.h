@@ -22,21 +22,14 @@
 #include <string>
 #include <unordered_map>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
-#include "engine/api.h"
-#include "wire/sample.h"
+#include "tinker/results.h"
 
 namespace loom::service {
 
-// What a finished request produced: JSON for control operations, or the
-// engine's output for forward / forward_backward (encoded as protobuf by http/).
-struct FutureResult {
-  nlohmann::json json;
-  std::optional<engine::ForwardBackwardOutput> forward_backward;
-  std::optional<wire::SampleResult> sample;  // asample (protobuf SampleResponse, or legacy JSON)
-};
+// What a finished request produced, typed per operation (http/ has wire/
+// encode it).
+using FutureResult = tinker::FutureResult;
 
 enum class FutureState { kPending, kDone, kFailed };
 

@@ -6,104 +6,78 @@
 #include "service/checkpoints.h"
 #include "service/util.h"
 #include "store/archive.h"
+#include "store/tinker_rows.h"
 
 namespace loom::service {
 
 namespace {
-store::PageRequest ToStore(const wire::PageParams& p) { return store::PageRequest{p.limit, p.offset}; }
+tinker::Cursor MakeCursor(const tinker::PageParams& p, int64_t total) { return tinker::Cursor{p.offset, p.limit, total}; }
 
-wire::Cursor MakeCursor(const wire::PageParams& p, int64_t total) { return wire::Cursor{p.offset, p.limit, total}; }
+// A run as REST shows it, with its newest checkpoint of each kind.
+tinker::TrainingRun DescribeRun(const store::Registry& registry, const store::TrainingRun& r) {
+  auto ckpts = registry.ListCheckpoints(r.model_id, store::PageRequest{-1, 0});
+  return store::ToTinker(r, ckpts.ok() ? ckpts->items : std::vector<store::Checkpoint>{});
+}
 }  // namespace
 
-wire::Checkpoint Checkpoints::ToWire(const store::Checkpoint& c) const {
-  wire::Checkpoint w;
-  w.path.training_run_id = c.model_id;
-  w.path.kind = c.kind == store::kSamplerWeightsKind ? wire::TinkerPath::Kind::kSampler
-                                                     : wire::TinkerPath::Kind::kTraining;
-  w.path.name = c.name;
-  w.time = c.created_ms / 1000;
-  w.size_bytes = c.size_bytes;
-  w.is_public = c.is_public;
-  if (c.expires_ms) w.expires_at = *c.expires_ms / 1000;
-  return w;
-}
-
-wire::TrainingRun Checkpoints::ToWire(const store::TrainingRun& r) {
-  wire::TrainingRun w;
-  w.training_run_id = r.model_id;
-  w.base_model = r.base_model;
-  w.model_owner = r.owner;
-  w.is_lora = true;
-  w.last_request_time = r.last_request_ms / 1000;
-  w.lora_rank = r.lora_rank;
-  auto ckpts = registry_.ListCheckpoints(r.model_id, store::PageRequest{-1, 0});
-  if (ckpts.ok()) {
-    for (const store::Checkpoint& c : ckpts->items) {  // newest first
-      if (c.kind == store::kWeightsKind && !w.last_checkpoint) w.last_checkpoint = ToWire(c);
-      if (c.kind == store::kSamplerWeightsKind && !w.last_sampler_checkpoint) w.last_sampler_checkpoint = ToWire(c);
-    }
-  }
-  auto meta = nlohmann::json::parse(r.user_metadata, nullptr, /*allow_exceptions=*/false);
-  if (meta.is_object()) {
-    for (auto& [k, v] : meta.items()) w.user_metadata[k] = v.is_string() ? v.get<std::string>() : v.dump();
-  }
-  return w;
-}
-
-Result<nlohmann::json> Checkpoints::WeightsInfo(const Caller& caller, const wire::TinkerPath& path) {
-  auto ckpt = registry_.GetCheckpointByPath(path.ToString());
+Result<tinker::WeightsInfoResult> Checkpoints::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
+  auto ckpt = registry_.GetCheckpoint(path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
     return Status::NotFound("weights_info.tinker_path: checkpoint '" + path.ToString() + "' not found");
   }
   auto run = registry_.GetRun(ckpt->model_id);
   if (!run.ok()) return Status::NotFound("weights_info.tinker_path: run of '" + path.ToString() + "' not found");
-  engine::LoraConfig lora;
-  lora.rank = run->lora_rank;
-  lora.train_attn = run->train_attn;
-  lora.train_mlp = run->train_mlp;
-  lora.train_unembed = run->train_unembed;
-  return wire::WeightsInfoJson(run->base_model, lora);
+  tinker::WeightsInfoResult info;
+  info.base_model = run->base_model;
+  info.lora.rank = run->lora_rank;
+  info.lora.train_attn = run->train_attn;
+  info.lora.train_mlp = run->train_mlp;
+  info.lora.train_unembed = run->train_unembed;
+  return info;
 }
 
-Result<nlohmann::json> Checkpoints::ListTrainingRuns(const Caller& caller, wire::PageParams page) {
-  auto runs = registry_.ListRuns(caller.tenant, ToStore(page));
+Result<tinker::TrainingRunsPage> Checkpoints::ListTrainingRuns(const Caller& caller, tinker::PageParams page) {
+  auto runs = registry_.ListRuns(caller.tenant, store::ToPageRequest(page));
   if (!runs.ok()) return runs.status();
-  std::vector<wire::TrainingRun> out;
-  for (const auto& r : runs->items) out.push_back(ToWire(r));
-  return wire::TrainingRunsJson(out, MakeCursor(page, runs->total));
+  tinker::TrainingRunsPage out;
+  for (const auto& r : runs->items) out.runs.push_back(DescribeRun(registry_, r));
+  out.cursor = MakeCursor(page, runs->total);
+  return out;
 }
 
-Result<nlohmann::json> Checkpoints::GetTrainingRun(const Caller& caller, const std::string& run_id) {
+Result<tinker::TrainingRun> Checkpoints::GetTrainingRun(const Caller& caller, const std::string& run_id) {
   auto run = registry_.GetRun(run_id);
   if (!run.ok() || run->owner != caller.tenant) {
     return Status::NotFound("training run '" + run_id + "' not found");
   }
-  return wire::TrainingRunJson(ToWire(*run));
+  return DescribeRun(registry_, *run);
 }
 
-Result<nlohmann::json> Checkpoints::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
+Result<tinker::CheckpointsPage> Checkpoints::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
   auto run = registry_.GetRun(run_id);
   if (!run.ok() || run->owner != caller.tenant) {
     return Status::NotFound("training run '" + run_id + "' not found");
   }
   auto ckpts = registry_.ListCheckpoints(run_id, store::PageRequest{-1, 0});
   if (!ckpts.ok()) return ckpts.status();
-  std::vector<wire::Checkpoint> out;
-  for (const auto& c : ckpts->items) out.push_back(ToWire(c));
-  return wire::CheckpointsListJson(out, wire::Cursor{0, static_cast<int64_t>(out.size()), ckpts->total});
+  tinker::CheckpointsPage out;
+  for (const auto& c : ckpts->items) out.checkpoints.push_back(store::ToTinker(c));
+  out.cursor = tinker::Cursor{0, static_cast<int64_t>(out.checkpoints.size()), ckpts->total};
+  return out;
 }
 
-Result<nlohmann::json> Checkpoints::ListUserCheckpoints(const Caller& caller, wire::PageParams page) {
-  auto ckpts = registry_.ListOwnerCheckpoints(caller.tenant, ToStore(page));
+Result<tinker::CheckpointsPage> Checkpoints::ListUserCheckpoints(const Caller& caller, tinker::PageParams page) {
+  auto ckpts = registry_.ListOwnerCheckpoints(caller.tenant, store::ToPageRequest(page));
   if (!ckpts.ok()) return ckpts.status();
-  std::vector<wire::Checkpoint> out;
-  for (const auto& c : ckpts->items) out.push_back(ToWire(c));
-  return wire::CheckpointsListJson(out, MakeCursor(page, ckpts->total));
+  tinker::CheckpointsPage out;
+  for (const auto& c : ckpts->items) out.checkpoints.push_back(store::ToTinker(c));
+  out.cursor = MakeCursor(page, ckpts->total);
+  return out;
 }
 
 Result<store::Checkpoint> Checkpoints::OwnedCheckpoint(const Caller& caller, const std::string& run_id,
                                                    const std::string& checkpoint_id) {
-  auto path = store::ParseCheckpointId(run_id, checkpoint_id);
+  auto path = tinker::ParseCheckpointId(run_id, checkpoint_id);
   if (!path.ok()) return path.status();
   auto ckpt = registry_.GetCheckpoint(*path);
   if (!ckpt.ok() || ckpt->owner != caller.tenant) {
@@ -115,7 +89,7 @@ Result<store::Checkpoint> Checkpoints::OwnedCheckpoint(const Caller& caller, con
 Status Checkpoints::DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
-  return registry_.DeleteCheckpoint(store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name});
+  return registry_.DeleteCheckpoint(ckpt->path());
 }
 
 Status Checkpoints::SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
@@ -127,14 +101,14 @@ Status Checkpoints::SetCheckpointTtl(const Caller& caller, const std::string& ru
     if (*ttl_seconds < 1) return Status::Invalid(fmt::format("ttl_seconds: must be >= 1 or null (got {})", *ttl_seconds));
     expires = store::ExpiryMs(NowMs(), *ttl_seconds);  // saturated, never wraps into the past
   }
-  return registry_.SetExpiry(store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name}, expires);
+  return registry_.SetExpiry(ckpt->path(), expires);
 }
 
 Status Checkpoints::SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
                                     bool is_public) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
-  return registry_.SetPublic(store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name}, is_public);
+  return registry_.SetPublic(ckpt->path(), is_public);
 }
 
 Result<std::string> Checkpoints::CreateArchiveToken(const Caller& caller, const std::string& run_id,
@@ -144,7 +118,7 @@ Result<std::string> Checkpoints::CreateArchiveToken(const Caller& caller, const 
   std::string token = RandomHex(24);
   std::lock_guard<std::mutex> lock(grants_mu_);
   archives_[token] =
-      ArchiveGrant{store::TinkerPath{ckpt->model_id, ckpt->kind, ckpt->name}, "", Clock::now() + options_.archive_url_ttl};
+      ArchiveGrant{ckpt->path(), "", Clock::now() + options_.archive_url_ttl};
   if (expires_unix) *expires_unix = NowMs() / 1000 + options_.archive_url_ttl.count();
   return token;
 }

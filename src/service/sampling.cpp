@@ -5,91 +5,11 @@
 
 #include <fmt/format.h>
 
-#include <cmath>
-
 #include "common/log.h"
 #include "service/service.h"
 #include "service/util.h"
-#include "wire/json_api.h"
 
 namespace loom::service {
-
-// ------------------------------------------------------------ translation
-
-engine::SampleCall ToSampleCall(const wire::SampleRequest& request) {
-  engine::SampleCall call;
-  call.prompt = request.prompt;
-  call.num_samples = request.num_samples;
-  call.prompt_logprobs = request.prompt_logprobs;
-  call.topk_prompt_logprobs = request.topk_prompt_logprobs;
-  const wire::SamplingParams& p = request.sampling_params;
-  call.params.max_tokens = p.max_tokens;
-  call.params.temperature = p.temperature;
-  call.params.top_k = p.top_k;
-  call.params.top_p = p.top_p;
-  call.params.seed = p.seed;
-  call.params.stop_tokens = p.stop_tokens;
-  call.params.stop_strings = p.stop_strings;
-  return call;
-}
-
-wire::SampleResult ToSampleResult(const engine::SampleOutput& output) {
-  wire::SampleResult r;
-  for (const engine::SampledSequence& s : output.sequences) {
-    wire::SampledSequence w;
-    w.stop_reason = s.stop_reason == engine::SampleStopReason::kStop ? wire::StopReason::kStop
-                                                                     : wire::StopReason::kLength;
-    w.tokens = s.tokens;
-    w.logprobs = s.logprobs;
-    r.sequences.push_back(std::move(w));
-  }
-  r.prompt_logprobs = output.prompt_logprobs;
-  if (output.topk > 0) {
-    wire::TopkPromptLogprobs t;
-    t.k = static_cast<uint32_t>(output.topk);
-    t.prompt_length = static_cast<uint32_t>(output.topk_token_ids.size() / static_cast<size_t>(output.topk));
-    t.token_ids = output.topk_token_ids;
-    t.logprobs = output.topk_logprobs;
-    r.topk_prompt_logprobs = std::move(t);
-  }
-  return r;
-}
-
-nlohmann::json LegacySampleResponseJson(const wire::SampleResult& result) {
-  using Json = nlohmann::json;
-  Json sequences = Json::array();
-  for (const wire::SampledSequence& s : result.sequences) {
-    Json lps = Json::array();
-    for (float v : s.logprobs) lps.push_back(wire::JsonNumber(v));
-    sequences.push_back({{"stop_reason", s.stop_reason == wire::StopReason::kStop ? "stop" : "length"},
-                         {"tokens", s.tokens},
-                         {"logprobs", lps}});
-  }
-  Json j = {{"type", "sample"}, {"sequences", sequences}, {"prompt_cache_hit_tokens", result.prompt_cache_hit_tokens}};
-  if (result.prompt_logprobs) {
-    Json p = Json::array();
-    for (float v : *result.prompt_logprobs) p.push_back(std::isnan(v) ? Json(nullptr) : wire::JsonNumber(v));
-    j["prompt_logprobs"] = p;
-  }
-  if (const auto& t = result.topk_prompt_logprobs) {
-    Json rows = Json::array();
-    for (uint32_t i = 0; i < t->prompt_length; ++i) {
-      if (i == 0) {  // nothing predicts the first token
-        rows.push_back(nullptr);
-        continue;
-      }
-      Json row = Json::array();
-      for (uint32_t k = 0; k < t->k; ++k) {
-        const size_t at = static_cast<size_t>(i) * t->k + k;
-        if (t->logprobs[at] == wire::TopkPromptLogprobs::kTopkPadLogprob) continue;
-        row.push_back(Json::array({t->token_ids[at], wire::JsonNumber(t->logprobs[at])}));
-      }
-      rows.push_back(row);
-    }
-    j["topk_prompt_logprobs"] = rows;
-  }
-  return j;
-}
 
 // ------------------------------------------------------------ the service
 
@@ -99,7 +19,7 @@ void Service::AttachSampler(std::unique_ptr<engine::Sampler> sampler) {
 }
 
 Result<std::string> Service::CreateSamplingSession(const Caller& caller,
-                                                   const wire::CreateSamplingSessionRequest& request) {
+                                                   const tinker::CreateSamplingSessionRequest& request) {
   std::lock_guard<std::mutex> lock(lock_.mu);
   if (lock_.stopping) return Status::Unavailable("server is shutting down");
   const Sessions::Session* session = sessions_.FindLocked(request.session_id);
@@ -123,44 +43,49 @@ Result<std::string> Service::CreateSamplingSession(const Caller& caller,
     return Status::Invalid(fmt::format("create_sampling_session.base_model: '{}' is not served here; this server "
                                        "serves '{}'", *request.base_model, options_.base_model_name));
   }
-  Sessions::SamplingSession s{id, caller.tenant, options_.base_model_name, ""};
+  Sessions::SamplingSession s{id, caller.tenant, options_.base_model_name, std::nullopt};
   if (request.model_path) {
     const std::string& path = *request.model_path;
-    auto parsed = wire::ParseTinkerPath(path);
+    auto parsed = tinker::ParseTinkerPath(path);
     if (!parsed.ok()) return Status::Invalid("create_sampling_session.model_path: " + parsed.status().message());
-    if (parsed->kind != wire::TinkerPath::Kind::kSampler) {
+    if (parsed->kind != tinker::TinkerPath::Kind::kSampler) {
       return Status::Invalid("create_sampling_session.model_path: '" + path +
                              "' is a training-state (/weights/) checkpoint; sampling needs a /sampler_weights/ "
                              "checkpoint from save_weights_for_sampler");
     }
-    auto ckpt = registry_->GetCheckpointByPath(path);
+    auto ckpt = registry_->GetCheckpoint(*parsed);
     if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
       return Status::NotFound("create_sampling_session.model_path: checkpoint '" + path + "' not found");
     }
-    s.model_path = ckpt->tinker_path;
+    s.model_path = ckpt->path();
     if (auto run = registry_->GetRun(ckpt->model_id); run.ok()) s.base_model = run->base_model;
   } else if (!request.base_model) {
     return Status::Invalid("create_sampling_session: one of base_model / model_path is required");
   }
   sessions_.AddSamplerLocked(s, request.session_id);
   sessions_.TouchSessionLocked(request.session_id);
-  log::Info("sampling_session_created id={} tenant={} model_path={}", id, caller.tenant, s.model_path);
+  log::Info("sampling_session_created id={} tenant={} model_path={}", id, caller.tenant,
+            s.model_path ? s.model_path->ToString() : "");
   return id;
 }
 
-Result<nlohmann::json> Service::GetSampler(const Caller& caller, const std::string& sampler_id) {
+Result<tinker::SamplingSessionInfo> Service::GetSampler(const Caller& caller, const std::string& sampler_id) {
   std::lock_guard<std::mutex> lock(lock_.mu);
   const Sessions::SamplingSession* found = sessions_.FindSamplerLocked(sampler_id);
   if (found == nullptr || found->owner != caller.tenant) {
     return Status::NotFound("samplers/" + sampler_id + ": sampling session '" + sampler_id + "' not found");
   }
   const Sessions::SamplingSession& s = *found;
-  return wire::GetSamplerJson(s.sampler_id, s.base_model,
-                              s.model_path.empty() ? std::nullopt : std::optional<std::string>(s.model_path));
+  return tinker::SamplingSessionInfo{s.sampler_id, s.base_model, s.model_path};
 }
 
-Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::SampleRequest& request) {
-  engine::SampleCall call = ToSampleCall(request);
+Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::SampleRequest& request) {
+  engine::SampleCall call;
+  call.prompt = request.prompt;
+  call.num_samples = request.num_samples;
+  call.params = request.sampling_params;
+  call.prompt_logprobs = request.prompt_logprobs;
+  call.topk_prompt_logprobs = request.topk_prompt_logprobs;
   engine::Sampler* sampler = nullptr;
   SampleSubmitted out;
   {
@@ -182,12 +107,12 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::Sample
       return Status::Invalid(fmt::format("asample.base_model: '{}' differs from the sampling session's '{}'",
                                          *request.base_model, session.base_model));
     }
-    if (!session.model_path.empty()) {
+    if (session.model_path) {
       // Resolved now, not at session creation: a deleted or unpublished
       // snapshot stops being sampleable.
-      auto ckpt = registry_->GetCheckpointByPath(session.model_path);
+      auto ckpt = registry_->GetCheckpoint(*session.model_path);
       if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
-        return Status::NotFound("asample: checkpoint '" + session.model_path + "' of sampling session '" +
+        return Status::NotFound("asample: checkpoint '" + session.model_path->ToString() + "' of sampling session '" +
                                 session.sampler_id + "' not found (deleted or no longer public)");
       }
       call.adapter_dir = ckpt->dir;
@@ -218,9 +143,7 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const wire::Sample
     int64_t generated = 0;
     for (const auto& seq : result->sequences) generated += static_cast<int64_t>(seq.tokens.size());
     metrics->AddSamplingTokens(generated);
-    FutureResult r;
-    r.sample = ToSampleResult(*result);
-    futures->Complete(request_id, std::move(r));
+    futures->Complete(request_id, std::move(*result));
   });
   return out;
 }

@@ -1,7 +1,6 @@
 // Sampling sessions on the Service (spec §5.18-5.20): the state Service keeps
-// for create_sampling_session / asample / samplers/{id}, and the translation
-// between the wire's sampling types and the engine Sampler's. The Service
-// methods themselves are implemented in sampling.cpp.
+// for create_sampling_session / asample / samplers/{id}. The Service methods
+// themselves are implemented in sampling.cpp.
 //
 // Invariants: a sampling session id is "{session_id}:sample:{n}", made once
 // per (session, n) (by create_sampling_session or an unnamed
@@ -22,11 +21,8 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "engine/sample_api.h"
-#include "wire/sample.h"
 
 namespace loom::service {
 
@@ -45,12 +41,5 @@ struct SamplingState {
       admitted;
   std::chrono::steady_clock::time_point last_prune{};
 };
-
-// wire -> engine: the parsed asample body as a SampleCall (adapter_dir unset).
-engine::SampleCall ToSampleCall(const wire::SampleRequest& request);
-// engine -> wire: the sampler's output as the SampleResponse to encode.
-wire::SampleResult ToSampleResult(const engine::SampleOutput& output);
-// SampleResponse as SDKs <= 0.24 read it from JSON (spec §8.12).
-nlohmann::json LegacySampleResponseJson(const wire::SampleResult& result);
 
 }  // namespace loom::service

@@ -54,7 +54,7 @@ std::string Service::MetricsText() const {
 
 // ---------------------------------------------------------------- sessions
 
-Result<std::string> Service::CreateSession(const Caller& caller, const wire::CreateSessionRequest& request) {
+Result<std::string> Service::CreateSession(const Caller& caller, const tinker::CreateSessionRequest& request) {
   return sessions_.CreateSession(caller, request);
 }
 
@@ -64,24 +64,24 @@ Status Service::Heartbeat(const Caller& caller, const std::string& session_id) {
 
 // ------------------------------------------------------------------ models
 
-Result<Submitted> Service::CreateModel(const Caller& caller, const wire::CreateModelRequest& request) {
-  return models_.CreateModel(caller, request, "", false);
+Result<Submitted> Service::CreateModel(const Caller& caller, const tinker::CreateModelRequest& request) {
+  return models_.CreateModel(caller, request, std::nullopt, false);
 }
 
-Result<Submitted> Service::ForwardBackward(const Caller& caller, wire::ForwardBackwardRequest request) {
+Result<Submitted> Service::ForwardBackward(const Caller& caller, tinker::ForwardBackwardRequest request) {
   // Pure checks first, on this I/O thread: nothing invalid reaches the engine.
   // The slot is bound later, on the engine thread; validate as if slot 0.
-  request.call.slot = 0;
-  Status valid = engine_->ValidateForwardBackward(request.call);
-  request.call.slot = -1;
   TrainingOp op;
   op.kind = OpKind::kForwardBackward;
   op.seq_id = request.seq_id;
-  op.forward_backward = std::move(request.call);
+  static_cast<tinker::ForwardBackwardInput&>(op.forward_backward) = std::move(request.call);
+  op.forward_backward.slot = 0;
+  Status valid = engine_->ValidateForwardBackward(op.forward_backward);
+  op.forward_backward.slot = -1;
   return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
-Result<Submitted> Service::OptimStep(const Caller& caller, const wire::OptimStepRequest& request) {
+Result<Submitted> Service::OptimStep(const Caller& caller, const tinker::OptimStepRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kOptimStep;
   op.seq_id = request.seq_id;
@@ -89,41 +89,42 @@ Result<Submitted> Service::OptimStep(const Caller& caller, const wire::OptimStep
   return models_.SubmitOnModel(caller, request.model_id, std::move(op));
 }
 
-Result<Submitted> Service::SaveWeights(const Caller& caller, const wire::SaveWeightsRequest& request) {
+Result<Submitted> Service::SaveWeights(const Caller& caller, const tinker::SaveWeightsRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kSaveWeights;
   op.seq_id = request.seq_id;
   op.name = request.name.value_or(fmt::format("seq-{}", request.seq_id));
-  Status valid = store::ValidateCheckpointName(op.name, "save_weights.path");
+  Status valid = tinker::ValidateCheckpointName(op.name, "save_weights.path");
   op.ttl_seconds = request.ttl_seconds;
   op.overwrite = request.overwrite;
   return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
-Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWeightsRequest& request) {
+Result<Submitted> Service::LoadWeights(const Caller& caller, const tinker::LoadWeightsRequest& request) {
   Status valid;
-  if (request.path.kind != wire::TinkerPath::Kind::kTraining) {
+  if (request.path.kind != tinker::TinkerPath::Kind::kTraining) {
     valid = Status::Invalid("load_weights.path: '" + request.path.ToString() +
                             "' is a sampler_weights checkpoint; load_state needs a /weights/ checkpoint");
-    if (request.mode != wire::LoadWeightsRequest::Mode::kTrainingClient) return valid;
+    if (request.mode != tinker::LoadWeightsRequest::Mode::kTrainingClient) return valid;
   }
   TrainingOp op;
   op.kind = OpKind::kLoadWeights;
-  op.load_path = request.path.ToString();
+  op.load_path = request.path;
   op.with_optimizer = request.optimizer;
-  if (request.mode == wire::LoadWeightsRequest::Mode::kTrainingClient) {
+  if (request.mode == tinker::LoadWeightsRequest::Mode::kTrainingClient) {
     op.seq_id = request.seq_id;
     return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
   }
   // create_model_via_load_weights: a new model whose LoRA config is the
   // checkpoint's, created and loaded as its seq 0.
-  auto ckpt = registry_->GetCheckpointByPath(op.load_path);
+  const std::string shown = request.path.ToString();
+  auto ckpt = registry_->GetCheckpoint(request.path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
-    return Status::NotFound("load_weights.path: checkpoint '" + op.load_path + "' not found");
+    return Status::NotFound("load_weights.path: checkpoint '" + shown + "' not found");
   }
   auto run = registry_->GetRun(ckpt->model_id);
-  if (!run.ok()) return Status::NotFound("load_weights.path: training run of '" + op.load_path + "' not found");
-  wire::CreateModelRequest create;
+  if (!run.ok()) return Status::NotFound("load_weights.path: training run of '" + shown + "' not found");
+  tinker::CreateModelRequest create;
   create.session_id = request.session_id;
   create.model_seq_id = request.model_seq_id;
   create.base_model = request.base_model.value_or(run->base_model);
@@ -136,7 +137,7 @@ Result<Submitted> Service::LoadWeights(const Caller& caller, const wire::LoadWei
 }
 
 Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
-                                                 const wire::SaveWeightsForSamplerRequest& request) {
+                                                 const tinker::SaveWeightsForSamplerRequest& request) {
   TrainingOp op;
   op.kind = OpKind::kSaveForSampler;
   op.seq_id = request.seq_id;
@@ -144,7 +145,7 @@ Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
   Status valid;
   if (request.named()) {
     op.name = *request.name;
-    valid = store::ValidateCheckpointName(op.name, "save_weights_for_sampler.path");
+    valid = tinker::ValidateCheckpointName(op.name, "save_weights_for_sampler.path");
   } else {
     op.sampling_session_seq_id = request.sampling_session_seq_id;
   }
@@ -165,41 +166,43 @@ Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& 
     lock_.work.notify_all();
   }
   Submitted out{futures_.Create(caller.tenant, op), model_id};
-  futures_.Complete(out.request_id, FutureResult{wire::UnloadModelResultJson(model_id), std::nullopt});
+  futures_.Complete(out.request_id, tinker::UnloadModelResult{model_id});
   idempotency_.RememberLocked(caller, op, out);
   return out;
 }
 
-Result<nlohmann::json> Service::GetInfo(const Caller& caller, const std::string& model_id) {
+Result<tinker::GetInfoResult> Service::GetInfo(const Caller& caller, const std::string& model_id) {
   std::lock_guard<std::mutex> lock(lock_.mu);
   auto model = models_.FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
-  wire::ModelData data;
-  data.arch = engine_->info().model_type;
-  data.model_name = (*model)->base_model;
-  data.tokenizer_id = options_.tokenizer_id.empty() ? options_.base_model_name : options_.tokenizer_id;
-  return wire::GetInfoJson(model_id, data, (*model)->lora.rank);
+  tinker::GetInfoResult info;
+  info.model_id = model_id;
+  info.model_data.arch = engine_->info().model_type;
+  info.model_data.model_name = (*model)->base_model;
+  info.model_data.tokenizer_id = options_.tokenizer_id.empty() ? options_.base_model_name : options_.tokenizer_id;
+  info.lora_rank = (*model)->lora.rank;
+  return info;
 }
 
 // ------------------------------------------------------- checkpoints, REST
 
-Result<nlohmann::json> Service::WeightsInfo(const Caller& caller, const wire::TinkerPath& path) {
+Result<tinker::WeightsInfoResult> Service::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
   return checkpoints_.WeightsInfo(caller, path);
 }
 
-Result<nlohmann::json> Service::ListTrainingRuns(const Caller& caller, wire::PageParams page) {
+Result<tinker::TrainingRunsPage> Service::ListTrainingRuns(const Caller& caller, tinker::PageParams page) {
   return checkpoints_.ListTrainingRuns(caller, page);
 }
 
-Result<nlohmann::json> Service::GetTrainingRun(const Caller& caller, const std::string& run_id) {
+Result<tinker::TrainingRun> Service::GetTrainingRun(const Caller& caller, const std::string& run_id) {
   return checkpoints_.GetTrainingRun(caller, run_id);
 }
 
-Result<nlohmann::json> Service::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
+Result<tinker::CheckpointsPage> Service::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
   return checkpoints_.ListRunCheckpoints(caller, run_id);
 }
 
-Result<nlohmann::json> Service::ListUserCheckpoints(const Caller& caller, wire::PageParams page) {
+Result<tinker::CheckpointsPage> Service::ListUserCheckpoints(const Caller& caller, tinker::PageParams page) {
   return checkpoints_.ListUserCheckpoints(caller, page);
 }
 
@@ -224,11 +227,11 @@ Result<std::string> Service::CreateArchiveToken(const Caller& caller, const std:
 
 Result<std::string> Service::ReadArchive(const std::string& token) { return checkpoints_.ReadArchive(token); }
 
-Result<nlohmann::json> Service::ListSessions(const Caller& caller, wire::PageParams page) {
+Result<tinker::SessionsPage> Service::ListSessions(const Caller& caller, tinker::PageParams page) {
   return sessions_.ListSessions(caller, page);
 }
 
-Result<nlohmann::json> Service::GetSession(const Caller& caller, const std::string& session_id) {
+Result<tinker::SessionInfo> Service::GetSession(const Caller& caller, const std::string& session_id) {
   return sessions_.GetSession(caller, session_id);
 }
 

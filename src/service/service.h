@@ -39,8 +39,6 @@
 #include <optional>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "engine/api.h"
 #include "service/caller.h"
@@ -56,8 +54,9 @@
 #include "service/train_loop.h"
 #include "service/training_models.h"
 #include "store/registry.h"
-#include "wire/forward_backward.h"
-#include "wire/json_api.h"
+#include "tinker/path.h"
+#include "tinker/requests.h"
+#include "tinker/results.h"
 
 namespace loom::service {
 
@@ -82,35 +81,35 @@ class Service {
   const ServiceOptions& options() const { return options_; }
 
   // ---- sessions ----
-  Result<std::string> CreateSession(const Caller& caller, const wire::CreateSessionRequest& request);
+  Result<std::string> CreateSession(const Caller& caller, const tinker::CreateSessionRequest& request);
   Status Heartbeat(const Caller& caller, const std::string& session_id);
 
   // ---- asynchronous training requests (answers carry a request_id) ----
-  Result<Submitted> CreateModel(const Caller& caller, const wire::CreateModelRequest& request);
-  Result<Submitted> ForwardBackward(const Caller& caller, wire::ForwardBackwardRequest request);
-  Result<Submitted> OptimStep(const Caller& caller, const wire::OptimStepRequest& request);
-  Result<Submitted> SaveWeights(const Caller& caller, const wire::SaveWeightsRequest& request);
-  Result<Submitted> LoadWeights(const Caller& caller, const wire::LoadWeightsRequest& request);
-  Result<Submitted> SaveWeightsForSampler(const Caller& caller, const wire::SaveWeightsForSamplerRequest& request);
+  Result<Submitted> CreateModel(const Caller& caller, const tinker::CreateModelRequest& request);
+  Result<Submitted> ForwardBackward(const Caller& caller, tinker::ForwardBackwardRequest request);
+  Result<Submitted> OptimStep(const Caller& caller, const tinker::OptimStepRequest& request);
+  Result<Submitted> SaveWeights(const Caller& caller, const tinker::SaveWeightsRequest& request);
+  Result<Submitted> LoadWeights(const Caller& caller, const tinker::LoadWeightsRequest& request);
+  Result<Submitted> SaveWeightsForSampler(const Caller& caller, const tinker::SaveWeightsForSamplerRequest& request);
   Result<Submitted> UnloadModel(const Caller& caller, const std::string& model_id);
 
   // ---- sampling (sampling.cpp) ----
   // Serves sampling with this Sampler (built on engine's SharedModel()); call
   // before Start(). Without one, asample answers Unavailable.
   void AttachSampler(std::unique_ptr<engine::Sampler> sampler);
-  Result<std::string> CreateSamplingSession(const Caller& caller, const wire::CreateSamplingSessionRequest& request);
-  Result<SampleSubmitted> Sample(const Caller& caller, const wire::SampleRequest& request);
-  Result<nlohmann::json> GetSampler(const Caller& caller, const std::string& sampler_id);
+  Result<std::string> CreateSamplingSession(const Caller& caller, const tinker::CreateSamplingSessionRequest& request);
+  Result<SampleSubmitted> Sample(const Caller& caller, const tinker::SampleRequest& request);
+  Result<tinker::SamplingSessionInfo> GetSampler(const Caller& caller, const std::string& sampler_id);
 
   // ---- direct answers ----
-  Result<nlohmann::json> GetInfo(const Caller& caller, const std::string& model_id);
-  Result<nlohmann::json> WeightsInfo(const Caller& caller, const wire::TinkerPath& path);
+  Result<tinker::GetInfoResult> GetInfo(const Caller& caller, const std::string& model_id);
+  Result<tinker::WeightsInfoResult> WeightsInfo(const Caller& caller, const tinker::TinkerPath& path);
 
   // ---- REST ----
-  Result<nlohmann::json> ListTrainingRuns(const Caller& caller, wire::PageParams page);
-  Result<nlohmann::json> GetTrainingRun(const Caller& caller, const std::string& run_id);
-  Result<nlohmann::json> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
-  Result<nlohmann::json> ListUserCheckpoints(const Caller& caller, wire::PageParams page);
+  Result<tinker::TrainingRunsPage> ListTrainingRuns(const Caller& caller, tinker::PageParams page);
+  Result<tinker::TrainingRun> GetTrainingRun(const Caller& caller, const std::string& run_id);
+  Result<tinker::CheckpointsPage> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
+  Result<tinker::CheckpointsPage> ListUserCheckpoints(const Caller& caller, tinker::PageParams page);
   Status DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id);
   Status SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
                           std::optional<int64_t> ttl_seconds);
@@ -122,8 +121,8 @@ class Service {
                                          const std::string& checkpoint_id, int64_t* expires_unix);
   // The tar bytes for a token (NotFound when unknown or expired).
   Result<std::string> ReadArchive(const std::string& token);
-  Result<nlohmann::json> ListSessions(const Caller& caller, wire::PageParams page);
-  Result<nlohmann::json> GetSession(const Caller& caller, const std::string& session_id);
+  Result<tinker::SessionsPage> ListSessions(const Caller& caller, tinker::PageParams page);
+  Result<tinker::SessionInfo> GetSession(const Caller& caller, const std::string& session_id);
 
   // For tests and /metrics: slots currently bound to live models.
   int slots_in_use() const;

@@ -5,10 +5,11 @@
 
 #include "common/log.h"
 #include "service/util.h"
+#include "store/tinker_rows.h"
 
 namespace loom::service {
 
-Result<std::string> Sessions::CreateSession(const Caller& caller, const wire::CreateSessionRequest& request) {
+Result<std::string> Sessions::CreateSession(const Caller& caller, const tinker::CreateSessionRequest& request) {
   std::lock_guard<std::mutex> lock(lock_.mu);
   if (lock_.stopping) return Status::Unavailable("server is shutting down");
   std::optional<Submitted> prior;
@@ -23,9 +24,7 @@ Result<std::string> Sessions::CreateSession(const Caller& caller, const wire::Cr
   rec.owner = caller.tenant;
   rec.session_id = id;
   rec.created_ms = NowMs();
-  nlohmann::json meta = nlohmann::json::object();
-  for (const auto& [k, v] : request.user_metadata) meta[k] = v;
-  rec.user_metadata = meta.dump();
+  rec.user_metadata = store::UserMetadataText(request.user_metadata);
   Status st = registry_.AddSession(rec);
   if (!st.ok()) log::Warn("session_record_failed session={} error={}", id, st.message());
   idempotency_.RememberLocked(caller, "create_session", {id, ""});
@@ -83,22 +82,22 @@ std::vector<Sessions::Session*> Sessions::ExpireIdleLocked(Clock::time_point now
 
 // ------------------------------------------------------------------- REST
 
-Result<nlohmann::json> Sessions::ListSessions(const Caller& caller, wire::PageParams page) {
-  auto sessions = registry_.ListSessions(caller.tenant, store::PageRequest{page.limit, page.offset});
+Result<tinker::SessionsPage> Sessions::ListSessions(const Caller& caller, tinker::PageParams page) {
+  auto sessions = registry_.ListSessions(caller.tenant, store::ToPageRequest(page));
   if (!sessions.ok()) return sessions.status();
-  std::vector<std::string> ids;
-  for (const auto& s : sessions->items) ids.push_back(s.session_id);
-  return wire::SessionsListJson(ids);
+  tinker::SessionsPage out;
+  for (const auto& s : sessions->items) out.session_ids.push_back(s.session_id);
+  return out;
 }
 
-Result<nlohmann::json> Sessions::GetSession(const Caller& caller, const std::string& session_id) {
-  std::vector<std::string> runs, samplers;
+Result<tinker::SessionInfo> Sessions::GetSession(const Caller& caller, const std::string& session_id) {
+  tinker::SessionInfo out;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
     auto it = sessions_.find(session_id);
     if (it != sessions_.end()) {
       if (it->second.owner != caller.tenant) return Status::NotFound("session '" + session_id + "' not found");
-      return wire::SessionJson(it->second.model_ids, it->second.sampler_ids);
+      return tinker::SessionInfo{it->second.model_ids, it->second.sampler_ids};
     }
   }
   auto rec = registry_.GetSession(session_id);
@@ -107,10 +106,10 @@ Result<nlohmann::json> Sessions::GetSession(const Caller& caller, const std::str
   if (all.ok()) {
     const std::string prefix = session_id + ":train:";
     for (const auto& r : all->items) {
-      if (r.model_id.rfind(prefix, 0) == 0) runs.push_back(r.model_id);
+      if (r.model_id.rfind(prefix, 0) == 0) out.training_run_ids.push_back(r.model_id);
     }
   }
-  return wire::SessionJson(runs, samplers);
+  return out;
 }
 
 }  // namespace loom::service

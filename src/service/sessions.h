@@ -22,15 +22,15 @@
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "common/status.h"
 #include "service/caller.h"
 #include "service/idempotency.h"
 #include "service/options.h"
 #include "service/service_lock.h"
 #include "store/registry.h"
-#include "wire/json_api.h"
+#include "tinker/path.h"
+#include "tinker/requests.h"
+#include "tinker/results.h"
 
 namespace loom::service {
 
@@ -49,18 +49,18 @@ class Sessions {
     std::string sampler_id;
     std::string owner;
     std::string base_model;
-    std::string model_path;
+    std::optional<tinker::TinkerPath> model_path;  // unset: the base model
   };
 
   Sessions(const ServiceOptions& options, ServiceLock& lock, IdempotencyMemory& idempotency,
            store::Registry& registry)
       : options_(options), lock_(lock), idempotency_(idempotency), registry_(registry) {}
 
-  Result<std::string> CreateSession(const Caller& caller, const wire::CreateSessionRequest& request);
+  Result<std::string> CreateSession(const Caller& caller, const tinker::CreateSessionRequest& request);
   Status Heartbeat(const Caller& caller, const std::string& session_id);
   // REST: the caller's sessions, live or recorded.
-  Result<nlohmann::json> ListSessions(const Caller& caller, wire::PageParams page);
-  Result<nlohmann::json> GetSession(const Caller& caller, const std::string& session_id);
+  Result<tinker::SessionsPage> ListSessions(const Caller& caller, tinker::PageParams page);
+  Result<tinker::SessionInfo> GetSession(const Caller& caller, const std::string& session_id);
 
   Session* FindLocked(const std::string& session_id);
   // A request on the session counts as a heartbeat (not once expired).

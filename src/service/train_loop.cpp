@@ -77,14 +77,6 @@ const char* PassKindName(const sched::Pass& pass) {
   return "?";
 }
 
-wire::TinkerPath ToWirePath(const store::TinkerPath& p) {
-  wire::TinkerPath w;
-  w.training_run_id = p.model_id;
-  w.kind = p.kind == store::kSamplerWeightsKind ? wire::TinkerPath::Kind::kSampler : wire::TinkerPath::Kind::kTraining;
-  w.name = p.name;
-  return w;
-}
-
 }  // namespace
 
 TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, FutureTable& futures, Metrics& metrics,
@@ -377,7 +369,7 @@ void TrainLoop::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput>
     JoinOutput(*pw.partial, std::move(out));
     out = std::move(*pw.partial);
   }
-  futures_.Complete(pw.op.request_id, FutureResult{nullptr, std::move(out)});
+  futures_.Complete(pw.op.request_id, std::move(out));
 }
 
 void TrainLoop::RunOptimPass(PassWork& work) {
@@ -393,7 +385,7 @@ void TrainLoop::RunOptimPass(PassWork& work) {
     } else {
       auto metrics = results[i]->metrics;
       if (results[i]->skipped) metrics["skipped"] = 1.0;
-      futures_.Complete(rid, FutureResult{wire::OptimStepResultJson(metrics), std::nullopt});
+      futures_.Complete(rid, tinker::OptimStepResult{std::move(metrics)});
     }
   }
 }
@@ -422,7 +414,7 @@ void TrainLoop::RunCreateModel(TrainingOp& op) {
     lora = m.lora;
   }
   Status st = engine_.BindSlot(slot, lora);
-  if (st.ok() && !op.load_path.empty()) st = checkpoints_.Restore(slot, op.load_path, op.with_optimizer);
+  if (st.ok() && op.load_path) st = checkpoints_.Restore(slot, *op.load_path, op.with_optimizer);
   if (!st.ok()) {
     std::lock_guard<std::mutex> lock(lock_.mu);
     TrainingModel* model = models_.FindLocked(op.model_id);
@@ -433,15 +425,11 @@ void TrainLoop::RunCreateModel(TrainingOp& op) {
     return;
   }
   log::Info("model_created model={} slot={} rank={}", op.model_id, slot, lora.rank);
-  if (!op.load_path.empty()) {
-    auto p = wire::ParseTinkerPath(op.load_path);
-    futures_.Complete(op.request_id,
-                      FutureResult{p.ok() ? wire::LoadWeightsResultJson(*p, op.model_id)
-                                          : wire::CreateModelResultJson(op.model_id),
-                                   std::nullopt});
+  if (op.load_path) {
+    futures_.Complete(op.request_id, tinker::LoadWeightsResult{*op.load_path, op.model_id});
     return;
   }
-  futures_.Complete(op.request_id, FutureResult{wire::CreateModelResultJson(op.model_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::CreateModelResult{op.model_id});
 }
 
 void TrainLoop::RunSave(TrainingOp& op) {
@@ -450,17 +438,15 @@ void TrainLoop::RunSave(TrainingOp& op) {
   auto path = checkpoints_.Save(op, *ref);
   if (!path.ok()) return futures_.Fail(op.request_id, path.status());
   if (op.kind == OpKind::kSaveWeights) {
-    return futures_.Complete(op.request_id,
-                             FutureResult{wire::SaveWeightsResultJson(ToWirePath(*path)), std::nullopt});
+    return futures_.Complete(op.request_id, tinker::SaveWeightsResult{*path});
   }
   std::optional<std::string> sampler_id;
   if (op.name.empty()) {  // an unnamed save_weights_for_sampler opens a sampling session on its snapshot
     sampler_id = fmt::format("{}:sample:{}", ref->session_id, op.sampling_session_seq_id.value_or(0));
     std::lock_guard<std::mutex> lock(lock_.mu);
-    sessions_.AddSamplerLocked({*sampler_id, ref->owner, ref->base_model, path->ToString()}, ref->session_id);
+    sessions_.AddSamplerLocked({*sampler_id, ref->owner, ref->base_model, *path}, ref->session_id);
   }
-  futures_.Complete(op.request_id,
-                    FutureResult{wire::SaveWeightsForSamplerResultJson(ToWirePath(*path), sampler_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::SaveWeightsForSamplerResult{*path, sampler_id});
 }
 
 void TrainLoop::RunLoadWeights(TrainingOp& op) {
@@ -468,8 +454,7 @@ void TrainLoop::RunLoadWeights(TrainingOp& op) {
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
   auto path = checkpoints_.Load(op, *ref);
   if (!path.ok()) return futures_.Fail(op.request_id, path.status());
-  futures_.Complete(op.request_id,
-                    FutureResult{wire::LoadWeightsResultJson(ToWirePath(*path), op.model_id), std::nullopt});
+  futures_.Complete(op.request_id, tinker::LoadWeightsResult{*path, op.model_id});
 }
 
 }  // namespace loom::service

@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "service/util.h"
+#include "store/tinker_rows.h"
 
 namespace loom::service {
 
@@ -104,14 +105,15 @@ Result<Submitted> TrainingModels::SubmitOnModel(const Caller& caller, const std:
   return AdmitLocked(caller, **model, std::move(op));
 }
 
-Result<Submitted> TrainingModels::CreateModel(const Caller& caller, const wire::CreateModelRequest& request,
-                                              const std::string& load_path, bool with_optimizer) {
+Result<Submitted> TrainingModels::CreateModel(const Caller& caller, const tinker::CreateModelRequest& request,
+                                              std::optional<tinker::TinkerPath> load_path, bool with_optimizer) {
   std::lock_guard<std::mutex> lock(lock_.mu);
-  return CreateModelLocked(caller, request, load_path, with_optimizer);
+  return CreateModelLocked(caller, request, std::move(load_path), with_optimizer);
 }
 
-Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
-                                                    const std::string& load_path, bool with_optimizer) {
+Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
+                                                    std::optional<tinker::TinkerPath> load_path,
+                                                    bool with_optimizer) {
   const auto& info = info_;
   if (request.base_model != options_.base_model_name) {
     return Status::Invalid(fmt::format("create_model.base_model: '{}' is not served here; this server serves '{}'",
@@ -162,9 +164,7 @@ Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const 
   run.train_mlp = request.lora.train_mlp;
   run.train_unembed = request.lora.train_unembed;
   run.created_ms = run.last_request_ms = NowMs();
-  nlohmann::json meta = nlohmann::json::object();
-  for (const auto& [k, v] : request.user_metadata) meta[k] = v;
-  run.user_metadata = meta.dump();
+  run.user_metadata = store::UserMetadataText(request.user_metadata);
   if (Status st = registry_.UpsertRun(run); !st.ok()) {
     log::Warn("run_record_failed model={} error={}", model_id, st.message());
   }
@@ -172,7 +172,7 @@ Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const 
   TrainingOp op;
   op.kind = OpKind::kCreateModel;
   op.seq_id = 0;
-  op.load_path = load_path;
+  op.load_path = std::move(load_path);
   op.with_optimizer = with_optimizer;
   return AdmitLocked(caller, m, std::move(op));
 }

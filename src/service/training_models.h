@@ -46,7 +46,8 @@
 #include "service/service_lock.h"
 #include "service/sessions.h"
 #include "store/registry.h"
-#include "wire/json_api.h"
+#include "tinker/path.h"
+#include "tinker/requests.h"
 
 namespace loom::service {
 
@@ -74,9 +75,9 @@ class TrainingModels {
 
   // ---- admission (I/O threads) ----
   // Checks and records a new model and admits its create_model as seq 0
-  // (load_path: created from that checkpoint).
-  Result<Submitted> CreateModel(const Caller& caller, const wire::CreateModelRequest& request,
-                                const std::string& load_path, bool with_optimizer);
+  // (load_path: created from that checkpoint, already parsed).
+  Result<Submitted> CreateModel(const Caller& caller, const tinker::CreateModelRequest& request,
+                                std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
   // Locks and admits op on its model. A failed precheck (bad input found
   // before admission) is returned as is, and op.seq_id is skipped in the
   // model's sequencer: the SDK never resends a rejected seq_id.
@@ -115,8 +116,8 @@ class TrainingModels {
   void QueueDepthsLocked(QueueSnapshot* live) const;  // active models' queued requests
 
  private:
-  Result<Submitted> CreateModelLocked(const Caller& caller, const wire::CreateModelRequest& request,
-                                      const std::string& load_path, bool with_optimizer);
+  Result<Submitted> CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
+                                      std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
   // Admits op on its model: dedup, expiry check, ordering.
   Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
   // Refuses a new model beyond the tenant's quota (Exhausted, 429) or the

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/api.h"
+#include "tinker/path.h"
 
 namespace loom::service {
 
@@ -40,7 +41,7 @@ struct TrainingOp {
   std::optional<int64_t> sampling_session_seq_id;  // unnamed save_weights_for_sampler
 
   // kLoadWeights, and kCreateModel when created from a checkpoint.
-  std::string load_path;
+  std::optional<tinker::TinkerPath> load_path;
   bool with_optimizer = false;
 };
 

@@ -16,6 +16,7 @@
 
 #include "common/durable.h"
 #include "common/log.h"
+#include "store/dir_names.h"
 #include "store/sqlite.h"
 
 namespace loom::store {
@@ -104,7 +105,7 @@ Checkpoint ReadCheckpointRow(const SqliteStatement& s) {
   if (!s.IsNull(6)) c.expires_ms = s.Int(6);
   c.is_public = s.Int(7) != 0;
   c.version = s.Int(8);
-  c.tinker_path = TinkerPath{c.model_id, c.kind, c.name}.ToString();
+  c.tinker_path = c.path().ToString();
   return c;
 }
 
@@ -254,7 +255,7 @@ Status Registry::ReconcileLocked() {
   std::vector<fs::path> orphans;
   for (const auto& run : fs::directory_iterator(root / "runs", ec)) {
     if (!fs::is_directory(run.symlink_status(ec))) continue;
-    for (const char* kind : {kWeightsKind, kSamplerWeightsKind}) {
+    for (const char* kind : {tinker::kWeightsKind, tinker::kSamplerWeightsKind}) {
       std::error_code kind_ec;
       for (const auto& entry : fs::directory_iterator(run.path() / kind, kind_ec)) {
         if (fs::is_directory(entry.symlink_status(kind_ec)) && !live.count(entry.path().string())) {
@@ -274,9 +275,9 @@ Status Registry::ReconcileLocked() {
 
 Result<std::string> Registry::CheckpointDir(const std::string& model_id, const std::string& kind,
                                             const std::string& name) const {
-  if (Status s = ValidateModelId(model_id); !s.ok()) return s;
-  if (Status s = ValidateKind(kind); !s.ok()) return s;
-  if (Status s = ValidateCheckpointName(name); !s.ok()) return s;
+  if (Status s = tinker::ValidateModelId(model_id); !s.ok()) return s;
+  if (Status s = tinker::ParseKind(kind).status(); !s.ok()) return s;
+  if (Status s = tinker::ValidateCheckpointName(name); !s.ok()) return s;
   return (fs::path(data_dir_) / "runs" / SanitizeForPath(model_id) / kind / name).string();
 }
 
@@ -323,7 +324,7 @@ Result<std::string> Registry::NewStagingDir() {
 
 Status Registry::UpsertRun(const TrainingRun& run) {
   if (Status s = CheckOwner(run.owner); !s.ok()) return s;
-  if (Status s = ValidateModelId(run.model_id); !s.ok()) return s;
+  if (Status s = tinker::ValidateModelId(run.model_id); !s.ok()) return s;
   if (run.base_model.empty()) return Status::Invalid("base_model: must not be empty");
   if (run.lora_rank < 1) return Status::Invalid("lora_rank: must be >= 1");
   std::lock_guard lock(mu_);
@@ -405,7 +406,7 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
 
   std::lock_guard lock(mu_);
   AtStep("synced");
-  const TinkerPath path{spec.model_id, spec.kind, spec.name};
+  const tinker::TinkerPath path{spec.model_id, *tinker::ParseKind(spec.kind), spec.name};  // kind validated above
   Result<Checkpoint> existing = GetLocked(path);
   if (!existing.ok() && existing.status().code() != Code::kNotFound) {
     discard_staging();
@@ -482,13 +483,18 @@ Result<Checkpoint> Registry::CommitCheckpoint(const std::string& staging_dir,
   return c;
 }
 
-Result<Checkpoint> Registry::GetLocked(const TinkerPath& path) const {
-  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
+tinker::TinkerPath Checkpoint::path() const {
+  return {model_id, kind == tinker::kSamplerWeightsKind ? tinker::TinkerPath::Kind::kSampler
+                                                        : tinker::TinkerPath::Kind::kTraining, name};
+}
+
+Result<Checkpoint> Registry::GetLocked(const tinker::TinkerPath& path) const {
+  if (Result<std::string> d = CheckpointDir(path.training_run_id, path.kind_segment(), path.name); !d.ok()) return d.status();
   auto st = db_->sql->Prepare(std::string("SELECT ") + kCheckpointColumns +
                               " FROM checkpoints WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
   if (!st.ok()) return st.status();
-  st.value()->Bind(1, path.model_id);
-  st.value()->Bind(2, path.kind);
+  st.value()->Bind(1, path.training_run_id);
+  st.value()->Bind(2, std::string(path.kind_segment()));
   st.value()->Bind(3, path.name);
   Result<bool> row = st.value()->Step();
   if (!row.ok()) return row.status();
@@ -499,15 +505,9 @@ Result<Checkpoint> Registry::GetLocked(const TinkerPath& path) const {
   return c;
 }
 
-Result<Checkpoint> Registry::GetCheckpoint(const TinkerPath& path) const {
+Result<Checkpoint> Registry::GetCheckpoint(const tinker::TinkerPath& path) const {
   std::lock_guard lock(mu_);
   return GetLocked(path);
-}
-
-Result<Checkpoint> Registry::GetCheckpointByPath(const std::string& tinker_path) const {
-  Result<TinkerPath> parsed = ParseTinkerPath(tinker_path);
-  if (!parsed.ok()) return parsed.status();
-  return GetCheckpoint(parsed.value());
 }
 
 namespace {
@@ -557,21 +557,21 @@ Status Registry::DeleteLocked(const Checkpoint& c) {
   return del.value()->Run();
 }
 
-Status Registry::DeleteCheckpoint(const TinkerPath& path) {
+Status Registry::DeleteCheckpoint(const tinker::TinkerPath& path) {
   std::lock_guard lock(mu_);
   Result<Checkpoint> existing = GetLocked(path);
   if (!existing.ok()) return existing.status();
   return DeleteLocked(*existing);
 }
 
-Status Registry::SetPublic(const TinkerPath& path, bool is_public) {
-  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
+Status Registry::SetPublic(const tinker::TinkerPath& path, bool is_public) {
+  if (Result<std::string> d = CheckpointDir(path.training_run_id, path.kind_segment(), path.name); !d.ok()) return d.status();
   std::lock_guard lock(mu_);
   auto st = db_->sql->Prepare(
       "UPDATE checkpoints SET is_public = ?4 WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
   if (!st.ok()) return st.status();
-  st.value()->Bind(1, path.model_id);
-  st.value()->Bind(2, path.kind);
+  st.value()->Bind(1, path.training_run_id);
+  st.value()->Bind(2, std::string(path.kind_segment()));
   st.value()->Bind(3, path.name);
   st.value()->Bind(4, int64_t{is_public});
   if (Status s = st.value()->Run(); !s.ok()) return s;
@@ -579,14 +579,14 @@ Status Registry::SetPublic(const TinkerPath& path, bool is_public) {
   return Status::Ok();
 }
 
-Status Registry::SetExpiry(const TinkerPath& path, std::optional<int64_t> expires_ms) {
-  if (Result<std::string> d = CheckpointDir(path.model_id, path.kind, path.name); !d.ok()) return d.status();
+Status Registry::SetExpiry(const tinker::TinkerPath& path, std::optional<int64_t> expires_ms) {
+  if (Result<std::string> d = CheckpointDir(path.training_run_id, path.kind_segment(), path.name); !d.ok()) return d.status();
   std::lock_guard lock(mu_);
   auto st = db_->sql->Prepare(
       "UPDATE checkpoints SET expires_ms = ?4 WHERE model_id = ?1 AND kind = ?2 AND name = ?3");
   if (!st.ok()) return st.status();
-  st.value()->Bind(1, path.model_id);
-  st.value()->Bind(2, path.kind);
+  st.value()->Bind(1, path.training_run_id);
+  st.value()->Bind(2, std::string(path.kind_segment()));
   st.value()->Bind(3, path.name);
   if (expires_ms) expires_ms = std::min(*expires_ms, kMaxExpiryMs);
   st.value()->Bind(4, expires_ms);

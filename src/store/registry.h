@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "store/tinker_path.h"
+#include "tinker/path.h"
 
 namespace loom::store {
 
@@ -73,7 +73,7 @@ struct TrainingRun {
 struct Checkpoint {
   std::string owner;
   std::string model_id;
-  std::string kind;         // kWeightsKind | kSamplerWeightsKind
+  std::string kind;         // tinker::kWeightsKind | tinker::kSamplerWeightsKind
   std::string name;
   std::string tinker_path;  // "tinker://<model_id>/<kind>/<name>"
   std::string dir;          // absolute directory holding its files
@@ -84,6 +84,7 @@ struct Checkpoint {
   int64_t version = 0;      // times it was overwritten; names `dir` (see the layout above)
 
   std::string checkpoint_id() const { return kind + "/" + name; }
+  tinker::TinkerPath path() const;
   bool AccessibleBy(const std::string& tenant) const { return owner == tenant || is_public; }
 };
 
@@ -133,7 +134,7 @@ class Registry {
 
   // ---- file layout ----
   // <data_dir>/runs/<sanitised model_id>/<kind>/<name>, the directory of a
-  // checkpoint's version 0; validates all three. A checkpoint's files are in
+  // checkpoint's version 0; validates all three (tinker/path.h's rules). A checkpoint's files are in
   // its Checkpoint::dir.
   Result<std::string> CheckpointDir(const std::string& model_id, const std::string& kind,
                                     const std::string& name) const;
@@ -158,17 +159,16 @@ class Registry {
   // it, and version v is removed last (crash-safe, see the top). On failure
   // the staging dir is removed and the previous version stays.
   Result<Checkpoint> CommitCheckpoint(const std::string& staging_dir, const CheckpointSpec& spec);
-  Result<Checkpoint> GetCheckpoint(const TinkerPath& path) const;
-  Result<Checkpoint> GetCheckpointByPath(const std::string& tinker_path) const;
+  Result<Checkpoint> GetCheckpoint(const tinker::TinkerPath& path) const;
   // One run's checkpoints, newest first.
   Result<Page<Checkpoint>> ListCheckpoints(const std::string& model_id, PageRequest page) const;
   // All of an owner's checkpoints across runs, newest first.
   Result<Page<Checkpoint>> ListOwnerCheckpoints(const std::string& owner, PageRequest page) const;
   // Removes the files, then the row. NotFound if there is no such checkpoint.
-  Status DeleteCheckpoint(const TinkerPath& path);
-  Status SetPublic(const TinkerPath& path, bool is_public);
+  Status DeleteCheckpoint(const tinker::TinkerPath& path);
+  Status SetPublic(const tinker::TinkerPath& path, bool is_public);
   // expires_ms unset clears the expiry.
-  Status SetExpiry(const TinkerPath& path, std::optional<int64_t> expires_ms);
+  Status SetExpiry(const tinker::TinkerPath& path, std::optional<int64_t> expires_ms);
   // Deletes (files, then rows) every checkpoint with expires_ms <= now_ms and
   // returns what was removed.
   Result<std::vector<Checkpoint>> SweepExpired(int64_t now_ms);
@@ -191,7 +191,7 @@ class Registry {
   // The directory of one version of a checkpoint (validates the names).
   Result<std::string> VersionDir(const std::string& model_id, const std::string& kind, const std::string& name,
                                  int64_t version) const;
-  Result<Checkpoint> GetLocked(const TinkerPath& path) const;  // mu_ held
+  Result<Checkpoint> GetLocked(const tinker::TinkerPath& path) const;  // mu_ held
   Status DeleteLocked(const Checkpoint& c);                      // mu_ held; c as read from its row
   // Open(): drops rows without files and deletes directories without rows.
   Status ReconcileLocked();

@@ -68,7 +68,7 @@ T Load(const char* p) {
 float Bf16ToFloat(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
 
 // Appends n values of a wire dtype from raw bytes to the Array's storage.
-void AppendValues(const char* p, size_t n, int dtype, engine::Array* a) {
+void AppendValues(const char* p, size_t n, int dtype, tinker::Array* a) {
   switch (dtype) {
     case pb::DTYPE_FLOAT32: {
       size_t old = a->f32.size();
@@ -249,12 +249,12 @@ Status CheckFinite(const std::vector<float>& v, const std::string& where) {
 // check runs before the dense form is allocated, and the allocation is taken
 // from the request's budget first.
 Status DecodeTensor(const pb::Tensor& t, const std::string& where, int64_t tokens, DenseBudget* budget,
-                    engine::Array* out) {
+                    tinker::Array* out) {
   const int dtype = t.dtype();
   const size_t esize = DTypeSize(dtype);
   if (esize == 0) return Status::Invalid(where + ": unsupported dtype " + std::to_string(dtype));
-  out->dtype = IsFloatDType(dtype) ? engine::Array::DType::kFloat32 : engine::Array::DType::kInt64;
-  const size_t out_esize = out->dtype == engine::Array::DType::kFloat32 ? sizeof(float) : sizeof(int64_t);
+  out->dtype = IsFloatDType(dtype) ? tinker::Array::DType::kFloat32 : tinker::Array::DType::kInt64;
+  const size_t out_esize = out->dtype == tinker::Array::DType::kFloat32 ? sizeof(float) : sizeof(int64_t);
   out->shape.assign(t.shape().begin(), t.shape().end());
   out->f32.clear();
   out->i64.clear();
@@ -305,19 +305,19 @@ Status DecodeTensor(const pb::Tensor& t, const std::string& where, int64_t token
                                std::to_string(r));
     }
     // Decode the nnz values once, then scatter them row by row.
-    engine::Array values;
+    tinker::Array values;
     AppendValues(vals.data(), static_cast<size_t>(nnz), dtype, &values);
-    if (out->dtype == engine::Array::DType::kFloat32) out->f32.assign(numel, 0.0f);
+    if (out->dtype == tinker::Array::DType::kFloat32) out->f32.assign(numel, 0.0f);
     else out->i64.assign(numel, 0);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = Load<int64_t>(crow.data() + 8 * r), e = Load<int64_t>(crow.data() + 8 * (r + 1));
       for (int64_t k = b; k < e; ++k) {
         const size_t at = static_cast<size_t>(r * cols + Load<int64_t>(col.data() + 8 * k));
-        if (out->dtype == engine::Array::DType::kFloat32) out->f32[at] = values.f32[k];
+        if (out->dtype == tinker::Array::DType::kFloat32) out->f32[at] = values.f32[k];
         else out->i64[at] = values.i64[k];
       }
     }
-    return out->dtype == engine::Array::DType::kFloat32 ? CheckFinite(out->f32, where) : Status::Ok();
+    return out->dtype == tinker::Array::DType::kFloat32 ? CheckFinite(out->f32, where) : Status::Ok();
   }
 
   const std::string& dense = t.dense();
@@ -337,13 +337,13 @@ Status DecodeTensor(const pb::Tensor& t, const std::string& where, int64_t token
                            ShapeText(out->shape) + " x " + std::to_string(esize) + " bytes (" + DTypeName(dtype) + ")");
   LOOM_WIRE_TRY(CheckLeadingDim(out->shape, tokens, where));
   LOOM_WIRE_TRY(budget->Take(numel, out_esize, where + ": shape " + ShapeText(out->shape)));
-  if (out->dtype == engine::Array::DType::kFloat32) out->f32.reserve(numel);
+  if (out->dtype == tinker::Array::DType::kFloat32) out->f32.reserve(numel);
   else out->i64.reserve(numel);
   AppendValues(dense.data(), static_cast<size_t>(numel), dtype, out);
-  return out->dtype == engine::Array::DType::kFloat32 ? CheckFinite(out->f32, where) : Status::Ok();
+  return out->dtype == tinker::Array::DType::kFloat32 ? CheckFinite(out->f32, where) : Status::Ok();
 }
 
-Status DecodeDatum(const pb::Datum& d, const std::string& where, DenseBudget* budget, engine::Datum* out) {
+Status DecodeDatum(const pb::Datum& d, const std::string& where, DenseBudget* budget, tinker::Datum* out) {
   for (int i = 0; i < d.model_input_size(); ++i) {
     const pb::Chunk& c = d.model_input(i);
     const std::string cw = where + ".model_input chunk " + std::to_string(i);
@@ -369,17 +369,17 @@ Status DecodeDatum(const pb::Datum& d, const std::string& where, DenseBudget* bu
   }
   const int64_t tokens = static_cast<int64_t>(out->tokens.size());
   for (const auto& [name, tensor] : d.loss_fn_inputs()) {
-    engine::Array a;
+    tinker::Array a;
     LOOM_WIRE_TRY(DecodeTensor(tensor, where + ".loss_fn_inputs[" + Shown(name) + "]", tokens, budget, &a));
     out->loss_fn_inputs.emplace(name, std::move(a));
   }
   return Status::Ok();
 }
 
-Status CheckArray(const engine::Array& a, const std::string& where) {
+Status CheckArray(const tinker::Array& a, const std::string& where) {
   int64_t numel = 0;
   LOOM_WIRE_TRY(Numel(a.shape, where, &numel));
-  size_t have = a.dtype == engine::Array::DType::kFloat32 ? a.f32.size() : a.i64.size();
+  size_t have = a.dtype == tinker::Array::DType::kFloat32 ? a.f32.size() : a.i64.size();
   if (have != static_cast<size_t>(numel))
     return Status::Internal(where + ": array holds " + std::to_string(have) + " values but its shape " +
                             ShapeText(a.shape) + " needs " + std::to_string(numel));
@@ -389,12 +389,12 @@ Status CheckArray(const engine::Array& a, const std::string& where) {
 // What must agree between datums that share one ArrayRecord.
 struct FieldSignature {
   std::string name;
-  engine::Array::DType dtype;
+  tinker::Array::DType dtype;
   std::vector<int64_t> trailing;
   bool operator==(const FieldSignature&) const = default;
 };
 
-std::vector<FieldSignature> SignatureOf(const std::map<std::string, engine::Array>& outputs) {
+std::vector<FieldSignature> SignatureOf(const std::map<std::string, tinker::Array>& outputs) {
   std::vector<FieldSignature> sig;
   for (const auto& [name, a] : outputs) {
     std::vector<int64_t> trailing;
@@ -404,8 +404,8 @@ std::vector<FieldSignature> SignatureOf(const std::map<std::string, engine::Arra
   return sig;
 }
 
-void AppendArrayBytes(const engine::Array& a, std::string* data) {
-  if (a.dtype == engine::Array::DType::kFloat32)
+void AppendArrayBytes(const tinker::Array& a, std::string* data) {
+  if (a.dtype == tinker::Array::DType::kFloat32)
     data->append(reinterpret_cast<const char*>(a.f32.data()), a.f32.size() * sizeof(float));
   else
     data->append(reinterpret_cast<const char*>(a.i64.data()), a.i64.size() * sizeof(int64_t));
@@ -424,7 +424,7 @@ bool IsValidMetricKey(std::string_view key) {
   return colons == 1;
 }
 
-Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
+Result<tinker::ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
                                                             const ForwardBackwardDecodeOptions& options) {
   std::string decoded;
   std::string_view bytes = body;
@@ -453,10 +453,9 @@ Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view bod
   if (!msg.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))
     return Status::Invalid("forward_backward: body is not a valid protobuf ForwardBackwardRequest");
 
-  ForwardBackwardRequest req;
+  tinker::ForwardBackwardRequest req;
   req.model_id = msg.model_id();
   req.seq_id = msg.seq_id();
-  req.call.slot = -1;
   req.call.loss_fn = msg.loss_fn();
   req.call.forward_only = msg.forward_only();
   for (const auto& [k, v] : msg.loss_fn_config()) {
@@ -473,7 +472,7 @@ Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view bod
   return req;
 }
 
-Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOutput& output) {
+Result<std::string> EncodeForwardBackwardOutput(const tinker::ForwardBackwardOutput& output) {
   pb::ForwardBackwardOutput msg;
   msg.set_loss_fn_output_type("ArrayRecord");
   for (const auto& [key, value] : output.metrics) {
@@ -495,7 +494,7 @@ Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOut
     rec->set_num_datums(static_cast<int64_t>(end - begin));
     for (const FieldSignature& f : sig) {
       pb::BatchedTensor& bt = (*rec->mutable_fields())[f.name];
-      bt.set_dtype(f.dtype == engine::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
+      bt.set_dtype(f.dtype == tinker::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
       for (int64_t t : f.trailing) bt.add_trailing_shape(t);
       std::string data, offsets;
       AppendPod<int64_t>(0, &offsets);
@@ -511,20 +510,20 @@ Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOut
   return SerializeDeterministic(msg);
 }
 
-std::string EncodeForwardBackwardRequest(const ForwardBackwardRequest& request) {
+std::string EncodeForwardBackwardRequest(const tinker::ForwardBackwardRequest& request) {
   pb::ForwardBackwardRequest msg;
   msg.set_model_id(request.model_id);
   msg.set_seq_id(request.seq_id);
   msg.set_loss_fn(request.call.loss_fn);
   msg.set_forward_only(request.call.forward_only);
   for (const auto& [k, v] : request.call.loss_fn_config) (*msg.mutable_loss_fn_config())[k] = v;
-  for (const engine::Datum& d : request.call.data) {
+  for (const tinker::Datum& d : request.call.data) {
     pb::Datum* pd = msg.add_data();
     std::string tokens(reinterpret_cast<const char*>(d.tokens.data()), d.tokens.size() * sizeof(int32_t));
     pd->add_model_input()->mutable_encoded_text()->set_tokens(std::move(tokens));
     for (const auto& [name, a] : d.loss_fn_inputs) {
       pb::Tensor& t = (*pd->mutable_loss_fn_inputs())[name];
-      t.set_dtype(a.dtype == engine::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
+      t.set_dtype(a.dtype == tinker::Array::DType::kFloat32 ? pb::DTYPE_FLOAT32 : pb::DTYPE_INT64);
       for (int64_t s : a.shape) t.add_shape(s);
       std::string bytes;
       AppendArrayBytes(a, &bytes);
@@ -534,12 +533,12 @@ std::string EncodeForwardBackwardRequest(const ForwardBackwardRequest& request) 
   return SerializeDeterministic(msg);
 }
 
-Result<engine::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes) {
+Result<tinker::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes) {
   pb::ForwardBackwardOutput msg;
   if (bytes.size() > static_cast<size_t>(INT_MAX) ||
       !msg.ParseFromArray(bytes.data(), static_cast<int>(bytes.size())))
     return Status::Invalid("ForwardBackwardOutput: not a valid protobuf message");
-  engine::ForwardBackwardOutput out;
+  tinker::ForwardBackwardOutput out;
   for (const auto& [k, v] : msg.metrics()) out.metrics[k] = v;
   for (int r = 0; r < msg.loss_fn_outputs_size(); ++r) {
     const pb::ArrayRecord& rec = msg.loss_fn_outputs(r);
@@ -565,8 +564,8 @@ Result<engine::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_vi
           return Status::Invalid(fw + ": bad byte offsets for datum " + std::to_string(d));
         int64_t elems = (e - b) / static_cast<int64_t>(esize);
         if (elems % inner != 0) return Status::Invalid(fw + ": datum size is not a multiple of trailing_shape");
-        engine::Array a;
-        a.dtype = IsFloatDType(bt.dtype()) ? engine::Array::DType::kFloat32 : engine::Array::DType::kInt64;
+        tinker::Array a;
+        a.dtype = IsFloatDType(bt.dtype()) ? tinker::Array::DType::kFloat32 : tinker::Array::DType::kInt64;
         a.shape = {elems / inner};
         a.shape.insert(a.shape.end(), bt.trailing_shape().begin(), bt.trailing_shape().end());
         AppendValues(bt.data().data() + b, static_cast<size_t>(elems), bt.dtype(), &a);

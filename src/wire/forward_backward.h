@@ -5,7 +5,7 @@
 // loss names and context windows.
 //
 // Pure functions; any thread may call them (the gateway calls them on I/O
-// threads). Only engine/api.h types cross this border; protobuf stays inside.
+// threads). Only Tinker types (tinker/) cross this border; protobuf stays inside.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -13,17 +13,10 @@
 #include <string_view>
 
 #include "common/status.h"
-#include "engine/api.h"
+#include "tinker/requests.h"
+#include "tinker/types.h"
 
 namespace loom::wire {
-
-// A decoded forward_backward submit. call.slot is left at -1: the service
-// binds the model to its slot.
-struct ForwardBackwardRequest {
-  std::string model_id;
-  int32_t seq_id = 0;
-  engine::ForwardBackwardCall call;
-};
 
 struct ForwardBackwardDecodeOptions {
   bool zstd = false;                            // body has Content-Encoding: zstd
@@ -58,23 +51,23 @@ struct ForwardBackwardDecodeOptions {
 //  - kPayloadTooLarge when the body (decoded) exceeds max_decoded_bytes.
 // Tensor dtypes widen: FLOAT32/BFLOAT16 -> Array f32, INT64/INT32 -> Array i64.
 // Several encoded_text chunks concatenate into Datum::tokens.
-Result<ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
+Result<tinker::ForwardBackwardRequest> DecodeForwardBackwardRequest(std::string_view body,
                                                             const ForwardBackwardDecodeOptions& options = {});
 
-// Encodes the engine's result per spec §8.10: loss_fn_output_type
+// Encodes a forward_backward result per spec §8.10: loss_fn_output_type
 // "ArrayRecord"; one ArrayRecord per run of consecutive datums whose outputs
 // have the same names, dtypes and trailing shapes (shape[1:]); each field is a
 // BatchedTensor with int64 byte offsets (num_datums + 1, from 0). Fails with
 // kInternal if a metric key does not contain exactly one ':' (the SDK's chunk
 // merge would crash on it) or an Array's data does not match its shape.
-Result<std::string> EncodeForwardBackwardOutput(const engine::ForwardBackwardOutput& output);
+Result<std::string> EncodeForwardBackwardOutput(const tinker::ForwardBackwardOutput& output);
 
 // The inverse directions, for tests and for C++ clients (integration tests):
 // request -> protobuf bytes (dense tensors; f32 -> FLOAT32, i64 -> INT64), and
 // protobuf ForwardBackwardOutput -> per-datum arrays (records concatenated,
 // INT32 widened to i64, BFLOAT16 to f32), as the SDK decodes it.
-std::string EncodeForwardBackwardRequest(const ForwardBackwardRequest& request);
-Result<engine::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes);
+std::string EncodeForwardBackwardRequest(const tinker::ForwardBackwardRequest& request);
+Result<tinker::ForwardBackwardOutput> DecodeForwardBackwardOutput(std::string_view bytes);
 
 // True iff key has exactly one ':' ("loss:sum").
 bool IsValidMetricKey(std::string_view key);

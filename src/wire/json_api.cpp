@@ -83,49 +83,14 @@ std::string FormatIsoTime(int64_t unix_seconds) {
   return buf;
 }
 
-// ------------------------------------------------------------ tinker paths
-
-const char* TinkerPath::kind_segment() const { return kind == Kind::kTraining ? "weights" : "sampler_weights"; }
-const char* TinkerPath::checkpoint_type() const { return kind == Kind::kTraining ? "training" : "sampler"; }
-std::string TinkerPath::checkpoint_id() const { return std::string(kind_segment()) + "/" + name; }
-std::string TinkerPath::ToString() const { return "tinker://" + training_run_id + "/" + checkpoint_id(); }
-
 namespace {
 
 constexpr std::string_view kScheme = "tinker://";
 
-Result<TinkerPath> ParseTinkerPathAt(std::string_view uri, const std::string& field) {
-  const std::string shown = "'" + std::string(uri.substr(0, 200)) + "'";
-  if (uri.substr(0, kScheme.size()) != kScheme)
-    return Status::Invalid(field + ": " + shown + " must start with tinker://");
-  std::string_view rest = uri.substr(kScheme.size());
-  std::vector<std::string_view> parts;
-  size_t start = 0;
-  for (;;) {
-    size_t slash = rest.find('/', start);
-    parts.push_back(rest.substr(start, slash == std::string_view::npos ? std::string_view::npos : slash - start));
-    if (slash == std::string_view::npos) break;
-    start = slash + 1;
-  }
-  if (parts.size() != 3)
-    return Status::Invalid(field + ": " + shown +
-                           " must have exactly 3 parts: tinker://<run_id>/<weights|sampler_weights>/<name>");
-  for (auto p : parts)
-    if (p.empty()) return Status::Invalid(field + ": " + shown + " has an empty part");
-  TinkerPath path;
-  path.training_run_id = parts[0];
-  if (parts[1] == "weights") path.kind = TinkerPath::Kind::kTraining;
-  else if (parts[1] == "sampler_weights") path.kind = TinkerPath::Kind::kSampler;
-  else return Status::Invalid(field + ": " + shown + ": kind must be 'weights' or 'sampler_weights'");
-  path.name = parts[2];
-  LOOM_WIRE_TRY(ValidateCheckpointName(path.name, field));
-  return path;
-}
-
-Status TinkerPathField(const Json& obj, const std::string& where, const char* key, TinkerPath* out) {
+Status TinkerPathField(const Json& obj, const std::string& where, const char* key, tinker::TinkerPath* out) {
   std::string s;
   LOOM_WIRE_TRY(f::String(obj, where, key, &s));
-  auto p = ParseTinkerPathAt(s, f::Path(where, key));
+  auto p = tinker::ParseTinkerPath(s, f::Path(where, key));
   if (!p.ok()) return p.status();
   *out = std::move(p.value());
   return Status::Ok();
@@ -161,31 +126,11 @@ std::string Num(double v) { return fmt::format("{}", v); }
 
 Status OptCheckpointName(const Json& obj, const std::string& where, std::optional<std::string>* name) {
   LOOM_WIRE_TRY(f::OptString(obj, where, "path", name));
-  if (*name) LOOM_WIRE_TRY(ValidateCheckpointName(**name, f::Path(where, "path")));
+  if (*name) LOOM_WIRE_TRY(tinker::ValidateCheckpointName(**name, f::Path(where, "path")));
   return Status::Ok();
 }
 
 }  // namespace
-
-Result<TinkerPath> ParseTinkerPath(std::string_view uri) { return ParseTinkerPathAt(uri, "tinker_path"); }
-
-Result<TinkerPath> ParseCheckpointId(std::string_view training_run_id, std::string_view checkpoint_id) {
-  return ParseTinkerPathAt(std::string(kScheme) + std::string(training_run_id) + "/" + std::string(checkpoint_id),
-                           "checkpoint_id");
-}
-
-Status ValidateCheckpointName(std::string_view name, std::string_view field) {
-  const std::string fld(field);
-  if (name.empty()) return Status::Invalid(fld + ": checkpoint name must not be empty");
-  if (name.size() > 256) return Status::Invalid(fld + ": checkpoint name is longer than 256 bytes");
-  if (name == "." || name == "..") return Status::Invalid(fld + ": checkpoint name must not be '.' or '..'");
-  for (char c : name) {
-    if (c == '/' || c == '\\') return Status::Invalid(fld + ": checkpoint name must not contain '/' or '\\'");
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
-      return Status::Invalid(fld + ": checkpoint name must not contain control characters");
-  }
-  return Status::Ok();
-}
 
 // --------------------------------------------------------------- requests
 
@@ -197,10 +142,10 @@ Result<ClientConfigRequest> ParseClientConfigRequest(const Json& body) {
   return r;
 }
 
-Result<CreateSessionRequest> ParseCreateSessionRequest(const Json& body) {
+Result<tinker::CreateSessionRequest> ParseCreateSessionRequest(const Json& body) {
   const std::string w = "create_session";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  CreateSessionRequest r;
+  tinker::CreateSessionRequest r;
   LOOM_WIRE_TRY(f::OptStringList(body, w, "tags", &r.tags));
   LOOM_WIRE_TRY(f::OptStringMap(body, w, "user_metadata", &r.user_metadata));
   LOOM_WIRE_TRY(f::OptString(body, w, "sdk_version", &r.sdk_version));
@@ -216,10 +161,10 @@ Result<SessionHeartbeatRequest> ParseSessionHeartbeatRequest(const Json& body) {
   return r;
 }
 
-Result<CreateModelRequest> ParseCreateModelRequest(const Json& body) {
+Result<tinker::CreateModelRequest> ParseCreateModelRequest(const Json& body) {
   const std::string w = "create_model";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  CreateModelRequest r;
+  tinker::CreateModelRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
   LOOM_WIRE_TRY(f::Int(body, w, "model_seq_id", &r.model_seq_id));
   LOOM_WIRE_TRY(NonNegative(r.model_seq_id, f::Path(w, "model_seq_id")));
@@ -265,17 +210,17 @@ Result<WeightsInfoRequest> ParseWeightsInfoRequest(const Json& body) {
   return r;
 }
 
-Result<OptimStepRequest> ParseOptimStepRequest(const Json& body) {
+Result<tinker::OptimStepRequest> ParseOptimStepRequest(const Json& body) {
   const std::string w = "optim_step";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  OptimStepRequest r;
+  tinker::OptimStepRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
   LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   const Json* ap = f::Find(body, "adam_params");
   const std::string aw = w + ".adam_params";
   if (!ap) return Status::Invalid(aw + ": required field is missing");
   LOOM_WIRE_TRY(f::RequireObject(*ap, aw));
-  engine::AdamParams& p = r.adam_params;
+  tinker::AdamParams& p = r.adam_params;
   // Ranges wide enough for any real run (the SDK's defaults are 1e-4, 0.9,
   // 0.95, 1e-12, 0, 0) and narrow enough that one step stays finite in fp32.
   struct Field {
@@ -310,10 +255,10 @@ Result<OptimStepRequest> ParseOptimStepRequest(const Json& body) {
   return r;
 }
 
-Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body) {
+Result<tinker::SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body) {
   const std::string w = "save_weights";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  SaveWeightsRequest r;
+  tinker::SaveWeightsRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
   LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
@@ -322,16 +267,16 @@ Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body) {
   return r;
 }
 
-Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
+Result<tinker::LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
   const std::string w = "load_weights";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  LoadWeightsRequest r;
+  tinker::LoadWeightsRequest r;
   if (f::Find(body, "model_id")) {
-    r.mode = LoadWeightsRequest::Mode::kTrainingClient;
+    r.mode = tinker::LoadWeightsRequest::Mode::kTrainingClient;
     LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
     LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   } else if (f::Find(body, "session_id")) {
-    r.mode = LoadWeightsRequest::Mode::kCreateModel;
+    r.mode = tinker::LoadWeightsRequest::Mode::kCreateModel;
     LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
     LOOM_WIRE_TRY(f::Int(body, w, "model_seq_id", &r.model_seq_id));
     LOOM_WIRE_TRY(NonNegative(r.model_seq_id, f::Path(w, "model_seq_id")));
@@ -341,7 +286,7 @@ Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
     return Status::Invalid(w + ".model_id: required field is missing (or session_id + model_seq_id)");
   }
   LOOM_WIRE_TRY(TinkerPathField(body, w, "path", &r.path));
-  if (r.path.kind != TinkerPath::Kind::kTraining)
+  if (r.path.kind != tinker::TinkerPath::Kind::kTraining)
     return Status::Invalid(w + ".path: must name a training checkpoint (tinker://<run>/weights/<name>), got '" +
                            r.path.ToString() + "'");
   LOOM_WIRE_TRY(f::Bool(body, w, "optimizer", &r.optimizer));
@@ -349,10 +294,10 @@ Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body) {
   return r;
 }
 
-Result<SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Json& body) {
+Result<tinker::SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Json& body) {
   const std::string w = "save_weights_for_sampler";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  SaveWeightsForSamplerRequest r;
+  tinker::SaveWeightsForSamplerRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "model_id", &r.model_id));
   LOOM_WIRE_TRY(TrainingSeqId(body, w, &r.seq_id));
   LOOM_WIRE_TRY(OptCheckpointName(body, w, &r.name));
@@ -365,10 +310,10 @@ Result<SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Jso
   return r;
 }
 
-Result<CreateSamplingSessionRequest> ParseCreateSamplingSessionRequest(const Json& body) {
+Result<tinker::CreateSamplingSessionRequest> ParseCreateSamplingSessionRequest(const Json& body) {
   const std::string w = "create_sampling_session";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  CreateSamplingSessionRequest r;
+  tinker::CreateSamplingSessionRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "session_id", &r.session_id));
   LOOM_WIRE_TRY(f::Int(body, w, "sampling_session_seq_id", &r.sampling_session_seq_id));
   LOOM_WIRE_TRY(NonNegative(r.sampling_session_seq_id, f::Path(w, "sampling_session_seq_id")));
@@ -430,11 +375,11 @@ Result<AssignProjectRequest> ParseAssignProjectRequest(const Json& body) {
 
 // ------------------------------------------------------- REST types (§8.8)
 
-Json CursorJson(const Cursor& c) {
+Json CursorJson(const tinker::Cursor& c) {
   return {{"offset", c.offset}, {"limit", c.limit}, {"total_count", c.total_count}};
 }
 
-Json CheckpointJson(const Checkpoint& c) {
+Json CheckpointJson(const tinker::Checkpoint& c) {
   Json j = {{"checkpoint_id", c.path.checkpoint_id()},
             {"checkpoint_type", c.path.checkpoint_type()},
             {"time", FormatIsoTime(c.time)},
@@ -445,7 +390,7 @@ Json CheckpointJson(const Checkpoint& c) {
   return j;
 }
 
-Json TrainingRunJson(const TrainingRun& r) {
+Json TrainingRunJson(const tinker::TrainingRun& r) {
   Json j = {{"training_run_id", r.training_run_id},
             {"base_model", r.base_model},
             {"model_owner", r.model_owner},
@@ -459,30 +404,30 @@ Json TrainingRunJson(const TrainingRun& r) {
   return j;
 }
 
-Json CheckpointsListJson(const std::vector<Checkpoint>& checkpoints, const std::optional<Cursor>& cursor) {
+Json CheckpointsListJson(const tinker::CheckpointsPage& page) {
   Json list = Json::array();
-  for (const auto& c : checkpoints) list.push_back(CheckpointJson(c));
-  return {{"checkpoints", std::move(list)}, {"cursor", cursor ? CursorJson(*cursor) : Json(nullptr)}};
+  for (const auto& c : page.checkpoints) list.push_back(CheckpointJson(c));
+  return {{"checkpoints", std::move(list)}, {"cursor", page.cursor ? CursorJson(*page.cursor) : Json(nullptr)}};
 }
 
-Json TrainingRunsJson(const std::vector<TrainingRun>& runs, const Cursor& cursor) {
+Json TrainingRunsJson(const tinker::TrainingRunsPage& page) {
   Json list = Json::array();
-  for (const auto& r : runs) list.push_back(TrainingRunJson(r));
-  return {{"training_runs", std::move(list)}, {"cursor", CursorJson(cursor)}};
+  for (const auto& r : page.runs) list.push_back(TrainingRunJson(r));
+  return {{"training_runs", std::move(list)}, {"cursor", CursorJson(page.cursor)}};
 }
 
 Json CheckpointArchiveUrlJson(const std::string& url, int64_t expires_unix) {
   return {{"url", url}, {"expires", FormatIsoTime(expires_unix)}};
 }
 
-Json SessionsListJson(const std::vector<std::string>& session_ids) { return {{"sessions", session_ids}}; }
+Json SessionsListJson(const tinker::SessionsPage& page) { return {{"sessions", page.session_ids}}; }
 
-Json SessionJson(const std::vector<std::string>& training_run_ids, const std::vector<std::string>& sampler_ids) {
-  return {{"training_run_ids", training_run_ids}, {"sampler_ids", sampler_ids}};
+Json SessionJson(const tinker::SessionInfo& session) {
+  return {{"training_run_ids", session.training_run_ids}, {"sampler_ids", session.sampler_ids}};
 }
 
-Result<PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit) {
-  PageParams p;
+Result<tinker::PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit) {
+  tinker::PageParams p;
   p.limit = default_limit;
   auto parse = [](std::string_view s, const char* name, int64_t lo, int64_t hi, int64_t* out) -> Status {
     int64_t v = 0;
@@ -526,9 +471,11 @@ Json CreateSessionJson(const std::string& session_id) {
 Json SessionHeartbeatJson() { return {{"type", "session_heartbeat"}}; }
 Json TelemetryAcceptedJson() { return {{"status", "accepted"}}; }
 
-Json GetInfoJson(const std::string& model_id, const ModelData& data, std::optional<int64_t> lora_rank) {
+Json GetInfoJson(const tinker::GetInfoResult& info) {
+  const tinker::ModelData& data = info.model_data;
+  const std::optional<int64_t>& lora_rank = info.lora_rank;
   Json j = {{"type", "get_info"},
-            {"model_id", model_id},
+            {"model_id", info.model_id},
             {"model_data", {{"arch", data.arch}, {"model_name", data.model_name}, {"tokenizer_id", data.tokenizer_id}}},
             {"is_lora", lora_rank.has_value()},
             {"model_name", data.model_name}};
@@ -536,16 +483,16 @@ Json GetInfoJson(const std::string& model_id, const ModelData& data, std::option
   return j;
 }
 
-Json WeightsInfoJson(const std::string& base_model, const engine::LoraConfig& lora) {
-  return {{"base_model", base_model},     {"is_lora", true},
+Json WeightsInfoJson(const tinker::WeightsInfoResult& info) {
+  const tinker::LoraConfig& lora = info.lora;
+  return {{"base_model", info.base_model},     {"is_lora", true},
           {"lora_rank", lora.rank},       {"train_unembed", lora.train_unembed},
           {"train_mlp", lora.train_mlp},  {"train_attn", lora.train_attn}};
 }
 
-Json GetSamplerJson(const std::string& sampler_id, const std::string& base_model,
-                    const std::optional<std::string>& model_path) {
-  Json j = {{"sampler_id", sampler_id}, {"base_model", base_model}};
-  if (model_path) j["model_path"] = *model_path;
+Json GetSamplerJson(const tinker::SamplingSessionInfo& sampler) {
+  Json j = {{"sampler_id", sampler.sampler_id}, {"base_model", sampler.base_model}};
+  if (sampler.model_path) j["model_path"] = sampler.model_path->ToString();
   return j;
 }
 
@@ -582,10 +529,15 @@ Json FutureErrorJson(const Status& status) {
   return {{"error", msg}, {"category", status.ok() ? "unknown" : status.category()}};
 }
 
-Json CreateModelResultJson(const std::string& model_id) { return {{"type", "create_model"}, {"model_id", model_id}}; }
-Json UnloadModelResultJson(const std::string& model_id) { return {{"type", "unload_model"}, {"model_id", model_id}}; }
+Json CreateModelResultJson(const tinker::CreateModelResult& r) {
+  return {{"type", "create_model"}, {"model_id", r.model_id}};
+}
+Json UnloadModelResultJson(const tinker::UnloadModelResult& r) {
+  return {{"type", "unload_model"}, {"model_id", r.model_id}};
+}
 
-Json OptimStepResultJson(const std::map<std::string, double>& metrics) {
+Json OptimStepResultJson(const tinker::OptimStepResult& r) {
+  const std::map<std::string, double>& metrics = r.metrics;
   // metrics is Dict[str, float] in the SDK: a null would fail validation, so
   // non-finite values are left out.
   Json m = Json::object();
@@ -594,17 +546,18 @@ Json OptimStepResultJson(const std::map<std::string, double>& metrics) {
   return {{"metrics", std::move(m)}};
 }
 
-Json SaveWeightsResultJson(const TinkerPath& path) { return {{"type", "save_weights"}, {"path", path.ToString()}}; }
-
-Json LoadWeightsResultJson(const TinkerPath& path, const std::string& model_id) {
-  return {{"type", "load_weights"}, {"path", path.ToString()}, {"model_id", model_id}};
+Json SaveWeightsResultJson(const tinker::SaveWeightsResult& r) {
+  return {{"type", "save_weights"}, {"path", r.path.ToString()}};
 }
 
-Json SaveWeightsForSamplerResultJson(const std::optional<TinkerPath>& path,
-                                     const std::optional<std::string>& sampling_session_id) {
+Json LoadWeightsResultJson(const tinker::LoadWeightsResult& r) {
+  return {{"type", "load_weights"}, {"path", r.path.ToString()}, {"model_id", r.model_id}};
+}
+
+Json SaveWeightsForSamplerResultJson(const tinker::SaveWeightsForSamplerResult& r) {
   Json j = {{"type", "save_weights_for_sampler"}};
-  if (path) j["path"] = path->ToString();
-  if (sampling_session_id) j["sampling_session_id"] = *sampling_session_id;
+  if (r.path) j["path"] = r.path->ToString();
+  if (r.sampling_session_id) j["sampling_session_id"] = *r.sampling_session_id;
   return j;
 }
 

@@ -7,8 +7,9 @@
 // need no state are done here too (rank >= 1, every AdamParams field in its
 // range, ttl_seconds at most 100 years, training seq_ids within int32).
 //
-// Builders return nlohmann::json; send it with DumpJson(), which never emits
-// NaN/Infinity and never throws on bad UTF-8.
+// The request and result types are Tinker's (tinker/); this file is their
+// JSON form. Builders return nlohmann::json; send it with DumpJson(), which
+// never emits NaN/Infinity and never throws on bad UTF-8.
 //
 // Pure functions; any thread may call them.
 #pragma once
@@ -22,7 +23,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "engine/api.h"
+#include "tinker/path.h"
+#include "tinker/requests.h"
+#include "tinker/results.h"
 
 namespace loom::wire {
 
@@ -53,29 +56,6 @@ std::string DumpJson(const Json& j);
 // ISO 8601 UTC with a trailing Z, seconds precision: "2026-08-08T03:35:23Z".
 std::string FormatIsoTime(int64_t unix_seconds);
 
-// ------------------------------------------------------------ tinker paths
-
-// `tinker://<training_run_id>/<weights|sampler_weights>/<name>` (spec §7.2).
-struct TinkerPath {
-  enum class Kind { kTraining, kSampler };  // "weights" / "sampler_weights"
-  std::string training_run_id;              // = model_id
-  Kind kind = Kind::kTraining;
-  std::string name;
-
-  std::string ToString() const;             // the tinker:// URI
-  std::string checkpoint_id() const;        // "weights/<name>" or "sampler_weights/<name>"
-  const char* checkpoint_type() const;      // "training" or "sampler"
-  const char* kind_segment() const;         // "weights" or "sampler_weights"
-};
-// Exactly three non-empty parts after "tinker://", kind in {weights,
-// sampler_weights}; otherwise kInvalidArgument ("tinker_path: ...").
-Result<TinkerPath> ParseTinkerPath(std::string_view uri);
-// A checkpoint id as it appears in REST routes ("weights/step_10").
-Result<TinkerPath> ParseCheckpointId(std::string_view training_run_id, std::string_view checkpoint_id);
-// A checkpoint name chosen by the user (path in save_weights): non-empty, at
-// most 256 bytes, no '/', not "." or "..", no control characters.
-Status ValidateCheckpointName(std::string_view name, std::string_view field);
-
 // --------------------------------------------------------------- requests
 
 // Longest ttl_seconds accepted (100 years): far past any real retention, and
@@ -84,36 +64,20 @@ inline constexpr int64_t kMaxTtlSeconds = int64_t{100} * 365 * 24 * 3600;
 // Training requests' seq_id (optim_step, save_weights, load_weights,
 // save_weights_for_sampler) is at most 2^31-1, as forward_backward's int32.
 
-using UserMetadata = std::map<std::string, std::string>;  // non-string values kept as JSON text
-
 struct ClientConfigRequest {            // POST /api/v1/client/config, /client/dynamic_config
   std::optional<std::string> sdk_version;
 };
 Result<ClientConfigRequest> ParseClientConfigRequest(const Json& body);
 
-struct CreateSessionRequest {           // POST /api/v1/create_session
-  std::vector<std::string> tags;
-  UserMetadata user_metadata;
-  std::optional<std::string> sdk_version;
-  std::optional<std::string> project_id;
-};
-Result<CreateSessionRequest> ParseCreateSessionRequest(const Json& body);
+Result<tinker::CreateSessionRequest> ParseCreateSessionRequest(const Json& body);
 
 struct SessionHeartbeatRequest {        // POST /api/v1/session_heartbeat
   std::string session_id;
 };
 Result<SessionHeartbeatRequest> ParseSessionHeartbeatRequest(const Json& body);
 
-struct CreateModelRequest {             // POST /api/v1/create_model
-  std::string session_id;
-  int64_t model_seq_id = 0;
-  std::string base_model;
-  UserMetadata user_metadata;
-  engine::LoraConfig lora;              // rank, seed, train_*; alpha left at the engine default
-  bool seed_given = false;              // lora_config.seed present (else the service picks one)
-};
 // Checks: model_seq_id >= 0, lora_config.rank >= 1, at least one train_* true.
-Result<CreateModelRequest> ParseCreateModelRequest(const Json& body);
+Result<tinker::CreateModelRequest> ParseCreateModelRequest(const Json& body);
 
 struct ModelIdRequest {                 // POST /api/v1/get_info, /api/v1/unload_model
   std::string model_id;
@@ -122,69 +86,28 @@ Result<ModelIdRequest> ParseGetInfoRequest(const Json& body);
 Result<ModelIdRequest> ParseUnloadModelRequest(const Json& body);
 
 struct WeightsInfoRequest {             // POST /api/v1/weights_info
-  TinkerPath path;
+  tinker::TinkerPath path;
 };
 Result<WeightsInfoRequest> ParseWeightsInfoRequest(const Json& body);
 
-struct OptimStepRequest {               // POST /api/v1/optim_step
-  std::string model_id;
-  int64_t seq_id = 0;
-  engine::AdamParams adam_params;
-};
 // All six AdamParams are required and finite. Ranges: learning_rate and
 // weight_decay in [0, 10] with learning_rate x weight_decay <= 1 (the decoupled
 // decay factor stays in [0, 1]); beta1, beta2 in [0, 1); eps in [1e-30, 1] (not
 // 0 in fp32); grad_clip_norm >= 0 (0 = off).
-Result<OptimStepRequest> ParseOptimStepRequest(const Json& body);
+Result<tinker::OptimStepRequest> ParseOptimStepRequest(const Json& body);
 
-struct SaveWeightsRequest {             // POST /api/v1/save_weights (save_state)
-  std::string model_id;
-  int64_t seq_id = 0;
-  std::optional<std::string> name;      // `path`: a checkpoint name, not a URI
-  std::optional<int64_t> ttl_seconds;   // absent = never expires; in [1, kMaxTtlSeconds]
-  bool overwrite = false;
-};
-Result<SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body);
+// `path` passes tinker::ValidateCheckpointName.
+Result<tinker::SaveWeightsRequest> ParseSaveWeightsRequest(const Json& body);
 
-struct LoadWeightsRequest {             // POST /api/v1/load_weights
-  enum class Mode { kTrainingClient, kCreateModel };
-  Mode mode = Mode::kTrainingClient;
-  // kTrainingClient: model_id + seq_id.
-  std::string model_id;
-  int64_t seq_id = 0;
-  // kCreateModel (create_model_via_load_weights): session_id + model_seq_id.
-  std::string session_id;
-  int64_t model_seq_id = 0;
-  std::optional<std::string> base_model;
-  UserMetadata user_metadata;
-  // Both modes.
-  TinkerPath path;                      // must be a /weights/ checkpoint
-  bool optimizer = false;
-  std::optional<std::string> weights_access_token;
-};
 // Mode: model_id present -> kTrainingClient (seq_id required); else
 // session_id + model_seq_id -> kCreateModel; else Invalid.
-Result<LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body);
+Result<tinker::LoadWeightsRequest> ParseLoadWeightsRequest(const Json& body);
 
-struct SaveWeightsForSamplerRequest {   // POST /api/v1/save_weights_for_sampler
-  std::string model_id;
-  int64_t seq_id = 0;
-  std::optional<std::string> name;                  // named: `path`
-  std::optional<int64_t> ttl_seconds;
-  std::optional<int64_t> sampling_session_seq_id;   // unnamed: the server makes a sampler
-  bool named() const { return name.has_value(); }
-};
 // One of path / sampling_session_seq_id is required (path wins if both).
-Result<SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Json& body);
+Result<tinker::SaveWeightsForSamplerRequest> ParseSaveWeightsForSamplerRequest(const Json& body);
 
-struct CreateSamplingSessionRequest {   // POST /api/v1/create_sampling_session
-  std::string session_id;
-  int64_t sampling_session_seq_id = 0;
-  std::optional<std::string> base_model;
-  std::optional<std::string> model_path;  // starts with tinker:// (not parsed further)
-};
 // At least one of base_model / model_path.
-Result<CreateSamplingSessionRequest> ParseCreateSamplingSessionRequest(const Json& body);
+Result<tinker::CreateSamplingSessionRequest> ParseCreateSamplingSessionRequest(const Json& body);
 
 struct RetrieveFutureRequest {          // POST /api/v1/retrieve_future
   std::string request_id;
@@ -213,49 +136,18 @@ Result<AssignProjectRequest> ParseAssignProjectRequest(const Json& body);
 
 // ------------------------------------------------------- REST types (§8.8)
 
-struct Cursor {
-  int64_t offset = 0;
-  int64_t limit = 0;
-  int64_t total_count = 0;
-};
-
-struct Checkpoint {
-  TinkerPath path;                      // gives checkpoint_id, checkpoint_type, tinker_path
-  int64_t time = 0;                     // unix seconds
-  std::optional<int64_t> size_bytes;
-  bool is_public = false;
-  std::optional<int64_t> expires_at;    // unix seconds
-};
-
-struct TrainingRun {
-  std::string training_run_id;
-  std::string base_model;
-  std::string model_owner;
-  bool is_lora = true;
-  int64_t last_request_time = 0;        // unix seconds
-  bool corrupted = false;
-  std::optional<int64_t> lora_rank;
-  std::optional<Checkpoint> last_checkpoint;
-  std::optional<Checkpoint> last_sampler_checkpoint;
-  UserMetadata user_metadata;
-};
-
-Json CheckpointJson(const Checkpoint& c);
-Json TrainingRunJson(const TrainingRun& r);
-Json CursorJson(const Cursor& c);
-Json CheckpointsListJson(const std::vector<Checkpoint>& checkpoints, const std::optional<Cursor>& cursor);
-Json TrainingRunsJson(const std::vector<TrainingRun>& runs, const Cursor& cursor);
+Json CheckpointJson(const tinker::Checkpoint& c);
+Json TrainingRunJson(const tinker::TrainingRun& r);
+Json CursorJson(const tinker::Cursor& c);
+Json CheckpointsListJson(const tinker::CheckpointsPage& page);
+Json TrainingRunsJson(const tinker::TrainingRunsPage& page);
 Json CheckpointArchiveUrlJson(const std::string& url, int64_t expires_unix);
-Json SessionsListJson(const std::vector<std::string>& session_ids);
-Json SessionJson(const std::vector<std::string>& training_run_ids, const std::vector<std::string>& sampler_ids);
+Json SessionsListJson(const tinker::SessionsPage& page);
+Json SessionJson(const tinker::SessionInfo& session);
 
 // Limit/offset query parameters with the SDK's defaults; bad values -> Invalid.
-struct PageParams {
-  int64_t limit = 20;
-  int64_t offset = 0;
-};
 // limit in [1, 10000], offset >= 0; `limit_text` / `offset_text` empty = default.
-Result<PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit = 20);
+Result<tinker::PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit = 20);
 
 // --------------------------------------------------- direct answers (§5)
 
@@ -273,15 +165,9 @@ Json CreateSessionJson(const std::string& session_id);
 Json SessionHeartbeatJson();
 Json TelemetryAcceptedJson();                               // {"status":"accepted"}
 
-struct ModelData {
-  std::string arch;                     // e.g. "qwen3"
-  std::string model_name;               // HF repo id the tokenizer loads from
-  std::string tokenizer_id;
-};
-Json GetInfoJson(const std::string& model_id, const ModelData& data, std::optional<int64_t> lora_rank);
-Json WeightsInfoJson(const std::string& base_model, const engine::LoraConfig& lora);
-Json GetSamplerJson(const std::string& sampler_id, const std::string& base_model,
-                    const std::optional<std::string>& model_path);
+Json GetInfoJson(const tinker::GetInfoResult& info);
+Json WeightsInfoJson(const tinker::WeightsInfoResult& info);
+Json GetSamplerJson(const tinker::SamplingSessionInfo& sampler);
 Json CreateSamplingSessionJson(const std::string& sampling_session_id);
 
 // ------------------------------------------------ futures (§5.21, §6)
@@ -300,12 +186,13 @@ Json CompleteMetadataJson(int64_t response_payload_size);
 Json FutureErrorJson(const Status& status);
 
 // Future results (JSON). Each carries the `type` literal the SDK accepts.
-Json CreateModelResultJson(const std::string& model_id);
-Json UnloadModelResultJson(const std::string& model_id);
-Json OptimStepResultJson(const std::map<std::string, double>& metrics);
-Json SaveWeightsResultJson(const TinkerPath& path);
-Json LoadWeightsResultJson(const TinkerPath& path, const std::string& model_id);
-Json SaveWeightsForSamplerResultJson(const std::optional<TinkerPath>& path,
-                                     const std::optional<std::string>& sampling_session_id);
+// (wire/future_result.h encodes any FutureResult, forward_backward and
+// asample included.)
+Json CreateModelResultJson(const tinker::CreateModelResult& r);
+Json UnloadModelResultJson(const tinker::UnloadModelResult& r);
+Json OptimStepResultJson(const tinker::OptimStepResult& r);
+Json SaveWeightsResultJson(const tinker::SaveWeightsResult& r);
+Json LoadWeightsResultJson(const tinker::LoadWeightsResult& r);
+Json SaveWeightsForSamplerResultJson(const tinker::SaveWeightsForSamplerResult& r);
 
 }  // namespace loom::wire

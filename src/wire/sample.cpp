@@ -37,7 +37,7 @@ Status Int32In(int64_t v, const std::string& path, int64_t lo, int32_t* out) {
   return Status::Ok();
 }
 
-Status ParseStop(const nlohmann::json& stop, const std::string& path, SamplingParams* p) {
+Status ParseStop(const nlohmann::json& stop, const std::string& path, tinker::SamplingParams* p) {
   if (stop.is_null()) return Status::Ok();
   if (stop.is_string()) {
     p->stop_strings.push_back(stop.get<std::string>());
@@ -66,7 +66,7 @@ Status ParseStop(const nlohmann::json& stop, const std::string& path, SamplingPa
   return Status::Ok();
 }
 
-Status ParseSamplingParams(const nlohmann::json& j, const std::string& w, SamplingParams* p) {
+Status ParseSamplingParams(const nlohmann::json& j, const std::string& w, tinker::SamplingParams* p) {
   LOOM_WIRE_TRY(f::RequireObject(j, w));
   std::optional<int64_t> max_tokens, top_k;
   LOOM_WIRE_TRY(f::OptInt(j, w, "max_tokens", &max_tokens));
@@ -134,10 +134,10 @@ Result<std::vector<int32_t>> ParseModelInputTokens(const nlohmann::json& model_i
   return tokens;
 }
 
-Result<SampleRequest> ParseSampleRequest(const nlohmann::json& body) {
+Result<tinker::SampleRequest> ParseSampleRequest(const nlohmann::json& body) {
   const std::string w = "asample";
   LOOM_WIRE_TRY(f::RequireObject(body, w));
-  SampleRequest r;
+  tinker::SampleRequest r;
   LOOM_WIRE_TRY(f::NonEmptyString(body, w, "sampling_session_id", &r.sampling_session_id));
   LOOM_WIRE_TRY(f::Int(body, w, "seq_id", &r.seq_id));
   std::optional<int64_t> n, topk;
@@ -156,6 +156,27 @@ Result<SampleRequest> ParseSampleRequest(const nlohmann::json& body) {
   if (topk) LOOM_WIRE_TRY(Int32In(*topk, f::Path(w, "topk_prompt_logprobs"), 0, &r.topk_prompt_logprobs));
   LOOM_WIRE_TRY(f::OptString(body, w, "base_model", &r.base_model));
   LOOM_WIRE_TRY(f::OptString(body, w, "model_path", &r.model_path));
+  return r;
+}
+
+SampleResult SampleResultOf(const tinker::SampleOutput& output) {
+  SampleResult r;
+  for (const tinker::SampledSequence& s : output.sequences) {
+    SampledSequence w;
+    w.stop_reason = s.stop_reason == tinker::StopReason::kStop ? StopReason::kStop : StopReason::kLength;
+    w.tokens = s.tokens;
+    w.logprobs = s.logprobs;
+    r.sequences.push_back(std::move(w));
+  }
+  r.prompt_logprobs = output.prompt_logprobs;
+  if (output.topk > 0) {
+    TopkPromptLogprobs t;
+    t.k = static_cast<uint32_t>(output.topk);
+    t.prompt_length = static_cast<uint32_t>(output.topk_token_ids.size() / static_cast<size_t>(output.topk));
+    t.token_ids = output.topk_token_ids;
+    t.logprobs = output.topk_logprobs;
+    r.topk_prompt_logprobs = std::move(t);
+  }
   return r;
 }
 

@@ -1,6 +1,7 @@
 // The sampling wire codec: JSON `SampleRequest` bodies of /api/v1/asample in
 // (spec §5.19, §8.1, §8.4), protobuf `tinker_public.SampleResponse` bytes out
-// (spec §8.11). The sampler fills a SampleResult; this file only translates.
+// (spec §8.11). The request and the sampler's output are Tinker's types
+// (tinker/); this file only translates.
 //
 // Pure functions; any thread may call them.
 #pragma once
@@ -13,6 +14,8 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
+#include "tinker/requests.h"
+#include "tinker/types.h"
 
 namespace loom::wire {
 
@@ -34,6 +37,8 @@ struct TopkPromptLogprobs {
   std::vector<float> logprobs;    // N*K
 };
 
+// The SampleResponse message as it goes on the wire (the sampler's
+// tinker::SampleOutput, with top-k as its own message).
 struct SampleResult {
   std::vector<SampledSequence> sequences;          // in sample_sequence_ids order
   std::optional<std::vector<float>> prompt_logprobs;  // one per prompt token, [0] = NaN
@@ -41,34 +46,14 @@ struct SampleResult {
   int32_t prompt_cache_hit_tokens = 0;
 };
 
+// The sampler's output as the SampleResponse to encode.
+SampleResult SampleResultOf(const tinker::SampleOutput& output);
+
 // Protobuf SampleResponse bytes. Fails (kInternal) if a sequence's logprobs
 // length differs from its tokens, or top-k sizes differ from N*K.
 Result<std::string> EncodeSampleResponse(const SampleResult& result);
 // The inverse, for tests and C++ clients.
 Result<SampleResult> DecodeSampleResponse(std::string_view bytes);
-
-// Tinker's SamplingParams (JSON). Defaults are the SDK's.
-struct SamplingParams {
-  std::optional<int32_t> max_tokens;
-  std::optional<uint64_t> seed;       // any 64-bit value; negatives arrive two's-complement
-  double temperature = 1.0;
-  int32_t top_k = -1;                 // -1: no limit
-  double top_p = 1.0;
-  std::vector<std::string> stop_strings;  // `stop` as a string or [string]
-  std::vector<int32_t> stop_tokens;       // `stop` as [int]
-};
-
-struct SampleRequest {
-  std::string sampling_session_id;
-  int64_t seq_id = 0;                 // may exceed 2^31
-  int32_t num_samples = 1;
-  std::vector<int32_t> prompt;        // encoded_text chunks concatenated
-  SamplingParams sampling_params;
-  bool prompt_logprobs = false;
-  int32_t topk_prompt_logprobs = 0;   // 0 = off
-  std::optional<std::string> base_model;   // in the model, unused by the high-level SDK
-  std::optional<std::string> model_path;
-};
 
 // Parses an asample body. Unknown fields are ignored. Errors are
 // kInvalidArgument naming the field ("asample.sampling_params.top_p: expected
@@ -77,7 +62,7 @@ struct SampleRequest {
 // topk_prompt_logprobs >= 0, prompt non-empty, image / dmel chunks rejected
 // ("asample.prompt chunk i: image chunks are not supported by this text-only
 // model"). Take the body through ParseJsonObject(body, "asample") first.
-Result<SampleRequest> ParseSampleRequest(const nlohmann::json& body);
+Result<tinker::SampleRequest> ParseSampleRequest(const nlohmann::json& body);
 
 // The chunk list of a JSON ModelInput ({"chunks": [...]}) as tokens; `where`
 // prefixes error messages (e.g. "asample.prompt").

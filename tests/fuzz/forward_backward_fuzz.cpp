@@ -20,25 +20,25 @@ namespace {
 using loom::fuzz::Require;
 using namespace loom;
 
-void CheckArray(const engine::Array& a) {
+void CheckArray(const tinker::Array& a) {
   int64_t n = 1;
   for (int64_t d : a.shape) {
     Require(d >= 0, "a negative dimension was accepted");
     Require(d == 0 || n <= INT64_MAX / d, "a shape whose numel overflows was accepted");
     n *= d;
   }
-  const bool f32 = a.dtype == engine::Array::DType::kFloat32;
+  const bool f32 = a.dtype == tinker::Array::DType::kFloat32;
   Require(static_cast<int64_t>(f32 ? a.f32.size() : a.i64.size()) == n, "an Array does not hold numel() values");
   Require((f32 ? a.i64.size() : a.f32.size()) == 0, "an Array holds values of both dtypes");
 }
 
-bool SameArray(const engine::Array& x, const engine::Array& y) {
+bool SameArray(const tinker::Array& x, const tinker::Array& y) {
   // Bitwise: NaN payloads must survive too.
   return x.dtype == y.dtype && x.shape == y.shape && x.f32.size() == y.f32.size() && x.i64 == y.i64 &&
          (x.f32.empty() || std::memcmp(x.f32.data(), y.f32.data(), x.f32.size() * sizeof(float)) == 0);
 }
 
-bool SameRequest(const wire::ForwardBackwardRequest& x, const wire::ForwardBackwardRequest& y) {
+bool SameRequest(const tinker::ForwardBackwardRequest& x, const tinker::ForwardBackwardRequest& y) {
   if (x.model_id != y.model_id || x.seq_id != y.seq_id || x.call.loss_fn != y.call.loss_fn ||
       x.call.forward_only != y.call.forward_only || x.call.data.size() != y.call.data.size() ||
       x.call.loss_fn_config.size() != y.call.loss_fn_config.size())
@@ -47,8 +47,8 @@ bool SameRequest(const wire::ForwardBackwardRequest& x, const wire::ForwardBackw
        ++i, ++j)
     if (i->first != j->first || std::memcmp(&i->second, &j->second, sizeof(double)) != 0) return false;
   for (size_t d = 0; d < x.call.data.size(); ++d) {
-    const engine::Datum& a = x.call.data[d];
-    const engine::Datum& b = y.call.data[d];
+    const tinker::Datum& a = x.call.data[d];
+    const tinker::Datum& b = y.call.data[d];
     if (a.tokens != b.tokens || a.loss_fn_inputs.size() != b.loss_fn_inputs.size()) return false;
     for (auto i = a.loss_fn_inputs.begin(), j = b.loss_fn_inputs.begin(); i != a.loss_fn_inputs.end(); ++i, ++j)
       if (i->first != j->first || !SameArray(i->second, j->second)) return false;
@@ -73,8 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Require(!wire::ErrorBody(req.status()).empty(), "an empty error body");
     return 0;
   }
-  Require(req->call.slot == -1, "the decoder bound a slot");
-  for (const engine::Datum& d : req->call.data)
+  for (const tinker::Datum& d : req->call.data)
     for (const auto& [name, array] : d.loss_fn_inputs) CheckArray(array);
 
   const std::string again = wire::EncodeForwardBackwardRequest(*req);

@@ -25,6 +25,7 @@ namespace {
 using loom::fuzz::Require;
 using namespace loom;
 using namespace loom::wire;
+using namespace loom::tinker;  // the types wire/ parses into
 
 // Like the gateway: a refused request becomes an error body (errors.cpp).
 bool Answer(const Status& s) {
@@ -90,7 +91,7 @@ const Decoder kDecoders[] = {
     {"optim_step",
      [](Body e, Body b) {
        Json(e, b, ParseOptimStepRequest, [](const OptimStepRequest& r) {
-         const engine::AdamParams& p = r.adam_params;
+         const tinker::AdamParams& p = r.adam_params;
          for (double v : {p.learning_rate, p.eps, p.weight_decay, p.grad_clip_norm})
            Require(std::isfinite(v) && v >= 0, "optim_step: a non-finite or negative hyperparameter");
          for (double beta : {p.beta1, p.beta2}) Require(beta >= 0 && beta < 1, "optim_step: beta outside [0, 1)");

@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "../service/fake_engine.h"
 #include "../wire/wire_test_util.h"
 #include "http/router.h"

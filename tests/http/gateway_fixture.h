@@ -95,7 +95,7 @@ class GatewayFixture : public ::testing::Test {
     return j["model_id"];
   }
   std::string FbBody(const std::string& model, int seq, int first_token = 1) {
-    wire::ForwardBackwardRequest req;
+    tinker::ForwardBackwardRequest req;
     req.model_id = model;
     req.seq_id = seq;
     engine::Datum d;

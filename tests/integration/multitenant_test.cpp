@@ -63,24 +63,24 @@ class TenantClient {
   }
 
   // This tenant's datums: lengths and tokens differ per tenant (2 datums).
-  engine::ForwardBackwardCall Data() const {
-    engine::ForwardBackwardCall call;
+  tinker::ForwardBackwardInput Data() const {
+    tinker::ForwardBackwardInput call;
     for (int k = 0; k < 2; ++k) {
       const int n = 6 + 3 * index_ + 5 * k;
-      engine::Datum d;
+      tinker::Datum d;
       std::vector<int64_t> targets;
       for (int t = 0; t < n; ++t) {
         d.tokens.push_back((index_ * 37 + k * 11 + t * 7) % 200 + 1);
         targets.push_back((index_ * 53 + k * 5 + t * 13) % 200 + 1);
       }
-      d.loss_fn_inputs["target_tokens"] = engine::Array::Ints(targets);
+      d.loss_fn_inputs["target_tokens"] = tinker::Array::Ints(targets);
       call.data.push_back(d);
     }
     return call;
   }
 
   double ForwardBackward(bool forward_only) {
-    wire::ForwardBackwardRequest req;
+    tinker::ForwardBackwardRequest req;
     req.model_id = model_;
     req.seq_id = static_cast<int32_t>(seq_++);
     req.call = Data();

@@ -78,13 +78,13 @@ class Tenant {
 
   // forward_backward (or forward) of one datum: next-token targets, all weights 1.
   testing::Reply SubmitForward(std::vector<int32_t> tokens, std::vector<int64_t> targets, bool forward_only) {
-    wire::ForwardBackwardRequest req;
+    tinker::ForwardBackwardRequest req;
     req.model_id = model_;
     req.seq_id = ++seq_;
-    engine::Datum d;
+    tinker::Datum d;
     d.tokens = std::move(tokens);
-    d.loss_fn_inputs["weights"] = engine::Array::Floats(std::vector<float>(targets.size(), 1.0f));
-    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints(std::move(targets));
+    d.loss_fn_inputs["weights"] = tinker::Array::Floats(std::vector<float>(targets.size(), 1.0f));
+    d.loss_fn_inputs["target_tokens"] = tinker::Array::Ints(std::move(targets));
     req.call.data.push_back(d);
     req.call.loss_fn = "cross_entropy";
     req.call.forward_only = forward_only;

@@ -79,13 +79,13 @@ class Flow {
 
   // forward_backward (or forward) of one fixed datum; returns the loss:sum and checks the logprobs.
   double ForwardBackward(const std::string& model, int seq, bool forward_only) {
-    wire::ForwardBackwardRequest req;
+    tinker::ForwardBackwardRequest req;
     req.model_id = model;
     req.seq_id = seq;
-    engine::Datum d;
+    tinker::Datum d;
     d.tokens = {5, 17, 42, 9, 3};
-    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({17, 42, 9, 3, 8});
-    d.loss_fn_inputs["weights"] = engine::Array::Floats({0, 1, 1, 1, 1});
+    d.loss_fn_inputs["target_tokens"] = tinker::Array::Ints({17, 42, 9, 3, 8});
+    d.loss_fn_inputs["weights"] = tinker::Array::Floats({0, 1, 1, 1, 1});
     req.call.data.push_back(d);
     req.call.loss_fn = "cross_entropy";
     req.call.forward_only = forward_only;
@@ -227,13 +227,13 @@ TEST(ServeFlow, BadRequestsGet4xxJsonWhileAnotherTenantTrains) {
   expect_json_4xx(raw.Call("POST", "/api/v1/create_session", "{}"), 401);                               // no key
   expect_json_4xx(raw.Call("POST", "/api/v1/create_session", std::string(100000, ' '), key), 413);     // oversized
   // Out-of-vocabulary tokens are refused before the engine, naming the field.
-  wire::ForwardBackwardRequest oov;
+  tinker::ForwardBackwardRequest oov;
   oov.model_id = evil.NewModel();
   oov.seq_id = 1;
-  engine::Datum d;
+  tinker::Datum d;
   d.tokens = {1, 1 << 30};
-  d.loss_fn_inputs["target_tokens"] = engine::Array::Ints({1, 2});
-  d.loss_fn_inputs["weights"] = engine::Array::Floats({1, 1});
+  d.loss_fn_inputs["target_tokens"] = tinker::Array::Ints({1, 2});
+  d.loss_fn_inputs["weights"] = tinker::Array::Floats({1, 1});
   oov.call.data.push_back(d);
   auto r = raw.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(oov), proto_key);
   expect_json_4xx(r, 400);

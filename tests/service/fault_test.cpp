@@ -43,8 +43,8 @@ TEST_F(FaultTest, LateValidationFailureFailsOnlyItsModel) {
   auto c = Wait("c", ids_[2]);
   ASSERT_EQ(a.state, FutureState::kDone);
   ASSERT_EQ(c.state, FutureState::kDone);
-  EXPECT_EQ(a.result->forward_backward->outputs.size(), 2u);
-  EXPECT_EQ(c.result->forward_backward->outputs.size(), 2u);
+  EXPECT_EQ(std::get<tinker::ForwardBackwardOutput>(*a.result).outputs.size(), 2u);
+  EXPECT_EQ(std::get<tinker::ForwardBackwardOutput>(*c.result).outputs.size(), 2u);
   EXPECT_EQ(engine_->batch_sizes(), (std::vector<size_t>{1, 3}));  // they did share a pass
   EXPECT_EQ(engine_->accumulated(1), 0u);                         // b's slot untouched
   EXPECT_EQ(engine_->accumulated(0), 1u + 2u);                    // warm-up + a's 2 datums
@@ -92,8 +92,8 @@ TEST_F(FaultTest, FailedPieceOfASplitRequestStopsItsLaterPieces) {
   EXPECT_NE(va.error.message().find("split"), std::string::npos) << va.error.message();
   auto vb = Wait("b", good);
   ASSERT_EQ(vb.state, FutureState::kDone) << vb.error.message();
-  EXPECT_EQ(vb.result->forward_backward->outputs.size(), 6u);
-  EXPECT_DOUBLE_EQ(vb.result->forward_backward->metrics.at("loss:sum"), 6.0);
+  EXPECT_EQ(std::get<tinker::ForwardBackwardOutput>(*vb.result).outputs.size(), 6u);
+  EXPECT_DOUBLE_EQ(std::get<tinker::ForwardBackwardOutput>(*vb.result).metrics.at("loss:sum"), 6.0);
   // a's third and fourth datums never reached the engine.
   size_t a_calls = 0;
   for (const auto& e : engine_->log()) {

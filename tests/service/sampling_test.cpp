@@ -10,8 +10,10 @@
 #include <thread>
 
 #include "fake_engine.h"
+#include "wire_json.h"
 #include "fake_sampler.h"
 #include "service/service.h"
+#include "wire/future_result.h"
 
 namespace loom::service {
 namespace {
@@ -55,7 +57,7 @@ class SamplingServiceTest : public ::testing::Test {
   }
   std::string Session(const std::string& tenant) { return *service_->CreateSession({tenant, ""}, {}); }
   std::string Model(const std::string& tenant, const std::string& session) {
-    wire::CreateModelRequest req;
+    tinker::CreateModelRequest req;
     req.session_id = session;
     req.base_model = "test/base";
     req.lora.rank = 4;
@@ -67,7 +69,7 @@ class SamplingServiceTest : public ::testing::Test {
   // Saves a named sampler snapshot of model (seq 1) and returns its tinker path.
   std::string Snapshot(const std::string& tenant, const std::string& model, const std::string& name,
                        int64_t seq = 1) {
-    wire::SaveWeightsForSamplerRequest req;
+    tinker::SaveWeightsForSamplerRequest req;
     req.model_id = model;
     req.seq_id = seq;
     req.name = name;
@@ -75,20 +77,20 @@ class SamplingServiceTest : public ::testing::Test {
     EXPECT_TRUE(sub.ok()) << sub.status().message();
     FutureView v = Wait(tenant, sub->request_id);
     EXPECT_EQ(v.state, FutureState::kDone) << v.error.message();
-    return v.result->json.value("path", "");
+    return wire::FutureResultJson(*v.result).value("path", "");
   }
   Result<std::string> CreateSampling(const std::string& tenant, const std::string& session, int64_t seq,
                                      std::optional<std::string> base, std::optional<std::string> path) {
-    wire::CreateSamplingSessionRequest req;
+    tinker::CreateSamplingSessionRequest req;
     req.session_id = session;
     req.sampling_session_seq_id = seq;
     req.base_model = std::move(base);
     req.model_path = std::move(path);
     return service_->CreateSamplingSession({tenant, ""}, req);
   }
-  static wire::SampleRequest Req(const std::string& sampling_session, int64_t seq, std::vector<int32_t> prompt,
+  static tinker::SampleRequest Req(const std::string& sampling_session, int64_t seq, std::vector<int32_t> prompt,
                                  int32_t max_tokens = 3, int32_t num_samples = 1) {
-    wire::SampleRequest r;
+    tinker::SampleRequest r;
     r.sampling_session_id = sampling_session;
     r.seq_id = seq;
     r.prompt = std::move(prompt);
@@ -114,7 +116,7 @@ TEST_F(SamplingServiceTest, BaseModelSessionIdIsSessionSampleSeqAndIdempotent) {
   ASSERT_TRUE(next.ok());
   EXPECT_EQ(*next, s + ":sample:1");
 
-  auto info = service_->GetSampler({"alice", ""}, *id);
+  auto info = testing::AsJson(service_->GetSampler({"alice", ""}, *id), wire::GetSamplerJson);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ((*info)["sampler_id"], *id);
   EXPECT_EQ((*info)["base_model"], "test/base");
@@ -147,7 +149,7 @@ TEST_F(SamplingServiceTest, ModelPathMustBeOwnOrPublishedSamplerWeights) {
 
   auto own = CreateSampling("alice", sa, 0, std::nullopt, path);
   ASSERT_TRUE(own.ok()) << own.status().message();
-  auto info = service_->GetSampler({"alice", ""}, *own);
+  auto info = testing::AsJson(service_->GetSampler({"alice", ""}, *own), wire::GetSamplerJson);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ((*info)["model_path"], path);
   EXPECT_EQ((*info)["base_model"], "test/base");
@@ -187,8 +189,8 @@ TEST_F(SamplingServiceTest, SampleCompletesWithSequenceIdsAndSnapshotDir) {
 
   FutureView v = Wait("alice", sub->request_id);
   ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
-  ASSERT_TRUE(v.result->sample.has_value());
-  const wire::SampleResult& r = *v.result->sample;
+  ASSERT_TRUE(std::holds_alternative<tinker::SampleOutput>(*v.result));
+  const wire::SampleResult r = wire::SampleResultOf(std::get<tinker::SampleOutput>(*v.result));
   ASSERT_EQ(r.sequences.size(), 3u);
   EXPECT_EQ(r.sequences[1].tokens, (std::vector<int32_t>{9, 10, 11, 12}));  // (7 + 1 + 1 + j) % 100
   EXPECT_EQ(r.sequences[1].stop_reason, wire::StopReason::kLength);
@@ -212,14 +214,14 @@ TEST_F(SamplingServiceTest, BaseSessionSamplesTheBaseAndPromptLogprobsArrive) {
   const std::string s = Session("alice");
   auto sampling = CreateSampling("alice", s, 0, "test/base", std::nullopt);
   ASSERT_TRUE(sampling.ok());
-  wire::SampleRequest req = Req(*sampling, 0, {3, 4, 5}, 1);  // compute_logprobs' shape
+  tinker::SampleRequest req = Req(*sampling, 0, {3, 4, 5}, 1);  // compute_logprobs' shape
   req.prompt_logprobs = true;
   req.topk_prompt_logprobs = 2;
   auto sub = service_->Sample({"alice", ""}, req);
   ASSERT_TRUE(sub.ok()) << sub.status().message();
   FutureView v = Wait("alice", sub->request_id);
   ASSERT_EQ(v.state, FutureState::kDone);
-  const wire::SampleResult& r = *v.result->sample;
+  const wire::SampleResult r = wire::SampleResultOf(std::get<tinker::SampleOutput>(*v.result));
   ASSERT_TRUE(r.prompt_logprobs.has_value());
   ASSERT_EQ(r.prompt_logprobs->size(), 3u);
   EXPECT_TRUE(std::isnan((*r.prompt_logprobs)[0]));
@@ -260,7 +262,7 @@ TEST_F(SamplingServiceTest, InvalidRequestsAre400BeforeQueueing) {
   EXPECT_NE(window.status().message().find("32"), std::string::npos);
   EXPECT_TRUE(service_->Sample({"alice", ""}, Req(*sampling, 1, {1, 2, 3, 4}, 28)).ok());  // 4 + 28 = 32 fits
 
-  wire::SampleRequest stop = Req(*sampling, 2, {1}, 2);
+  tinker::SampleRequest stop = Req(*sampling, 2, {1}, 2);
   stop.sampling_params.stop_strings = {"\n"};
   auto st = service_->Sample({"alice", ""}, stop);
   EXPECT_EQ(st.status().code(), Code::kInvalidArgument);
@@ -273,7 +275,7 @@ TEST_F(SamplingServiceTest, InvalidRequestsAre400BeforeQueueing) {
 TEST_F(SamplingServiceTest, UnnamedSaveForSamplerSessionIsSampleable) {
   const std::string s = Session("alice");
   const std::string model = Model("alice", s);
-  wire::SaveWeightsForSamplerRequest req;
+  tinker::SaveWeightsForSamplerRequest req;
   req.model_id = model;
   req.seq_id = 1;
   req.sampling_session_seq_id = 5;
@@ -281,9 +283,9 @@ TEST_F(SamplingServiceTest, UnnamedSaveForSamplerSessionIsSampleable) {
   ASSERT_TRUE(sub.ok());
   FutureView v = Wait("alice", sub->request_id);
   ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
-  const std::string sampling = v.result->json["sampling_session_id"];
+  const std::string sampling = wire::FutureResultJson(*v.result)["sampling_session_id"];
   EXPECT_EQ(sampling, s + ":sample:5");
-  auto info = service_->GetSampler({"alice", ""}, sampling);
+  auto info = testing::AsJson(service_->GetSampler({"alice", ""}, sampling), wire::GetSamplerJson);
   ASSERT_TRUE(info.ok());
   EXPECT_NE((*info)["model_path"].get<std::string>().find("/sampler_weights/"), std::string::npos);
   auto sample = service_->Sample({"alice", ""}, Req(sampling, 0, {1, 2}));
@@ -315,12 +317,12 @@ TEST(SamplingServiceNoSampler, AsampleIsUnavailableWithoutASampler) {
   Service service(so, std::make_unique<testing::FakeEngine>(2), std::move(*registry));
   service.Start();
   auto s = service.CreateSession({"alice", ""}, {});
-  wire::CreateSamplingSessionRequest cr;
+  tinker::CreateSamplingSessionRequest cr;
   cr.session_id = *s;
   cr.base_model = "test/base";
   auto id = service.CreateSamplingSession({"alice", ""}, cr);
   ASSERT_TRUE(id.ok());
-  wire::SampleRequest r;
+  tinker::SampleRequest r;
   r.sampling_session_id = *id;
   r.prompt = {1};
   EXPECT_EQ(service.Sample({"alice", ""}, r).status().code(), Code::kUnavailable);

@@ -142,7 +142,7 @@ class SchedFixture : public ::testing::Test {
   std::string NewModel(const std::string& tenant) {
     auto session = service_->CreateSession({tenant, ""}, {});
     EXPECT_TRUE(session.ok());
-    wire::CreateModelRequest req;
+    tinker::CreateModelRequest req;
     req.session_id = *session;
     req.base_model = "test/base";
     req.lora.rank = 4;
@@ -154,9 +154,9 @@ class SchedFixture : public ::testing::Test {
 
   // A forward_backward whose datum i has lengths[i] tokens; the first token
   // of every datum is `tag`, the rest count up (so outputs can be told apart).
-  static wire::ForwardBackwardRequest Fb(const std::string& model, int64_t seq, int32_t tag,
+  static tinker::ForwardBackwardRequest Fb(const std::string& model, int64_t seq, int32_t tag,
                                          const std::vector<int>& lengths, const std::string& loss = "cross_entropy") {
-    wire::ForwardBackwardRequest r;
+    tinker::ForwardBackwardRequest r;
     r.model_id = model;
     r.seq_id = seq;
     r.call.loss_fn = loss;
@@ -169,14 +169,14 @@ class SchedFixture : public ::testing::Test {
     return r;
   }
 
-  std::string Submit(const std::string& tenant, wire::ForwardBackwardRequest r) {
+  std::string Submit(const std::string& tenant, tinker::ForwardBackwardRequest r) {
     auto sub = service_->ForwardBackward({tenant, ""}, std::move(r));
     EXPECT_TRUE(sub.ok()) << sub.status().message();
     return sub.ok() ? sub->request_id : "";
   }
 
   std::string Optim(const std::string& tenant, const std::string& model, int64_t seq) {
-    wire::OptimStepRequest o;
+    tinker::OptimStepRequest o;
     o.model_id = model;
     o.seq_id = seq;
     auto sub = service_->OptimStep({tenant, ""}, o);

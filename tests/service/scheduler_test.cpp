@@ -39,8 +39,8 @@ TEST_F(SchedulerTest, RequestAboveTheBudgetIsSplitAndAnsweredOnceInDatumOrder) {
   const std::string id = Submit("a", Fb(m, 1, 7, {1, 2, 3, 4, 5}));
   auto v = Wait("a", id);
   ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
-  ASSERT_TRUE(v.result && v.result->forward_backward);
-  const auto& out = *v.result->forward_backward;
+  ASSERT_TRUE(v.result && std::holds_alternative<tinker::ForwardBackwardOutput>(*v.result));
+  const auto& out = std::get<tinker::ForwardBackwardOutput>(*v.result);
   ASSERT_EQ(out.outputs.size(), 5u);
   for (size_t i = 0; i < 5; ++i) EXPECT_EQ(out.outputs[i].at("logprobs").numel(), static_cast<int64_t>(i + 1)) << i;
   // The fake's loss:sum is the datum count of each call: the pieces' sums add up.
@@ -131,7 +131,7 @@ TEST_F(SchedulerTest, OptimStepsMergeAndExclusiveOpsRunAlone) {
   const std::string warm = Submit("c", Fb(c, 1, 1, {3}));
   engine_->WaitInForward();
   const std::string fa = Submit("a", Fb(a, 1, 2, {3}));
-  wire::SaveWeightsRequest save;
+  tinker::SaveWeightsRequest save;
   save.model_id = b;
   save.seq_id = 1;
   save.name = "ckpt";

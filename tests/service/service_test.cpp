@@ -2,6 +2,7 @@
 // chunks, dedup, gap timeout, tenant isolation, lease expiry, packing,
 // checkpoint name collisions, and a restart on the same data dir.
 #include "service/service.h"
+#include "wire/future_result.h"
 
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <thread>
 
 #include "fake_engine.h"
+#include "wire_json.h"
 
 namespace loom::service {
 namespace {
@@ -28,8 +30,8 @@ std::string TempDir(const std::string& name) {
 
 class ServiceTest : public ::testing::Test {
  protected:
-  static wire::SaveWeightsRequest SaveRequest(const std::string& model, int64_t seq, const std::string& name) {
-    wire::SaveWeightsRequest r;
+  static tinker::SaveWeightsRequest SaveRequest(const std::string& model, int64_t seq, const std::string& name) {
+    tinker::SaveWeightsRequest r;
     r.model_id = model;
     r.seq_id = seq;
     r.name = name;
@@ -68,7 +70,7 @@ class ServiceTest : public ::testing::Test {
   }
 
   std::string NewModel(const std::string& tenant, const std::string& session, int64_t seq = 0, int rank = 4) {
-    wire::CreateModelRequest req;
+    tinker::CreateModelRequest req;
     req.session_id = session;
     req.model_seq_id = seq;
     req.base_model = "test/base";
@@ -80,8 +82,8 @@ class ServiceTest : public ::testing::Test {
     return sub->model_id;
   }
 
-  static wire::CreateModelRequest CreateRequest(const std::string& session, int64_t seq) {
-    wire::CreateModelRequest req;
+  static tinker::CreateModelRequest CreateRequest(const std::string& session, int64_t seq) {
+    tinker::CreateModelRequest req;
     req.session_id = session;
     req.model_seq_id = seq;
     req.base_model = "test/base";
@@ -89,9 +91,9 @@ class ServiceTest : public ::testing::Test {
     return req;
   }
 
-  static wire::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
+  static tinker::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
                                          const std::string& loss = "cross_entropy") {
-    wire::ForwardBackwardRequest r;
+    tinker::ForwardBackwardRequest r;
     r.model_id = model;
     r.seq_id = seq;
     engine::Datum d;
@@ -151,7 +153,7 @@ TEST_F(ServiceTest, RepeatedSeqIdOrIdempotencyKeyReturnsTheOriginalFuture) {
   ASSERT_TRUE(b.ok());
   EXPECT_EQ(a->request_id, b->request_id);
   // The same idempotency key on another endpoint is not that call's retry.
-  wire::OptimStepRequest o;
+  tinker::OptimStepRequest o;
   o.model_id = m;
   o.seq_id = 2;
   auto c = service_->OptimStep({"alice", "k1"}, o);
@@ -188,7 +190,7 @@ TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
   Open();
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
-  wire::SaveWeightsRequest save = SaveRequest(m, 1, "c1");
+  tinker::SaveWeightsRequest save = SaveRequest(m, 1, "c1");
   auto saved = service_->SaveWeights({"alice", ""}, save);
   ASSERT_TRUE(saved.ok());
   ASSERT_EQ(Wait("alice", saved->request_id).state, FutureState::kDone);
@@ -202,7 +204,7 @@ TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
   EXPECT_EQ(service_->ListRunCheckpoints(bob, m).status().code(), Code::kNotFound);
   EXPECT_EQ(service_->DeleteCheckpoint(bob, m, "weights/c1").code(), Code::kNotFound);
   EXPECT_EQ(service_->GetSession(bob, s).status().code(), Code::kNotFound);
-  auto path = wire::ParseTinkerPath("tinker://" + m + "/weights/c1");
+  auto path = tinker::ParseTinkerPath("tinker://" + m + "/weights/c1");
   ASSERT_TRUE(path.ok());
   EXPECT_EQ(service_->WeightsInfo(bob, *path).status().code(), Code::kNotFound);
   // The unknown and the foreign answer alike (no existence leak).
@@ -211,10 +213,10 @@ TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
   unknown.replace(unknown.find("nobody:train:0"), 14, m);
   EXPECT_EQ(foreign, unknown);
   // Bob's lists are empty; alice's are not.
-  auto runs = service_->ListTrainingRuns(bob, {});
+  auto runs = testing::AsJson(service_->ListTrainingRuns(bob, {}), wire::TrainingRunsJson);
   ASSERT_TRUE(runs.ok());
   EXPECT_EQ((*runs)["training_runs"].size(), 0u);
-  auto mine = service_->ListTrainingRuns({"alice", ""}, {});
+  auto mine = testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson);
   ASSERT_TRUE(mine.ok());
   EXPECT_EQ((*mine)["training_runs"].size(), 1u);
 }
@@ -255,7 +257,7 @@ TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
   Open({}, /*slots=*/1);
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
-  const wire::CreateModelRequest req = CreateRequest(s, 1);
+  const tinker::CreateModelRequest req = CreateRequest(s, 1);
   // Refused up front with 503 (the SDK's base client retries it), not as a
   // failed future (a final RequestFailedError), and nothing is recorded.
   auto sub = service_->CreateModel({"alice", ""}, req);
@@ -263,7 +265,7 @@ TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
   EXPECT_EQ(sub.status().code(), Code::kUnavailable);
   EXPECT_NE(sub.status().message().find("no free adapter slot"), std::string::npos);
   EXPECT_NE(sub.status().message().find("retry"), std::string::npos);
-  EXPECT_EQ((*service_->ListTrainingRuns({"alice", ""}, {}))["training_runs"].size(), 1u);
+  EXPECT_EQ((*testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 1u);
   // Once the slot is free the same request succeeds.
   ASSERT_TRUE(service_->UnloadModel({"alice", ""}, s + ":train:0").ok());
   auto retried = service_->CreateModel({"alice", ""}, req);
@@ -278,21 +280,21 @@ TEST_F(ServiceTest, TenantQuotaRefusesCreateWith429AndSparesOtherTenants) {
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
   NewModel("alice", s, 1);
-  const wire::CreateModelRequest req = CreateRequest(s, 2);
+  const tinker::CreateModelRequest req = CreateRequest(s, 2);
   auto third = service_->CreateModel({"alice", ""}, req);
   ASSERT_FALSE(third.ok());
   EXPECT_EQ(third.status().code(), Code::kResourceExhausted);  // 429
   EXPECT_NE(third.status().message().find("--max-models-per-tenant 2"), std::string::npos)
       << third.status().message();
-  EXPECT_EQ((*service_->ListTrainingRuns({"alice", ""}, {}))["training_runs"].size(), 2u);
+  EXPECT_EQ((*testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 2u);
   // Via load_weights (create_training_client_from_state) the quota holds too.
   ASSERT_EQ(Wait("alice", service_->SaveWeights({"alice", ""}, SaveRequest(s + ":train:0", 1, "c"))->request_id).state,
             FutureState::kDone);
-  wire::LoadWeightsRequest load;
-  load.mode = wire::LoadWeightsRequest::Mode::kCreateModel;
+  tinker::LoadWeightsRequest load;
+  load.mode = tinker::LoadWeightsRequest::Mode::kCreateModel;
   load.session_id = s;
   load.model_seq_id = 2;
-  load.path = *wire::ParseTinkerPath("tinker://" + s + ":train:0/weights/c");
+  load.path = *tinker::ParseTinkerPath("tinker://" + s + ":train:0/weights/c");
   EXPECT_EQ(service_->LoadWeights({"alice", ""}, load).status().code(), Code::kResourceExhausted);
   // Another tenant still gets the free slots.
   std::string b = NewSession("bob");
@@ -354,18 +356,18 @@ TEST_F(ServiceTest, OverwriteKeepsTheCheckpointLoadableAndItsArchiveLinkWorking)
   auto token = service_->CreateArchiveToken(alice, m, "weights/ck", &expires);
   ASSERT_TRUE(token.ok());
   // save_state(overwrite=true) publishes a new version of the files elsewhere.
-  wire::SaveWeightsRequest over = SaveRequest(m, 2, "ck");
+  tinker::SaveWeightsRequest over = SaveRequest(m, 2, "ck");
   over.overwrite = true;
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, over)->request_id).state, FutureState::kDone);
   auto tar = service_->ReadArchive(*token);
   ASSERT_TRUE(tar.ok()) << tar.status().message();
   EXPECT_NE(tar->find("state.txt"), std::string::npos);
-  wire::LoadWeightsRequest load;
+  tinker::LoadWeightsRequest load;
   load.model_id = m;
   load.seq_id = 3;
-  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/ck");
+  load.path = *tinker::ParseTinkerPath("tinker://" + m + "/weights/ck");
   EXPECT_EQ(Wait("alice", service_->LoadWeights(alice, load)->request_id).state, FutureState::kDone);
-  EXPECT_EQ((*service_->ListRunCheckpoints(alice, m))["checkpoints"].size(), 1u);
+  EXPECT_EQ((*testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson))["checkpoints"].size(), 1u);
 }
 
 TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
@@ -373,10 +375,10 @@ TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
   const Caller alice{"alice", ""};
-  wire::SaveWeightsRequest save = SaveRequest(m, 1, "forever");
+  tinker::SaveWeightsRequest save = SaveRequest(m, 1, "forever");
   save.ttl_seconds = std::numeric_limits<int64_t>::max();
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
-  wire::SaveWeightsForSamplerRequest sampler;
+  tinker::SaveWeightsForSamplerRequest sampler;
   sampler.model_id = m;
   sampler.seq_id = 2;
   sampler.name = "sampler";
@@ -389,7 +391,7 @@ TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
   // A restart sweeps expired TTLs (Start()): all three stay, due in year 9999.
   service_.reset();
   Open();
-  auto list = service_->ListRunCheckpoints(alice, m);
+  auto list = testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
   ASSERT_TRUE(list.ok());
   ASSERT_EQ((*list)["checkpoints"].size(), 3u) << list->dump();
   for (const auto& c : (*list)["checkpoints"]) EXPECT_EQ(c["expires_at"], "9999-12-31T23:59:59Z") << c.dump();
@@ -430,8 +432,8 @@ TEST_F(ServiceTest, FailureOfOneCallDoesNotFailItsBatchNeighbours) {
   EXPECT_EQ(Wait("a", bad->request_id).state, FutureState::kFailed);
   FutureView g = Wait("b", good->request_id);
   ASSERT_EQ(g.state, FutureState::kDone);
-  ASSERT_TRUE(g.result && g.result->forward_backward);
-  EXPECT_EQ(g.result->forward_backward->metrics.at("loss:sum"), 1.0);
+  ASSERT_TRUE(g.result && std::holds_alternative<tinker::ForwardBackwardOutput>(*g.result));
+  EXPECT_EQ(std::get<tinker::ForwardBackwardOutput>(*g.result).metrics.at("loss:sum"), 1.0);
 }
 
 TEST_F(ServiceTest, OptimStepsOfSeveralModelsMerge) {
@@ -441,7 +443,7 @@ TEST_F(ServiceTest, OptimStepsOfSeveralModelsMerge) {
   engine_->Hold();
   auto warm = service_->ForwardBackward({"a", ""}, Fb(ma, 1, 1));
   engine_->WaitInForward();
-  wire::OptimStepRequest o;
+  tinker::OptimStepRequest o;
   o.model_id = ma;
   o.seq_id = 2;
   auto oa = service_->OptimStep({"a", ""}, o);
@@ -451,7 +453,7 @@ TEST_F(ServiceTest, OptimStepsOfSeveralModelsMerge) {
   engine_->Release();
   FutureView va = Wait("a", oa->request_id);
   ASSERT_EQ(va.state, FutureState::kDone);
-  EXPECT_EQ(va.result->json["metrics"]["grad_norm"], 0.5);
+  EXPECT_EQ(wire::FutureResultJson(*va.result)["metrics"]["grad_norm"], 0.5);
   Wait("b", ob->request_id);
   EXPECT_EQ(engine_->optim_batch_sizes(), (std::vector<size_t>{2}));
 }
@@ -460,10 +462,10 @@ TEST_F(ServiceTest, CheckpointNameCollisionIsAUserErrorNotAConflict) {
   Open();
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
-  wire::SaveWeightsRequest save = SaveRequest(m, 1, "same");
+  tinker::SaveWeightsRequest save = SaveRequest(m, 1, "same");
   auto first = service_->SaveWeights({"alice", ""}, save);
   ASSERT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
-  EXPECT_EQ(first.ok() ? Wait("alice", first->request_id).result->json["path"] : "",
+  EXPECT_EQ(first.ok() ? wire::FutureResultJson(*Wait("alice", first->request_id).result)["path"] : "",
             "tinker://" + m + "/weights/same");
   save.seq_id = 2;
   auto second = service_->SaveWeights({"alice", ""}, save);
@@ -482,27 +484,27 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
   Caller alice{"alice", ""};
-  wire::SaveWeightsRequest save = SaveRequest(m, 1, "step1");
+  tinker::SaveWeightsRequest save = SaveRequest(m, 1, "step1");
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
 
-  wire::LoadWeightsRequest load;
+  tinker::LoadWeightsRequest load;
   load.model_id = m;
   load.seq_id = 2;
-  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/step1");
+  load.path = *tinker::ParseTinkerPath("tinker://" + m + "/weights/step1");
   load.optimizer = true;
   FutureView lv = Wait("alice", service_->LoadWeights(alice, load)->request_id);
   ASSERT_EQ(lv.state, FutureState::kDone) << lv.error.message();
-  EXPECT_EQ(lv.result->json["model_id"], m);
+  EXPECT_EQ(wire::FutureResultJson(*lv.result)["model_id"], m);
 
-  wire::SaveWeightsForSamplerRequest unnamed;
+  tinker::SaveWeightsForSamplerRequest unnamed;
   unnamed.model_id = m;
   unnamed.seq_id = 3;
   unnamed.sampling_session_seq_id = 0;
   FutureView uv = Wait("alice", service_->SaveWeightsForSampler(alice, unnamed)->request_id);
   ASSERT_EQ(uv.state, FutureState::kDone) << uv.error.message();
-  EXPECT_EQ(uv.result->json["sampling_session_id"], s + ":sample:0");
+  EXPECT_EQ(wire::FutureResultJson(*uv.result)["sampling_session_id"], s + ":sample:0");
 
-  auto info = service_->WeightsInfo(alice, load.path);
+  auto info = testing::AsJson(service_->WeightsInfo(alice, load.path), wire::WeightsInfoJson);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ((*info)["lora_rank"], 4);
   EXPECT_EQ((*info)["base_model"], "test/base");
@@ -510,7 +512,7 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   // Restart on the same data dir.
   service_.reset();
   Open();
-  auto list = service_->ListUserCheckpoints(alice, {});
+  auto list = testing::AsJson(service_->ListUserCheckpoints(alice, {}), wire::CheckpointsListJson);
   ASSERT_TRUE(list.ok());
   EXPECT_EQ((*list)["checkpoints"].size(), 2u);
   EXPECT_EQ((*list)["cursor"]["total_count"], 2);
@@ -531,7 +533,7 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   EXPECT_NE(tar->find("checkpoint_complete"), std::string::npos);
   EXPECT_EQ(service_->ReadArchive("bogus").status().code(), Code::kNotFound);
   EXPECT_TRUE(service_->DeleteCheckpoint(alice, m, "weights/step1").ok());
-  auto after = service_->ListRunCheckpoints(alice, m);
+  auto after = testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ((*after)["checkpoints"].size(), 1u);
 }
@@ -541,13 +543,13 @@ TEST_F(ServiceTest, CreateFromStateViaLoadWeightsUsesTheCheckpointsLoraConfig) {
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s, 0, 8);
   Caller alice{"alice", ""};
-  wire::SaveWeightsRequest save = SaveRequest(m, 1, "ck");
+  tinker::SaveWeightsRequest save = SaveRequest(m, 1, "ck");
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, save)->request_id).state, FutureState::kDone);
-  wire::LoadWeightsRequest load;
-  load.mode = wire::LoadWeightsRequest::Mode::kCreateModel;
+  tinker::LoadWeightsRequest load;
+  load.mode = tinker::LoadWeightsRequest::Mode::kCreateModel;
   load.session_id = s;
   load.model_seq_id = 1;
-  load.path = *wire::ParseTinkerPath("tinker://" + m + "/weights/ck");
+  load.path = *tinker::ParseTinkerPath("tinker://" + m + "/weights/ck");
   auto sub = service_->LoadWeights(alice, load);
   ASSERT_TRUE(sub.ok()) << sub.status().message();
   EXPECT_EQ(sub->model_id, s + ":train:1");
@@ -561,11 +563,11 @@ TEST_F(ServiceTest, InvalidInputIsRejectedBeforeTheEngine) {
   Open();
   std::string s = NewSession("alice");
   std::string m = NewModel("alice", s);
-  wire::ForwardBackwardRequest empty;
+  tinker::ForwardBackwardRequest empty;
   empty.model_id = m;
   empty.seq_id = 1;
   EXPECT_EQ(service_->ForwardBackward({"alice", ""}, empty).status().code(), Code::kInvalidArgument);
-  wire::CreateModelRequest big;
+  tinker::CreateModelRequest big;
   big.session_id = s;
   big.model_seq_id = 1;
   big.base_model = "test/base";
@@ -585,7 +587,7 @@ TEST_F(ServiceTest, UnloadReleasesTheSlot) {
   std::string m = NewModel("alice", s);
   auto u = service_->UnloadModel({"alice", ""}, m);
   ASSERT_TRUE(u.ok());
-  EXPECT_EQ(Wait("alice", u->request_id).result->json["model_id"], m);
+  EXPECT_EQ(wire::FutureResultJson(*Wait("alice", u->request_id).result)["model_id"], m);
   const auto deadline = std::chrono::steady_clock::now() + 2s;
   while (service_->slots_in_use() != 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(5ms);

@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "store/dir_names.h"
 #include "store/sqlite.h"
 #include "store_test_util.h"
 
@@ -24,6 +25,11 @@ using testing::Bytes;
 using testing::ReadFile;
 using testing::TempDir;
 using testing::WriteFile;
+using tinker::kSamplerWeightsKind;
+using tinker::kWeightsKind;
+using tinker::TinkerPath;
+constexpr TinkerPath::Kind kTraining = TinkerPath::Kind::kTraining;
+constexpr TinkerPath::Kind kSampler = TinkerPath::Kind::kSampler;
 
 TrainingRun MakeRun(const std::string& owner, const std::string& model_id, int64_t created_ms) {
   TrainingRun r;
@@ -136,12 +142,12 @@ TEST(RegistryTest, CommitPublishesFilesAtomicallyAndRecordsSize) {
   EXPECT_EQ(ReadFile(fs::path(c->dir) / "adapter_model.safetensors"), Bytes(1000, 7));
   EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "staging"));
 
-  auto byPath = reg->GetCheckpointByPath("tinker://s1:train:0/weights/step_1");
+  auto byPath = reg->GetCheckpoint(*tinker::ParseTinkerPath("tinker://s1:train:0/weights/step_1"));
   ASSERT_TRUE(byPath.ok());
   EXPECT_EQ(byPath->size_bytes, c->size_bytes);
   EXPECT_EQ(byPath->dir, c->dir);
   EXPECT_FALSE(byPath->expires_ms.has_value());
-  EXPECT_EQ(reg->GetCheckpointByPath("tinker://s1:train:0/sampler_weights/step_1").status().code(),
+  EXPECT_EQ(reg->GetCheckpoint(*tinker::ParseTinkerPath("tinker://s1:train:0/sampler_weights/step_1")).status().code(),
             Code::kNotFound);
 
   // A second save under the same name: refused unless overwrite, and the
@@ -220,7 +226,7 @@ TEST(RegistryTest, DeleteRemovesFilesThenRow) {
   ASSERT_TRUE(reg);
   auto c = Save(*reg, "alice", "a1", kSamplerWeightsKind, "final", 10);
   ASSERT_TRUE(c.ok());
-  const TinkerPath p{"a1", kSamplerWeightsKind, "final"};
+  const TinkerPath p{"a1", kSampler, "final"};
   ASSERT_TRUE(reg->DeleteCheckpoint(p).ok());
   EXPECT_FALSE(fs::exists(c->dir));
   EXPECT_TRUE(fs::is_empty(fs::path(reg->data_dir()) / "trash"));
@@ -234,7 +240,7 @@ TEST(RegistryTest, PublicFlagAndAccess) {
   auto reg = OpenOrDie(tmp.path());
   ASSERT_TRUE(reg);
   ASSERT_TRUE(Save(*reg, "alice", "a1", kWeightsKind, "w", 10).ok());
-  const TinkerPath p{"a1", kWeightsKind, "w"};
+  const TinkerPath p{"a1", kTraining, "w"};
   EXPECT_TRUE(reg->GetCheckpoint(p)->AccessibleBy("alice"));
   EXPECT_FALSE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
   ASSERT_TRUE(reg->SetPublic(p, true).ok());
@@ -243,8 +249,8 @@ TEST(RegistryTest, PublicFlagAndAccess) {
   EXPECT_TRUE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
   ASSERT_TRUE(reg->SetPublic(p, false).ok());
   EXPECT_FALSE(reg->GetCheckpoint(p)->AccessibleBy("bob"));
-  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kWeightsKind, "none"}, true).code(), Code::kNotFound);
-  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kWeightsKind, "../x"}, true).code(), Code::kInvalidArgument);
+  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kTraining, "none"}, true).code(), Code::kNotFound);
+  EXPECT_EQ(reg->SetPublic(TinkerPath{"a1", kTraining, "../x"}, true).code(), Code::kInvalidArgument);
 }
 
 TEST(RegistryTest, TtlSweepDeletesExpiredFilesAndRows) {
@@ -257,9 +263,9 @@ TEST(RegistryTest, TtlSweepDeletesExpiredFilesAndRows) {
   auto cleared = Save(*reg, "alice", "a1", kWeightsKind, "cleared", 4, 10, 50);
   ASSERT_TRUE(early.ok() && late.ok() && forever.ok() && cleared.ok());
   EXPECT_EQ(early->expires_ms, std::optional<int64_t>(100));
-  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "cleared"}, std::nullopt).ok());
-  EXPECT_FALSE(reg->GetCheckpoint(TinkerPath{"a1", kWeightsKind, "cleared"})->expires_ms.has_value());
-  EXPECT_EQ(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "nope"}, 5).code(), Code::kNotFound);
+  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kTraining, "cleared"}, std::nullopt).ok());
+  EXPECT_FALSE(reg->GetCheckpoint(TinkerPath{"a1", kTraining, "cleared"})->expires_ms.has_value());
+  EXPECT_EQ(reg->SetExpiry(TinkerPath{"a1", kTraining, "nope"}, 5).code(), Code::kNotFound);
 
   auto first = reg->SweepExpired(150);
   ASSERT_TRUE(first.ok());
@@ -312,7 +318,7 @@ TEST(RegistryTest, RestartKeepsEverythingAndClearsLeftovers) {
     auto pub = Save(*reg, "alice", "s:train:0", kSamplerWeightsKind, "pub", 30);
     auto lost = Save(*reg, "alice", "s:train:0", kWeightsKind, "lost", 40);
     ASSERT_TRUE(kept.ok() && pub.ok() && lost.ok());
-    ASSERT_TRUE(reg->SetPublic(TinkerPath{"s:train:0", kSamplerWeightsKind, "pub"}, true).ok());
+    ASSERT_TRUE(reg->SetPublic(TinkerPath{"s:train:0", kSampler, "pub"}, true).ok());
     dir_of_kept = kept->dir;
     dir_of_lost = lost->dir;
     // A save that was being written when the process died.
@@ -380,8 +386,8 @@ TEST(RegistryTest, HugeTtlSaturatesInsteadOfWrappingIntoThePast) {
   auto raw = Save(*reg, "alice", "a1", kWeightsKind, "raw", now, 10, kMax);  // clamped on the way in
   ASSERT_TRUE(huge.ok() && raw.ok());
   EXPECT_EQ(raw->expires_ms, std::optional<int64_t>(kMaxExpiryMs));
-  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kWeightsKind, "raw"}, kMax).ok());
-  EXPECT_EQ(reg->GetCheckpoint(TinkerPath{"a1", kWeightsKind, "raw"})->expires_ms, std::optional<int64_t>(kMaxExpiryMs));
+  ASSERT_TRUE(reg->SetExpiry(TinkerPath{"a1", kTraining, "raw"}, kMax).ok());
+  EXPECT_EQ(reg->GetCheckpoint(TinkerPath{"a1", kTraining, "raw"})->expires_ms, std::optional<int64_t>(kMaxExpiryMs));
   const int64_t century_ms = int64_t{100} * 365 * 24 * 3600 * 1000;
   auto swept = reg->SweepExpired(now + century_ms);
   ASSERT_TRUE(swept.ok());
@@ -458,7 +464,7 @@ void AfterAKillAtEveryStep(bool save_first, const std::function<void(Registry& r
 }
 
 TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) {
-  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
+  const TinkerPath path{"m:train:0", kTraining, "ckpt"};
   int kept_old = 0, kept_new = 0;
   AfterAKillAtEveryStep(/*save_first=*/true, [&](Registry& reg, bool finished) {
     auto c = reg.GetCheckpoint(path);
@@ -493,7 +499,7 @@ TEST(RegistryCrashTest, KillAtEveryStepOfAnOverwriteKeepsTheOldOrTheNewVersion) 
 }
 
 TEST(RegistryCrashTest, KillAtEveryStepOfAFirstSaveLeavesNoOrphanDirectory) {
-  const TinkerPath path{"m:train:0", kWeightsKind, "ckpt"};
+  const TinkerPath path{"m:train:0", kTraining, "ckpt"};
   int lost = 0;
   AfterAKillAtEveryStep(/*save_first=*/false, [&](Registry& reg, bool) {
     auto c = reg.GetCheckpoint(path);
@@ -536,7 +542,7 @@ TEST(RegistryCrashTest, OpenDeletesDirectoriesNoRowNamesAndKeepsLiveOnes) {
   WriteFile(runs / SanitizeForPath("m:train:0") / "weights" / "README", "notes");
   auto reg = OpenOrDie(tmp.path());
   ASSERT_TRUE(reg);
-  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kWeightsKind, "kept"});
+  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kTraining, "kept"});
   ASSERT_TRUE(c.ok());
   EXPECT_EQ(c->dir, live_dir);
   EXPECT_EQ(ReadFile(fs::path(live_dir) / "adapter_model.safetensors"), Bytes(20, 7));
@@ -563,7 +569,7 @@ TEST(RegistryCrashTest, RegistryWithoutVersionColumnIsMigratedAndStillLoads) {
   WriteFile(old_dir / "adapter_model.safetensors", "abc");
   auto reg = OpenOrDie(tmp.path());
   ASSERT_TRUE(reg);
-  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kWeightsKind, "old"});
+  auto c = reg->GetCheckpoint(TinkerPath{"m:train:0", kTraining, "old"});
   ASSERT_TRUE(c.ok()) << c.status().message();
   EXPECT_EQ(c->version, 0);
   EXPECT_EQ(c->dir, old_dir.string());

@@ -14,6 +14,8 @@
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 using nlohmann::json;
 using testing::Base64Decode;
 using testing::CaptureFiles;
@@ -44,9 +46,9 @@ std::vector<double> ExpectedDense(const json& t) {
   return out;
 }
 
-std::vector<double> AsDoubles(const engine::Array& a) {
+std::vector<double> AsDoubles(const tinker::Array& a) {
   std::vector<double> out;
-  if (a.dtype == engine::Array::DType::kFloat32)
+  if (a.dtype == tinker::Array::DType::kFloat32)
     for (float v : a.f32) out.push_back(v);
   else
     for (int64_t v : a.i64) out.push_back(static_cast<double>(v));
@@ -63,13 +65,12 @@ void CheckForwardBackward(const json& req, const std::string& body, const std::s
   EXPECT_EQ(r->seq_id, want["seq_id"].get<int>()) << where;
   EXPECT_EQ(r->call.loss_fn, want["loss_fn"].get<std::string>()) << where;
   EXPECT_EQ(r->call.forward_only, want["forward_only"].get<bool>()) << where;
-  EXPECT_EQ(r->call.slot, -1);
   std::map<std::string, double> cfg = want["loss_fn_config"].get<std::map<std::string, double>>();
   EXPECT_EQ(r->call.loss_fn_config, cfg) << where;
   ASSERT_EQ(r->call.data.size(), want["data"].size()) << where;
   for (size_t d = 0; d < want["data"].size(); ++d) {
     const json& wd = want["data"][d];
-    const engine::Datum& got = r->call.data[d];
+    const tinker::Datum& got = r->call.data[d];
     std::vector<int32_t> tokens;
     for (const auto& chunk : wd["model_input"])
       for (const auto& t : chunk["encoded_text"]["tokens(int32 LE)"]) tokens.push_back(t.get<int32_t>());
@@ -77,10 +78,10 @@ void CheckForwardBackward(const json& req, const std::string& body, const std::s
     ASSERT_EQ(got.loss_fn_inputs.size(), wd["loss_fn_inputs"].size()) << where;
     for (const auto& [name, t] : wd["loss_fn_inputs"].items()) {
       ASSERT_TRUE(got.loss_fn_inputs.count(name)) << where << " missing " << name;
-      const engine::Array& a = got.loss_fn_inputs.at(name);
+      const tinker::Array& a = got.loss_fn_inputs.at(name);
       EXPECT_EQ(a.shape, t["shape"].get<std::vector<int64_t>>()) << where << " " << name;
       bool is_float = t["dtype"] == "DTYPE_FLOAT32" || t["dtype"] == "DTYPE_BFLOAT16";
-      EXPECT_EQ(a.dtype == engine::Array::DType::kFloat32, is_float) << where << " " << name;
+      EXPECT_EQ(a.dtype == tinker::Array::DType::kFloat32, is_float) << where << " " << name;
       auto want_values = ExpectedDense(t);
       auto got_values = AsDoubles(a);
       ASSERT_EQ(got_values.size(), want_values.size()) << where << " " << name;
@@ -286,7 +287,7 @@ TEST(Captures, RecordedProtobufAnswersDecode) {
       for (const auto& rec : want["loss_fn_outputs"]) n += rec["num_datums"].get<size_t>();
       ASSERT_EQ(r->outputs.size(), n) << where;
       // Re-encode and decode again: same per-datum values.
-      engine::ForwardBackwardOutput o = r.value();
+      tinker::ForwardBackwardOutput o = r.value();
       auto again = EncodeForwardBackwardOutput(o);
       ASSERT_TRUE(again.ok()) << again.status().message();
       auto back = DecodeForwardBackwardOutput(again.value());

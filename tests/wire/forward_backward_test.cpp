@@ -12,6 +12,8 @@
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 namespace pb = ::tinker_public;
 using testing::HexDecode;
 
@@ -74,11 +76,11 @@ TEST(ForwardBackwardRequest, GoldenBytesDecode) {
   const auto& d = r->call.data[0];
   EXPECT_EQ(d.tokens, (std::vector<int32_t>{1, 2, 3}));
   const auto& tt = d.loss_fn_inputs.at("target_tokens");
-  EXPECT_EQ(tt.dtype, engine::Array::DType::kInt64);
+  EXPECT_EQ(tt.dtype, tinker::Array::DType::kInt64);
   EXPECT_EQ(tt.shape, (std::vector<int64_t>{3}));
   EXPECT_EQ(tt.i64, (std::vector<int64_t>{2, 3, 4}));
   const auto& w = d.loss_fn_inputs.at("weights");
-  EXPECT_EQ(w.dtype, engine::Array::DType::kFloat32);
+  EXPECT_EQ(w.dtype, tinker::Array::DType::kFloat32);
   EXPECT_EQ(w.f32, (std::vector<float>{0.f, 1.f, 1.f}));
 }
 
@@ -152,7 +154,7 @@ TEST(ForwardBackwardRequest, WidensInt32AndBfloat16) {
   auto r = DecodeForwardBackwardRequest(RequestWithTensor(i32, "target_tokens"));
   ASSERT_TRUE(r.ok()) << r.status().message();
   const auto& a = r->call.data[0].loss_fn_inputs.at("target_tokens");
-  EXPECT_EQ(a.dtype, engine::Array::DType::kInt64);
+  EXPECT_EQ(a.dtype, tinker::Array::DType::kInt64);
   EXPECT_EQ(a.i64, (std::vector<int64_t>{-1, 7, 151645}));
 
   pb::Tensor bf;
@@ -276,14 +278,14 @@ TEST(ForwardBackwardRequest, ZstdBodiesAndTheirLimits) {
   EXPECT_EQ(DecodeStatus(golden, plain).code(), Code::kPayloadTooLarge);
 }
 
-engine::Array F32(std::vector<float> v, std::vector<int64_t> shape = {}) {
-  engine::Array a = engine::Array::Floats(std::move(v));
+tinker::Array F32(std::vector<float> v, std::vector<int64_t> shape = {}) {
+  tinker::Array a = tinker::Array::Floats(std::move(v));
   if (!shape.empty()) a.shape = std::move(shape);
   return a;
 }
 
 TEST(ForwardBackwardOutput, GoldenBytesExactly) {
-  engine::ForwardBackwardOutput o;
+  tinker::ForwardBackwardOutput o;
   o.outputs = {{{"logprobs", F32({-0.5f, -1.0f})}}, {{"logprobs", F32({-0.25f})}}};
   o.metrics = {{"loss:sum", 1.5}};
   auto bytes = EncodeForwardBackwardOutput(o);
@@ -292,7 +294,7 @@ TEST(ForwardBackwardOutput, GoldenBytesExactly) {
 }
 
 TEST(ForwardBackwardOutput, ByteOffsetsStartAtZeroAndCountBytes) {
-  engine::ForwardBackwardOutput o;
+  tinker::ForwardBackwardOutput o;
   o.outputs = {{{"logprobs", F32({1, 2})}, {"elementwise_loss", F32({3, 4})}},
                {{"logprobs", F32({})}, {"elementwise_loss", F32({})}},
                {{"logprobs", F32({5, 6, 7})}, {"elementwise_loss", F32({8, 9, 10})}}};
@@ -320,7 +322,7 @@ TEST(ForwardBackwardOutput, ByteOffsetsStartAtZeroAndCountBytes) {
 }
 
 TEST(ForwardBackwardOutput, OneRecordPerRunOfEqualTrailingShapes) {
-  engine::ForwardBackwardOutput o;
+  tinker::ForwardBackwardOutput o;
   o.outputs = {{{"logprobs", F32({1, 2})}},
                {{"logprobs", F32({1, 2, 3, 4, 5, 6}, {3, 2})}},   // (N, K=2)
                {{"logprobs", F32({7, 8, 9, 10}, {2, 2})}},        // same trailing shape: same record
@@ -348,15 +350,15 @@ TEST(ForwardBackwardOutput, OneRecordPerRunOfEqualTrailingShapes) {
 }
 
 TEST(ForwardBackwardOutput, Int64OutputsAndEmptyBatch) {
-  engine::ForwardBackwardOutput o;
-  o.outputs = {{{"ids", engine::Array::Ints({1, -2, 3})}}};
+  tinker::ForwardBackwardOutput o;
+  o.outputs = {{{"ids", tinker::Array::Ints({1, -2, 3})}}};
   auto bytes = EncodeForwardBackwardOutput(o);
   ASSERT_TRUE(bytes.ok());
   auto back = DecodeForwardBackwardOutput(bytes.value());
   ASSERT_TRUE(back.ok());
   EXPECT_EQ(back->outputs[0].at("ids").i64, (std::vector<int64_t>{1, -2, 3}));
 
-  engine::ForwardBackwardOutput empty;
+  tinker::ForwardBackwardOutput empty;
   auto e = EncodeForwardBackwardOutput(empty);
   ASSERT_TRUE(e.ok());
   pb::ForwardBackwardOutput msg;
@@ -372,7 +374,7 @@ TEST(ForwardBackwardOutput, MetricKeysNeedExactlyOneColon) {
   EXPECT_FALSE(IsValidMetricKey("a:b:sum"));
   EXPECT_FALSE(IsValidMetricKey(""));
   for (const char* bad : {"loss", "ns:loss:sum"}) {
-    engine::ForwardBackwardOutput o;
+    tinker::ForwardBackwardOutput o;
     o.metrics = {{"loss:sum", 1.0}, {bad, 2.0}};
     auto r = EncodeForwardBackwardOutput(o);
     EXPECT_EQ(r.status().code(), Code::kInternal) << bad;
@@ -381,7 +383,7 @@ TEST(ForwardBackwardOutput, MetricKeysNeedExactlyOneColon) {
 }
 
 TEST(ForwardBackwardOutput, ArrayWhoseDataDisagreesWithItsShapeIsRefused) {
-  engine::ForwardBackwardOutput o;
+  tinker::ForwardBackwardOutput o;
   o.outputs = {{{"logprobs", F32({1, 2, 3}, {2})}}};
   EXPECT_EQ(EncodeForwardBackwardOutput(o).status().code(), Code::kInternal);
 }

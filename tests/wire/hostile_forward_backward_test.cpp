@@ -36,6 +36,8 @@ void operator delete[](void* p, size_t) noexcept { std::free(p); }
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 namespace pb = ::tinker_public;
 
 void ExpectInvalid(const Status& s, const std::string& prefix) {

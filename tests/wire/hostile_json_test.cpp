@@ -12,6 +12,8 @@
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 void ExpectInvalid(const Status& s, const std::string& prefix) {
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.message();
   EXPECT_EQ(s.message().rfind(prefix, 0), 0u) << "want prefix '" << prefix << "', got '" << s.message() << "'";

@@ -12,6 +12,8 @@
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 Json J(const std::string& s) { return Json::parse(s); }
 
 void ExpectInvalid(const Status& s, const std::string& prefix) {
@@ -206,7 +208,7 @@ TEST(JsonAnswers, NeverNaNOrInfinity) {
   EXPECT_TRUE(JsonNumber(NAN).is_null());
   EXPECT_EQ(JsonNumber(2.5), 2.5);
   // Optim-step metrics are Dict[str, float]: a null would fail validation, so leave them out.
-  Json m = OptimStepResultJson({{"grad_norm", NAN}, {"step", 3}});
+  Json m = OptimStepResultJson({{{"grad_norm", NAN}, {"step", 3}}});
   EXPECT_FALSE(m["metrics"].contains("grad_norm"));
   EXPECT_EQ(m["metrics"]["step"], 3.0);
   // Invalid UTF-8 never makes DumpJson throw.
@@ -231,13 +233,13 @@ TEST(JsonAnswers, RestTypesCarryEveryRequiredKey) {
   r.last_request_time = 0;
   r.lora_rank = 8;
   r.last_checkpoint = c;
-  Json runs = TrainingRunsJson({r}, Cursor{0, 20, 1});
+  Json runs = TrainingRunsJson({{r}, Cursor{0, 20, 1}});
   for (const char* k : {"training_run_id", "base_model", "model_owner", "is_lora", "last_request_time", "corrupted"})
     EXPECT_TRUE(runs["training_runs"][0].contains(k)) << k;
   EXPECT_EQ(runs["training_runs"][0]["last_request_time"], "1970-01-01T00:00:00Z");
   EXPECT_EQ(runs["cursor"]["total_count"], 1);
-  EXPECT_TRUE(CheckpointsListJson({c}, std::nullopt)["cursor"].is_null());
-  EXPECT_EQ(CheckpointsListJson({}, Cursor{0, 100, 0})["checkpoints"].size(), 0u);
+  EXPECT_TRUE(CheckpointsListJson({{c}, std::nullopt})["cursor"].is_null());
+  EXPECT_EQ(CheckpointsListJson({{}, Cursor{0, 100, 0}})["checkpoints"].size(), 0u);
   EXPECT_EQ(FormatIsoTime(1786160123), "2026-08-08T03:35:23Z");
 }
 
@@ -256,15 +258,15 @@ TEST(JsonAnswers, FutureStatesMatchTheSdkClassifier) {
   EXPECT_EQ(FutureErrorJson(Status::Internal(""))["category"], "server");
   EXPECT_FALSE(FutureErrorJson(Status::Internal(""))["error"].get<std::string>().empty());
   // Success results must not look like any other state.
-  for (const Json& ok : {CreateModelResultJson("m"), SaveWeightsResultJson({"m", TinkerPath::Kind::kTraining, "a"}),
-                         LoadWeightsResultJson({"m", TinkerPath::Kind::kTraining, "a"}, "m2"),
-                         SaveWeightsForSamplerResultJson(std::nullopt, std::string("s:sample:1")),
-                         OptimStepResultJson({}), UnloadModelResultJson("m")}) {
+  for (const Json& ok : {CreateModelResultJson({"m"}), SaveWeightsResultJson({{"m", TinkerPath::Kind::kTraining, "a"}}),
+                         LoadWeightsResultJson({{"m", TinkerPath::Kind::kTraining, "a"}, "m2"}),
+                         SaveWeightsForSamplerResultJson({std::nullopt, std::string("s:sample:1")}),
+                         OptimStepResultJson({}), UnloadModelResultJson({"m"})}) {
     EXPECT_FALSE(ok.contains("error")) << ok;
     EXPECT_NE(ok.value("type", ""), "try_again") << ok;
     EXPECT_FALSE(ok.contains("status")) << ok;
   }
-  EXPECT_EQ(SaveWeightsResultJson({"m", TinkerPath::Kind::kTraining, "a"})["path"], "tinker://m/weights/a");
+  EXPECT_EQ(SaveWeightsResultJson({{"m", TinkerPath::Kind::kTraining, "a"}})["path"], "tinker://m/weights/a");
   Json u = UntypedFutureJson("f9", std::nullopt, {"a", "b"});
   EXPECT_EQ(u["request_id"], "f9");
   EXPECT_FALSE(u.contains("model_id"));
@@ -278,18 +280,18 @@ TEST(JsonAnswers, DirectAnswers) {
   EXPECT_EQ(ClientConfigJson(true)["proto_compress_fwdbwd"], true);
   EXPECT_EQ(TelemetryAcceptedJson()["status"], "accepted");
   EXPECT_EQ(HealthzJson()["status"], "ok");
-  Json info = GetInfoJson("m", {"qwen3", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B"}, 8);
+  Json info = GetInfoJson({"m", {"qwen3", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B"}, 8});
   EXPECT_EQ(info["model_data"]["model_name"], "Qwen/Qwen3-8B");
   EXPECT_EQ(info["lora_rank"], 8);
   EXPECT_EQ(info["type"], "get_info");
-  engine::LoraConfig lc;
+  tinker::LoraConfig lc;
   lc.rank = 4;
   lc.train_unembed = false;
-  Json wi = WeightsInfoJson("b", lc);
+  Json wi = WeightsInfoJson({"b", lc});
   EXPECT_EQ(wi["lora_rank"], 4);
   EXPECT_EQ(wi["is_lora"], true);
   EXPECT_EQ(wi["train_unembed"], false);
-  EXPECT_FALSE(GetSamplerJson("s:sample:0", "b", std::nullopt).contains("model_path"));
+  EXPECT_FALSE(GetSamplerJson({"s:sample:0", "b", std::nullopt}).contains("model_path"));
   EXPECT_EQ(ServerCapabilitiesJson({{"tiny", 2048}})["supported_models"][0]["max_context_length"], 2048);
 }
 

@@ -13,6 +13,8 @@
 namespace loom::wire {
 namespace {
 
+using namespace loom::tinker;  // the vocabulary wire/ encodes
+
 const char* kGoldenSample = "0a160801120805000000060000001a08cdccccbdcdcc4cbe12080000c07f000080bf";
 
 Result<SampleRequest> Parse(const std::string& text) {

@@ -1,22 +1,22 @@
-// Tests of tinker path parsing, name validation and the model_id -> folder map.
-#include "store/tinker_path.h"
+// Tests of tinker path parsing and the one name rule.
+#include "tinker/path.h"
 
 #include <gtest/gtest.h>
 
-namespace loom::store {
+namespace loom::tinker {
 namespace {
 
 TEST(TinkerPathTest, ParsesValidPaths) {
   auto p = ParseTinkerPath("tinker://sess-1:train:0/weights/step_10");
   ASSERT_TRUE(p.ok()) << p.status().message();
-  EXPECT_EQ(p->model_id, "sess-1:train:0");
-  EXPECT_EQ(p->kind, "weights");
+  EXPECT_EQ(p->training_run_id, "sess-1:train:0");
+  EXPECT_STREQ(p->kind_segment(), "weights");
   EXPECT_EQ(p->name, "step_10");
   EXPECT_EQ(p->checkpoint_id(), "weights/step_10");
   EXPECT_EQ(p->ToString(), "tinker://sess-1:train:0/weights/step_10");
   auto s = ParseTinkerPath("tinker://m/sampler_weights/final.v2");
   ASSERT_TRUE(s.ok());
-  EXPECT_EQ(s->kind, "sampler_weights");
+  EXPECT_STREQ(s->kind_segment(), "sampler_weights");
 }
 
 TEST(TinkerPathTest, RejectsMalformedPathsNamingTheField) {
@@ -51,13 +51,5 @@ TEST(TinkerPathTest, ParsesCheckpointIds) {
   EXPECT_FALSE(ParseCheckpointId("run/1", "weights/a").ok());
 }
 
-TEST(TinkerPathTest, SanitizeIsInjectiveAndSafe) {
-  EXPECT_EQ(SanitizeForPath("s:train:0"), "s_3Atrain_3A0");
-  EXPECT_NE(SanitizeForPath("a_b"), SanitizeForPath("a:b"));
-  EXPECT_NE(SanitizeForPath("a_3Ab"), SanitizeForPath("a:b"));
-  EXPECT_EQ(SanitizeForPath("A-z.9"), "A-z.9");
-  for (char c : SanitizeForPath("x@y:z_w")) EXPECT_NE(c, '/');
-}
-
 }  // namespace
-}  // namespace loom::store
+}  // namespace loom::tinker
