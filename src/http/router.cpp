@@ -213,7 +213,7 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
       out.response = MethodNotAllowed(request.method, ctx.path, "GET");
       return out;
     }
-    auto tar = service_.ReadArchive(ctx.route.substr(9));
+    auto tar = service_.checkpoints().ReadArchive(ctx.route.substr(9));
     if (!tar.ok()) {
       out.response = Error(tar.status());
     } else {
@@ -278,7 +278,7 @@ HttpResponse Router::Scrape(const HttpRequest& request) {
   r.body = service::Metrics::KeepModelSeries(r.body, [&](const std::string& model_id) {
     // Live models, then the registry's runs (a model's series outlive its unload).
     return !tenant.empty() &&
-           (service_.GetInfo(caller, model_id).ok() || service_.GetTrainingRun(caller, model_id).ok());
+           (service_.GetInfo(caller, model_id).ok() || service_.checkpoints().GetTrainingRun(caller, model_id).ok());
   });
   return r;
 }
@@ -417,6 +417,14 @@ std::vector<Router::Route> Router::MakeRoutes() {
   if (!var.ok()) return Error(var.status());
   // A checkpoint route's "<kind>/<name>" (the id is not URL-encoded).
   auto checkpoint_id = [](const Args& a) { return a[1] + "/" + a[2]; };
+  // The route of an asynchronous request: its body parsed into the request
+  // the Service method submits, answered with the future's id.
+  auto submit = [=, this](const char* endpoint, auto parser, auto method) {
+    return [=, this](Context& ctx, const Args&) {
+      LOOM_PARSE(req, endpoint, parser);
+      return future_answer((service_.*method)(ctx.caller, *req));
+    };
+  };
 
   std::vector<Route> routes = {
       {"POST", "client/config",
@@ -447,11 +455,7 @@ std::vector<Router::Route> Router::MakeRoutes() {
          LOOM_PARSE(req, "telemetry", wire::ParseTelemetryRequest);
          return JsonAnswer(wire::TelemetryAcceptedJson());
        }},
-      {"POST", "create_model",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "create_model", wire::ParseCreateModelRequest);
-         return future_answer(service_.CreateModel(ctx.caller, *req));
-       }},
+      {"POST", "create_model", submit("create_model", wire::ParseCreateModelRequest, &service::Service::CreateModel)},
       {"POST", "get_info",
        [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "get_info", wire::ParseGetInfoRequest);
@@ -465,7 +469,7 @@ std::vector<Router::Route> Router::MakeRoutes() {
       {"POST", "weights_info",
        [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "weights_info", wire::ParseWeightsInfoRequest);
-         return encoded(service_.WeightsInfo(ctx.caller, req->path), wire::WeightsInfoJson);
+         return encoded(service_.checkpoints().WeightsInfo(ctx.caller, req->path), wire::WeightsInfoJson);
        }},
       {"POST", "forward_backward",
        [=, this](Context& ctx, const Args&) {
@@ -481,26 +485,10 @@ std::vector<Router::Route> Router::MakeRoutes() {
          if (!req.ok()) return Error(req.status());
          return future_answer(service_.ForwardBackward(ctx.caller, std::move(*req)));
        }},
-      {"POST", "optim_step",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "optim_step", wire::ParseOptimStepRequest);
-         return future_answer(service_.OptimStep(ctx.caller, *req));
-       }},
-      {"POST", "save_weights",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "save_weights", wire::ParseSaveWeightsRequest);
-         return future_answer(service_.SaveWeights(ctx.caller, *req));
-       }},
-      {"POST", "load_weights",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "load_weights", wire::ParseLoadWeightsRequest);
-         return future_answer(service_.LoadWeights(ctx.caller, *req));
-       }},
-      {"POST", "save_weights_for_sampler",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest);
-         return future_answer(service_.SaveWeightsForSampler(ctx.caller, *req));
-       }},
+      {"POST", "optim_step", submit("optim_step", wire::ParseOptimStepRequest, &service::Service::OptimStep)},
+      {"POST", "save_weights", submit("save_weights", wire::ParseSaveWeightsRequest, &service::Service::SaveWeights)},
+      {"POST", "load_weights", submit("load_weights", wire::ParseLoadWeightsRequest, &service::Service::LoadWeights)},
+      {"POST", "save_weights_for_sampler", submit("save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest, &service::Service::SaveWeightsForSampler)},
       {"POST", "create_sampling_session",
        [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
@@ -543,24 +531,24 @@ std::vector<Router::Route> Router::MakeRoutes() {
        [=, this](Context& ctx, const Args&) {
          auto p = page(ctx, 20);
          if (!p.ok()) return Error(p.status());
-         return encoded(service_.ListTrainingRuns(ctx.caller, *p), wire::TrainingRunsJson);
+         return encoded(service_.checkpoints().ListTrainingRuns(ctx.caller, *p), wire::TrainingRunsJson);
        }},
       {"GET", "training_runs/{}",
        [=, this](Context& ctx, const Args& a) {
-         return encoded(service_.GetTrainingRun(ctx.caller, a[0]), wire::TrainingRunJson);
+         return encoded(service_.checkpoints().GetTrainingRun(ctx.caller, a[0]), wire::TrainingRunJson);
        }},
       {"GET", "training_runs/{}/checkpoints",
        [=, this](Context& ctx, const Args& a) {
-         return encoded(service_.ListRunCheckpoints(ctx.caller, a[0]), wire::CheckpointsListJson);
+         return encoded(service_.checkpoints().ListRunCheckpoints(ctx.caller, a[0]), wire::CheckpointsListJson);
        }},
       {"DELETE", "training_runs/{}/checkpoints/{}/{}",
        [=, this](Context& ctx, const Args& a) {
-         return empty_or_error(service_.DeleteCheckpoint(ctx.caller, a[0], checkpoint_id(a)));
+         return empty_or_error(service_.checkpoints().DeleteCheckpoint(ctx.caller, a[0], checkpoint_id(a)));
        }},
       {"GET", "training_runs/{}/checkpoints/{}/{}/archive",
        [=, this](Context& ctx, const Args& a) {
          int64_t expires = 0;
-         auto token = service_.CreateArchiveToken(ctx.caller, a[0], checkpoint_id(a), &expires);
+         auto token = service_.checkpoints().CreateArchiveToken(ctx.caller, a[0], checkpoint_id(a), &expires);
          if (!token.ok()) return Error(token.status());
          std::string host = ctx.request.header("host");
          if (host.empty()) host = "127.0.0.1";
@@ -568,22 +556,22 @@ std::vector<Router::Route> Router::MakeRoutes() {
        }},
       {"POST", "training_runs/{}/checkpoints/{}/{}/publish",
        [=, this](Context& ctx, const Args& a) {
-         return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), true));
+         return empty_or_error(service_.checkpoints().SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), true));
        }},
       {"DELETE", "training_runs/{}/checkpoints/{}/{}/publish",
        [=, this](Context& ctx, const Args& a) {
-         return empty_or_error(service_.SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), false));
+         return empty_or_error(service_.checkpoints().SetCheckpointPublic(ctx.caller, a[0], checkpoint_id(a), false));
        }},
       {"PUT", "training_runs/{}/checkpoints/{}/{}/ttl",
        [=, this](Context& ctx, const Args& a) {
          LOOM_PARSE(req, "checkpoint ttl", wire::ParseCheckpointTtlRequest);
-         return empty_or_error(service_.SetCheckpointTtl(ctx.caller, a[0], checkpoint_id(a), req->ttl_seconds));
+         return empty_or_error(service_.checkpoints().SetCheckpointTtl(ctx.caller, a[0], checkpoint_id(a), req->ttl_seconds));
        }},
       {"GET", "checkpoints",
        [=, this](Context& ctx, const Args&) {
          auto p = page(ctx, 100);
          if (!p.ok()) return Error(p.status());
-         return encoded(service_.ListUserCheckpoints(ctx.caller, *p), wire::CheckpointsListJson);
+         return encoded(service_.checkpoints().ListUserCheckpoints(ctx.caller, *p), wire::CheckpointsListJson);
        }},
       {"GET", "sessions",
        [=, this](Context& ctx, const Args&) {

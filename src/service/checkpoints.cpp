@@ -83,16 +83,4 @@ Status Checkpoints::Restore(int slot, const tinker::TinkerPath& load_path, bool 
   return ckpt.ok() ? engine_.LoadState(slot, ckpt->dir, with_optimizer) : ckpt.status();
 }
 
-void Checkpoints::SweepExpired() {
-  auto swept = registry_.SweepExpired(NowMs());
-  if (swept.ok() && !swept->empty()) log::Info("ttl_sweep removed={}", swept->size());
-}
-
-void Checkpoints::ExpireGrants(Clock::time_point now) {
-  std::lock_guard<std::mutex> lock(grants_mu_);
-  for (auto it = archives_.begin(); it != archives_.end();) {
-    it = it->second.expires < now ? archives_.erase(it) : std::next(it);
-  }
-}
-
 }  // namespace loom::service

@@ -1,47 +1,34 @@
 // Checkpoints: saving and loading a model's weights through the registry
-// (staging, commit), the REST side of training runs and checkpoints, and the
-// one-time archive download grants.
+// (staging, commit). The REST side of runs and checkpoints, their TTLs and
+// the archive grants are CheckpointCatalog's (service/checkpoint_catalog.h).
 //
-// Owns: archives_ (download token -> grant). The checkpoints and runs
-// themselves are the registry's (thread-safe, durable).
+// Owns nothing: the checkpoints and runs are the registry's (thread-safe,
+// durable), the slots' weights the engine's.
 //
 // Invariants: a save is staged in a fresh folder under the registry's staging
 // area and committed whole, or not at all; save_weights and
 // save_weights_for_sampler go through one path (Save) and differ only in the
-// checkpoint kind, the engine's writer and the overwrite rule. Every REST
-// lookup compares the record's owner with the caller and answers a foreign
-// record exactly like a missing one. A grant names a checkpoint by path (it
-// is resolved at download, as an overwrite moves its files) and is refused
-// after archive_url_ttl.
+// checkpoint kind, the engine's writer and the overwrite rule.
 //
-// Threading: Save, Load and Restore call the Engine: only the engine thread
-// calls them, with no lock held. The REST methods run on any thread.
-// archives_ is guarded by grants_mu_ (its own: nothing else spans it; taken
-// after ServiceLock::mu when the janitor expires grants).
+// Threading: every method calls the Engine: only the engine thread calls
+// them, with no lock held.
 #pragma once
-#include <chrono>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <optional>
 #include <string>
 
 #include "common/status.h"
 #include "engine/api.h"
-#include "service/caller.h"
 #include "service/options.h"
 #include "service/training_models.h"
 #include "service/training_op.h"
 #include "store/registry.h"
 #include "tinker/path.h"
 #include "tinker/requests.h"
-#include "tinker/results.h"
 
 namespace loom::service {
 
 class Checkpoints {
  public:
-  using Clock = std::chrono::steady_clock;
   using ModelRef = TrainingModels::ModelRef;
 
   Checkpoints(const ServiceOptions& options, engine::Engine& engine, store::Registry& registry)
@@ -57,42 +44,11 @@ class Checkpoints {
   // Loads load_path into a freshly bound slot (create_model_via_load_weights,
   // whose access was checked at admission).
   Status Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer);
-  // Deletes the checkpoints whose TTL has passed (and logs how many).
-  void SweepExpired();
-
-  // ---- REST (any thread; rest.cpp) ----
-  Result<tinker::WeightsInfoResult> WeightsInfo(const Caller& caller, const tinker::TinkerPath& path);
-  Result<tinker::TrainingRunsPage> ListTrainingRuns(const Caller& caller, tinker::PageParams page);
-  Result<tinker::TrainingRun> GetTrainingRun(const Caller& caller, const std::string& run_id);
-  Result<tinker::CheckpointsPage> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
-  Result<tinker::CheckpointsPage> ListUserCheckpoints(const Caller& caller, tinker::PageParams page);
-  Status DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id);
-  Status SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                          std::optional<int64_t> ttl_seconds);
-  Status SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                             bool is_public);
-  Result<std::string> CreateArchiveToken(const Caller& caller, const std::string& run_id,
-                                         const std::string& checkpoint_id, int64_t* expires_unix);
-  Result<std::string> ReadArchive(const std::string& token);
-
-  // ---- the janitor ----
-  void ExpireGrants(Clock::time_point now);
 
  private:
-  struct ArchiveGrant {
-    tinker::TinkerPath path;  // resolved at download: an overwrite moves its files
-    std::string prefix;
-    Clock::time_point expires;
-  };
-
-  Result<store::Checkpoint> OwnedCheckpoint(const Caller& caller, const std::string& run_id,
-                                            const std::string& checkpoint_id);
-
   const ServiceOptions& options_;
   engine::Engine& engine_;
   store::Registry& registry_;
-  std::mutex grants_mu_;
-  std::map<std::string, ArchiveGrant> archives_;  // [grants_mu_]
 };
 
 }  // namespace loom::service

@@ -17,11 +17,11 @@ void Janitor::SweepLocked(Clock::time_point now) {
   models_.ExpireGapsLocked(now);
   futures_.Sweep(now);
   idempotency_.ExpireLocked(now);
-  checkpoints_.ExpireGrants(now);
+  catalog_.ExpireGrants(now);
   if (!last_ttl_sweep_) last_ttl_sweep_ = now;
   if (now - *last_ttl_sweep_ > std::chrono::seconds(60)) {
     last_ttl_sweep_ = now;
-    checkpoints_.SweepExpired();
+    catalog_.SweepExpired();
   }
 }
 

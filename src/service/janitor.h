@@ -14,7 +14,7 @@
 #include <chrono>
 #include <optional>
 
-#include "service/checkpoints.h"
+#include "service/checkpoint_catalog.h"
 #include "service/future_table.h"
 #include "service/idempotency.h"
 #include "service/options.h"
@@ -29,14 +29,14 @@ class Janitor {
   using Clock = std::chrono::steady_clock;
 
   Janitor(const ServiceOptions& options, FutureTable& futures, Sessions& sessions, TrainingModels& models,
-          TrainLoop& loop, IdempotencyMemory& idempotency, Checkpoints& checkpoints)
+          TrainLoop& loop, IdempotencyMemory& idempotency, CheckpointCatalog& catalog)
       : options_(options),
         futures_(futures),
         sessions_(sessions),
         models_(models),
         loop_(loop),
         idempotency_(idempotency),
-        checkpoints_(checkpoints) {}
+        catalog_(catalog) {}
 
   // Sweeps when janitor_period has passed since the last sweep.
   void SweepIfDueLocked(Clock::time_point now);
@@ -52,7 +52,7 @@ class Janitor {
   TrainingModels& models_;
   TrainLoop& loop_;
   IdempotencyMemory& idempotency_;
-  Checkpoints& checkpoints_;
+  CheckpointCatalog& catalog_;
   Clock::time_point last_sweep_{};
   std::optional<Clock::time_point> last_ttl_sweep_;  // the first sweep's time until a TTL sweep
 };

@@ -21,15 +21,16 @@ Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
       sessions_(options_, lock_, idempotency_, *registry_),
       models_(options_, engine_->info(), *registry_, futures_, lock_, sessions_, idempotency_),
       checkpoints_(options_, *engine_, *registry_),
+      catalog_(options_, *registry_),
       loop_(options_, *engine_, futures_, metrics_, lock_, sessions_, models_, checkpoints_),
-      janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, checkpoints_) {}
+      janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_) {}
 
 Service::~Service() { Stop(); }
 
 void Service::Start() {
   std::lock_guard<std::mutex> lock(lock_.mu);
   if (loop_.StartedLocked()) return;
-  checkpoints_.SweepExpired();
+  catalog_.SweepExpired();
   loop_.StartLocked([this](Clock::time_point now) { janitor_.SweepIfDueLocked(now); });
 }
 
@@ -184,48 +185,7 @@ Result<tinker::GetInfoResult> Service::GetInfo(const Caller& caller, const std::
   return info;
 }
 
-// ------------------------------------------------------- checkpoints, REST
-
-Result<tinker::WeightsInfoResult> Service::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
-  return checkpoints_.WeightsInfo(caller, path);
-}
-
-Result<tinker::TrainingRunsPage> Service::ListTrainingRuns(const Caller& caller, tinker::PageParams page) {
-  return checkpoints_.ListTrainingRuns(caller, page);
-}
-
-Result<tinker::TrainingRun> Service::GetTrainingRun(const Caller& caller, const std::string& run_id) {
-  return checkpoints_.GetTrainingRun(caller, run_id);
-}
-
-Result<tinker::CheckpointsPage> Service::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
-  return checkpoints_.ListRunCheckpoints(caller, run_id);
-}
-
-Result<tinker::CheckpointsPage> Service::ListUserCheckpoints(const Caller& caller, tinker::PageParams page) {
-  return checkpoints_.ListUserCheckpoints(caller, page);
-}
-
-Status Service::DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id) {
-  return checkpoints_.DeleteCheckpoint(caller, run_id, checkpoint_id);
-}
-
-Status Service::SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                                 std::optional<int64_t> ttl_seconds) {
-  return checkpoints_.SetCheckpointTtl(caller, run_id, checkpoint_id, ttl_seconds);
-}
-
-Status Service::SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                                    bool is_public) {
-  return checkpoints_.SetCheckpointPublic(caller, run_id, checkpoint_id, is_public);
-}
-
-Result<std::string> Service::CreateArchiveToken(const Caller& caller, const std::string& run_id,
-                                                const std::string& checkpoint_id, int64_t* expires_unix) {
-  return checkpoints_.CreateArchiveToken(caller, run_id, checkpoint_id, expires_unix);
-}
-
-Result<std::string> Service::ReadArchive(const std::string& token) { return checkpoints_.ReadArchive(token); }
+// ------------------------------------------------------- sessions, REST
 
 Result<tinker::SessionsPage> Service::ListSessions(const Caller& caller, tinker::PageParams page) {
   return sessions_.ListSessions(caller, page);

@@ -42,6 +42,7 @@
 #include "common/status.h"
 #include "engine/api.h"
 #include "service/caller.h"
+#include "service/checkpoint_catalog.h"
 #include "service/checkpoints.h"
 #include "service/future_table.h"
 #include "service/idempotency.h"
@@ -103,24 +104,11 @@ class Service {
 
   // ---- direct answers ----
   Result<tinker::GetInfoResult> GetInfo(const Caller& caller, const std::string& model_id);
-  Result<tinker::WeightsInfoResult> WeightsInfo(const Caller& caller, const tinker::TinkerPath& path);
 
   // ---- REST ----
-  Result<tinker::TrainingRunsPage> ListTrainingRuns(const Caller& caller, tinker::PageParams page);
-  Result<tinker::TrainingRun> GetTrainingRun(const Caller& caller, const std::string& run_id);
-  Result<tinker::CheckpointsPage> ListRunCheckpoints(const Caller& caller, const std::string& run_id);
-  Result<tinker::CheckpointsPage> ListUserCheckpoints(const Caller& caller, tinker::PageParams page);
-  Status DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id);
-  Status SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                          std::optional<int64_t> ttl_seconds);
-  Status SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
-                             bool is_public);
-  // A one-time download token for the checkpoint's tar (unauthenticated GET);
-  // *expires_unix receives its expiry.
-  Result<std::string> CreateArchiveToken(const Caller& caller, const std::string& run_id,
-                                         const std::string& checkpoint_id, int64_t* expires_unix);
-  // The tar bytes for a token (NotFound when unknown or expired).
-  Result<std::string> ReadArchive(const std::string& token);
+  // weights_info and the runs, checkpoints and archives endpoints: the
+  // catalog part itself (any thread), handed out rather than forwarded.
+  CheckpointCatalog& checkpoints() { return catalog_; }
   Result<tinker::SessionsPage> ListSessions(const Caller& caller, tinker::PageParams page);
   Result<tinker::SessionInfo> GetSession(const Caller& caller, const std::string& session_id);
 
@@ -143,6 +131,7 @@ class Service {
   Sessions sessions_;
   TrainingModels models_;
   Checkpoints checkpoints_;
+  CheckpointCatalog catalog_;
   TrainLoop loop_;
   Janitor janitor_;
   // Declared last: its Sampler (whose callbacks complete futures_) stops first.

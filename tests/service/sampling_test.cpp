@@ -160,7 +160,7 @@ TEST_F(SamplingServiceTest, ModelPathMustBeOwnOrPublishedSamplerWeights) {
   EXPECT_EQ(foreign.status().code(), Code::kNotFound);
   EXPECT_NE(foreign.status().message().find("model_path"), std::string::npos);
 
-  ASSERT_TRUE(service_->SetCheckpointPublic({"alice", ""}, model, "sampler_weights/snap", true).ok());
+  ASSERT_TRUE(service_->checkpoints().SetCheckpointPublic({"alice", ""}, model, "sampler_weights/snap", true).ok());
   auto published = CreateSampling("bob", sb, 1, std::nullopt, path);
   ASSERT_TRUE(published.ok()) << published.status().message();
   EXPECT_EQ(*published, sb + ":sample:1");
@@ -301,7 +301,7 @@ TEST_F(SamplingServiceTest, DeletedSnapshotIs404AtSampleTime) {
   const std::string path = Snapshot("alice", model, "gone");
   auto sampling = CreateSampling("alice", s, 0, std::nullopt, path);
   ASSERT_TRUE(sampling.ok());
-  ASSERT_TRUE(service_->DeleteCheckpoint({"alice", ""}, model, "sampler_weights/gone").ok());
+  ASSERT_TRUE(service_->checkpoints().DeleteCheckpoint({"alice", ""}, model, "sampler_weights/gone").ok());
   auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {1}));
   EXPECT_EQ(sub.status().code(), Code::kNotFound);
   EXPECT_NE(sub.status().message().find("gone"), std::string::npos);

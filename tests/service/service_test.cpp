@@ -200,23 +200,23 @@ TEST_F(ServiceTest, OtherTenantsSeeNotFoundForEverything) {
   EXPECT_EQ(service_->GetInfo(bob, m).status().code(), Code::kNotFound);
   EXPECT_EQ(service_->ForwardBackward(bob, Fb(m, 2, 1)).status().code(), Code::kNotFound);
   EXPECT_EQ(service_->Heartbeat(bob, s).code(), Code::kNotFound);
-  EXPECT_EQ(service_->GetTrainingRun(bob, m).status().code(), Code::kNotFound);
-  EXPECT_EQ(service_->ListRunCheckpoints(bob, m).status().code(), Code::kNotFound);
-  EXPECT_EQ(service_->DeleteCheckpoint(bob, m, "weights/c1").code(), Code::kNotFound);
+  EXPECT_EQ(service_->checkpoints().GetTrainingRun(bob, m).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->checkpoints().ListRunCheckpoints(bob, m).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->checkpoints().DeleteCheckpoint(bob, m, "weights/c1").code(), Code::kNotFound);
   EXPECT_EQ(service_->GetSession(bob, s).status().code(), Code::kNotFound);
   auto path = tinker::ParseTinkerPath("tinker://" + m + "/weights/c1");
   ASSERT_TRUE(path.ok());
-  EXPECT_EQ(service_->WeightsInfo(bob, *path).status().code(), Code::kNotFound);
+  EXPECT_EQ(service_->checkpoints().WeightsInfo(bob, *path).status().code(), Code::kNotFound);
   // The unknown and the foreign answer alike (no existence leak).
   std::string foreign = service_->GetInfo(bob, m).status().message();
   std::string unknown = service_->GetInfo(bob, "nobody:train:0").status().message();
   unknown.replace(unknown.find("nobody:train:0"), 14, m);
   EXPECT_EQ(foreign, unknown);
   // Bob's lists are empty; alice's are not.
-  auto runs = testing::AsJson(service_->ListTrainingRuns(bob, {}), wire::TrainingRunsJson);
+  auto runs = testing::AsJson(service_->checkpoints().ListTrainingRuns(bob, {}), wire::TrainingRunsJson);
   ASSERT_TRUE(runs.ok());
   EXPECT_EQ((*runs)["training_runs"].size(), 0u);
-  auto mine = testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson);
+  auto mine = testing::AsJson(service_->checkpoints().ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson);
   ASSERT_TRUE(mine.ok());
   EXPECT_EQ((*mine)["training_runs"].size(), 1u);
 }
@@ -265,7 +265,7 @@ TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
   EXPECT_EQ(sub.status().code(), Code::kUnavailable);
   EXPECT_NE(sub.status().message().find("no free adapter slot"), std::string::npos);
   EXPECT_NE(sub.status().message().find("retry"), std::string::npos);
-  EXPECT_EQ((*testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 1u);
+  EXPECT_EQ((*testing::AsJson(service_->checkpoints().ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 1u);
   // Once the slot is free the same request succeeds.
   ASSERT_TRUE(service_->UnloadModel({"alice", ""}, s + ":train:0").ok());
   auto retried = service_->CreateModel({"alice", ""}, req);
@@ -286,7 +286,7 @@ TEST_F(ServiceTest, TenantQuotaRefusesCreateWith429AndSparesOtherTenants) {
   EXPECT_EQ(third.status().code(), Code::kResourceExhausted);  // 429
   EXPECT_NE(third.status().message().find("--max-models-per-tenant 2"), std::string::npos)
       << third.status().message();
-  EXPECT_EQ((*testing::AsJson(service_->ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 2u);
+  EXPECT_EQ((*testing::AsJson(service_->checkpoints().ListTrainingRuns({"alice", ""}, {}), wire::TrainingRunsJson))["training_runs"].size(), 2u);
   // Via load_weights (create_training_client_from_state) the quota holds too.
   ASSERT_EQ(Wait("alice", service_->SaveWeights({"alice", ""}, SaveRequest(s + ":train:0", 1, "c"))->request_id).state,
             FutureState::kDone);
@@ -353,13 +353,13 @@ TEST_F(ServiceTest, OverwriteKeepsTheCheckpointLoadableAndItsArchiveLinkWorking)
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, SaveRequest(m, 1, "ck"))->request_id).state,
             FutureState::kDone);
   int64_t expires = 0;
-  auto token = service_->CreateArchiveToken(alice, m, "weights/ck", &expires);
+  auto token = service_->checkpoints().CreateArchiveToken(alice, m, "weights/ck", &expires);
   ASSERT_TRUE(token.ok());
   // save_state(overwrite=true) publishes a new version of the files elsewhere.
   tinker::SaveWeightsRequest over = SaveRequest(m, 2, "ck");
   over.overwrite = true;
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, over)->request_id).state, FutureState::kDone);
-  auto tar = service_->ReadArchive(*token);
+  auto tar = service_->checkpoints().ReadArchive(*token);
   ASSERT_TRUE(tar.ok()) << tar.status().message();
   EXPECT_NE(tar->find("state.txt"), std::string::npos);
   tinker::LoadWeightsRequest load;
@@ -367,7 +367,7 @@ TEST_F(ServiceTest, OverwriteKeepsTheCheckpointLoadableAndItsArchiveLinkWorking)
   load.seq_id = 3;
   load.path = *tinker::ParseTinkerPath("tinker://" + m + "/weights/ck");
   EXPECT_EQ(Wait("alice", service_->LoadWeights(alice, load)->request_id).state, FutureState::kDone);
-  EXPECT_EQ((*testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson))["checkpoints"].size(), 1u);
+  EXPECT_EQ((*testing::AsJson(service_->checkpoints().ListRunCheckpoints(alice, m), wire::CheckpointsListJson))["checkpoints"].size(), 1u);
 }
 
 TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
@@ -387,11 +387,11 @@ TEST_F(ServiceTest, HugeTtlNeverExpiresTheCheckpoint) {
   ASSERT_EQ(Wait("alice", service_->SaveWeights(alice, SaveRequest(m, 3, "put"))->request_id).state,
             FutureState::kDone);
   // PUT .../ttl computes its expiry the same way.
-  ASSERT_TRUE(service_->SetCheckpointTtl(alice, m, "weights/put", std::numeric_limits<int64_t>::max()).ok());
+  ASSERT_TRUE(service_->checkpoints().SetCheckpointTtl(alice, m, "weights/put", std::numeric_limits<int64_t>::max()).ok());
   // A restart sweeps expired TTLs (Start()): all three stay, due in year 9999.
   service_.reset();
   Open();
-  auto list = testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
+  auto list = testing::AsJson(service_->checkpoints().ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
   ASSERT_TRUE(list.ok());
   ASSERT_EQ((*list)["checkpoints"].size(), 3u) << list->dump();
   for (const auto& c : (*list)["checkpoints"]) EXPECT_EQ(c["expires_at"], "9999-12-31T23:59:59Z") << c.dump();
@@ -504,7 +504,7 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   ASSERT_EQ(uv.state, FutureState::kDone) << uv.error.message();
   EXPECT_EQ(wire::FutureResultJson(*uv.result)["sampling_session_id"], s + ":sample:0");
 
-  auto info = testing::AsJson(service_->WeightsInfo(alice, load.path), wire::WeightsInfoJson);
+  auto info = testing::AsJson(service_->checkpoints().WeightsInfo(alice, load.path), wire::WeightsInfoJson);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ((*info)["lora_rank"], 4);
   EXPECT_EQ((*info)["base_model"], "test/base");
@@ -512,7 +512,7 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   // Restart on the same data dir.
   service_.reset();
   Open();
-  auto list = testing::AsJson(service_->ListUserCheckpoints(alice, {}), wire::CheckpointsListJson);
+  auto list = testing::AsJson(service_->checkpoints().ListUserCheckpoints(alice, {}), wire::CheckpointsListJson);
   ASSERT_TRUE(list.ok());
   EXPECT_EQ((*list)["checkpoints"].size(), 2u);
   EXPECT_EQ((*list)["cursor"]["total_count"], 2);
@@ -525,15 +525,15 @@ TEST_F(ServiceTest, SaveLoadSamplerSaveAndRestartKeepsCheckpoints) {
   EXPECT_EQ(rv.state, FutureState::kDone) << rv.error.message();
   // Archive, then delete.
   int64_t expires = 0;
-  auto token = service_->CreateArchiveToken(alice, m, "weights/step1", &expires);
+  auto token = service_->checkpoints().CreateArchiveToken(alice, m, "weights/step1", &expires);
   ASSERT_TRUE(token.ok()) << token.status().message();
-  auto tar = service_->ReadArchive(*token);
+  auto tar = service_->checkpoints().ReadArchive(*token);
   ASSERT_TRUE(tar.ok()) << tar.status().message();
   EXPECT_NE(tar->find("state.txt"), std::string::npos);
   EXPECT_NE(tar->find("checkpoint_complete"), std::string::npos);
-  EXPECT_EQ(service_->ReadArchive("bogus").status().code(), Code::kNotFound);
-  EXPECT_TRUE(service_->DeleteCheckpoint(alice, m, "weights/step1").ok());
-  auto after = testing::AsJson(service_->ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
+  EXPECT_EQ(service_->checkpoints().ReadArchive("bogus").status().code(), Code::kNotFound);
+  EXPECT_TRUE(service_->checkpoints().DeleteCheckpoint(alice, m, "weights/step1").ok());
+  auto after = testing::AsJson(service_->checkpoints().ListRunCheckpoints(alice, m), wire::CheckpointsListJson);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ((*after)["checkpoints"].size(), 1u);
 }

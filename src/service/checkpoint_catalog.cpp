@@ -1,9 +1,10 @@
-// Checkpoints: the REST side (weights info, training runs, checkpoints,
-// archives). Every lookup compares the record's owner with the caller and
-// answers a foreign record exactly like a missing one.
+// CheckpointCatalog (checkpoint_catalog.h): weights info, training runs,
+// checkpoints, TTLs and archives.
 #include <fmt/format.h>
 
-#include "service/checkpoints.h"
+#include "service/checkpoint_catalog.h"
+
+#include "common/log.h"
 #include "service/util.h"
 #include "store/archive.h"
 #include "store/tinker_rows.h"
@@ -20,7 +21,7 @@ tinker::TrainingRun DescribeRun(const store::Registry& registry, const store::Tr
 }
 }  // namespace
 
-Result<tinker::WeightsInfoResult> Checkpoints::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
+Result<tinker::WeightsInfoResult> CheckpointCatalog::WeightsInfo(const Caller& caller, const tinker::TinkerPath& path) {
   auto ckpt = registry_.GetCheckpoint(path);
   if (!ckpt.ok() || !ckpt->AccessibleBy(caller.tenant)) {
     return Status::NotFound("weights_info.tinker_path: checkpoint '" + path.ToString() + "' not found");
@@ -36,7 +37,7 @@ Result<tinker::WeightsInfoResult> Checkpoints::WeightsInfo(const Caller& caller,
   return info;
 }
 
-Result<tinker::TrainingRunsPage> Checkpoints::ListTrainingRuns(const Caller& caller, tinker::PageParams page) {
+Result<tinker::TrainingRunsPage> CheckpointCatalog::ListTrainingRuns(const Caller& caller, tinker::PageParams page) {
   auto runs = registry_.ListRuns(caller.tenant, store::ToPageRequest(page));
   if (!runs.ok()) return runs.status();
   tinker::TrainingRunsPage out;
@@ -45,7 +46,7 @@ Result<tinker::TrainingRunsPage> Checkpoints::ListTrainingRuns(const Caller& cal
   return out;
 }
 
-Result<tinker::TrainingRun> Checkpoints::GetTrainingRun(const Caller& caller, const std::string& run_id) {
+Result<tinker::TrainingRun> CheckpointCatalog::GetTrainingRun(const Caller& caller, const std::string& run_id) {
   auto run = registry_.GetRun(run_id);
   if (!run.ok() || run->owner != caller.tenant) {
     return Status::NotFound("training run '" + run_id + "' not found");
@@ -53,7 +54,7 @@ Result<tinker::TrainingRun> Checkpoints::GetTrainingRun(const Caller& caller, co
   return DescribeRun(registry_, *run);
 }
 
-Result<tinker::CheckpointsPage> Checkpoints::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
+Result<tinker::CheckpointsPage> CheckpointCatalog::ListRunCheckpoints(const Caller& caller, const std::string& run_id) {
   auto run = registry_.GetRun(run_id);
   if (!run.ok() || run->owner != caller.tenant) {
     return Status::NotFound("training run '" + run_id + "' not found");
@@ -66,7 +67,7 @@ Result<tinker::CheckpointsPage> Checkpoints::ListRunCheckpoints(const Caller& ca
   return out;
 }
 
-Result<tinker::CheckpointsPage> Checkpoints::ListUserCheckpoints(const Caller& caller, tinker::PageParams page) {
+Result<tinker::CheckpointsPage> CheckpointCatalog::ListUserCheckpoints(const Caller& caller, tinker::PageParams page) {
   auto ckpts = registry_.ListOwnerCheckpoints(caller.tenant, store::ToPageRequest(page));
   if (!ckpts.ok()) return ckpts.status();
   tinker::CheckpointsPage out;
@@ -75,7 +76,7 @@ Result<tinker::CheckpointsPage> Checkpoints::ListUserCheckpoints(const Caller& c
   return out;
 }
 
-Result<store::Checkpoint> Checkpoints::OwnedCheckpoint(const Caller& caller, const std::string& run_id,
+Result<store::Checkpoint> CheckpointCatalog::OwnedCheckpoint(const Caller& caller, const std::string& run_id,
                                                    const std::string& checkpoint_id) {
   auto path = tinker::ParseCheckpointId(run_id, checkpoint_id);
   if (!path.ok()) return path.status();
@@ -86,13 +87,13 @@ Result<store::Checkpoint> Checkpoints::OwnedCheckpoint(const Caller& caller, con
   return ckpt;
 }
 
-Status Checkpoints::DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id) {
+Status CheckpointCatalog::DeleteCheckpoint(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
   return registry_.DeleteCheckpoint(ckpt->path());
 }
 
-Status Checkpoints::SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
+Status CheckpointCatalog::SetCheckpointTtl(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
                                  std::optional<int64_t> ttl_seconds) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
@@ -104,14 +105,14 @@ Status Checkpoints::SetCheckpointTtl(const Caller& caller, const std::string& ru
   return registry_.SetExpiry(ckpt->path(), expires);
 }
 
-Status Checkpoints::SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
+Status CheckpointCatalog::SetCheckpointPublic(const Caller& caller, const std::string& run_id, const std::string& checkpoint_id,
                                     bool is_public) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
   return registry_.SetPublic(ckpt->path(), is_public);
 }
 
-Result<std::string> Checkpoints::CreateArchiveToken(const Caller& caller, const std::string& run_id,
+Result<std::string> CheckpointCatalog::CreateArchiveToken(const Caller& caller, const std::string& run_id,
                                                 const std::string& checkpoint_id, int64_t* expires_unix) {
   auto ckpt = OwnedCheckpoint(caller, run_id, checkpoint_id);
   if (!ckpt.ok()) return ckpt.status();
@@ -123,7 +124,7 @@ Result<std::string> Checkpoints::CreateArchiveToken(const Caller& caller, const 
   return token;
 }
 
-Result<std::string> Checkpoints::ReadArchive(const std::string& token) {
+Result<std::string> CheckpointCatalog::ReadArchive(const std::string& token) {
   ArchiveGrant grant;
   {
     std::lock_guard<std::mutex> lock(grants_mu_);
@@ -142,6 +143,19 @@ Result<std::string> Checkpoints::ReadArchive(const std::string& token) {
     return Status::NotFound("archive: checkpoint files are gone (deleted?)");
   }
   return tar;
+}
+
+
+void CheckpointCatalog::SweepExpired() {
+  auto swept = registry_.SweepExpired(NowMs());
+  if (swept.ok() && !swept->empty()) log::Info("ttl_sweep removed={}", swept->size());
+}
+
+void CheckpointCatalog::ExpireGrants(Clock::time_point now) {
+  std::lock_guard<std::mutex> lock(grants_mu_);
+  for (auto it = archives_.begin(); it != archives_.end();) {
+    it = it->second.expires < now ? archives_.erase(it) : std::next(it);
+  }
 }
 
 }  // namespace loom::service
