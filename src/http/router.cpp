@@ -425,6 +425,13 @@ std::vector<Router::Route> Router::MakeRoutes() {
       return future_answer((service_.*method)(ctx.caller, *req));
     };
   };
+  // The route of a direct answer: the Service method's typed result, encoded.
+  auto answer = [=, this](const char* endpoint, auto parser, auto method, auto encode) {
+    return [=, this](Context& ctx, const Args&) {
+      LOOM_PARSE(req, endpoint, parser);
+      return encoded((service_.*method)(ctx.caller, *req), encode);
+    };
+  };
 
   std::vector<Route> routes = {
       {"POST", "client/config",
@@ -438,12 +445,7 @@ std::vector<Router::Route> Router::MakeRoutes() {
          return JsonAnswer(wire::DynamicConfigJson());
        }},
       {"POST", "create_session",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "create_session", wire::ParseCreateSessionRequest);
-         auto id = service_.CreateSession(ctx.caller, *req);
-         if (!id.ok()) return Error(id.status());
-         return JsonAnswer(wire::CreateSessionJson(*id));
-       }},
+       answer("create_session", wire::ParseCreateSessionRequest, &service::Service::CreateSession, wire::CreateSessionJson)},
       {"POST", "session_heartbeat",
        [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "session_heartbeat", wire::ParseSessionHeartbeatRequest);
@@ -490,12 +492,7 @@ std::vector<Router::Route> Router::MakeRoutes() {
       {"POST", "load_weights", submit("load_weights", wire::ParseLoadWeightsRequest, &service::Service::LoadWeights)},
       {"POST", "save_weights_for_sampler", submit("save_weights_for_sampler", wire::ParseSaveWeightsForSamplerRequest, &service::Service::SaveWeightsForSampler)},
       {"POST", "create_sampling_session",
-       [=, this](Context& ctx, const Args&) {
-         LOOM_PARSE(req, "create_sampling_session", wire::ParseCreateSamplingSessionRequest);
-         auto id = service_.CreateSamplingSession(ctx.caller, *req);
-         if (!id.ok()) return Error(id.status());
-         return JsonAnswer(wire::CreateSamplingSessionJson(*id));
-       }},
+       answer("create_sampling_session", wire::ParseCreateSamplingSessionRequest, &service::Service::CreateSamplingSession, wire::CreateSamplingSessionJson)},
       {"POST", "asample",
        [=, this](Context& ctx, const Args&) {
          LOOM_PARSE(req, "asample", wire::ParseSampleRequest);
