@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli/bench_multitenant.h"
+#include "cli/bench_rl.h"
 #include "cli/bench_sample.h"
 #include "cli/commands.h"
 #include "engine/api.h"
@@ -192,6 +193,7 @@ int Bench(int argc, char** argv) {
   // `loom bench sample ...` has its own flags (cli/bench_sample.cpp), argv[0] = "sample".
   if (argc >= 2 && std::string(argv[1]) == "sample") return BenchSample(argc - 1, argv + 1);
   if (argc >= 2 && std::string(argv[1]) == "multi-tenant") return BenchMultiTenant(argc - 1, argv + 1);
+  if (argc >= 2 && std::string(argv[1]) == "rl") return BenchRl(argc - 1, argv + 1);
   CLI::App app{"Benchmarks on the engine's own code paths", "loom bench"};
   app.require_subcommand(1);
   TrainBenchOptions t;
@@ -213,7 +215,7 @@ int Bench(int argc, char** argv) {
     return app.exit(e);
   }
   if (train->parsed()) return BenchTrain(t);
-  std::fprintf(stderr, "loom bench: use 'train', 'multi-tenant' or 'sample'\n");
+  std::fprintf(stderr, "loom bench: use 'train', 'multi-tenant', 'sample' or 'rl'\n");
   return 2;
 }
 

@@ -135,40 +135,63 @@ Result<service::FutureView> ServiceDriver::Await(const Tenant& t, const std::str
   }
 }
 
-Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
-                                                   const std::string& snapshot) {
+Result<std::string> ServiceDriver::SaveForSampler(Tenant& t, const std::string& name) {
+  tinker::SaveWeightsForSamplerRequest save;
+  save.model_id = t.model_id;
+  save.seq_id = t.next_seq++;
+  save.name = name;
+  auto sub = service_->SaveWeightsForSampler({t.name, ""}, save);
+  if (!sub.ok()) return sub.status();
+  auto saved = Await(t, sub->request_id);
+  if (!saved.ok()) return saved.status();
+  const auto* result = std::get_if<tinker::SaveWeightsForSamplerResult>(saved->result.get());
+  if (!result || !result->path) return Status::Internal("save_weights_for_sampler answered without a path");
+  return result->path->ToString();
+}
+
+Result<std::string> ServiceDriver::NewSamplingSession(Tenant& t, const std::string& model_path) {
   tinker::CreateSamplingSessionRequest session;
   session.session_id = t.session_id;
   session.sampling_session_seq_id = t.next_sampling_seq++;
-  if (snapshot.empty()) {
-    session.base_model = service_->options().base_model_name;
-  } else {
-    tinker::SaveWeightsForSamplerRequest save;
-    save.model_id = t.model_id;
-    save.seq_id = t.next_seq++;
-    save.name = snapshot;
-    auto sub = service_->SaveWeightsForSampler({t.name, ""}, save);
-    if (!sub.ok()) return sub.status();
-    auto saved = Await(t, sub->request_id);
-    if (!saved.ok()) return saved.status();
-    const auto* result = std::get_if<tinker::SaveWeightsForSamplerResult>(saved->result.get());
-    if (!result || !result->path) return Status::Internal("save_weights_for_sampler answered without a path");
-    session.model_path = result->path->ToString();
-  }
-  auto sampling_id = service_->CreateSamplingSession({t.name, ""}, session);
-  if (!sampling_id.ok()) return sampling_id.status();
+  if (model_path.empty()) session.base_model = service_->options().base_model_name;
+  else session.model_path = model_path;
+  return service_->CreateSamplingSession({t.name, ""}, session);
+}
+
+Result<tinker::SampleOutput> ServiceDriver::Sample(const Tenant& t, const std::string& sampling_session_id,
+                                                   const std::vector<int32_t>& prompt, int num_samples,
+                                                   const tinker::SamplingParams& params) {
   tinker::SampleRequest req;
-  req.sampling_session_id = *sampling_id;
+  req.sampling_session_id = sampling_session_id;
   req.seq_id = 0;
+  req.num_samples = num_samples;
   req.prompt = prompt;
-  req.sampling_params.max_tokens = max_tokens;
-  req.sampling_params.temperature = 0.0;
+  req.sampling_params = params;
   auto sub = service_->Sample({t.name, ""}, req);
   if (!sub.ok()) return sub.status();
   auto done = Await(t, sub->request_id);
   if (!done.ok()) return done.status();
   const auto* sample = std::get_if<tinker::SampleOutput>(done->result.get());
-  if (!sample || sample->sequences.empty()) return Status::Internal("asample answered without a sequence");
+  if (!sample || static_cast<int>(sample->sequences.size()) != num_samples)
+    return Status::Internal("asample answered without its sequences");
+  return *sample;
+}
+
+Result<std::vector<int32_t>> ServiceDriver::Greedy(Tenant& t, const std::vector<int32_t>& prompt, int max_tokens,
+                                                   const std::string& snapshot) {
+  std::string path;
+  if (!snapshot.empty()) {
+    auto saved = SaveForSampler(t, snapshot);
+    if (!saved.ok()) return saved.status();
+    path = *saved;
+  }
+  auto sampling_id = NewSamplingSession(t, path);
+  if (!sampling_id.ok()) return sampling_id.status();
+  tinker::SamplingParams params;
+  params.max_tokens = max_tokens;
+  params.temperature = 0.0;
+  auto sample = Sample(t, *sampling_id, prompt, 1, params);
+  if (!sample.ok()) return sample.status();
   return sample->sequences[0].tokens;
 }
 

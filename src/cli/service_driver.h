@@ -52,6 +52,17 @@ class ServiceDriver {
   // Blocks until the future finishes; its error when it failed.
   Result<service::FutureView> Await(const Tenant& t, const std::string& request_id);
 
+  // save_weights_for_sampler of the tenant's adapter as `name`, waited for:
+  // the snapshot's tinker:// path.
+  Result<std::string> SaveForSampler(Tenant& t, const std::string& name);
+  // A sampling session on model_path (a snapshot's tinker:// path), or on the
+  // base model when model_path is "", in the tenant's session.
+  Result<std::string> NewSamplingSession(Tenant& t, const std::string& model_path);
+  // One asample on that session, waited for. Needs with_sampler.
+  Result<tinker::SampleOutput> Sample(const Tenant& t, const std::string& sampling_session_id,
+                                      const std::vector<int32_t>& prompt, int num_samples,
+                                      const tinker::SamplingParams& params);
+
   // Greedy continuation (temperature 0) of prompt, max_tokens long: from the
   // tenant's current adapter (saved for the sampler as `snapshot`), or from
   // the base model when snapshot is "". Needs with_sampler.

@@ -60,6 +60,12 @@ double Metrics::RateLocked(const std::deque<Sample>& samples, Clock::time_point 
   return static_cast<double>(tokens) / std::chrono::duration<double>(window_).count();
 }
 
+double Metrics::pass_seconds(const std::string& kind) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pass_seconds_.find(kind);
+  return it == pass_seconds_.end() ? 0.0 : it->second;
+}
+
 void Metrics::RecordPass(const std::string& kind, int64_t tokens, double fill_ratio, size_t models, double seconds) {
   (void)models;
   const auto now = Clock::now();

@@ -54,6 +54,8 @@ class Metrics {
   double TrainingTokensPerSecond() const;
   double SamplingTokensPerSecond() const;
   int64_t responses(int status_code) const;
+  // Engine seconds recorded for passes of this kind so far (0 for none).
+  double pass_seconds(const std::string& kind) const;
 
   // The whole exposition, with the live gauges of `live`.
   std::string Render(const QueueSnapshot& live) const;

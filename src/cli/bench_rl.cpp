@@ -1,0 +1,276 @@
+// `loom bench rl`: the client-driven RL loop of issue 18, against the
+// in-process Service (the code path of `loom serve`, minus HTTP). Each tenant
+// runs --steps steps, each of three calls as a cookbook RL recipe makes them:
+//   1. sample --group completions of --new-tokens from a --prompt-len prompt,
+//      on a sampling session of the version saved last (step 0: the fresh
+//      adapter, saved before the loop);
+//   2. importance_sampling forward_backward on all of them (target tokens,
+//      the sampler's logprobs, advantages = reward - the group's mean), then
+//      optim_step;
+//   3. save_weights_for_sampler, the version the next step samples.
+// Tenants run concurrently, one client thread each, then (the yardstick) the
+// same loop with fresh tenants one at a time. Prints steps/s, where a step's
+// client time goes, and the save's share of the trainer's busy time (engine
+// seconds of exclusive passes, which in the loop are the saves, over all
+// engine seconds).
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <vector>
+
+#include "cli/bench_rl.h"
+#include "cli/service_driver.h"
+
+namespace loom::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct RlOptions {
+  std::string model_dir;
+  int tenants = 4;
+  int steps = 3;
+  int group = 4;
+  int prompt_len = 16;
+  int new_tokens = 16;
+  int rank = 8;
+  int threads = 0;
+  double lr = 1e-3;
+};
+
+// Seconds a tenant's client spent in each call of its steps.
+struct Phases {
+  double sample = 0, train = 0, save = 0;
+  double total() const { return sample + train + save; }
+  Phases& operator+=(const Phases& o) {
+    sample += o.sample;
+    train += o.train;
+    save += o.save;
+    return *this;
+  }
+};
+
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// The reward of a completion: the share of its tokens with an even id (a
+// task the adapter can learn, computed from the tokens alone).
+double Reward(const std::vector<int32_t>& tokens) {
+  if (tokens.empty()) return 0;
+  return static_cast<double>(std::count_if(tokens.begin(), tokens.end(), [](int32_t t) { return t % 2 == 0; })) /
+         static_cast<double>(tokens.size());
+}
+
+// The importance_sampling datums of one sampled group on `prompt`.
+std::vector<engine::Datum> GroupData(const std::vector<int32_t>& prompt, const tinker::SampleOutput& out) {
+  std::vector<double> rewards;
+  for (const auto& s : out.sequences) rewards.push_back(Reward(s.tokens));
+  const double mean = std::accumulate(rewards.begin(), rewards.end(), 0.0) / static_cast<double>(rewards.size());
+  std::vector<engine::Datum> data;
+  for (size_t i = 0; i < out.sequences.size(); ++i) {
+    const auto& seq = out.sequences[i];
+    if (seq.tokens.empty()) continue;
+    std::vector<int32_t> all = prompt;
+    all.insert(all.end(), seq.tokens.begin(), seq.tokens.end());
+    engine::Datum d;
+    d.tokens.assign(all.begin(), all.end() - 1);
+    std::vector<int64_t> targets(all.begin() + 1, all.end());
+    // Positions before the completion carry no loss: advantage 0.
+    const size_t first = prompt.size() - 1;
+    std::vector<float> logprobs(targets.size(), 0.0f), advantages(targets.size(), 0.0f);
+    for (size_t k = 0; k < seq.tokens.size(); ++k) {
+      logprobs[first + k] = seq.logprobs[k];
+      advantages[first + k] = static_cast<float>(rewards[i] - mean);
+    }
+    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints(std::move(targets));
+    d.loss_fn_inputs["logprobs"] = engine::Array::Floats(std::move(logprobs));
+    d.loss_fn_inputs["advantages"] = engine::Array::Floats(std::move(advantages));
+    data.push_back(std::move(d));
+  }
+  return data;
+}
+
+// One tenant's loop; *phases gets its client seconds per call kind, and
+// *mean_logprob the mean sampled logprob of each step.
+Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, uint32_t seed, Phases* phases,
+                 std::vector<double>* mean_logprob) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(d.info().vocab_size) - 1);
+  std::vector<int32_t> prompt(static_cast<size_t>(o.prompt_len));
+  for (int32_t& p : prompt) p = tok(rng);
+  auto path = d.SaveForSampler(t, "v0");
+  if (!path.ok()) return path.status();
+  for (int step = 0; step < o.steps; ++step) {
+    auto t0 = Clock::now();
+    auto session = d.NewSamplingSession(t, *path);
+    if (!session.ok()) return session.status();
+    tinker::SamplingParams params;
+    params.max_tokens = o.new_tokens;
+    params.temperature = 1.0;
+    params.seed = seed * 1000u + static_cast<uint32_t>(step);
+    auto out = d.Sample(t, *session, prompt, o.group, params);
+    if (!out.ok()) return out.status();
+    phases->sample += Since(t0);
+    double lp = 0;
+    size_t n = 0;
+    for (const auto& s : out->sequences)
+      for (float x : s.logprobs) lp += x, ++n;
+    mean_logprob->push_back(n ? lp / static_cast<double>(n) : 0.0);
+
+    t0 = Clock::now();
+    engine::ForwardBackwardCall call;
+    call.data = GroupData(prompt, *out);
+    call.loss_fn = "importance_sampling";
+    auto fb = d.SubmitForwardBackward(t, std::move(call));
+    if (!fb.ok()) return fb.status();
+    engine::AdamParams adam;
+    adam.learning_rate = o.lr;
+    auto opt = d.SubmitOptimStep(t, adam);
+    if (!opt.ok()) return opt.status();
+    for (const std::string& id : {*fb, *opt})
+      if (auto done = d.Await(t, id); !done.ok()) return done.status();
+    phases->train += Since(t0);
+
+    t0 = Clock::now();
+    path = d.SaveForSampler(t, "step-" + std::to_string(step + 1));
+    if (!path.ok()) return path.status();
+    phases->save += Since(t0);
+  }
+  return Status::Ok();
+}
+
+struct RoundResult {
+  double wall = 0;                 // seconds for the whole round
+  Phases phases;                   // summed over tenants
+  double busy = 0, save_busy = 0;  // engine seconds: all passes, exclusive (save) passes
+  std::vector<double> first_lp, last_lp;
+};
+
+// The tenants' loops, concurrently (one thread each) or one after another.
+Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const RlOptions& o, bool concurrent,
+                          uint32_t seed) {
+  auto& metrics = d.service().metrics();
+  const auto engine_seconds = [&] {
+    double s = 0;
+    for (const char* kind : {"forward_backward", "forward", "optim_step", "exclusive"}) s += metrics.pass_seconds(kind);
+    return s;
+  };
+  const double busy0 = engine_seconds(), save0 = metrics.pass_seconds("exclusive");
+  std::vector<Phases> phases(tenants.size());
+  std::vector<std::vector<double>> lps(tenants.size());
+  std::vector<Status> status(tenants.size(), Status::Ok());
+  const auto t0 = Clock::now();
+  auto one = [&](size_t i) { status[i] = RunTenant(d, tenants[i], o, seed + static_cast<uint32_t>(i), &phases[i], &lps[i]); };
+  if (concurrent) {
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < tenants.size(); ++i) threads.emplace_back(one, i);
+    for (auto& th : threads) th.join();
+  } else {
+    for (size_t i = 0; i < tenants.size(); ++i) one(i);
+  }
+  RoundResult r;
+  r.wall = Since(t0);
+  for (size_t i = 0; i < tenants.size(); ++i) {
+    if (!status[i].ok()) return status[i];
+    r.phases += phases[i];
+    r.first_lp.push_back(lps[i].front());
+    r.last_lp.push_back(lps[i].back());
+  }
+  r.busy = engine_seconds() - busy0;
+  r.save_busy = metrics.pass_seconds("exclusive") - save0;
+  return r;
+}
+
+void Print(const char* name, const RoundResult& r, const RlOptions& o) {
+  const double steps = static_cast<double>(o.tenants) * o.steps;
+  std::printf("%-12s %10.3f %12.3f %10.1f %10.1f %10.1f %10.1f %9.1f%%\n", name, steps / r.wall,
+              o.steps / (r.phases.total() / o.tenants), 1e3 * r.phases.sample / steps, 1e3 * r.phases.train / steps,
+              1e3 * r.phases.save / steps, 1e3 * r.busy / steps, r.busy > 0 ? 100.0 * r.save_busy / r.busy : 0.0);
+}
+
+int BenchRlRun(const RlOptions& o) {
+  std::string templ = (fs::temp_directory_path() / "loom-bench-rl-XXXXXX").string();
+  if (!::mkdtemp(templ.data())) {
+    std::fprintf(stderr, "loom bench rl: cannot create a temp dir\n");
+    return 1;
+  }
+  const std::string data_dir = templ;
+  auto fail = [&](const Status& s) {
+    std::fprintf(stderr, "loom bench rl: %s\n", s.message().c_str());
+    std::error_code ec;
+    fs::remove_all(data_dir, ec);
+    return 1;
+  };
+  DriverOptions opt;
+  opt.model_dir = o.model_dir;
+  opt.data_dir = data_dir;
+  opt.max_slots = 2 * o.tenants;  // the concurrent tenants, then the yardstick's
+  opt.max_rank = o.rank;
+  opt.threads = o.threads;
+  opt.with_sampler = true;
+  auto driver = ServiceDriver::Open(opt);
+  if (!driver.ok()) return fail(driver.status());
+  ServiceDriver& d = **driver;
+  std::vector<Tenant> together, alone;
+  for (int i = 0; i < 2 * o.tenants; ++i) {
+    auto t = d.NewTenant("tenant-" + std::to_string(i), o.rank, static_cast<uint64_t>(i % o.tenants + 1));
+    if (!t.ok()) return fail(t.status());
+    (i < o.tenants ? together : alone).push_back(*t);
+  }
+  const auto& info = d.info();
+  std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g\n",
+              o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
+              info.device.c_str(), info.dtype.c_str(), o.tenants, o.steps, o.group, o.prompt_len, o.new_tokens, o.rank,
+              o.lr);
+  auto conc = Round(d, together, o, /*concurrent=*/true, 11);
+  if (!conc.ok()) return fail(conc.status());
+  auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
+  if (!seq.ok()) return fail(seq.status());
+  std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s\n", "tenants", "steps/s", "steps/s/ten", "sample ms",
+              "train ms", "save ms", "engine ms", "save/busy");
+  Print("together", *conc, o);
+  Print("one by one", *seq, o);
+  std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants)\n",
+              (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
+  std::printf("mean sampled logprob, first -> last step, per tenant (together):");
+  for (size_t i = 0; i < conc->first_lp.size(); ++i) std::printf(" %.3f->%.3f", conc->first_lp[i], conc->last_lp[i]);
+  std::printf("\n");
+  driver->reset();
+  std::error_code ec;
+  fs::remove_all(data_dir, ec);
+  return 0;
+}
+
+}  // namespace
+
+int BenchRl(int argc, char** argv) {
+  CLI::App app{"The client-driven RL loop (sample, train, publish) of N tenants on the in-process service",
+               "loom bench rl"};
+  RlOptions o;
+  app.add_option("--model", o.model_dir, "HF model dir (default: the embedded tiny qwen3)");
+  app.add_option("--tenants", o.tenants, "concurrent tenants")->default_val(o.tenants)->check(CLI::Range(1, 256));
+  app.add_option("--steps", o.steps, "steps per tenant")->default_val(o.steps)->check(CLI::Range(1, 10000));
+  app.add_option("--group", o.group, "completions per step")->default_val(o.group)->check(CLI::Range(1, 256));
+  app.add_option("--prompt-len", o.prompt_len, "prompt tokens")->default_val(o.prompt_len)->check(CLI::Range(2, 1 << 16));
+  app.add_option("--new-tokens", o.new_tokens, "tokens sampled per completion")
+      ->default_val(o.new_tokens)
+      ->check(CLI::Range(1, 1 << 16));
+  app.add_option("--rank", o.rank, "LoRA rank")->default_val(o.rank)->check(CLI::Range(1, 1024));
+  app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->default_val(o.threads);
+  app.add_option("--lr", o.lr, "AdamW learning rate")->default_val(o.lr)->check(CLI::Range(0.0, 10.0));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return BenchRlRun(o);
+}
+
+}  // namespace loom::cli
