@@ -22,6 +22,7 @@
 #include "service/service.h"
 #include "store/registry.h"
 #include "testmodel/make_model.h"
+#include "wire/proto_log.h"
 
 namespace loom::cli {
 
@@ -96,6 +97,9 @@ int Serve(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // Before any thread parses: a client's malformed protobuf bodies cannot
+  // flood the log with protobuf's own error lines.
+  wire::LimitProtobufLogs();
   if (poll_hold <= 0 || poll_hold >= 45) return Fail("--poll-hold: must be in (0, 45) seconds (the SDK times out at 45 s)");
   if (session_ttl <= 0) return Fail("--session-ttl: must be > 0 seconds");
   if (seq_gap_timeout <= 0) return Fail("--seq-gap-timeout: must be > 0 seconds");

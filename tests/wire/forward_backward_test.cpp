@@ -2,10 +2,12 @@
 // the BatchedTensor layout of §8.10, and every way a body can be malformed.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "tinker_public.pb.h"
 #include "wire/forward_backward.h"
+#include "wire/proto_log.h"
 #include "wire/zstd.h"
 #include "wire_test_util.h"
 
@@ -144,6 +146,24 @@ TEST(ForwardBackwardRequest, TokenBytesMustBeWholeInt32s) {
   Status s = DecodeStatus(req.SerializeAsString());
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("multiple of 4"), std::string::npos) << s.message();
+}
+
+// A string field that is not UTF-8 is refused (400), and protobuf's own
+// error line for it passes once per interval, not once per request.
+TEST(ForwardBackwardRequest, InvalidUtf8IsRefusedAndItsLogLinesAreLimited) {
+  pb::ForwardBackwardRequest req;
+  req.set_model_id(std::string("m\xff\xfe", 3));
+  std::string body;
+  req.AppendPartialToString(&body);
+  LimitProtobufLogs(std::chrono::hours(1));
+  const uint64_t dropped_before = DroppedProtobufLogs();
+  ::testing::internal::CaptureStderr();
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(DecodeStatus(body).code(), Code::kInvalidArgument);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  size_t lines = 0;
+  for (size_t at = err.find("UTF-8"); at != std::string::npos; at = err.find("UTF-8", at + 1)) ++lines;
+  EXPECT_LE(lines, 1u) << err;
+  EXPECT_GE(DroppedProtobufLogs() - dropped_before, 49u);
 }
 
 TEST(ForwardBackwardRequest, WidensInt32AndBfloat16) {
