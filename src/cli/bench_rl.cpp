@@ -9,7 +9,9 @@
 //      optim_step;
 //   3. save_weights_for_sampler, the version the next step samples.
 // Tenants run concurrently, one client thread each, then (the yardstick) the
-// same loop with fresh tenants one at a time. Prints steps/s, where a step's
+// same loop with fresh tenants one at a time; with --heavy-tenant, once more
+// concurrently with tenant 0 sampling 10x the group, to show what a heavy
+// sampler costs the others. Prints steps/s, where a step's
 // client time goes, and the save's share of the trainer's busy time (engine
 // seconds of exclusive passes, which in the loop are the saves, over all
 // engine seconds).
@@ -44,7 +46,10 @@ struct RlOptions {
   int rank = 8;
   int threads = 0;
   double lr = 1e-3;
+  bool heavy_tenant = false;
 };
+
+constexpr int kHeavyFactor = 10;  // --heavy-tenant: tenant 0's group is this many times --group
 
 // Seconds a tenant's client spent in each call of its steps.
 struct Phases {
@@ -99,7 +104,7 @@ std::vector<engine::Datum> GroupData(const std::vector<int32_t>& prompt, const t
 
 // One tenant's loop; *phases gets its client seconds per call kind, and
 // *mean_logprob the mean sampled logprob of each step.
-Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, uint32_t seed, Phases* phases,
+Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, int group, uint32_t seed, Phases* phases,
                  std::vector<double>* mean_logprob) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(d.info().vocab_size) - 1);
@@ -115,7 +120,7 @@ Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, uint32_t seed,
     params.max_tokens = o.new_tokens;
     params.temperature = 1.0;
     params.seed = seed * 1000u + static_cast<uint32_t>(step);
-    auto out = d.Sample(t, *session, prompt, o.group, params);
+    auto out = d.Sample(t, *session, prompt, group, params);
     if (!out.ok()) return out.status();
     phases->sample += Since(t0);
     double lp = 0;
@@ -151,11 +156,13 @@ struct RoundResult {
   Phases phases;                   // summed over tenants
   double busy = 0, save_busy = 0;  // engine seconds: all passes, exclusive (save) passes
   std::vector<double> first_lp, last_lp;
+  std::vector<double> tenant_seconds;  // each tenant's client seconds over its steps
 };
 
-// The tenants' loops, concurrently (one thread each) or one after another.
+// The tenants' loops, concurrently (one thread each) or one after another;
+// tenant 0 samples heavy_group completions per step when that is > 0.
 Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const RlOptions& o, bool concurrent,
-                          uint32_t seed) {
+                          uint32_t seed, int heavy_group = 0) {
   auto& metrics = d.service().metrics();
   const auto engine_seconds = [&] {
     double s = 0;
@@ -167,7 +174,10 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   std::vector<std::vector<double>> lps(tenants.size());
   std::vector<Status> status(tenants.size(), Status::Ok());
   const auto t0 = Clock::now();
-  auto one = [&](size_t i) { status[i] = RunTenant(d, tenants[i], o, seed + static_cast<uint32_t>(i), &phases[i], &lps[i]); };
+  auto one = [&](size_t i) {
+    const int group = i == 0 && heavy_group > 0 ? heavy_group : o.group;
+    status[i] = RunTenant(d, tenants[i], o, group, seed + static_cast<uint32_t>(i), &phases[i], &lps[i]);
+  };
   if (concurrent) {
     std::vector<std::thread> threads;
     for (size_t i = 0; i < tenants.size(); ++i) threads.emplace_back(one, i);
@@ -180,6 +190,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   for (size_t i = 0; i < tenants.size(); ++i) {
     if (!status[i].ok()) return status[i];
     r.phases += phases[i];
+    r.tenant_seconds.push_back(phases[i].total());
     r.first_lp.push_back(lps[i].front());
     r.last_lp.push_back(lps[i].back());
   }
@@ -211,19 +222,21 @@ int BenchRlRun(const RlOptions& o) {
   DriverOptions opt;
   opt.model_dir = o.model_dir;
   opt.data_dir = data_dir;
-  opt.max_slots = 2 * o.tenants;  // the concurrent tenants, then the yardstick's
+  const int rounds = o.heavy_tenant ? 3 : 2;
+  opt.max_slots = rounds * o.tenants;  // fresh tenants for each round
   opt.max_rank = o.rank;
   opt.threads = o.threads;
   opt.with_sampler = true;
   auto driver = ServiceDriver::Open(opt);
   if (!driver.ok()) return fail(driver.status());
   ServiceDriver& d = **driver;
-  std::vector<Tenant> together, alone;
-  for (int i = 0; i < 2 * o.tenants; ++i) {
+  std::vector<std::vector<Tenant>> sets(static_cast<size_t>(rounds));
+  for (int i = 0; i < rounds * o.tenants; ++i) {
     auto t = d.NewTenant("tenant-" + std::to_string(i), o.rank, static_cast<uint64_t>(i % o.tenants + 1));
     if (!t.ok()) return fail(t.status());
-    (i < o.tenants ? together : alone).push_back(*t);
+    sets[static_cast<size_t>(i / o.tenants)].push_back(*t);
   }
+  std::vector<Tenant>&together = sets[0], &alone = sets[1];
   const auto& info = d.info();
   std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
@@ -239,6 +252,21 @@ int BenchRlRun(const RlOptions& o) {
   Print("one by one", *seq, o);
   std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants)\n",
               (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
+  if (o.heavy_tenant) {
+    auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
+    if (!heavy.ok()) return fail(heavy.status());
+    Print("with heavy", *heavy, o);
+    // The light tenants (1..N-1): their mean client seconds per step beside
+    // the heavy tenant, against the same tenants' in the plain round.
+    double with = 0, without = 0;
+    for (int i = 1; i < o.tenants; ++i) {
+      with += heavy->tenant_seconds[static_cast<size_t>(i)];
+      without += conc->tenant_seconds[static_cast<size_t>(i)];
+    }
+    const double steps = static_cast<double>(o.tenants - 1) * o.steps;
+    std::printf("light tenants' step beside one sampling %dx their group: %.1f ms against %.1f ms, %.2fx\n",
+                kHeavyFactor, 1e3 * with / steps, 1e3 * without / steps, with / without);
+  }
   std::printf("mean sampled logprob, first -> last step, per tenant (together):");
   for (size_t i = 0; i < conc->first_lp.size(); ++i) std::printf(" %.3f->%.3f", conc->first_lp[i], conc->last_lp[i]);
   std::printf("\n");
@@ -265,10 +293,15 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--rank", o.rank, "LoRA rank")->default_val(o.rank)->check(CLI::Range(1, 1024));
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->default_val(o.threads);
   app.add_option("--lr", o.lr, "AdamW learning rate")->default_val(o.lr)->check(CLI::Range(0.0, 10.0));
+  app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (o.heavy_tenant && o.tenants < 2) {
+    std::fprintf(stderr, "loom bench rl: --heavy-tenant needs --tenants >= 2 (a heavy one and the others)\n");
+    return 2;
   }
   return BenchRlRun(o);
 }
