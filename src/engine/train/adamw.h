@@ -118,8 +118,9 @@ class SlotOptimizer {
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
   // Per slot (host): true when bounds computed from the largest |weight|,
-  // |moment| and |gradient| of the slot's entries (4 multi-tensor max
-  // reductions, merged runs) prove that ForeachUpdate leaves it finite. A
+  // |moment| and |gradient| of the slot's entries (one multi-tensor max
+  // reduction over the merged runs' lists) prove that ForeachUpdate leaves
+  // it finite. A
   // false is no verdict: ForeachStaysFinite decides those slots.
   std::vector<bool> ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                         const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
