@@ -41,7 +41,7 @@ struct TrainBenchOptions {
   double lr = 1e-4;
   std::string save_adapter;  // after timing, tenant 0's PEFT snapshot goes here
   bool lora_fp32 = false;
-  int recompute_layers = 0;
+  int recompute_layers = -1;
   std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
 };
 
@@ -166,6 +166,9 @@ int BenchTrain(const TrainBenchOptions& o) {
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
               info.dtype.c_str(), o.rank, o.steps);
+  if (const std::string plan = e.MemoryPlanReport(); !plan.empty())
+    std::printf("memory plan: %s; at most %lld tokens per pass\n", plan.c_str(),
+                static_cast<long long>(e.MaxPassTokens()));
   const auto trace = [&](const char* row) { return o.profile.empty() ? o.profile : o.profile + "." + row + ".json"; };
   auto one = TimeSteps(e, {0}, data, o.steps, o.lr, trace("one"));
   auto packed = one.ok() ? TimeSteps(e, all, data, o.steps, o.lr, trace("packed")) : one;
@@ -227,8 +230,9 @@ int Bench(int argc, char** argv) {
   train->add_option("--lr", t.lr, "AdamW learning rate")->default_val(t.lr);
   train->add_flag("--lora-fp32", t.lora_fp32, "LoRA arithmetic in fp32 (as PEFT does) instead of the model dtype");
   train->add_option("--recompute-layers", t.recompute_layers,
-                    "decoder layers whose activations are recomputed in the backward (0 = keep all)")
-      ->default_val(t.recompute_layers)->check(CLI::Range(0, 100000));
+                    "decoder layers whose activations are recomputed in the backward (0 = keep all; -1 = the "
+                    "fewest that fit, per pass, on a GPU)")
+      ->default_val(t.recompute_layers)->check(CLI::Range(-1, 100000));
   train->add_option("--profile", t.profile,
                     "after timing, trace one more step of each row (Kineto, libtorch 2.x) to PATH.one.json and "
                     "PATH.packed.json (bench/trace_summary.py reads them)");

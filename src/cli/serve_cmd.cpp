@@ -77,9 +77,9 @@ int Serve(int argc, char** argv) {
   app.add_option("--seq-gap-timeout", seq_gap_timeout, "seconds a missing seq_id may hold up later requests")->default_val(seq_gap_timeout);
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
-  int64_t token_budget = 8192;
+  int64_t token_budget = 0;
   int batch_window_ms = 2;
-  app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes")->default_val(token_budget)->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   app.add_option("--decode-threads", decode_threads, "threads that decode heavy bodies (zstd, protobuf, large JSON) off the I/O threads")->default_val(decode_threads)->check(CLI::Range(1, 64));
@@ -145,7 +145,6 @@ int Serve(int argc, char** argv) {
   service::ServiceOptions sopt;
   sopt.base_model_name = model_name;
   sopt.lora_alpha = lora_alpha;
-  sopt.token_budget = token_budget;
   sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
@@ -164,6 +163,18 @@ int Serve(int argc, char** argv) {
   samp.decode = decode_flags.options();
   auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
   if (!sampler.ok()) return Fail("sampler: " + sampler.status().message());
+  // After the sampler's KV cache is allocated: the pass limit is what is left.
+  const int64_t pass_limit = (*engine)->MaxPassTokens();
+  if (token_budget == 0) token_budget = pass_limit > 0 ? pass_limit : 8192;
+  if (pass_limit > 0) {
+    std::fprintf(stderr, "loom serve: token budget %lld tokens per pass (%s; at most %lld fit)\n",
+                 static_cast<long long>(token_budget), (*engine)->MemoryPlanReport().c_str(),
+                 static_cast<long long>(pass_limit));
+    if (token_budget > pass_limit)
+      std::fprintf(stderr, "loom serve: --token-budget %lld is above what fits: passes past %lld tokens are refused\n",
+                   static_cast<long long>(token_budget), static_cast<long long>(pass_limit));
+  }
+  sopt.token_budget = token_budget;
   service::Service service(sopt, std::move(*engine), std::move(*registry));
   service.AttachSampler(std::move(*sampler));
   service.Start();

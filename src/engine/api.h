@@ -54,8 +54,10 @@ struct EngineOptions {
   bool lora_fp32 = false;
   // Decoder layers whose activations are recomputed in the backward instead
   // of kept (from the first layer): 0 keeps all; more trade one forward of
-  // those layers for memory.
-  int recompute_layers = 0;
+  // those layers for memory. -1 (auto): on a GPU, per pass, the fewest that
+  // fit the device memory free at that moment (train/memory_plan.h); none on
+  // the CPU.
+  int recompute_layers = -1;
 };
 
 struct ModelInfo {
@@ -134,6 +136,12 @@ class Engine {
   virtual Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) = 0;
 
   virtual DeviceMemory Memory() const { return {}; }
+  // The most tokens one training pass can hold in the device memory free
+  // now, with every layer recomputed (train/memory_plan.h); 0 where memory
+  // sets no limit the engine knows of (the CPU). Any thread.
+  virtual int64_t MaxPassTokens() const { return 0; }
+  // One line on how the pass limit was measured (empty where none was).
+  virtual std::string MemoryPlanReport() const { return {}; }
   virtual void ResetPeakMemory() {}
 
   // The frozen base model, for a Sampler to share (so it is held once).

@@ -15,6 +15,7 @@
 #include "engine/train/text.h"
 
 #if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -31,6 +32,7 @@
 #include "engine/train/adamw.h"
 #include "engine/train/forward_backward.h"
 #include "engine/train/grad_marks.h"
+#include "engine/train/memory_plan.h"
 #include "engine/train/loss_spec.h"
 #include "engine/train/state.h"
 
@@ -61,7 +63,74 @@ class TrainingEngine final : public Engine {
   Status ValidateForwardBackward(const ForwardBackwardCall& call) const override {
     if (call.slot < 0 || call.slot >= info_.max_slots)
       return Status::Invalid(Cat("slot: ", call.slot, " is outside [0, ", info_.max_slots, ")"));
-    return train::ValidateCallData(call, info_.vocab_size, info_.context_window);
+    if (Status s = train::ValidateCallData(call, info_.vocab_size, info_.context_window); !s.ok()) return s;
+    // A datum is never split across passes: one that no pass can hold is refused up front.
+    const int64_t limit = MaxPassTokens();
+    for (size_t i = 0; limit > 0 && i < call.data.size(); ++i)
+      if (static_cast<int64_t>(call.data[i].tokens.size()) > limit)
+        return Status::Invalid(Cat("data[", i, "].model_input: ", call.data[i].tokens.size(),
+                                   " tokens need more device memory than one training pass has on this server (at "
+                                   "most ",
+                                   limit, " tokens, every layer recomputed)"));
+    return Status::Ok();
+  }
+
+  // The probe passes of memory_plan.h on a scratch slot (slot 0, free at
+  // start-up), leaving it free and every gradient zero. Device only.
+  void Calibrate() {
+    if (!model_->device().is_cuda()) return;
+    const int64_t layers = info_.num_layers;
+    const int64_t probe = std::max<int64_t>(16, std::min<int64_t>(1024, info_.context_window / 2));
+    LoraConfig scratch;
+    scratch.rank = info_.max_rank;
+    scratch.alpha = info_.max_rank;
+    scratch.seed = 1;
+    if (!bank_.Bind(0, scratch).ok()) return;
+    auto pass = [&](int64_t tokens, int64_t recompute) {
+      ForwardBackwardCall call;
+      call.slot = 0;
+      Datum d;
+      std::vector<int64_t> targets;
+      for (int64_t i = 0; i < tokens; ++i) {
+        d.tokens.push_back(static_cast<int32_t>((i * 7919) % info_.vocab_size));
+        targets.push_back((i * 104729 + 1) % info_.vocab_size);
+      }
+      d.loss_fn_inputs["target_tokens"] = Array::Ints(targets);
+      call.data.push_back(std::move(d));
+      const int64_t before = Memory().allocated;
+      ResetPeakMemory();
+      for (auto& r : train::ForwardBackward(*model_, bank_, {call}, info_.vocab_size, info_.context_window, recompute))
+        if (!r.ok()) throw std::runtime_error(r.status().message());
+      return static_cast<double>(Memory().peak_allocated - before);
+    };
+    try {
+      pass(probe, layers);  // allocates the gradients, workspaces and kernels' caches first
+      double m[2][2];
+      for (int t = 0; t < 2; ++t)
+        for (int k = 0; k < 2; ++k) m[t][k] = pass(probe * (t + 1), k ? layers : 0);
+      cost_ = train::ActivationCost::FromProbes(layers, probe, m);
+      probe_tokens_ = probe;
+    } catch (const std::exception&) {
+      cost_ = {};  // no plan: every pass recomputes every layer
+    }
+    bank_.Release(0);
+    optimizer_.Reset(0);
+    ResetPeakMemory();
+  }
+
+  int64_t MaxPassTokens() const override {
+    if (!cost_.known()) return 0;
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations()));
+  }
+
+  std::string MemoryPlanReport() const override {
+    if (!cost_.known()) return {};
+    constexpr double kMiB = 1024.0 * 1024.0;
+    return Cat("activations per token ", static_cast<int64_t>(cost_.kept / 1024), " KiB with every layer kept, ",
+               static_cast<int64_t>(cost_.recomputed / 1024), " KiB with every layer recomputed, plus ",
+               static_cast<int64_t>(cost_.fixed / kMiB), " MiB per pass (probes of ", probe_tokens_, " and ",
+               2 * probe_tokens_, " tokens); ", static_cast<int64_t>(FreeForActivations() / kMiB),
+               " MiB free for them now");
   }
 
   Status BindSlot(int slot, const LoraConfig& config) override {
@@ -101,8 +170,10 @@ class TrainingEngine final : public Engine {
         for (const train::GradMark& m : before) seen = seen || m.slot == c.slot;
         if (!seen) before.push_back(train::TakeGradMark(bank_, c.slot));
       }
+      const train::PassPlan plan = Plan(calls);
+      if (!plan.fits) return Refuse(calls, plan);
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window,
-                                       recompute_layers_);
+                                       plan.recompute_layers);
     } catch (const std::exception& e) {
       for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
       for (auto& r : results)
@@ -182,6 +253,46 @@ class TrainingEngine final : public Engine {
   }
 
  private:
+  // Device memory a pass may fill: 92% of the device (the caching
+  // allocator's rounding and fragmentation take the rest) less what live
+  // tensors hold now (weights, slots, moments, the sampler's KV cache).
+  double FreeForActivations() const {
+#if LOOM_CUDA_KERNELS
+    if (model_->device().is_cuda()) {
+      const auto* props = at::cuda::getDeviceProperties(model_->device().index() < 0 ? 0 : model_->device().index());
+      return 0.92 * static_cast<double>(props->totalGlobalMem) - static_cast<double>(Memory().allocated);
+    }
+#endif
+    return 0;
+  }
+
+  // How many layers this pass recomputes: the fixed count asked for, or the
+  // fewest that fit (all of them where nothing was measured, on a GPU).
+  train::PassPlan Plan(const std::vector<ForwardBackwardCall>& calls) const {
+    int64_t tokens = 0;
+    for (const ForwardBackwardCall& c : calls)
+      for (const Datum& d : c.data) tokens += static_cast<int64_t>(d.tokens.size());
+    if (recompute_layers_ >= 0) return {true, recompute_layers_, 0};
+    if (!model_->device().is_cuda()) return {true, 0, 0};
+    if (!cost_.known()) return {true, info_.num_layers, 0};
+    train::PassPlan plan = train::PlanPass(cost_, tokens, FreeForActivations());
+    if (!plan.fits) plan.bytes = cost_.Bytes(tokens, info_.num_layers);
+    return plan;
+  }
+
+  std::vector<Result<ForwardBackwardOutput>> Refuse(const std::vector<ForwardBackwardCall>& calls,
+                                                    const train::PassPlan& plan) const {
+    int64_t tokens = 0;
+    for (const ForwardBackwardCall& c : calls)
+      for (const Datum& d : c.data) tokens += static_cast<int64_t>(d.tokens.size());
+    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+    const Status s = Status::Exhausted(
+        Cat("forward_backward: a pass of ", tokens, " tokens needs about ", static_cast<int64_t>(plan.bytes / kGiB),
+            " GiB of activations with every layer recomputed; ", static_cast<int64_t>(FreeForActivations() / kGiB),
+            " GiB is free on the device now (at most ", MaxPassTokens(), " tokens per pass)"));
+    return std::vector<Result<ForwardBackwardOutput>>(calls.size(), s);
+  }
+
   bool Bound(int slot) const { return slot >= 0 && slot < info_.max_slots && bank_.slot(slot).bound; }
 
   // OpenMP's thread count is a per-thread setting: a new engine thread would
@@ -194,7 +305,9 @@ class TrainingEngine final : public Engine {
   }
 
   int threads_;
-  int64_t recompute_layers_;
+  int64_t recompute_layers_;  // -1: planned per pass
+  train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
+  int64_t probe_tokens_ = 0;
   std::thread::id configured_thread_ = std::this_thread::get_id();
   std::shared_ptr<Transformer> model_;  // shared with the Sampler (SharedModel)
   ModelInfo info_;
@@ -208,8 +321,8 @@ class TrainingEngine final : public Engine {
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.max_slots < 1) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1"));
   if (options.max_rank < 1) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1"));
-  if (options.recompute_layers < 0)
-    return Status::Invalid(Cat("recompute_layers: ", options.recompute_layers, " must be >= 0"));
+  if (options.recompute_layers < -1)
+    return Status::Invalid(Cat("recompute_layers: ", options.recompute_layers, " must be >= 0, or -1 (auto)"));
   if (options.context_window < 0)
     return Status::Invalid(Cat("context_window: ", options.context_window, " must be >= 0"));
   at::Device device = at::kCPU;
@@ -251,7 +364,9 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
       for (int64_t d : shape) n *= d;
       info.base_parameters += n;
     }
-    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info), options, threads));
+    auto engine = std::make_unique<TrainingEngine>(std::move(*model), std::move(info), options, threads);
+    if (options.recompute_layers < 0) engine->Calibrate();
+    return std::unique_ptr<Engine>(std::move(engine));
   } catch (const std::exception& e) {
     return FromException("open", e);
   }

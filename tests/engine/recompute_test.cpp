@@ -130,18 +130,21 @@ INSTANTIATE_TEST_SUITE_P(Qwen, RecomputeArch, ::testing::Values("qwen2", "qwen3"
                          [](const auto& info) { return std::string(info.param == "qwen3-bias" ? "qwen3_bias" : info.param); });
 
 // On CUDA: recomputation against keeping all (to rounding: CUDA's index_add
-// accumulates in any order), and the bf16 trainer (bf16 weights and LoRA
-// arithmetic, fp32 factors) against the fp32 reference on the same weights.
+// accumulates in any order), and the bf16 trainer against the fp32
+// reference on the same weights, with the LoRA arithmetic in fp32 (PEFT's
+// way) and in bf16 (the default): the bf16 LoRA may not widen the gap that
+// bf16 base weights already make by more than half.
 TEST(RecomputeCuda, Bf16GapToTheFp32Reference) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const at::Device device(at::kCUDA, 0);
   const ModelConfig c = TinyConfig("qwen3");
   const auto weights = RandomWeights(c, 6);
-  std::vector<PassResult> results;
-  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    auto model = Transformer::FromTensors(c, weights, device, dtype);
+  std::vector<PassResult> results;  // fp32; bf16 with fp32 LoRA; bf16
+  for (int run = 0; run < 3; ++run) {
+    auto model = Transformer::FromTensors(c, weights, device, run == 0 ? at::kFloat : at::kBFloat16);
     ASSERT_TRUE(model.ok());
     SlotBank bank(2, 4, device, (*model)->LoraTargets());
+    bank.set_lora_fp32(run == 1);
     BindBoth(bank, device);
     const PassResult kept = Pass(**model, bank, 0);
     const PassResult re = Pass(**model, bank, 99);
@@ -149,14 +152,17 @@ TEST(RecomputeCuda, Bf16GapToTheFp32Reference) {
     for (size_t i = 0; i < kept.grads.size(); ++i) EXPECT_LT(RelDiff(re.grads[i], kept.grads[i]), 1e-5) << i;
     results.push_back(kept);
   }
-  const double lp_gap = MaxDiff(results[1].logprobs, results[0].logprobs);
-  double grad_gap = 0;
-  for (size_t i = 0; i < results[0].grads.size(); ++i)
-    grad_gap = std::max(grad_gap, RelDiff(results[1].grads[i], results[0].grads[i]));
-  std::printf("[ figure ] bf16 vs fp32 on CUDA: logprobs max |diff| %.4g, LoRA gradients max relative diff %.4g\n",
-              lp_gap, grad_gap);
-  EXPECT_LT(lp_gap, 0.1);
-  EXPECT_LT(grad_gap, 0.1);
+  double lp_gap[3] = {0, 0, 0}, grad_gap[3] = {0, 0, 0};
+  for (int run = 1; run < 3; ++run) {
+    lp_gap[run] = MaxDiff(results[run].logprobs, results[0].logprobs);
+    for (size_t i = 0; i < results[0].grads.size(); ++i)
+      grad_gap[run] = std::max(grad_gap[run], RelDiff(results[run].grads[i], results[0].grads[i]));
+    std::printf("[ figure ] %s vs fp32 on CUDA: logprobs max |diff| %.4g, LoRA gradients max relative diff %.4g\n",
+                run == 1 ? "bf16 weights + fp32 LoRA" : "bf16 weights + bf16 LoRA", lp_gap[run], grad_gap[run]);
+  }
+  EXPECT_LT(lp_gap[2], 0.25);  // bf16 rounding (the CPU's Bf16EngineIsCloseToFp32 bound)
+  EXPECT_LT(lp_gap[2], 1.5 * lp_gap[1] + 0.02);
+  EXPECT_LT(grad_gap[2], 1.5 * grad_gap[1] + 0.02);
 }
 
 }  // namespace

@@ -1,0 +1,71 @@
+// The trainer's memory plan: the cost model from probe peaks, the fewest
+// recomputed layers that fit, and the largest pass.
+#include "engine/train/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+namespace loom::engine::train {
+namespace {
+
+// A model of 10 layers: 1 MiB fixed, 100 KiB a token kept, 10 KiB recomputed.
+ActivationCost Cost() {
+  constexpr double KiB = 1024, MiB = 1024 * 1024;
+  const int64_t P = 1000;
+  const double m[2][2] = {{MiB + P * 100 * KiB, MiB + P * 10 * KiB}, {MiB + 2 * P * 100 * KiB, MiB + 2 * P * 10 * KiB}};
+  return ActivationCost::FromProbes(10, P, m);
+}
+
+TEST(MemoryPlan, RecoversTheLinearModelFromTheProbes) {
+  const ActivationCost c = Cost();
+  EXPECT_NEAR(c.kept, 100 * 1024.0, 1e-6);
+  EXPECT_NEAR(c.recomputed, 10 * 1024.0, 1e-6);
+  EXPECT_NEAR(c.fixed, 1024 * 1024.0, 1e-3);
+  EXPECT_NEAR(c.Bytes(100, 5), 1024 * 1024.0 + 100 * 55 * 1024.0, 1e-3);  // half the layers: 10 + 45 KiB
+}
+
+TEST(MemoryPlan, RecomputesTheFewestLayersThatFit) {
+  const ActivationCost c = Cost();
+  const int64_t T = 1000;
+  // Everything kept fits: no recomputation.
+  EXPECT_EQ(PlanPass(c, T, c.Bytes(T, 0)).recompute_layers, 0);
+  EXPECT_TRUE(PlanPass(c, T, c.Bytes(T, 0)).fits);
+  // Between: the smallest k whose estimate fits, and k - 1 would not.
+  for (double room : {c.Bytes(T, 3), c.Bytes(T, 3) + 1.0, c.Bytes(T, 2) - 1.0}) {
+    const PassPlan p = PlanPass(c, T, room);
+    EXPECT_TRUE(p.fits);
+    EXPECT_EQ(p.recompute_layers, 3) << room;
+    EXPECT_LE(p.bytes, room);
+    EXPECT_GT(c.Bytes(T, p.recompute_layers - 1), room);
+  }
+  // Not even all recomputed fits: refused, naming what it would need.
+  const PassPlan no = PlanPass(c, T, c.Bytes(T, 10) - 1.0);
+  EXPECT_FALSE(no.fits);
+  EXPECT_EQ(no.recompute_layers, 10);
+  // Nothing measured: no plan to refuse by.
+  EXPECT_TRUE(PlanPass(ActivationCost{}, T, 0).fits);
+}
+
+TEST(MemoryPlan, TheLargestPassFitsAndOneMoreTokenDoesNot) {
+  const ActivationCost c = Cost();
+  const double room = 3.5 * 1024 * 1024 * 1024;
+  const int64_t n = MaxPassTokens(c, room);
+  EXPECT_GT(n, 0);
+  EXPECT_TRUE(PlanPass(c, n, room).fits);
+  EXPECT_FALSE(PlanPass(c, n + 1, room).fits);
+  EXPECT_EQ(MaxPassTokens(c, c.fixed / 2), 0);
+  EXPECT_EQ(MaxPassTokens(ActivationCost{}, room), 0);
+}
+
+// A probe whose second size measured less than twice the first (noise, a
+// cached block reused) never yields a slope below the larger pass's average.
+TEST(MemoryPlan, ANoisyProbeErrsOnTheSideOfMoreMemory) {
+  const double m[2][2] = {{900.0, 100.0}, {1000.0, 150.0}};
+  const ActivationCost c = ActivationCost::FromProbes(4, 10, m);
+  EXPECT_GE(c.kept, 1000.0 / 20);
+  EXPECT_GE(c.Bytes(20, 0), 1000.0);
+  EXPECT_GE(c.Bytes(10, 0), 900.0);
+  EXPECT_GE(c.Bytes(20, 4), 150.0);
+}
+
+}  // namespace
+}  // namespace loom::engine::train
