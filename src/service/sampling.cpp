@@ -86,6 +86,8 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   call.params = request.sampling_params;
   call.prompt_logprobs = request.prompt_logprobs;
   call.topk_prompt_logprobs = request.topk_prompt_logprobs;
+  call.tenant = caller.tenant;  // the sampler shares its batch fairly by tenant, then by session
+  call.session = request.sampling_session_id;
   engine::Sampler* sampler = nullptr;
   SampleSubmitted out;
   {
