@@ -1,9 +1,10 @@
 // Janitor: the one periodic sweep. The engine thread calls it each turn (the
 // train loop's chores, wired by Service); every janitor_period it asks each
 // part to expire its own things, in this order: idle sessions (their models
-// fail and give back their slots, their samples are cancelled), seq_id gaps that waited too long,
-// finished futures past retention, idempotency keys older than an hour,
-// archive grants past their TTL, and (every minute) checkpoints past their TTL.
+// fail and give back their slots, their samples are cancelled), seq_id gaps
+// that waited too long, finished futures past retention, idempotency keys
+// older than an hour, archive grants past their TTL, and (every minute)
+// checkpoints past their TTL.
 //
 // Owns: when it last swept and when it last swept checkpoint TTLs.
 //
