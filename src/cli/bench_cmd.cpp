@@ -20,6 +20,7 @@
 #include "cli/bench_rl.h"
 #include "cli/bench_sample.h"
 #include "cli/commands.h"
+#include "cli/trace_profile.h"
 #include "engine/api.h"
 #include "testmodel/make_model.h"
 
@@ -39,6 +40,9 @@ struct TrainBenchOptions {
   std::string device = "auto";
   double lr = 1e-4;
   std::string save_adapter;  // after timing, tenant 0's PEFT snapshot goes here
+  bool lora_fp32 = false;
+  int recompute_layers = 0;
+  std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
 };
 
 std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
@@ -63,7 +67,8 @@ struct StepTimes {
 
 // Mean times of `steps` steps over the given slots (after one warm-up).
 Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
-                         const std::vector<std::vector<Datum>>& data, int steps, double lr) {
+                         const std::vector<std::vector<Datum>>& data, int steps, double lr,
+                         const std::string& trace_path) {
   std::vector<engine::ForwardBackwardCall> calls;
   std::vector<engine::OptimStepCall> optim;
   for (int s : slots) {
@@ -86,6 +91,15 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
       if (!r.ok()) return r.status();
     const auto t2 = std::chrono::steady_clock::now();
     if (i == 0) continue;  // warm-up
+    if (!trace_path.empty() && i == steps) {
+      // One more step, traced, after the timed ones (the trace's overhead stays out of the figures).
+      if (Status st = StartTrace(); !st.ok()) return st;
+      for (auto& r : e.ForwardBackward(calls))
+        if (!r.ok()) return r.status();
+      for (auto& r : e.OptimStep(optim))
+        if (!r.ok()) return r.status();
+      if (Status st = StopTrace(trace_path); !st.ok()) return st;
+    }
     t.forward_backward += std::chrono::duration<double>(t1 - t0).count() / steps;
     t.optim_step += std::chrono::duration<double>(t2 - t1).count() / steps;
   }
@@ -123,6 +137,8 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.max_slots = o.tenants;
   eo.max_rank = o.rank;
   eo.threads = o.threads;
+  eo.lora_fp32 = o.lora_fp32;
+  eo.recompute_layers = o.recompute_layers;
   auto opened = engine::Engine::Open(eo);
   if (!opened.ok()) {
     std::fprintf(stderr, "loom bench train: %s\n", opened.status().message().c_str());
@@ -150,8 +166,9 @@ int BenchTrain(const TrainBenchOptions& o) {
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
               info.dtype.c_str(), o.rank, o.steps);
-  auto one = TimeSteps(e, {0}, data, o.steps, o.lr);
-  auto packed = one.ok() ? TimeSteps(e, all, data, o.steps, o.lr) : one;
+  const auto trace = [&](const char* row) { return o.profile.empty() ? o.profile : o.profile + "." + row + ".json"; };
+  auto one = TimeSteps(e, {0}, data, o.steps, o.lr, trace("one"));
+  auto packed = one.ok() ? TimeSteps(e, all, data, o.steps, o.lr, trace("packed")) : one;
   if (packed.ok() && !o.save_adapter.empty()) {
     // A trained (non-zero B) adapter for tools/reference/check_snapshot.py.
     if (Status st = e.SaveForSampler(0, o.save_adapter, model_dir); !st.ok()) {
@@ -208,6 +225,13 @@ int Bench(int argc, char** argv) {
   train->add_option("--threads", t.threads, "CPU threads (0 = all cores)")->default_val(t.threads);
   train->add_option("--device", t.device, "auto | cpu | cuda")->default_val(t.device);
   train->add_option("--lr", t.lr, "AdamW learning rate")->default_val(t.lr);
+  train->add_flag("--lora-fp32", t.lora_fp32, "LoRA arithmetic in fp32 (as PEFT does) instead of the model dtype");
+  train->add_option("--recompute-layers", t.recompute_layers,
+                    "decoder layers whose activations are recomputed in the backward (0 = keep all)")
+      ->default_val(t.recompute_layers)->check(CLI::Range(0, 100000));
+  train->add_option("--profile", t.profile,
+                    "after timing, trace one more step of each row (Kineto, libtorch 2.x) to PATH.one.json and "
+                    "PATH.packed.json (bench/trace_summary.py reads them)");
   train->add_option("--save-adapter", t.save_adapter, "write tenant 0's trained adapter (PEFT) to this new directory");
   try {
     app.parse(argc, argv);

@@ -49,6 +49,13 @@ struct EngineOptions {
   int max_rank = 32;              // R, the largest rank a slot may take
   int64_t context_window = 0;     // 0 = from the model config
   int threads = 0;                // CPU intra-op threads; 0 = all cores
+  // LoRA arithmetic in fp32 (activations cast up, as PEFT does) instead of
+  // the model dtype (the fp32 factors cast down): the reference precision.
+  bool lora_fp32 = false;
+  // Decoder layers whose activations are recomputed in the backward instead
+  // of kept (from the first layer): 0 keeps all; more trade one forward of
+  // those layers for memory.
+  int recompute_layers = 0;
 };
 
 struct ModelInfo {

@@ -45,12 +45,15 @@ Status FromException(const char* op, const std::exception& e) {
 
 class TrainingEngine final : public Engine {
  public:
-  TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info, int threads)
+  TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info, const EngineOptions& options, int threads)
       : threads_(threads),
+        recompute_layers_(options.recompute_layers),
         model_(std::move(model)),
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
-        optimizer_(bank_) {}
+        optimizer_(bank_) {
+    bank_.set_lora_fp32(options.lora_fp32);
+  }
 
   const ModelInfo& info() const override { return info_; }
   std::shared_ptr<const Transformer> SharedModel() const override { return model_; }
@@ -98,7 +101,8 @@ class TrainingEngine final : public Engine {
         for (const train::GradMark& m : before) seen = seen || m.slot == c.slot;
         if (!seen) before.push_back(train::TakeGradMark(bank_, c.slot));
       }
-      results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window);
+      results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window,
+                                       recompute_layers_);
     } catch (const std::exception& e) {
       for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
       for (auto& r : results)
@@ -190,6 +194,7 @@ class TrainingEngine final : public Engine {
   }
 
   int threads_;
+  int64_t recompute_layers_;
   std::thread::id configured_thread_ = std::this_thread::get_id();
   std::shared_ptr<Transformer> model_;  // shared with the Sampler (SharedModel)
   ModelInfo info_;
@@ -203,6 +208,8 @@ class TrainingEngine final : public Engine {
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.max_slots < 1) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1"));
   if (options.max_rank < 1) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1"));
+  if (options.recompute_layers < 0)
+    return Status::Invalid(Cat("recompute_layers: ", options.recompute_layers, " must be >= 0"));
   if (options.context_window < 0)
     return Status::Invalid(Cat("context_window: ", options.context_window, " must be >= 0"));
   at::Device device = at::kCPU;
@@ -244,7 +251,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
       for (int64_t d : shape) n *= d;
       info.base_parameters += n;
     }
-    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info), threads));
+    return std::unique_ptr<Engine>(new TrainingEngine(std::move(*model), std::move(info), options, threads));
   } catch (const std::exception& e) {
     return FromException("open", e);
   }

@@ -14,89 +14,18 @@
 #include <map>
 
 #include "engine/model/attention.h"
+#include "tiny_model.h"
 #include "testmodel/make_model.h"
 #include "engine/io/safetensors.h"
 
 namespace loom::engine {
 namespace {
 
-// arch: "qwen2", "qwen3", or "qwen3-bias" (qwen3 with attention_bias: q/k/v/o biases).
-ModelConfig TinyConfig(const std::string& arch) {
-  ModelConfig c;
-  c.model_type = arch.substr(0, 5);
-  c.vocab_size = 61;
-  c.hidden_size = 32;
-  c.intermediate_size = 40;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000.0;
-  c.max_position_embeddings = 128;
-  c.tie_word_embeddings = arch == "qwen3";
-  c.attention_bias = arch != "qwen3";
-  c.qk_norm = c.model_type == "qwen3";
-  return c;
-}
-
-std::map<std::string, at::Tensor> RandomWeights(const ModelConfig& c, uint64_t seed) {
-  at::manual_seed(seed);
-  std::map<std::string, at::Tensor> w;
-  for (const auto& [name, shape] : Transformer::ExpectedWeights(c)) {
-    const bool norm = name.find("norm") != std::string::npos;
-    w[name] = norm ? 1.0 + 0.2 * at::randn(shape) : 0.3 * at::randn(shape);
-  }
-  return w;
-}
-
-std::unique_ptr<Transformer> Tiny(const std::string& arch, uint64_t seed = 1) {
-  auto t = Transformer::FromTensors(TinyConfig(arch), RandomWeights(TinyConfig(arch), seed), at::kCPU, at::kFloat);
-  EXPECT_TRUE(t.ok()) << t.status().message();
-  return std::move(t.value());
-}
-
-std::unique_ptr<SlotBank> Bank(const Transformer& t, int slots = 4, int rank = 4) {
-  return std::make_unique<SlotBank>(slots, rank, at::kCPU, t.LoraTargets());
-}
-
-void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t seed) {
-  LoraConfig c;
-  c.rank = rank;
-  c.alpha = alpha;
-  c.seed = seed;
-  ASSERT_TRUE(bank.Bind(s, c).ok());
-  at::manual_seed(seed);
-  c10::NoGradGuard no_grad;
-  for (auto& t : bank.targets()) t.B.select(0, s).narrow(1, 0, rank).copy_(0.2 * at::randn({t.d_out, rank}));
-}
-
-// Next-token targets within each sequence (the last token predicts token 0).
-at::Tensor NextTokens(const std::vector<std::vector<int32_t>>& seqs) {
-  std::vector<int64_t> v;
-  for (const auto& s : seqs)
-    for (size_t i = 0; i < s.size(); ++i) v.push_back(i + 1 < s.size() ? s[i + 1] : 0);
-  return at::tensor(v, at::TensorOptions().dtype(at::kLong));
-}
-
 at::Tensor Logprobs(const Transformer& model, const SlotBank& bank, const std::vector<std::vector<int32_t>>& seqs,
                     const std::vector<int>& slots, int64_t chunk = 1024) {
   const PackedBatch batch = PackedBatch::Make(seqs, slots, at::kCPU);
   const at::Tensor hidden = model.Hidden(batch, bank);
   return model.TargetLogprobs(hidden, NextTokens(seqs), batch, bank, chunk);
-}
-
-std::vector<int32_t> Seq(int len, int salt) {
-  std::vector<int32_t> s;
-  for (int i = 0; i < len; ++i) s.push_back((i * 7 + salt * 13 + 3) % 61);
-  return s;
-}
-
-double MaxDiff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
-// Max difference relative to the reference's scale (at least 1): for
-// gradients summed over many terms in a different order.
-double RelDiff(const at::Tensor& a, const at::Tensor& ref) {
-  return MaxDiff(a, ref) / std::max(1.0, ref.abs().max().item<double>());
 }
 
 class TransformerArch : public ::testing::TestWithParam<std::string> {};

@@ -127,6 +127,10 @@ void SlotBank::ZeroGrad(int s) {
   }
 }
 
+at::ScalarType SlotBank::ComputeType(const at::Tensor& x) const {
+  return lora_fp32_ ? at::kFloat : x.scalar_type();
+}
+
 bool SlotBank::Uses(const LoraTarget& t, const std::vector<int>& seg_slot) const {
   for (int s : seg_slot)
     if (trains(s, t.group)) return true;
@@ -135,7 +139,8 @@ bool SlotBank::Uses(const LoraTarget& t, const std::vector<int>& seg_slot) const
 
 at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::vector<int64_t>& seg_begin,
                            const std::vector<int>& seg_slot) const {
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const at::ScalarType ct = ComputeType(x);
+  const at::Tensor xf = x.to(ct);
   const int64_t rows = x.size(0);
   std::vector<at::Tensor> parts;
   int64_t covered = 0;
@@ -155,8 +160,8 @@ at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::
       continue;
     }
     const LoraConfig& c = slots_[s].config;
-    const at::Tensor a = t.A.select(0, s).narrow(0, 0, c.rank);  // [r, d_in]
-    const at::Tensor b = t.B.select(0, s).narrow(1, 0, c.rank);  // [d_out, r]
+    const at::Tensor a = t.A.select(0, s).narrow(0, 0, c.rank).to(ct);  // [r, d_in]
+    const at::Tensor b = t.B.select(0, s).narrow(1, 0, c.rank).to(ct);  // [d_out, r]
     // Scaled at rank width, not output width: one pass over [len, r] instead of [len, d_out].
     parts.push_back(at::linear(at::linear(xf.narrow(0, begin, len), a) * (c.alpha / c.rank), b));
   }
@@ -244,16 +249,18 @@ LoraForm SlotBank::ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_beg
 }
 
 at::Tensor SlotBank::RoutedDelta(const LoraTarget& t, const at::Tensor& x, const LoraRouting& routing) const {
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const at::ScalarType ct = ComputeType(x);
+  const at::Tensor xf = x.to(ct);
   const int64_t U = routing.num_slots();
   if (U == 0) return at::zeros({x.size(0), t.d_out}, xf.options());
   const int64_t ur = U * max_rank_;
-  const at::Tensor a = FiniteOrZero(t.A.index_select(0, routing.slots).reshape({ur, t.d_in}));  // [U*R, d_in]
-  const at::Tensor b =
-      FiniteOrZero(t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur}));  // [d_out, U*R]
+  // Cast before the finite check: an fp32 value past the compute type's range becomes inf there.
+  const at::Tensor a = FiniteOrZero(t.A.index_select(0, routing.slots).reshape({ur, t.d_in}).to(ct));  // [U*R, d_in]
+  const at::Tensor b = FiniteOrZero(
+      t.B.index_select(0, routing.slots).permute({1, 0, 2}).reshape({t.d_out, ur}).to(ct));  // [d_out, U*R]
   const at::Tensor zero = at::zeros({}, xf.options());
   const at::Tensor xs = FiniteOrZero(xf);
-  const at::Tensor h = at::where(routing.select, at::linear(xs, a) * routing.scale, zero);  // [T, U*R]
+  const at::Tensor h = at::where(routing.select, at::linear(xs, a) * routing.scale.to(ct), zero);  // [T, U*R]
   at::Tensor y = at::linear(h, b);
   if (y.requires_grad()) y.register_hook([](const at::Tensor& g) { return FiniteOrZero(g); });
   return y;
@@ -313,17 +320,16 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
 
 at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const {
   TORCH_CHECK(x.size(0) == routing.rows, "GroupedDelta: x has ", x.size(0), " rows, the routing ", routing.rows);
-  const auto fp32 = x.options().dtype(at::kFloat);
+  const at::ScalarType ct = ComputeType(x);
   const int64_t U = routing.num_slots(), L = routing.max_rows;
-  if (U == 0) return at::zeros({x.size(0), t.d_out}, fp32);
-  // Gather first, then cast: the fp32 copy is of the padded rows only (no
-  // gather when the rows already are in padded order, e.g. 16 tenants x 512).
+  if (U == 0) return at::zeros({x.size(0), t.d_out}, x.options().dtype(ct));
+  // Gather first, then cast: a copy of the padded rows only (none when the
+  // rows already are in padded order, e.g. 16 tenants x 512).
   at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
-  if (xp.scalar_type() != at::kFloat) xp = xp.to(at::kFloat);
-  xp = xp.view({U, L, t.d_in});
-  const at::Tensor a = t.A.index_select(0, routing.slots).transpose(1, 2);  // [U, d_in, R]
-  const at::Tensor b = t.B.index_select(0, routing.slots).transpose(1, 2);  // [U, R, d_out]
-  at::Tensor y = at::bmm(at::bmm(xp, a) * routing.scale, b).view({U * L, t.d_out});
+  xp = xp.to(ct).view({U, L, t.d_in});
+  const at::Tensor a = t.A.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, d_in, R]
+  const at::Tensor b = t.B.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, R, d_out]
+  at::Tensor y = at::bmm(at::bmm(xp, a) * routing.scale.to(ct), b).view({U * L, t.d_out});
   if (routing.identity) return y;
   if (routing.base_rows) y = at::cat({y, at::zeros({1, t.d_out}, y.options())}, 0);
   return y.index_select(0, routing.scatter);

@@ -121,15 +121,22 @@ class SlotBank {
   // Zeroes the accumulated gradients of slot s only.
   void ZeroGrad(int s);
 
+  // The dtype of the LoRA arithmetic for input rows x: x's own dtype (the
+  // model dtype: bf16 on the GPU, where the fp32 factors are cast down once
+  // per use and their gradients come back in fp32), or fp32 for every input
+  // when set_lora_fp32(true) (x cast up, as PEFT does; the reference).
+  at::ScalarType ComputeType(const at::Tensor& x) const;
+  void set_lora_fp32(bool on) { lora_fp32_ = on; }
+  bool lora_fp32() const { return lora_fp32_; }
+
   // True when some segment's slot trains t's group (so Delta can be nonzero).
   bool Uses(const LoraTarget& t, const std::vector<int>& seg_slot) const;
 
   // The LoRA delta for x routed per sequence: rows [seg_begin[i], seg_begin[i+1])
   // of x use slot seg_slot[i] (-1, an unbound slot, or a slot not training t's
-  // group contribute zero rows). Returns fp32 scale * (x A^T) B^T with shape
-  // [T, d_out], computed per run of equal slots (segment form: two small
-  // matmuls per run). x may be any float dtype; it is cast to fp32 as PEFT
-  // does. Differentiable into A and B of the used slots only, at rank r.
+  // group contribute zero rows). Returns scale * (x A^T) B^T with shape
+  // [T, d_out] in ComputeType(x), computed per run of equal slots (segment
+  // form: two small matmuls per run). Differentiable into A and B of the used slots only, at rank r.
   at::Tensor Delta(const LoraTarget& t, const at::Tensor& x,
                    const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
 
@@ -172,8 +179,8 @@ class SlotBank {
   // The grouped routing of a packed batch for group g (see LoraGroups).
   LoraGroups Group(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
   // Same value as Delta (to fp32 rounding) with a fixed number of kernels and
-  // only the needed FLOPs: x's rows gathered into [U, Lmax, d_in] (cast to
-  // fp32), bmm with A_U^T [U, d_in, R], times the group's alpha/r, bmm with
+  // only the needed FLOPs: x's rows gathered into [U, Lmax, d_in] (in
+  // ComputeType(x)), bmm with A_U^T [U, d_in, R], times the group's alpha/r, bmm with
   // B_U^T [U, R, d_out], and one gather back to packed order [T, d_out] (rows
   // without a training slot read an appended zero row). Rows >= a slot's rank
   // are zero in A and B, so the full R columns add exact zeros and their
@@ -188,6 +195,7 @@ class SlotBank {
   std::vector<LoraTarget> targets_;
   std::vector<SlotState> slots_;
   at::Tensor scales_;
+  bool lora_fp32_ = false;
 };
 
 }  // namespace loom::engine

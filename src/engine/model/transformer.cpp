@@ -8,6 +8,7 @@
 
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
+#include "engine/model/recompute.h"
 #include "engine/model/transformer_impl.h"
 #include "engine/model/unembed.h"
 
@@ -240,25 +241,68 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
   return w;
 }
 
-at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank) const {
+namespace {
+
+// What every layer of one packed pass shares: the LoRA routing, the padded
+// attention layout and the RoPE tables. Held by a shared_ptr so that the
+// recomputed layers' backward (after Hidden has returned) still has it.
+struct PassState {
+  PassState(const SlotBank& bank, const PackedBatch& batch, bool attn, bool mlp)
+      : delta(bank, batch.seq_begin, batch.seq_slot, attn, mlp),
+        padded(PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())) {}
+  BatchLora delta;
+  PaddedLayout padded;
+  Rope rope;
+};
+
+// The LoRA leaves layer i's graph reaches for the groups this pass trains.
+std::vector<at::Tensor> LayerLeaves(const SlotBank& bank, size_t layer, bool attn, bool mlp) {
+  std::vector<at::Tensor> leaves;
+  for (int k = 0; k < 7; ++k) {
+    if (!(k < 4 ? attn : mlp)) continue;
+    const LoraTarget* t = LayerTarget(bank, layer, k);
+    if (!t) continue;
+    leaves.push_back(t->A);
+    leaves.push_back(t->B);
+  }
+  return leaves;
+}
+
+}  // namespace
+
+at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, int64_t recompute_layers) const {
   const Impl& m = *impl_;
   const double eps = config_.rms_norm_eps;
 
   const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
   const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
-  const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
-
-  // One batched attention per layer instead of one per sequence, where cheaper.
-  const PaddedLayout padded = PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device());
-
-  auto lora = [&](size_t layer, int k, const at::Tensor& in) {
-    return delta(LayerTarget(bank, layer, k), in);
+  // The routing is planned once per target group for the batch, and one
+  // batched attention per layer replaces one per sequence where cheaper.
+  auto state = std::make_shared<PassState>(bank, batch, attn_lora, mlp_lora);
+  state->rope = Rope::Make(m, batch.positions, dtype_);
+  const AttentionKernel kernel = attention_kernel_;
+  const std::vector<int64_t>& seq_begin = batch.seq_begin;
+  // One layer of this pass. It reads only the pass state, the frozen weights
+  // and the bank's factors, all alive until the backward is done (the
+  // engine runs the backward inside its forward_backward call).
+  auto layer = [&m, &bank, &seq_begin, state, kernel, eps, attn_lora, mlp_lora](size_t i, const at::Tensor& x) {
+    auto lora = [&](size_t l, int k, const at::Tensor& in) { return state->delta(LayerTarget(bank, l, k), in); };
+    auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get());
+    };
+    return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend);
   };
-  auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    return PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get());
-  };
-  return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
-                      lora, attend);
+  at::Tensor x = at::embedding(m.embed, batch.tokens);
+  const bool recompute = c10::GradMode::is_enabled() && (attn_lora || mlp_lora);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    if (recompute && static_cast<int64_t>(i) < recompute_layers) {
+      auto fn = std::make_shared<const LayerFn>([layer, i](const at::Tensor& in) { return layer(i, in); });
+      x = RecomputedLayer(std::move(fn), x, LayerLeaves(bank, i, attn_lora, mlp_lora));
+    } else {
+      x = layer(i, x);
+    }
+  }
+  return FinalNorm(m, x, eps);
 }
 
 at::Tensor Transformer::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,

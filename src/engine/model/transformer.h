@@ -64,8 +64,11 @@ class Transformer {
   std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> LoraTargets() const;
 
   // Final-normed hidden states [T, hidden] (fp32 for the loss), differentiable
-  // into the bank's A/B of the slots the batch uses.
-  at::Tensor Hidden(const PackedBatch& batch, const SlotBank& bank) const;
+  // into the bank's A/B of the slots the batch uses. Layers [0,
+  // recompute_layers) keep only their input for the backward and run again
+  // there (recompute.h): the same values and gradients, less memory, one
+  // more forward of those layers.
+  at::Tensor Hidden(const PackedBatch& batch, const SlotBank& bank, int64_t recompute_layers = 0) const;
 
   // Log-probabilities of target tokens under lm_head (+ unembed LoRA).
   // targets: [T] or [T, K] int64. Computed in chunks of tokens so that

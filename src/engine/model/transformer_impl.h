@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/model/lean_ops.h"
 #include "engine/model/transformer.h"
 
 namespace loom::engine {
@@ -34,12 +35,11 @@ struct Transformer::Impl {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
 };
 
-// RMSNorm as Hugging Face computes it: normalise in fp32, cast back to the
-// input dtype, then scale by the weight.
+// RMSNorm as Hugging Face computes it (lean_ops.h): normalise in fp32,
+// cast back to the input dtype, then scale by the weight; under grad mode
+// the node keeps x and 1/rms only.
 inline at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return RmsNormLean(x, weight, eps);
 }
 
 // HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dimension.
@@ -111,9 +111,20 @@ class BatchLora {
   Group attn_, mlp_;
 };
 
-// The decoder stack over token rows x [T, hidden] at `positions` [T]:
-// embeddings in, final-normed hidden states (fp32) out. The two forwards
-// differ only in how a layer attends and how LoRA is applied, so both are
+// RoPE tables for a batch's positions [T]: cos and sin [T, 1, hd] in the
+// model dtype (computed in fp32, then cast, as HF does).
+struct Rope {
+  at::Tensor cos, sin;
+  template <typename Model>
+  static Rope Make(const Model& m, const at::Tensor& positions, at::ScalarType dtype) {
+    const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    return Rope{emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
+  }
+};
+
+// Decoder layer i over token rows x [T, hidden]. The two forwards differ
+// only in how a layer attends and how LoRA is applied, so both are
 // arguments:
 //   lora(layer, k, in)        the delta of the layer's k-th target
 //                             (kLayerTargets) for input rows `in`;
@@ -123,55 +134,63 @@ class BatchLora {
 // gets the same hidden state from either forward (to float rounding).
 // (Model is Transformer::Impl, deduced: the type is private to Transformer.)
 template <typename Model, typename Lora, typename Attend>
+at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope, double eps, bool attn_lora,
+                        bool mlp_lora, Lora&& lora, Attend&& attend) {
+  const int64_t T = x.size(0), hd = m.head_dim;
+  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
+  const auto& l = m.layers[i];
+  // Attention block.
+  at::Tensor h = RmsNorm(x, l.input_norm, eps);
+  // The LoRA deltas are added to the fused projection before it is split,
+  // never to the split views: q/k/v (and gate/up below) are then views of
+  // one [T, n] tensor on both paths. Adding to a view makes a contiguous
+  // copy, and ATen's elementwise and reduction kernels round differently on
+  // strided and contiguous inputs (vector body vs scalar tail, which also
+  // depends on the CPU's vector width), so a zero delta would not give the
+  // base's bits.
+  at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+  if (attn_lora) qkv = qkv + at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1);
+  at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
+  q = q.reshape({T, m.heads, hd});
+  k = k.reshape({T, m.kv_heads, hd});
+  v = v.reshape({T, m.kv_heads, hd});
+  if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
+    q = RmsNorm(q, l.q_norm, eps);
+    k = RmsNorm(k, l.k_norm, eps);
+  }
+  q = q * rope.cos + RotateHalf(q) * rope.sin;
+  k = k * rope.cos + RotateHalf(k) * rope.sin;
+  const at::Tensor attn = attend(i, q, k, v);
+  at::Tensor o = at::linear(attn, l.o_w, l.o_b);
+  if (attn_lora) o = o + lora(i, 3, attn);
+  x = x + o;
+
+  // MLP block (SwiGLU).
+  h = RmsNorm(x, l.post_norm, eps);
+  at::Tensor gate_up = at::linear(h, l.gate_up_w);
+  if (mlp_lora) gate_up = gate_up + at::cat({lora(i, 4, h), lora(i, 5, h)}, 1);
+  const at::Tensor act = SwiGluLean(gate_up);
+  at::Tensor down = at::linear(act, l.down_w);
+  if (mlp_lora) down = down + lora(i, 6, act);
+  return x + down;
+}
+
+// The final norm, fp32 for the loss.
+template <typename Model>
+at::Tensor FinalNorm(const Model& m, const at::Tensor& x, double eps) {
+  return RmsNorm(x, m.norm, eps).to(at::kFloat);
+}
+
+// The whole stack: embeddings x [T, hidden] at `positions` [T] in,
+// final-normed hidden states (fp32) out.
+template <typename Model, typename Lora, typename Attend>
 at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& positions,
                         at::ScalarType dtype, double eps, bool attn_lora, bool mlp_lora, Lora&& lora,
                         Attend&& attend) {
-  const int64_t T = x.size(0), hd = m.head_dim;
-  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
-  // RoPE tables for these positions (fp32, then the model dtype, as HF).
-  const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);
-  const at::Tensor cos = emb.cos().to(dtype).unsqueeze(1);  // [T, 1, hd]
-  const at::Tensor sin = emb.sin().to(dtype).unsqueeze(1);
-  for (size_t i = 0; i < m.layers.size(); ++i) {
-    const auto& l = m.layers[i];
-    // Attention block.
-    at::Tensor h = RmsNorm(x, l.input_norm, eps);
-    // The LoRA deltas are added to the fused projection before it is split,
-    // never to the split views: q/k/v (and gate/up below) are then views of
-    // one [T, n] tensor on both paths. Adding to a view makes a contiguous
-    // copy, and ATen's elementwise and reduction kernels round differently on
-    // strided and contiguous inputs (vector body vs scalar tail, which also
-    // depends on the CPU's vector width), so a zero delta would not give the
-    // base's bits.
-    at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-    if (attn_lora) qkv = qkv + at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1);
-    at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
-    q = q.reshape({T, m.heads, hd});
-    k = k.reshape({T, m.kv_heads, hd});
-    v = v.reshape({T, m.kv_heads, hd});
-    if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
-      q = RmsNorm(q, l.q_norm, eps);
-      k = RmsNorm(k, l.k_norm, eps);
-    }
-    q = q * cos + RotateHalf(q) * sin;
-    k = k * cos + RotateHalf(k) * sin;
-    const at::Tensor attn = attend(i, q, k, v);
-    at::Tensor o = at::linear(attn, l.o_w, l.o_b);
-    if (attn_lora) o = o + lora(i, 3, attn);
-    x = x + o;
-
-    // MLP block (SwiGLU).
-    h = RmsNorm(x, l.post_norm, eps);
-    at::Tensor gate_up = at::linear(h, l.gate_up_w);
-    if (mlp_lora) gate_up = gate_up + at::cat({lora(i, 4, h), lora(i, 5, h)}, 1);
-    const at::Tensor gate = gate_up.narrow(1, 0, m.inter), up = gate_up.narrow(1, m.inter, m.inter);
-    const at::Tensor act = at::silu(gate) * up;
-    at::Tensor down = at::linear(act, l.down_w);
-    if (mlp_lora) down = down + lora(i, 6, act);
-    x = x + down;
-  }
-  return RmsNorm(x, m.norm, eps).to(at::kFloat);
+  const Rope rope = Rope::Make(m, positions, dtype);
+  for (size_t i = 0; i < m.layers.size(); ++i)
+    x = DecoderLayer(m, i, std::move(x), rope, eps, attn_lora, mlp_lora, lora, attend);
+  return FinalNorm(m, x, eps);
 }
 
 }  // namespace loom::engine

@@ -50,7 +50,8 @@ Array ToArray(const at::Tensor& host, int64_t begin, int64_t n, int64_t k) {
 
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
-                                                           int64_t vocab_size, int64_t context_window) {
+                                                           int64_t vocab_size, int64_t context_window,
+                                                           int64_t recompute_layers) {
   std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
   // 1. Validate; valid calls with data join the batch, in call order.
   std::vector<Part> parts;
@@ -97,7 +98,7 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
   for (const Part& p : parts) all_data.insert(all_data.end(), p.data.begin(), p.data.end());
   at::Tensor targets = PackTargets(all_data, k_cols).to(device);
   PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
-  at::Tensor hidden = model.Hidden(batch, bank);
+  at::Tensor hidden = model.Hidden(batch, bank, recompute_layers);
   at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank);
 
   // 3. Per-call losses; one host sync for all of them.

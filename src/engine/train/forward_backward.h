@@ -27,6 +27,7 @@ namespace loom::engine::train {
 // forward runs without autograd when every call is forward_only.
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
-                                                           int64_t vocab_size, int64_t context_window);
+                                                           int64_t vocab_size, int64_t context_window,
+                                                           int64_t recompute_layers = 0);
 
 }  // namespace loom::engine::train

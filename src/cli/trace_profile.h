@@ -1,0 +1,17 @@
+// trace_profile: a Kineto trace (CPU ops and CUDA kernels) of what the
+// engine runs between Start and Stop, saved as Chrome-trace JSON for
+// bench/trace_summary.py. Only with libtorch 2.x (the GPU machine); elsewhere Start
+// says why not. Benches only: the service never profiles.
+//
+// Threading: Start and Stop on the thread that runs the engine.
+#pragma once
+#include <string>
+
+#include "common/status.h"
+
+namespace loom::cli {
+
+Status StartTrace();
+Status StopTrace(const std::string& path);
+
+}  // namespace loom::cli

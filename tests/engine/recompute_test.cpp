@@ -1,0 +1,163 @@
+// The trainer's memory levers against their plain references: the lean
+// RMSNorm and SwiGLU nodes (same forward bits, autograd's gradients to
+// rounding), layer recomputation (the same values and gradients as keeping
+// every activation), and, on CUDA, the bf16 trainer's gap to the fp32
+// reference, printed for docs/compatibility.md.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "engine/model/lean_ops.h"
+#include "tiny_model.h"
+
+namespace loom::engine {
+namespace {
+
+std::vector<at::Device> Devices() {
+  std::vector<at::Device> d{at::kCPU};
+  if (at::hasCUDA()) d.emplace_back(at::kCUDA, 0);
+  return d;
+}
+
+// Value and input gradient of f(x) for the upstream gradient g.
+std::pair<at::Tensor, at::Tensor> ValueAndGrad(const std::function<at::Tensor(const at::Tensor&)>& f,
+                                               const at::Tensor& x0, const at::Tensor& g) {
+  const at::Tensor x = x0.detach().clone().requires_grad_(true);
+  const at::Tensor y = f(x);
+  y.backward(g);
+  return {y.detach(), x.grad()};
+}
+
+TEST(LeanOps, RmsNormHasThePlainValuesAndAutogradsGradient) {
+  for (const at::Device device : Devices())
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+      for (const std::vector<int64_t>& shape : {std::vector<int64_t>{37, 48}, std::vector<int64_t>{9, 4, 16}}) {
+        at::manual_seed(3);
+        const auto opts = at::TensorOptions().device(device);
+        const at::Tensor x = (2.0 * at::randn(shape, opts)).to(dtype);
+        const at::Tensor w = (1.0 + 0.2 * at::randn({shape.back()}, opts)).to(dtype);
+        const at::Tensor g = at::randn(shape, opts).to(dtype);
+        const auto [y_plain, gx_plain] = ValueAndGrad([&](const at::Tensor& v) { return RmsNormPlain(v, w, 1e-6); }, x, g);
+        const auto [y_lean, gx_lean] = ValueAndGrad([&](const at::Tensor& v) { return RmsNormLean(v, w, 1e-6); }, x, g);
+        EXPECT_TRUE(at::equal(y_plain, y_lean)) << device << " " << dtype;
+        // fp32: summation order only; bf16: one rounding of the result either way.
+        const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+        EXPECT_LT(RelDiff(gx_lean.to(at::kFloat), gx_plain.to(at::kFloat)), tol) << device << " " << dtype;
+        EXPECT_GT(gx_plain.abs().max().item<double>(), 1e-3);
+      }
+}
+
+TEST(LeanOps, SwiGluHasThePlainValuesAndAutogradsGradient) {
+  for (const at::Device device : Devices())
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      at::manual_seed(4);
+      const auto opts = at::TensorOptions().device(device);
+      const at::Tensor x = (3.0 * at::randn({29, 2 * 24}, opts)).to(dtype);
+      const at::Tensor g = at::randn({29, 24}, opts).to(dtype);
+      const auto [y_plain, gx_plain] = ValueAndGrad(SwiGluPlain, x, g);
+      const auto [y_lean, gx_lean] = ValueAndGrad(SwiGluLean, x, g);
+      EXPECT_TRUE(at::equal(y_plain, y_lean)) << device << " " << dtype;
+      const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+      EXPECT_LT(RelDiff(gx_lean.to(at::kFloat), gx_plain.to(at::kFloat)), tol) << device << " " << dtype;
+    }
+}
+
+struct PassResult {
+  at::Tensor logprobs;
+  std::vector<at::Tensor> grads;  // every target's A and B gradient
+};
+
+// One packed forward and backward over three sequences on slots {0, -1, 1, 0}
+// (slot 1 trains the MLP only), with the first `recompute` layers recomputed.
+PassResult Pass(const Transformer& model, SlotBank& bank, int64_t recompute) {
+  for (auto& t : bank.targets()) {
+    if (t.A.grad().defined()) t.A.mutable_grad() = at::Tensor();
+    if (t.B.grad().defined()) t.B.mutable_grad() = at::Tensor();
+  }
+  const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(4, 2), Seq(13, 3), Seq(6, 4)};
+  const PackedBatch batch = PackedBatch::Make(seqs, {0, -1, 1, 0}, model.device());
+  const at::Tensor lp = model.TargetLogprobs(model.Hidden(batch, bank, recompute),
+                                             NextTokens(seqs).to(model.device()), batch, bank, 8);
+  (lp * at::linspace(0.5, 1.5, lp.size(0), lp.options())).sum().backward();
+  PassResult r;
+  r.logprobs = lp.detach().cpu().to(at::kFloat);
+  for (auto& t : bank.targets())
+    for (const at::Tensor& p : {t.A, t.B})
+      r.grads.push_back(p.grad().defined() ? p.grad().cpu() : at::zeros(p.sizes()));
+  return r;
+}
+
+void BindBoth(SlotBank& bank, at::Device device) {
+  for (int s = 0; s < 2; ++s) {
+    LoraConfig c;
+    c.rank = 4;
+    c.alpha = 8.0;
+    c.seed = 40 + s;
+    c.train_attn = s == 0;
+    ASSERT_TRUE(bank.Bind(s, c).ok());
+    c10::NoGradGuard no_grad;
+    at::manual_seed(50 + s);
+    for (auto& t : bank.targets())
+      if (s == 0 || t.group != TargetGroup::kAttn)
+        t.B.select(0, s).copy_(0.2 * at::randn({t.d_out, 4}).to(device));
+  }
+}
+
+class RecomputeArch : public ::testing::TestWithParam<std::string> {};
+
+// Recomputing one layer or all of them gives the values and gradients of
+// keeping every activation, bit for bit on the CPU.
+TEST_P(RecomputeArch, GivesTheSameValuesAndGradients) {
+  auto model = Tiny(GetParam(), 2);
+  SlotBank bank(2, 4, at::kCPU, model->LoraTargets());
+  BindBoth(bank, at::kCPU);
+  const PassResult kept = Pass(*model, bank, 0);
+  double grad_scale = 0;
+  for (const at::Tensor& g : kept.grads) grad_scale = std::max(grad_scale, g.abs().max().item<double>());
+  EXPECT_GT(grad_scale, 1e-3);
+  for (int64_t layers : {1, 2, 99}) {
+    const PassResult re = Pass(*model, bank, layers);
+    EXPECT_TRUE(at::equal(re.logprobs, kept.logprobs)) << layers;
+    for (size_t i = 0; i < kept.grads.size(); ++i)
+      EXPECT_TRUE(at::equal(re.grads[i], kept.grads[i])) << "layers " << layers << " grad " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Qwen, RecomputeArch, ::testing::Values("qwen2", "qwen3", "qwen3-bias"),
+                         [](const auto& info) { return std::string(info.param == "qwen3-bias" ? "qwen3_bias" : info.param); });
+
+// On CUDA: recomputation against keeping all (to rounding: CUDA's index_add
+// accumulates in any order), and the bf16 trainer (bf16 weights and LoRA
+// arithmetic, fp32 factors) against the fp32 reference on the same weights.
+TEST(RecomputeCuda, Bf16GapToTheFp32Reference) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Device device(at::kCUDA, 0);
+  const ModelConfig c = TinyConfig("qwen3");
+  const auto weights = RandomWeights(c, 6);
+  std::vector<PassResult> results;
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto model = Transformer::FromTensors(c, weights, device, dtype);
+    ASSERT_TRUE(model.ok());
+    SlotBank bank(2, 4, device, (*model)->LoraTargets());
+    BindBoth(bank, device);
+    const PassResult kept = Pass(**model, bank, 0);
+    const PassResult re = Pass(**model, bank, 99);
+    EXPECT_LT(MaxDiff(re.logprobs, kept.logprobs), 1e-6);
+    for (size_t i = 0; i < kept.grads.size(); ++i) EXPECT_LT(RelDiff(re.grads[i], kept.grads[i]), 1e-5) << i;
+    results.push_back(kept);
+  }
+  const double lp_gap = MaxDiff(results[1].logprobs, results[0].logprobs);
+  double grad_gap = 0;
+  for (size_t i = 0; i < results[0].grads.size(); ++i)
+    grad_gap = std::max(grad_gap, RelDiff(results[1].grads[i], results[0].grads[i]));
+  std::printf("[ figure ] bf16 vs fp32 on CUDA: logprobs max |diff| %.4g, LoRA gradients max relative diff %.4g\n",
+              lp_gap, grad_gap);
+  EXPECT_LT(lp_gap, 0.1);
+  EXPECT_LT(grad_gap, 0.1);
+}
+
+}  // namespace
+}  // namespace loom::engine
