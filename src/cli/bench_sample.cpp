@@ -4,7 +4,8 @@
 // once to warm up, then is timed; prompts are random, sampling is at
 // temperature 1 with fixed seeds, and EOS is ignored by using a model whose
 // EOS the sampler is not told about (--ignore-eos is implied: tokens/s
-// counts what was generated).
+// counts what was generated). With --contention it runs bench_contention.h's
+// two phases instead.
 #include "cli/bench_sample.h"
 
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_contention.h"
 #include "cli/decode_flags.h"
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
@@ -48,6 +50,8 @@ struct Options {
   int rank = 16;
   int threads = 0;
   engine::DecodeOptions decode;
+  bool contention = false;  // --contention: bench_contention.h instead of the decode table
+  ContentionOptions contended;
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -149,12 +153,27 @@ int Run(const Options& o) {
   so.max_batch_rows = max_batch;
   so.kv_budget_tokens = static_cast<int64_t>(max_batch) * (o.prompt_len + o.new_tokens + 32);
   so.context_window = o.prompt_len + o.new_tokens + 16;
+  if (o.contention) {  // `loom serve`'s sampler defaults, with room for the flood's prompts
+    const ContentionOptions& c = o.contended;
+    so.max_batch_rows = engine::SamplerOptions{}.max_batch_rows;
+    so.kv_budget_tokens = 0;
+    so.context_window = std::max(c.flood_prompt + c.flood_tokens, c.light_prompt + c.light_tokens) + 16;
+  }
   so.threads = o.threads;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
   auto sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
   if (!sampler.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", sampler.status().message().c_str()), 1;
   engine::Sampler& s = **sampler;
+  if (o.contention) {
+    std::printf("model %s  device %s  dtype %s\n", o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(),
+                cuda ? "cuda" : "cpu", bf16 ? "bf16" : "fp32");
+    const int rc = RunContention(s, o.contended);
+    sampler->reset();
+    std::error_code ec;
+    fs::remove_all(scratch, ec);
+    return rc;
+  }
 
   std::printf("model %s  device %s  dtype %s  weights %.1f MB  prompt %d  new tokens %d  rank %d\n",
               o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
@@ -210,6 +229,18 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);
   app.add_option("--threads", o.threads, "CPU threads (0 = libtorch default)")->default_val(o.threads);
+  app.add_flag("--contention", o.contention,
+               "instead: a light tenant's latency on an idle sampler and beside another tenant's flood");
+  ContentionOptions& c = o.contended;
+  app.add_option("--light-requests", c.light_requests, "--contention: light requests timed per phase")
+      ->default_val(c.light_requests)->check(CLI::Range(1, 100000));
+  app.add_option("--light-prompt", c.light_prompt, "--contention: light prompt tokens")->default_val(c.light_prompt)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--light-tokens", c.light_tokens, "--contention: light new tokens")->default_val(c.light_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--flood-depth", c.flood_depth, "--contention: flood requests kept queued")->default_val(c.flood_depth)->check(CLI::Range(1, 100000));
+  app.add_option("--flood-prompt", c.flood_prompt, "--contention: flood prompt tokens")->default_val(c.flood_prompt)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--flood-tokens", c.flood_tokens, "--contention: flood new tokens")->default_val(c.flood_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--arrival-order", c.arrival_order,
+               "--contention: both tenants in one flow (arrival order, the yardstick for fair share)");
   const DecodeFlags decode_flags(app);
   try {
     app.parse(argc, argv);

@@ -61,7 +61,7 @@ int Serve(int argc, char** argv) {
   std::string admin_key;
   double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
   size_t max_body_bytes = size_t{512} << 20;
-  int sampler_adapters = 16;
+  int sampler_adapters = 16, sample_queue = 256;
   int64_t kv_budget_tokens = 0, context_window = 0;
   app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
   app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
@@ -86,6 +86,7 @@ int Serve(int argc, char** argv) {
   app.add_option("--decode-queue", decode_queue, "heavy requests queued or decoding at once (beyond: 503, retryable); one tenant may hold half")->default_val(decode_queue)->check(CLI::Range(1, 4096));
   app.add_option("--max-connections", max_connections, "open HTTP connections (beyond: 503 and close); kept below the open-files limit minus a reserve for the store")->default_val(max_connections)->check(CLI::Range(1, 1 << 20));
   app.add_option("--admin-key", admin_key, "X-API-Key that sees every tenant's series in /metrics (default: none; tenants see their own)");
+  app.add_option("--sample-queue", sample_queue, "asample calls the sampler holds at once, queued or running (beyond: 429, the SDK backs off and resubmits); one tenant may hold half")->default_val(sample_queue)->check(CLI::Range(1, 1 << 20));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   int max_models_per_tenant = -1;  // -1: the default below
@@ -148,6 +149,7 @@ int Serve(int argc, char** argv) {
   sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
+  sopt.sample_queue = sample_queue;
   // Keyed tenants share the slots; in open mode (loopback, one developer) a
   // tenant may take them all unless told otherwise.
   sopt.max_models_per_tenant =

@@ -2,7 +2,7 @@
 // service/ submits SampleCalls and gets SampleOutputs back through a
 // callback; everything with tensors lives behind Sampler in engine/sample/.
 //
-// Threading: Submit(), Validate(), info() and the destructor may be called
+// Threading: Submit(), Cancel(), Validate(), info() and the destructor may be called
 // from any thread. Callbacks run on the sampler's own decode thread: they
 // must be quick (post the result to the caller's executor and return).
 #pragma once
@@ -34,6 +34,11 @@ struct SampleCall {
   SamplingParams params;
   bool prompt_logprobs = false;
   int32_t topk_prompt_logprobs = 0;  // 0 = off
+  // Who asked: the sampler shares its batch fairly by tokens across tenants
+  // and, within a tenant, across sampling sessions (engine/sample/fair_queue.h),
+  // and Cancel() drops a session's calls. Empty names are one flow.
+  std::string tenant;
+  std::string session;
 };
 
 // Switches of the sampler's CUDA decode fast path (engine/sample/fast_decode.h),
@@ -86,7 +91,9 @@ struct SamplerStats {
   int64_t adapter_evictions = 0;
   int64_t max_rows_in_step = 0;   // the most sequences one decode step carried
   int64_t max_adapters_in_step = 0;  // the most distinct adapters one decode step carried
-  int64_t admission_waits = 0;    // times the head request waited for KV blocks
+  int64_t admission_waits = 0;    // times the first request in fair order waited for room (KV, rows, a slot)
+  int64_t requests_cancelled = 0; // completed by Cancel(), queued or running
+  int64_t requests_waiting = 0;   // queued, not yet admitted (after the last step)
   int64_t kv_blocks_free = 0;
   // Wall time of the prefill and decode steps, sampling included (each step
   // ends by copying its chosen tokens to the host, so this is device time).
@@ -120,6 +127,12 @@ class Sampler {
   // Validates, queues and returns; done(result) runs later on the decode
   // thread (or at once, with the error, when validation fails).
   virtual void Submit(SampleCall call, SampleCallback done) = 0;
+
+  // Drops every call of a sampling session (SampleCall::session, non-empty):
+  // queued ones and running ones, before the next step; their KV blocks and
+  // adapter slots are freed and their callbacks get `why`. Sticky: a later
+  // Submit for the session gets `why` at once.
+  virtual void Cancel(const std::string& session, const Status& why) = 0;
 
   virtual SamplerStats stats() const = 0;
 };

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "common/log.h"
+#include "common/tenant_gate.h"
 
 namespace loom::http {
 
@@ -127,15 +127,14 @@ struct HttpServer::Impl {
   std::atomic<int> in_flight{0};    // requests whose header was read, until answered
 
   // Heavy requests on the decode pool, in all and by tenant.
-  std::mutex decode_mu;
-  int decoding = 0;
-  std::map<std::string, int> decoding_by_tenant;
+  TenantGate decode_gate;
 
   // Parked polls, so Stop() can wake them.
   std::mutex parked_mu;
   std::set<std::shared_ptr<asio::steady_timer>> parked;
 
-  Impl(Router& r, service::FutureTable& f, ServerOptions o) : router(r), futures(f), options(std::move(o)) {}
+  Impl(Router& r, service::FutureTable& f, ServerOptions o)
+      : router(r), futures(f), options(std::move(o)), decode_gate(options.decode_queue) {}
 
   asio::awaitable<void> Accept() {
     asio::steady_timer backoff(co_await asio::this_coro::executor);
@@ -211,29 +210,22 @@ struct HttpServer::Impl {
   // Takes a place on the decode pool for one heavy request of `tenant`, or
   // says why not (both answers are retryable).
   Status AdmitDecode(const std::string& tenant) {
-    std::lock_guard<std::mutex> lock(decode_mu);
-    if (decoding >= options.decode_queue) {
-      return Status::Unavailable("server busy: " + std::to_string(decoding) +
-                                 " request bodies are being decoded, the most it queues (--decode-queue " +
-                                 std::to_string(options.decode_queue) + "); retry shortly");
+    int held = 0;
+    switch (decode_gate.Enter(tenant, &held)) {
+      case TenantGate::Verdict::kEntered:
+        return Status::Ok();
+      case TenantGate::Verdict::kFull:
+        return Status::Unavailable("server busy: " + std::to_string(held) +
+                                   " request bodies are being decoded, the most it queues (--decode-queue " +
+                                   std::to_string(options.decode_queue) + "); retry shortly");
+      case TenantGate::Verdict::kTenantFull:  // one tenant may hold half, so another's requests still get in
+        return Status::Exhausted("body: this key already has " + std::to_string(held) +
+                                 " request bodies being decoded, the most one tenant may (half of --decode-queue " +
+                                 std::to_string(options.decode_queue) + "); retry when one is answered");
     }
-    // One tenant may hold half the queue, so another's requests still get in.
-    const int share = std::max(1, options.decode_queue / 2);
-    int& mine = decoding_by_tenant[tenant];
-    if (mine >= share) {
-      return Status::Exhausted("body: this key already has " + std::to_string(mine) +
-                               " request bodies being decoded, the most one tenant may (half of --decode-queue " +
-                               std::to_string(options.decode_queue) + "); retry when one is answered");
-    }
-    ++mine;
-    ++decoding;
-    return Status::Ok();
+    return Status::Internal("unreachable");
   }
-  void ReleaseDecode(const std::string& tenant) {
-    std::lock_guard<std::mutex> lock(decode_mu);
-    --decoding;
-    if (--decoding_by_tenant[tenant] <= 0) decoding_by_tenant.erase(tenant);
-  }
+  void ReleaseDecode(const std::string& tenant) { decode_gate.Leave(tenant); }
 
   // Runs the router on the decode pool: the coroutine hops onto a pool
   // thread and back onto its connection's strand. The I/O thread serves

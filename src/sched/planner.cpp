@@ -53,11 +53,8 @@ Status Planner::Push(Request request) {
 
 std::optional<Pass> Planner::Next() {
   if (models_.empty()) return std::nullopt;
-  auto anchor = models_.begin();
-  for (auto it = models_.begin(); it != models_.end(); ++it) {
-    if (it->second.ticket < anchor->second.ticket) anchor = it;
-  }
-  const std::string anchor_model = anchor->first;
+  const std::string anchor_model = OldestTicket(models_);
+  auto anchor = models_.find(anchor_model);
   Pass pass;
   switch (anchor->second.requests.front().request.kind) {
     case OpKind::kPackable:
@@ -77,12 +74,41 @@ std::optional<Pass> Planner::Next() {
 Pass Planner::PlanPackable(const std::string& anchor_model) {
   const int64_t budget = options_.token_budget;
   const std::string key = models_.at(anchor_model).requests.front().request.batch_key;
+  Pass pass;
+  pass.kind = OpKind::kPackable;
+  pass.batch_key = key;
+  pass.token_budget = budget;
+
+  // A datum larger than the whole budget runs alone in the pass it anchors.
+  {
+    ModelQueue& mq = models_.at(anchor_model);
+    Queued& head = mq.requests.front();
+    const int64_t tokens = head.request.datum_tokens[head.next_datum];
+    if (tokens > budget) {
+      Piece p;
+      p.request_id = head.request.id;
+      p.model_id = anchor_model;
+      p.datum_begin = head.next_datum;
+      p.datum_end = head.next_datum + 1;
+      p.tokens = tokens;
+      p.first = (head.next_datum == 0);
+      p.last = (p.datum_end == head.request.datum_tokens.size());
+      pass.tokens = tokens;
+      served_tokens_[anchor_model] += tokens;
+      mq.drr.deficit = 0;
+      if (p.last) {
+        PopHead(mq);
+      } else {
+        head.next_datum = p.datum_end;
+      }
+      pass.pieces.push_back(std::move(p));
+      AfterServed(anchor_model);
+      return pass;
+    }
+  }
 
   // Competing models: heads with the anchor's key, visited from the anchor on.
-  std::vector<std::string> order;
-  auto start = models_.find(anchor_model);
-  for (auto it = start; it != models_.end(); ++it) order.push_back(it->first);
-  for (auto it = models_.begin(); it != start; ++it) order.push_back(it->first);
+  std::vector<std::string> order = OrderFrom(models_, anchor_model);
   std::erase_if(order, [&](const std::string& m) {
     const Request& head = models_.at(m).requests.front().request;
     return head.kind != OpKind::kPackable || head.batch_key != key;
@@ -93,69 +119,50 @@ Pass Planner::PlanPackable(const std::string& anchor_model) {
   struct Cursor {
     size_t request = 0;  // index into the model's queue
     size_t datum = 0;
-    bool active = true;
     std::vector<Piece> pieces;
   };
   std::vector<Cursor> cursors(order.size());
+  std::vector<DrrFlow*> flows;
   for (size_t i = 0; i < order.size(); ++i) {
-    cursors[i].datum = models_.at(order[i]).requests.front().next_datum;
+    ModelQueue& mq = models_.at(order[i]);
+    cursors[i].datum = mq.requests.front().next_datum;
+    mq.drr.quantum = quantum;
+    flows.push_back(&mq.drr);
   }
-
-  Pass pass;
-  pass.kind = OpKind::kPackable;
-  pass.batch_key = key;
-  pass.token_budget = budget;
-  int64_t remaining = budget;
-  bool any_active = true;
-  while (any_active && remaining > 0) {
-    any_active = false;
-    for (size_t i = 0; i < order.size() && remaining > 0; ++i) {
-      Cursor& c = cursors[i];
-      if (!c.active) continue;
-      ModelQueue& mq = models_.at(order[i]);
-      mq.deficit = std::min(mq.deficit + quantum, budget);
-      while (remaining > 0) {
-        if (c.request >= mq.requests.size()) {
-          c.active = false;
-          break;
-        }
-        const Queued& qd = mq.requests[c.request];
-        if (qd.request.kind != OpKind::kPackable || qd.request.batch_key != key) {
-          c.active = false;
-          break;
-        }
-        const int64_t tokens = qd.request.datum_tokens[c.datum];
-        // A datum bigger than the whole budget runs alone when it anchors.
-        const bool oversized_anchor = (i == 0 && pass.tokens == 0 && tokens > budget);
-        if (!oversized_anchor) {
-          if (tokens > remaining) {  // cannot fit in this pass any more
-            c.active = false;
-            break;
-          }
-          if (tokens > mq.deficit) break;  // wait for the next round's quantum
-        }
-        if (c.pieces.empty() || c.pieces.back().request_id != qd.request.id) {
-          Piece p;
-          p.request_id = qd.request.id;
-          p.model_id = qd.request.model_id;
-          p.datum_begin = p.datum_end = c.datum;
-          p.first = (c.datum == 0);
-          c.pieces.push_back(p);
-        }
-        Piece& p = c.pieces.back();
-        p.datum_end = c.datum + 1;
-        p.tokens += tokens;
-        pass.tokens += tokens;
-        remaining -= tokens;
-        mq.deficit = std::max<int64_t>(0, mq.deficit - tokens);
-        if (++c.datum == qd.request.datum_tokens.size()) {
-          ++c.request;
-          c.datum = 0;
-        }
-      }
-      if (c.active) any_active = true;
+  const auto next = [&](size_t i) -> const Queued* {
+    const ModelQueue& mq = models_.at(order[i]);
+    if (cursors[i].request >= mq.requests.size()) return nullptr;
+    const Queued& qd = mq.requests[cursors[i].request];
+    if (qd.request.kind != OpKind::kPackable || qd.request.batch_key != key) return nullptr;
+    return &qd;
+  };
+  const auto head = [&](size_t i) -> std::optional<int64_t> {
+    const Queued* qd = next(i);
+    if (qd == nullptr) return std::nullopt;
+    return qd->request.datum_tokens[cursors[i].datum];
+  };
+  const auto take = [&](size_t i) {
+    Cursor& c = cursors[i];
+    const Queued& qd = *next(i);
+    if (c.pieces.empty() || c.pieces.back().request_id != qd.request.id) {
+      Piece p;
+      p.request_id = qd.request.id;
+      p.model_id = qd.request.model_id;
+      p.datum_begin = p.datum_end = c.datum;
+      p.first = (c.datum == 0);
+      c.pieces.push_back(p);
     }
-  }
+    const int64_t tokens = qd.request.datum_tokens[c.datum];
+    Piece& p = c.pieces.back();
+    p.datum_end = c.datum + 1;
+    p.tokens += tokens;
+    if (++c.datum == qd.request.datum_tokens.size()) {
+      ++c.request;
+      c.datum = 0;
+    }
+    return Take::kTaken;
+  };
+  pass.tokens = DrrRounds(flows, budget, /*cap=*/budget, head, take);
 
   // Commit: drop completed requests, advance split ones, renew tickets.
   for (size_t i = 0; i < order.size(); ++i) {
@@ -163,13 +170,13 @@ Pass Planner::PlanPackable(const std::string& anchor_model) {
     if (c.pieces.empty()) continue;
     ModelQueue& mq = models_.at(order[i]);
     for (Piece& p : c.pieces) {
-      Queued& head = mq.requests.front();  // pieces are in queue order
-      p.last = (p.datum_end == head.request.datum_tokens.size());
+      Queued& head_request = mq.requests.front();  // pieces are in queue order
+      p.last = (p.datum_end == head_request.request.datum_tokens.size());
       served_tokens_[order[i]] += p.tokens;
       if (p.last) {
         PopHead(mq);
       } else {
-        head.next_datum = p.datum_end;
+        head_request.next_datum = p.datum_end;
       }
       pass.pieces.push_back(std::move(p));
     }

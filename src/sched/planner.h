@@ -20,7 +20,7 @@
 //     anchor, the batch key). A model served in a pass takes a fresh ticket, so
 //     anchors rotate round-robin over models: a backlog does not keep the
 //     anchor role.
-//  2. Packable pass: deficit round robin (DRR) by tokens over the models whose
+//  2. Packable pass: deficit round robin (DRR, sched/drr.h) by tokens over the models whose
 //     head has the anchor's key, starting with the anchor's model and then in
 //     model order after it. Each round adds a quantum q = max(1, budget / n)
 //     (n = models with that key) to a model's deficit; the model then takes
@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "sched/drr.h"
 
 namespace loom::sched {
 
@@ -149,7 +150,7 @@ class Planner {
   struct ModelQueue {
     std::deque<Queued> requests;  // front = head
     uint64_t ticket = 0;          // ready ticket of the head (see POLICY 1)
-    int64_t deficit = 0;          // DRR deficit, tokens
+    DrrFlow drr;                  // DRR deficit (tokens) and this pass's quantum
   };
 
   Pass PlanPackable(const std::string& anchor_model);

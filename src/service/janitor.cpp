@@ -36,7 +36,15 @@ void Janitor::ExpireSessionLocked(const Sessions::Session& session) {
       loop_.FailModelLocked(*model, TrainingModels::ModelState::kExpired, reason);
     }
   }
-  log::Info("session_expired session={} models={}", session.session_id, session.model_ids.size());
+  if (sampling_.sampler) {
+    const Status why = Status::Precondition(fmt::format(
+        "sample cancelled: session '{}' sent no heartbeat for {} s (--session-ttl), so its queued and running "
+        "samples were dropped; create a new ServiceClient",
+        session.session_id, options_.session_ttl.count() / 1000.0));
+    for (const std::string& sid : session.sampler_ids) sampling_.sampler->Cancel(sid, why);
+  }
+  log::Info("session_expired session={} models={} sampling_sessions={}", session.session_id, session.model_ids.size(),
+            session.sampler_ids.size());
 }
 
 }  // namespace loom::service

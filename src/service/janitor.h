@@ -1,9 +1,10 @@
 // Janitor: the one periodic sweep. The engine thread calls it each turn (the
 // train loop's chores, wired by Service); every janitor_period it asks each
 // part to expire its own things, in this order: idle sessions (their models
-// fail and give back their slots), seq_id gaps that waited too long,
-// finished futures past retention, idempotency keys older than an hour,
-// archive grants past their TTL, and (every minute) checkpoints past their TTL.
+// fail and give back their slots, their samples are cancelled), seq_id gaps
+// that waited too long, finished futures past retention, idempotency keys
+// older than an hour, archive grants past their TTL, and (every minute)
+// checkpoints past their TTL.
 //
 // Owns: when it last swept and when it last swept checkpoint TTLs.
 //
@@ -18,6 +19,7 @@
 #include "service/future_table.h"
 #include "service/idempotency.h"
 #include "service/options.h"
+#include "service/sampling.h"
 #include "service/sessions.h"
 #include "service/train_loop.h"
 #include "service/training_models.h"
@@ -29,21 +31,23 @@ class Janitor {
   using Clock = std::chrono::steady_clock;
 
   Janitor(const ServiceOptions& options, FutureTable& futures, Sessions& sessions, TrainingModels& models,
-          TrainLoop& loop, IdempotencyMemory& idempotency, CheckpointCatalog& catalog)
+          TrainLoop& loop, IdempotencyMemory& idempotency, CheckpointCatalog& catalog, SamplingState& sampling)
       : options_(options),
         futures_(futures),
         sessions_(sessions),
         models_(models),
         loop_(loop),
         idempotency_(idempotency),
-        catalog_(catalog) {}
+        catalog_(catalog),
+        sampling_(sampling) {}
 
   // Sweeps when janitor_period has passed since the last sweep.
   void SweepIfDueLocked(Clock::time_point now);
 
  private:
   void SweepLocked(Clock::time_point now);
-  // Fails the active models of a session that just expired.
+  // Fails the active models of a session that just expired and cancels the
+  // samples of its sampling sessions.
   void ExpireSessionLocked(const Sessions::Session& session);
 
   const ServiceOptions& options_;
@@ -53,6 +57,7 @@ class Janitor {
   TrainLoop& loop_;
   IdempotencyMemory& idempotency_;
   CheckpointCatalog& catalog_;
+  SamplingState& sampling_;
   Clock::time_point last_sweep_{};
   std::optional<Clock::time_point> last_ttl_sweep_;  // the first sweep's time until a TTL sweep
 };

@@ -26,6 +26,9 @@ struct ServiceOptions {
   // --max-models-per-tenant: live models (adapter slots, held or being bound)
   // one tenant may have at once; 0 = no per-tenant limit (only the slots).
   int max_models_per_tenant = 0;
+  // --sample-queue: asample calls the sampler holds at once, queued or
+  // running; one tenant may hold half. Beyond either, asample answers 429.
+  int sample_queue = 256;
 };
 
 }  // namespace loom::service

@@ -86,6 +86,8 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   call.params = request.sampling_params;
   call.prompt_logprobs = request.prompt_logprobs;
   call.topk_prompt_logprobs = request.topk_prompt_logprobs;
+  call.tenant = caller.tenant;  // the sampler shares its batch fairly by tenant, then by session
+  call.session = request.sampling_session_id;
   engine::Sampler* sampler = nullptr;
   SampleSubmitted out;
   {
@@ -100,6 +102,11 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
     const auto key = std::make_pair(request.sampling_session_id, request.seq_id);
     const auto now = Clock::now();
     if (auto prior = sampling_.admitted.find(key); prior != sampling_.admitted.end()) return prior->second.first;
+    const std::string session_id = session.sampler_id.substr(0, session.sampler_id.rfind(":sample:"));
+    if (const Sessions::Session* owner = sessions_.FindLocked(session_id); owner != nullptr && owner->expired) {
+      return Status::Precondition("asample.sampling_session_id: session '" + session_id +
+                                  "' expired (no heartbeat), so its samples were cancelled; create a new ServiceClient");
+    }
     if (!sampling_.sampler) {
       return Status::Unavailable("asample: sampling is not served by this server (no sampler was started)");
     }
@@ -121,6 +128,19 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
     if (Status st = sampler->Validate(call); !st.ok()) {
       return Status(st.code(), "asample." + st.message());
     }
+    int held = 0;
+    switch (sampling_.queue.Enter(caller.tenant, &held)) {
+      case TenantGate::Verdict::kEntered:
+        break;
+      case TenantGate::Verdict::kFull:
+        return Status::Exhausted(fmt::format("asample: the sampler already holds {} samples queued or running, the "
+                                             "most it takes (--sample-queue {}); retry shortly",
+                                             held, sampling_.queue.capacity()));
+      case TenantGate::Verdict::kTenantFull:
+        return Status::Exhausted(fmt::format("asample: this key already has {} samples queued or running, the most "
+                                             "one tenant may (half of --sample-queue {}); retry when one is answered",
+                                             held, sampling_.queue.capacity()));
+    }
     out.request_id = futures_.Create(caller.tenant, "Sample");
     for (int32_t i = 0; i < call.num_samples; ++i) out.sample_sequence_ids.push_back(fmt::format("{}:{}", out.request_id, i));
     if (now - sampling_.last_prune > std::chrono::minutes(1)) {
@@ -130,7 +150,7 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
       sampling_.last_prune = now;
     }
     sampling_.admitted[key] = {out, now};
-    sessions_.TouchSessionLocked(session.sampler_id.substr(0, session.sampler_id.rfind(":sample:")));
+    sessions_.TouchSessionLocked(session_id);
   }
   // The sampler lives until ~Service (after Stop), so the pointer stays valid.
   // The callback runs on the decode thread; FutureTable is thread-safe and
@@ -138,7 +158,10 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   FutureTable* futures = &futures_;
   const std::string request_id = out.request_id;
   Metrics* metrics = &metrics_;  // declared before sampling_, so it outlives the sampler
-  sampler->Submit(std::move(call), [futures, metrics, request_id](Result<engine::SampleOutput> result) {
+  TenantGate* queue = &sampling_.queue;  // declared before the sampler, so it outlives it
+  sampler->Submit(std::move(call), [futures, metrics, queue, request_id, tenant = caller.tenant](
+                                       Result<engine::SampleOutput> result) {
+    queue->Leave(tenant);
     if (!result.ok()) return futures->Fail(request_id, result.status());
     int64_t generated = 0;
     for (const auto& seq : result->sequences) generated += static_cast<int64_t>(seq.tokens.size());

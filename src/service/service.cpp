@@ -23,7 +23,8 @@ Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
       checkpoints_(options_, *engine_, *registry_),
       catalog_(options_, *registry_),
       loop_(options_, *engine_, futures_, metrics_, lock_, sessions_, models_, checkpoints_),
-      janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_) {}
+      sampling_(options_.sample_queue),
+      janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_, sampling_) {}
 
 Service::~Service() { Stop(); }
 

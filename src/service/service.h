@@ -133,9 +133,11 @@ class Service {
   Checkpoints checkpoints_;
   CheckpointCatalog catalog_;
   TrainLoop loop_;
-  Janitor janitor_;
-  // Declared last: its Sampler (whose callbacks complete futures_) stops first.
+  // Below futures_ and metrics_, which its Sampler's callbacks use, so the
+  // Sampler stops before them; above the janitor, which cancels the samples
+  // of expired sessions.
   SamplingState sampling_;
+  Janitor janitor_;
 };
 
 }  // namespace loom::service

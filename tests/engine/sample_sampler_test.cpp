@@ -432,6 +432,39 @@ TEST(Sampler, AdmissionControlQueuesUntilKvBlocksFree) {
   EXPECT_NE(s->Validate(huge).message().find("KV budget"), std::string::npos);
 }
 
+TEST(Sampler, CancelDropsASessionsQueuedAndRunningCallsAndFreesTheirBlocks) {
+  SamplerOptions o;
+  o.max_batch_rows = 2;
+  auto s = Open(o);
+  const int64_t long_tokens = s->info().context_window - static_cast<int64_t>(kPrompt.size());
+  auto in = [](SampleCall c, const std::string& session) {
+    c.tenant = "t";
+    c.session = session;
+    return c;
+  };
+  std::vector<std::future<Result<SampleOutput>>> doomed;
+  for (int i = 0; i < 4; ++i) doomed.push_back(Start(*s, in(Call(kPrompt, long_tokens, 1.0, "", i), "t:sample:0")));
+  // Two run (the batch holds 2 rows), two wait.
+  while (s->stats().decode_steps == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  auto other = Start(*s, in(Call(kPrompt, 8, 0.0), "t:sample:1"));
+  s->Cancel("t:sample:0", Status::Precondition("session expired (test)"));
+  for (auto& f : doomed) {
+    auto r = f.get();
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), Code::kFailedPrecondition);
+    EXPECT_EQ(r.status().message(), "session expired (test)");
+  }
+  EXPECT_TRUE(other.get().ok());
+  const SamplerStats st = s->stats();
+  EXPECT_EQ(st.requests_cancelled, 4);
+  EXPECT_EQ(st.kv_blocks_free, s->info().kv_blocks);
+  EXPECT_EQ(st.requests_waiting, 0);
+  EXPECT_LT(st.tokens_generated, 4 * long_tokens);  // they did not run to the end
+  // Sticky: the session's later calls fail at once.
+  auto late = Start(*s, in(Call(kPrompt, 4, 0.0), "t:sample:0")).get();
+  EXPECT_EQ(late.status().message(), "session expired (test)");
+}
+
 // Requests submitted a few ms apart to an idle sampler: with an admission
 // window they share one prefill; without, the first arrival starts alone
 // (which is what makes the first test able to fail).

@@ -2,7 +2,7 @@
 // FakeSampler) behind a real HttpServer on a loopback port, with the JSON
 // helpers the gateway tests share. Open mode keys (any `tml-` key on
 // loopback); each test gets its own data directory. A test may set
-// server_opt_, router_opt_ and make_engine_ before StartGateway.
+// server_opt_, router_opt_, sample_queue_ and make_engine_ before StartGateway.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -44,8 +44,13 @@ class GatewayFixture : public ::testing::Test {
     service::ServiceOptions so;
     so.base_model_name = "test/base";
     so.janitor_period = 20ms;
+    so.sample_queue = sample_queue_;
     service_ = std::make_unique<service::Service>(so, std::move(engine), std::move(*registry));
-    if (with_sampler) service_->AttachSampler(std::make_unique<FakeSampler>(100, 32));
+    if (with_sampler) {
+      auto sampler = std::make_unique<FakeSampler>(100, 32);
+      sampler_ = sampler.get();
+      service_->AttachSampler(std::move(sampler));
+    }
     service_->Start();
     http::RouterOptions ro = router_opt_;
     ro.max_body_bytes = max_body_bytes;
@@ -124,6 +129,8 @@ class GatewayFixture : public ::testing::Test {
 
   http::ServerOptions server_opt_;
   http::RouterOptions router_opt_;
+  int sample_queue_ = service::ServiceOptions{}.sample_queue;
+  FakeSampler* sampler_ = nullptr;  // with_sampler: owned by service_
   std::function<std::unique_ptr<FakeEngine>()> make_engine_;
   std::string dir_;
   FakeEngine* engine_ = nullptr;

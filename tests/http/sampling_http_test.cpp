@@ -2,7 +2,7 @@
 // and a FakeSampler): create_sampling_session, asample's submit answer with
 // sample_sequence_ids, the result as protobuf SampleResponse or legacy JSON,
 // GET samplers/{id}, and the 4xx JSON answers (bad params naming the field,
-// context window, foreign tenants).
+// context window, foreign tenants); 429 with Retry-After beyond --sample-queue.
 #include <gtest/gtest.h>
 
 
@@ -125,6 +125,40 @@ TEST_F(SamplingGatewayTest, BadRequestsAre400NamingTheFieldOr404) {
   ExpectJsonError(Post("asample", Asample(sampling, 3, {{"max_tokens", 3}, {"stop", "END"}})), 400,
                   "tokenizer.json");
   ExpectJsonError(Post("asample", Asample("nope:sample:0", 0, {{"max_tokens", 1}})), 404, "nope:sample:0");
+}
+
+}  // namespace
+}  // namespace loom::http
+
+namespace loom::http {
+namespace {
+
+class SampleQueueGatewayTest : public SamplingGatewayTest {
+ protected:
+  void SetUp() override {
+    sample_queue_ = 4;  // one tenant may hold 2
+    StartGateway("loom_http_sample_queue_", /*with_sampler=*/true);
+  }
+};
+
+TEST_F(SampleQueueGatewayTest, AsampleBeyondTheQueueBoundIs429WithRetryAfter) {
+  const std::string alice = SamplingSession(Session());
+  const std::string bob = SamplingSession(Session(kBob), 0, kBob);
+  sampler_->Hold();
+  const Json params = {{"max_tokens", 2}};
+  for (int seq = 0; seq < 2; ++seq) PostOk("asample", Asample(alice, seq, params));
+  Reply over = Post("asample", Asample(alice, 2, params));
+  ExpectJsonError(over, 429, "half of --sample-queue 4");
+  EXPECT_EQ(over.headers["Retry-After"], "1");
+  // The other tenant still gets its half.
+  for (int seq = 0; seq < 2; ++seq) PostOk("asample", Asample(bob, seq, params), kBob);
+  ExpectJsonError(Post("asample", Asample(bob, 2, params), kBob), 429, "already holds 4 samples");  // all 4 taken
+  // Once answered, the places are free again: the SDK's resubmission gets in.
+  sampler_->Release();
+  for (int i = 0; i < 500 && sampler_->stats().requests_done < 4; ++i) std::this_thread::sleep_for(2ms);
+  ASSERT_EQ(sampler_->stats().requests_done, 4);  // counted after their callbacks left the gate
+  PostOk("asample", Asample(alice, 3, params));
+  EXPECT_EQ(sampler_->calls().size(), 5u);
 }
 
 }  // namespace

@@ -4,12 +4,15 @@
 // records every call, and completes calls on its own thread, in order, with
 // deterministic sequences: sample i of a call generates max_tokens tokens
 // (prompt.back() + i + 1 + j) % vocab with logprob -(j + 1) / 10.
-// Thread-safe; Hold() keeps calls queued until Release().
+// Thread-safe; Hold() keeps calls queued until Release(); Cancel() fails a
+// session's queued calls.
 #pragma once
 #include <condition_variable>
 #include <deque>
 #include <limits>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -58,12 +61,37 @@ class FakeSampler : public engine::Sampler {
 
   void Submit(engine::SampleCall call, engine::SampleCallback done) override {
     if (Status st = Validate(call); !st.ok()) return done(st);
+    std::optional<Status> refused;
     {
       std::lock_guard<std::mutex> lock(mu_);
       calls_.push_back(call);
-      queue_.emplace_back(std::move(call), std::move(done));
+      if (auto c = cancelled_.find(call.session); c != cancelled_.end()) {
+        refused = c->second;
+      } else {
+        queue_.emplace_back(std::move(call), std::move(done));
+      }
     }
+    if (refused) return done(*refused);
     cv_.notify_all();
+  }
+
+  // As the real one: queued calls of the session fail with why (a held fake
+  // has no running calls), and so do its later ones.
+  void Cancel(const std::string& session, const Status& why) override {
+    std::vector<engine::SampleCallback> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_.emplace(session, why);
+      for (auto it = queue_.begin(); it != queue_.end();) {
+        if (it->first.session != session) {
+          ++it;
+          continue;
+        }
+        dropped.push_back(std::move(it->second));
+        it = queue_.erase(it);
+      }
+    }
+    for (auto& done : dropped) done(why);
   }
 
   engine::SamplerStats stats() const override {
@@ -142,6 +170,7 @@ class FakeSampler : public engine::Sampler {
   int64_t done_ = 0;
   std::deque<std::pair<engine::SampleCall, engine::SampleCallback>> queue_;
   std::vector<engine::SampleCall> calls_;
+  std::map<std::string, Status> cancelled_;
   std::thread thread_;
 };
 

@@ -1,11 +1,14 @@
 // Sampling sessions and asample on the Service over a FakeEngine and a
 // FakeSampler: ids and idempotency, base_model / model_path checks, snapshot
 // ownership and publishing, (session, seq_id) dedup, validation before
-// queueing, results through the future table, and tenant isolation.
+// queueing, results through the future table, tenant isolation, the
+// sampler's fair-share names, cancellation on session expiry, and the
+// --sample-queue bound (429).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -22,7 +25,10 @@ using namespace std::chrono_literals;
 
 class SamplingServiceTest : public ::testing::Test {
  protected:
-  void SetUp() override {
+  void SetUp() override { Open(ServiceOptions{}); }
+  // A fresh service with these options (base_model_name and janitor_period set here).
+  void Open(ServiceOptions so) {
+    service_.reset();
     dir_ = (std::filesystem::temp_directory_path() /
             ("loom_sampling_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "_" +
              std::to_string(::getpid())))
@@ -30,7 +36,6 @@ class SamplingServiceTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
     auto registry = store::Registry::Open(dir_);
     ASSERT_TRUE(registry.ok());
-    ServiceOptions so;
     so.base_model_name = "test/base";
     so.janitor_period = 20ms;
     service_ = std::make_unique<Service>(so, std::make_unique<testing::FakeEngine>(4), std::move(*registry));
@@ -305,6 +310,88 @@ TEST_F(SamplingServiceTest, DeletedSnapshotIs404AtSampleTime) {
   auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {1}));
   EXPECT_EQ(sub.status().code(), Code::kNotFound);
   EXPECT_NE(sub.status().message().find("gone"), std::string::npos);
+}
+
+TEST_F(SamplingServiceTest, CallsCarryTheTenantAndSamplingSessionForFairShare) {
+  const std::string s = Session("alice");
+  auto sampling = CreateSampling("alice", s, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(sampling.ok());
+  auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {1, 2}));
+  ASSERT_TRUE(sub.ok());
+  EXPECT_EQ(Wait("alice", sub->request_id).state, FutureState::kDone);
+  EXPECT_EQ(sampler_->calls().at(0).tenant, "alice");
+  EXPECT_EQ(sampler_->calls().at(0).session, *sampling);
+}
+
+TEST_F(SamplingServiceTest, ExpiredSessionsSamplesAreCancelledAndItTakesNoMore) {
+  ServiceOptions so;
+  so.session_ttl = 200ms;
+  Open(so);
+  const std::string a = Session("alice"), b = Session("bob");
+  auto alice = CreateSampling("alice", a, 0, "test/base", std::nullopt);
+  auto bob = CreateSampling("bob", b, 0, "test/base", std::nullopt);
+  ASSERT_TRUE(alice.ok() && bob.ok());
+  sampler_->Hold();  // every call stays queued
+  std::vector<std::string> doomed;
+  for (int64_t seq = 0; seq < 3; ++seq) {
+    auto sub = service_->Sample({"alice", ""}, Req(*alice, seq, {1, 2}));
+    ASSERT_TRUE(sub.ok()) << sub.status().message();
+    doomed.push_back(sub->request_id);
+  }
+  auto kept = service_->Sample({"bob", ""}, Req(*bob, 0, {1, 2}));
+  ASSERT_TRUE(kept.ok());
+  // Alice goes silent; bob heartbeats until alice's session has expired.
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (service_->futures().Get("alice", doomed[0])->state == FutureState::kPending &&
+         std::chrono::steady_clock::now() < deadline) {
+    ASSERT_TRUE(service_->Heartbeat({"bob", ""}, b).ok());
+    std::this_thread::sleep_for(10ms);
+  }
+  for (const std::string& id : doomed) {
+    FutureView v = Wait("alice", id);
+    ASSERT_EQ(v.state, FutureState::kFailed);
+    EXPECT_EQ(v.error.code(), Code::kFailedPrecondition);
+    EXPECT_NE(v.error.message().find("sample cancelled: session '" + a + "' sent no heartbeat"), std::string::npos)
+        << v.error.message();
+  }
+  EXPECT_EQ(service_->futures().Get("bob", kept->request_id)->state, FutureState::kPending);
+  auto late = service_->Sample({"alice", ""}, Req(*alice, 3, {1, 2}));
+  EXPECT_EQ(late.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(late.status().message().find("expired"), std::string::npos) << late.status().message();
+  sampler_->Release();
+  EXPECT_EQ(Wait("bob", kept->request_id).state, FutureState::kDone);
+}
+
+TEST_F(SamplingServiceTest, SampleQueueBoundRefusesWith429ButRepeatsStillAnswer) {
+  ServiceOptions so;
+  so.sample_queue = 3;  // one tenant may hold 1
+  Open(so);
+  std::map<std::string, std::string> sampling;
+  for (const char* t : {"alice", "bob", "carol", "dave"}) {
+    auto id = CreateSampling(t, Session(t), 0, "test/base", std::nullopt);
+    ASSERT_TRUE(id.ok());
+    sampling[t] = *id;
+  }
+  sampler_->Hold();
+  auto first = service_->Sample({"alice", ""}, Req(sampling["alice"], 0, {1}));
+  ASSERT_TRUE(first.ok());
+  auto over = service_->Sample({"alice", ""}, Req(sampling["alice"], 1, {1}));
+  EXPECT_EQ(over.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("half of --sample-queue 3"), std::string::npos) << over.status().message();
+  // A repeat of an admitted seq_id answers the first future, bound or not.
+  auto repeat = service_->Sample({"alice", ""}, Req(sampling["alice"], 0, {1}));
+  ASSERT_TRUE(repeat.ok());
+  EXPECT_EQ(repeat->request_id, first->request_id);
+  ASSERT_TRUE(service_->Sample({"bob", ""}, Req(sampling["bob"], 0, {1})).ok());
+  ASSERT_TRUE(service_->Sample({"carol", ""}, Req(sampling["carol"], 0, {1})).ok());
+  auto full = service_->Sample({"dave", ""}, Req(sampling["dave"], 0, {1}));
+  EXPECT_EQ(full.status().code(), Code::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("already holds 3 samples"), std::string::npos) << full.status().message();
+  EXPECT_EQ(sampler_->calls().size(), 3u);  // the refused ones never reached the sampler
+  sampler_->Release();
+  EXPECT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
+  for (int i = 0; i < 1000 && sampler_->stats().requests_done < 3; ++i) std::this_thread::sleep_for(2ms);
+  EXPECT_TRUE(service_->Sample({"dave", ""}, Req(sampling["dave"], 0, {1})).ok());
 }
 
 TEST(SamplingServiceNoSampler, AsampleIsUnavailableWithoutASampler) {

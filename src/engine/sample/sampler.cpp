@@ -10,7 +10,9 @@
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -143,14 +145,31 @@ class SamplerImpl final : public Sampler {
     }
     r->call = std::move(call);
     r->done = std::move(done);
+    std::optional<Status> refused;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stop_) {
-        r->done(Status::Unavailable("the sampler is shutting down"));
-        return;
+        refused = Status::Unavailable("the sampler is shutting down");
+      } else if (auto c = cancelled_.find(r->call.session); c != cancelled_.end()) {
+        refused = c->second;
+      } else {
+        r->id = next_id_++;
+        inbox_.push_back(std::move(r));
       }
-      r->id = next_id_++;
-      inbox_.push_back(std::move(r));
+    }
+    if (refused) {
+      if (r->done) r->done(*refused);
+      return;
+    }
+    cv_.notify_one();
+  }
+
+  void Cancel(const std::string& session, const Status& why) override {
+    if (session.empty()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancelled_.emplace(session, why).second) return;
+      cancels_.emplace_back(session, why);
     }
     cv_.notify_one();
   }
@@ -165,15 +184,20 @@ class SamplerImpl final : public Sampler {
     c10::NoGradGuard no_grad;
     if (options_.threads > 0) at::set_num_threads(options_.threads);
     for (;;) {
+      std::vector<std::pair<std::string, Status>> cancels;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !scheduler_->idle(); });
-        if (scheduler_->idle()) GatherBurst(lock);
+        cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !cancels_.empty() || !scheduler_->idle(); });
+        if (scheduler_->idle() && cancels_.empty()) GatherBurst(lock);
         if (stop_) break;
         for (auto& r : inbox_) scheduler_->Add(std::move(r));
         inbox_.clear();
+        cancels = std::move(cancels_);
+        cancels_.clear();
       }
-      scheduler_->Step();
+      // Cancels land between steps, so a cancelled call runs no further step.
+      for (const auto& [session, why] : cancels) scheduler_->Cancel(session, why);
+      if (!scheduler_->idle()) scheduler_->Step();
       {
         std::lock_guard<std::mutex> lock(mu_);
         stats_ = scheduler_->stats();
@@ -223,6 +247,10 @@ class SamplerImpl final : public Sampler {
   bool stop_ = false;
   uint64_t next_id_ = 0;
   std::vector<std::unique_ptr<SampleRequest>> inbox_;
+  // Sessions cancelled so far (never cleared: session ids are not reused),
+  // and the cancels the decode thread has not applied yet.
+  std::map<std::string, Status> cancelled_;
+  std::vector<std::pair<std::string, Status>> cancels_;
   SamplerStats stats_;
   std::thread thread_;
 };

@@ -14,6 +14,7 @@ Scheduler::Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<S
     : bank_(std::move(bank)),
       adapters_(bank_.get()),
       blocks_(num_blocks, block_size),
+      waiting_(num_blocks * block_size),
       runner_(std::move(model), bank_.get(), num_blocks, block_size, decode),
       limits_(limits),
       detok_(detok),
@@ -29,39 +30,29 @@ void Scheduler::EnsureBlock(Sequence& s, int64_t pos) {
 std::vector<SampleRequest*> Scheduler::Admit() {
   std::vector<SampleRequest*> fresh;
   int64_t prefill_tokens = 0;
-  while (!waiting_.empty()) {
-    SampleRequest& r = *waiting_.front();
+  const int64_t bs = blocks_.block_size();
+  const auto cost = [&](const SampleRequest& r) -> std::optional<int64_t> {
+    if (rows_in_use_ + r.call.num_samples > limits_.max_batch_rows) return std::nullopt;
+    if (!fresh.empty() && prefill_tokens + r.prompt_len() > limits_.max_prefill_tokens) return std::nullopt;
+    return blocks_.WorstCase(r.prompt_len(), r.max_tokens, r.call.num_samples) * bs;
+  };
+  const auto admit = [&](std::unique_ptr<SampleRequest>& owned) {
+    SampleRequest& r = *owned;
     const int64_t n = r.call.num_samples, P = r.prompt_len();
-    if (rows_in_use_ + n > limits_.max_batch_rows) break;
-    if (!fresh.empty() && prefill_tokens + P > limits_.max_prefill_tokens) break;
-    const int64_t need = blocks_.WorstCase(P, r.max_tokens, n);
-    auto wait = [&] {
-      if (head_waited_ != r.id + 1) ++stats_.admission_waits;
-      head_waited_ = r.id + 1;
-    };
-    if (need > blocks_.free_count() - blocks_.reserved()) {
-      wait();
-      break;
-    }
     int slot = -1;
     if (!r.call.adapter_dir.empty()) {
       const int64_t loads = adapters_.loads();
       Result<int> got = adapters_.Acquire(r.call.adapter_dir);
       if (got.ok() && adapters_.loads() != loads) runner_.SlotChanged(*got);
-      if (!got.ok() && got.status().code() == Code::kResourceExhausted) {
-        wait();
-        break;
-      }
+      if (!got.ok() && got.status().code() == Code::kResourceExhausted) return sched::Take::kRefused;
       if (!got.ok()) {
-        std::unique_ptr<SampleRequest> failed = std::move(waiting_.front());
-        waiting_.pop_front();
-        failed->reserved_blocks = 0;
-        if (failed->done) failed->done(got.status());
-        ++stats_.requests_done;
-        continue;
+        Complete(*owned, got.status());
+        owned.reset();
+        return sched::Take::kDropped;
       }
       slot = *got;
     }
+    const int64_t need = blocks_.WorstCase(P, r.max_tokens, n);
     blocks_.Reserve(need);
     r.reserved_blocks = need;
     r.slot = slot;
@@ -77,8 +68,13 @@ std::vector<SampleRequest*> Scheduler::Admit() {
     rows_in_use_ += n;
     prefill_tokens += P;
     fresh.push_back(&r);
-    admitted_.push_back(std::move(waiting_.front()));
-    waiting_.pop_front();
+    admitted_.push_back(std::move(owned));
+    return sched::Take::kTaken;
+  };
+  const SampleRequest* waits = waiting_.Admit((blocks_.free_count() - blocks_.reserved()) * bs, cost, admit);
+  if (waits != nullptr && head_waited_ != waits->id + 1) {
+    ++stats_.admission_waits;
+    head_waited_ = waits->id + 1;
   }
   return fresh;
 }
@@ -244,10 +240,23 @@ void Scheduler::FailAll(const Status& status) {
   std::vector<std::unique_ptr<SampleRequest>> admitted = std::move(admitted_);
   admitted_.clear();
   for (auto& r : admitted) Complete(*r, status);
-  while (!waiting_.empty()) {
-    std::unique_ptr<SampleRequest> r = std::move(waiting_.front());
-    waiting_.pop_front();
+  for (auto& r : waiting_.TakeAll()) Complete(*r, status);
+}
+
+void Scheduler::Cancel(const std::string& session, const Status& status) {
+  for (auto& r : waiting_.TakeSession(session)) {
     Complete(*r, status);
+    ++stats_.requests_cancelled;
+  }
+  for (size_t i = 0; i < admitted_.size();) {
+    if (admitted_[i]->call.session != session) {
+      ++i;
+      continue;
+    }
+    std::unique_ptr<SampleRequest> r = std::move(admitted_[i]);
+    admitted_.erase(admitted_.begin() + static_cast<std::ptrdiff_t>(i));
+    Complete(*r, status);
+    ++stats_.requests_cancelled;
   }
 }
 
@@ -256,6 +265,7 @@ SamplerStats Scheduler::stats() const {
   s.adapter_loads = adapters_.loads();
   s.adapter_evictions = adapters_.evictions();
   s.kv_blocks_free = blocks_.free_count();
+  s.requests_waiting = static_cast<int64_t>(waiting_.size());
   return s;
 }
 

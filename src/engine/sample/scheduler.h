@@ -1,7 +1,8 @@
 // Scheduler: continuous batching (as nano-vllm's scheduler.py). Requests
-// wait in arrival order; between decode steps the head of the queue is
-// admitted when its adapter has a slot (AdapterCache) and its worst-case KV
-// blocks can be reserved (BlockManager), and the rows fit max_batch_rows.
+// wait in a FairQueue (fair by tokens across tenants and their sampling
+// sessions); between decode steps they are admitted in its order while their
+// adapter has a slot (AdapterCache), their worst-case KV blocks can be
+// reserved (BlockManager), and the rows fit max_batch_rows.
 // A step is either the prefill of newly admitted requests (each prompt run
 // once; its num_samples rows fork from that one prefill) or one decode step
 // over every running row of every adapter, sorted by adapter slot.
@@ -10,13 +11,13 @@
 //
 // Threading: the decode thread only.
 #pragma once
-#include <deque>
 #include <memory>
 #include <vector>
 
 #include "engine/sample/adapter_cache.h"
 #include "engine/sample/block_manager.h"
 #include "engine/sample/detokenizer.h"
+#include "engine/sample/fair_queue.h"
 #include "engine/sample/model_runner.h"
 #include "engine/sample/sequence.h"
 
@@ -33,13 +34,16 @@ class Scheduler {
             int64_t block_size, SchedulerLimits limits, const DecodeOptions& decode, const Detokenizer* detok,
             std::vector<int32_t> eos);
 
-  void Add(std::unique_ptr<SampleRequest> r) { waiting_.push_back(std::move(r)); }
+  void Add(std::unique_ptr<SampleRequest> r) { waiting_.Push(std::move(r)); }
   bool idle() const { return waiting_.empty() && admitted_.empty(); }
   // One prefill or decode step; completes finished requests. On a device
   // error every admitted request fails with it.
   void Step();
   // Completes every request, queued or admitted, with status.
   void FailAll(const Status& status);
+  // Completes every request of one sampling session, queued or admitted,
+  // with status; their KV blocks and adapter slots are free at once.
+  void Cancel(const std::string& session, const Status& status);
   // The callbacks of requests completed since the last call, with their
   // results. The caller runs them after publishing stats(), so a callback
   // never observes the scheduler's state from before its own completion.
@@ -66,10 +70,10 @@ class Scheduler {
   SchedulerLimits limits_;
   const Detokenizer* detok_;
   std::vector<int32_t> eos_;
-  std::deque<std::unique_ptr<SampleRequest>> waiting_;
+  FairQueue waiting_;
   std::vector<std::unique_ptr<SampleRequest>> admitted_;
   int64_t rows_in_use_ = 0;
-  uint64_t head_waited_ = 0;  // id of the last head request counted in admission_waits
+  uint64_t head_waited_ = 0;  // id + 1 of the last anchor request counted in admission_waits
   SamplerStats stats_;
   std::vector<std::pair<SampleCallback, Result<SampleOutput>>> completed_;
 };

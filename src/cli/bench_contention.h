@@ -1,0 +1,24 @@
+// `loom bench sample --contention` (bench_contention.cpp): a light tenant's
+// small requests on an idle sampler and beside another tenant's flood.
+#pragma once
+#include "engine/sample_api.h"
+
+namespace loom::cli {
+
+struct ContentionOptions {
+  int light_requests = 40;  // timed in each phase (after as many to warm up)
+  int light_prompt = 16;
+  int light_tokens = 4;
+  int flood_depth = 48;     // flood requests kept in the sampler
+  int flood_prompt = 1000;
+  int flood_tokens = 16;
+  // --arrival-order: both tenants' calls carry no names, so they share one
+  // flow and the sampler admits them in arrival order (the yardstick).
+  bool arrival_order = false;
+};
+
+// Runs both phases on s (which the caller opened with room for the flood's
+// prompts) and prints the table; 0 on success.
+int RunContention(engine::Sampler& s, const ContentionOptions& o);
+
+}  // namespace loom::cli
