@@ -306,6 +306,76 @@ FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg
   return r;
 }
 
+// The same values and gradients through ATen's op-by-op graph, from leaf
+// copies of the bank's factors (the reference for the forms' autograd nodes,
+// whose backwards are written out and add into .grad in place).
+FormResult RunGraph(SlotBank& bank, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot,
+                    const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& gys) {
+  FormResult r;
+  at::Tensor loss = at::zeros({});
+  std::vector<at::Tensor> xl, al, bl;
+  for (size_t i = 0; i < 2; ++i) {
+    const LoraTarget& t = bank.targets()[i];
+    xl.push_back(xs[i].detach().clone().requires_grad_());
+    al.push_back(t.A.detach().clone().requires_grad_());
+    bl.push_back(t.B.detach().clone().requires_grad_());
+    std::vector<at::Tensor> rows;
+    for (size_t q = 0; q + 1 < seg_begin.size(); ++q) {
+      const int64_t len = seg_begin[q + 1] - seg_begin[q];
+      const int s = seg_slot[q];
+      const at::Tensor xr = xl[i].narrow(0, seg_begin[q], len);
+      if (!bank.trains(s, t.group)) {
+        rows.push_back(at::zeros({len, t.d_out}));
+        continue;
+      }
+      const LoraConfig& c = bank.slot(s).config;
+      const at::Tensor a = al[i][s].narrow(0, 0, c.rank), b = bl[i][s].narrow(1, 0, c.rank);
+      rows.push_back(at::linear(at::linear(xr, a) * (c.alpha / c.rank), b));
+    }
+    const at::Tensor y = at::cat(rows, 0);
+    r.out.push_back(y.detach());
+    loss = loss + (y * gys[i]).sum();
+  }
+  loss.backward();
+  for (size_t i = 0; i < 2; ++i) {
+    r.grad_x.push_back(xl[i].grad());
+    r.grad_a.push_back(al[i].grad());
+    r.grad_b.push_back(bl[i].grad());
+  }
+  return r;
+}
+
+// Both forms' nodes against the graph: values, and gradients into x, A and
+// B (only the used slots' rows, and none past a slot's rank).
+TEST(SlotBank, FormNodesHaveTheGraphsGradients) {
+  at::manual_seed(19);
+  const GroupedCase c;
+  std::vector<at::Tensor> xs, gys;
+  for (const auto& [m, g, d_in, d_out] : SmallTargets()) {
+    xs.push_back(at::randn({c.T, d_in}));
+    gys.push_back(at::randn({c.T, d_out}));
+  }
+  SlotBank ref_bank = GroupedCase::MakeBank();
+  const FormResult want = RunGraph(ref_bank, c.seg_begin, c.seg_slot, xs, gys);
+  for (bool grouped : {false, true}) {
+    SlotBank bank = GroupedCase::MakeBank();
+    const FormResult got = RunForm(grouped, bank, c.seg_begin, c.seg_slot, xs, gys);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(want.grad_a[i].abs().max().item<double>(), 1e-2);
+      EXPECT_LT(RelErr(got.out[i], want.out[i]), 1e-5) << grouped << " delta " << i;
+      EXPECT_LT(RelErr(got.grad_x[i], want.grad_x[i]), 1e-5) << grouped << " grad x " << i;
+      EXPECT_LT(RelErr(got.grad_a[i], want.grad_a[i]), 1e-5) << grouped << " grad A " << i;
+      EXPECT_LT(RelErr(got.grad_b[i], want.grad_b[i]), 1e-5) << grouped << " grad B " << i;
+      // The nodes leave the factors' own autograd path alone: nothing but
+      // their in-place rows reached .grad, so unbound slot 4 and 5 stay zero.
+      for (int s : {4, 5}) {
+        EXPECT_EQ(got.grad_a[i][s].abs().max().item<double>(), 0.0);
+        EXPECT_EQ(got.grad_b[i][s].abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+}
+
 // The grouped form (segmented, padded bmm) against the segment form.
 TEST(SlotBank, GroupedDeltaEqualsSegmentDeltaWithGradients) {
   at::manual_seed(17);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/hash.h"
+#include "engine/lora/lora_nodes.h"
 
 namespace loom::engine {
 namespace {
@@ -139,11 +140,7 @@ bool SlotBank::Uses(const LoraTarget& t, const std::vector<int>& seg_slot) const
 
 at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::vector<int64_t>& seg_begin,
                            const std::vector<int>& seg_slot) const {
-  const at::ScalarType ct = ComputeType(x);
-  const at::Tensor xf = x.to(ct);
-  const int64_t rows = x.size(0);
-  std::vector<at::Tensor> parts;
-  int64_t covered = 0;
+  std::vector<LoraRun> runs;
   const size_t n = seg_slot.size();
   for (size_t i = 0; i < n;) {
     // Merge the run of sequences that share an effective slot: the product is
@@ -151,24 +148,19 @@ at::Tensor SlotBank::Delta(const LoraTarget& t, const at::Tensor& x, const std::
     const int s = trains(seg_slot[i], t.group) ? seg_slot[i] : -1;
     size_t j = i + 1;
     while (j < n && (trains(seg_slot[j], t.group) ? seg_slot[j] : -1) == s) ++j;
-    const int64_t begin = seg_begin[i], len = seg_begin[j] - begin;
-    covered = seg_begin[j];
-    i = j;
-    if (len == 0) continue;
-    if (s < 0) {
-      parts.push_back(at::zeros({len, t.d_out}, xf.options()));
-      continue;
+    LoraRun r;
+    r.begin = seg_begin[i];
+    r.len = seg_begin[j] - r.begin;
+    r.slot = s;
+    if (s >= 0) {
+      const LoraConfig& c = slots_[s].config;
+      r.rank = c.rank;
+      r.scale = c.alpha / c.rank;
     }
-    const LoraConfig& c = slots_[s].config;
-    const at::Tensor a = t.A.select(0, s).narrow(0, 0, c.rank).to(ct);  // [r, d_in]
-    const at::Tensor b = t.B.select(0, s).narrow(1, 0, c.rank).to(ct);  // [d_out, r]
-    // Scaled at rank width, not output width: one pass over [len, r] instead of [len, d_out].
-    parts.push_back(at::linear(at::linear(xf.narrow(0, begin, len), a) * (c.alpha / c.rank), b));
+    runs.push_back(r);
+    i = j;
   }
-  if (covered < rows) parts.push_back(at::zeros({rows - covered, t.d_out}, xf.options()));
-  if (parts.empty()) return at::zeros({rows, t.d_out}, xf.options());
-  if (parts.size() == 1) return parts[0];
-  return at::cat(parts, 0);
+  return SegmentLoraDelta(x, t.A, t.B, runs, ComputeType(x), t.d_out);
 }
 
 LoraRouting SlotBank::Route(TargetGroup g, const std::vector<int64_t>& seg_begin,
@@ -322,19 +314,7 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
 
 at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const {
   TORCH_CHECK(x.size(0) == routing.rows, "GroupedDelta: x has ", x.size(0), " rows, the routing ", routing.rows);
-  const at::ScalarType ct = ComputeType(x);
-  const int64_t U = routing.num_slots(), L = routing.max_rows;
-  if (U == 0) return at::zeros({x.size(0), t.d_out}, x.options().dtype(ct));
-  // Gather first, then cast: a copy of the padded rows only (none when the
-  // rows already are in padded order, e.g. 16 tenants x 512).
-  at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
-  xp = xp.to(ct).view({U, L, t.d_in});
-  const at::Tensor a = t.A.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, d_in, R]
-  const at::Tensor b = t.B.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, R, d_out]
-  at::Tensor y = at::bmm(at::bmm(xp, a) * routing.scale.to(ct), b).view({U * L, t.d_out});
-  if (routing.identity) return y;
-  if (routing.base_rows) y = at::cat({y, at::zeros({1, t.d_out}, y.options())}, 0);
-  return y.index_select(0, routing.scatter);
+  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
 }
 
 }  // namespace loom::engine

@@ -136,7 +136,9 @@ class SlotBank {
   // of x use slot seg_slot[i] (-1, an unbound slot, or a slot not training t's
   // group contribute zero rows). Returns scale * (x A^T) B^T with shape
   // [T, d_out] in ComputeType(x), computed per run of equal slots (segment
-  // form: two small matmuls per run). Differentiable into A and B of the used slots only, at rank r.
+  // form: two small matmuls per run). One autograd node (lora_nodes.h) whose
+  // backward adds the used slots' gradients into A.grad / B.grad in place
+  // (A's and B's own autograd gradient stays undefined). Differentiable into A and B of the used slots only, at rank r.
   at::Tensor Delta(const LoraTarget& t, const at::Tensor& x,
                    const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
 
@@ -185,8 +187,8 @@ class SlotBank {
   // B_U^T [U, R, d_out], and one gather back to packed order [T, d_out] (rows
   // without a training slot read an appended zero row). Rows >= a slot's rank
   // are zero in A and B, so the full R columns add exact zeros and their
-  // gradients stay exactly zero; gradients reach only the grouped slots.
-  // x must have routing.rows rows.
+  // gradients stay exactly zero; gradients reach only the grouped slots, in
+  // place, as Delta's do. x must have routing.rows rows.
   at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const;
 
  private:

@@ -1,0 +1,199 @@
+#include "engine/lora/lora_nodes.h"
+
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace loom::engine {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The plain forward of the segment form (also the no-grad path).
+at::Tensor SegmentForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                          const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out) {
+  const at::Tensor xc = x.to(ct);
+  const int64_t rows = x.size(0);
+  std::vector<at::Tensor> parts;
+  int64_t covered = 0;
+  for (const LoraRun& r : runs) {
+    if (r.len == 0) continue;
+    covered = r.begin + r.len;
+    if (r.slot < 0) {
+      parts.push_back(at::zeros({r.len, d_out}, xc.options()));
+      continue;
+    }
+    const at::Tensor a = A.select(0, r.slot).narrow(0, 0, r.rank).to(ct);  // [r, d_in]
+    const at::Tensor b = B.select(0, r.slot).narrow(1, 0, r.rank).to(ct);  // [d_out, r]
+    // Scaled at rank width, not output width: one pass over [len, r] instead of [len, d_out].
+    parts.push_back(at::linear(at::linear(xc.narrow(0, r.begin, r.len), a) * r.scale, b));
+  }
+  if (covered < rows) parts.push_back(at::zeros({rows - covered, d_out}, xc.options()));
+  if (parts.empty()) return at::zeros({rows, d_out}, xc.options());
+  if (parts.size() == 1) return parts[0];
+  return at::cat(parts, 0);
+}
+
+// .grad of a factor, created (zero) on first use as AccumulateGrad would.
+at::Tensor& GradOf(const at::Tensor& factor) {
+  at::Tensor& g = const_cast<at::Tensor&>(factor).mutable_grad();
+  if (!g.defined()) g = at::zeros_like(factor);
+  return g;
+}
+
+std::vector<int64_t> PackRuns(const std::vector<LoraRun>& runs, std::vector<double>& scales) {
+  std::vector<int64_t> v;
+  for (const LoraRun& r : runs) {
+    v.insert(v.end(), {r.begin, r.len, r.slot, r.rank});
+    scales.push_back(r.scale);
+  }
+  return v;
+}
+
+std::vector<LoraRun> UnpackRuns(const std::vector<int64_t>& v, const std::vector<double>& scales) {
+  std::vector<LoraRun> runs(scales.size());
+  for (size_t i = 0; i < runs.size(); ++i) runs[i] = LoraRun{v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3], scales[i]};
+  return runs;
+}
+
+class SegmentNode : public torch::autograd::Function<SegmentNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                            const std::vector<int64_t>& packed, const std::vector<double>& scales, int64_t ct,
+                            int64_t d_out) {
+    c10::NoGradGuard no_grad;
+    ctx->save_for_backward({x, A, B});
+    ctx->saved_data["runs"] = packed;
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["ct"] = ct;
+    return SegmentForward(x, A, B, UnpackRuns(packed, scales), static_cast<at::ScalarType>(ct), d_out);
+  }
+
+  // Per run, as the graph of linear(linear(x, a) * scale, b) gives it:
+  // h = (x a^T) scale; gB = g^T h; gh = g b; gxa = gh scale; gA = gxa^T x; gx = gxa a.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &A = saved[1], &B = saved[2];
+    const auto runs = UnpackRuns(ctx->saved_data["runs"].toIntVector(), ctx->saved_data["scales"].toDoubleVector());
+    const auto ct = static_cast<at::ScalarType>(ctx->saved_data["ct"].toInt());
+    const at::Tensor& g = grads[0];
+    variable_list out(7);
+    if (!g.defined()) return out;
+    c10::NoGradGuard no_grad;
+    const bool need_x = ctx->needs_input_grad(0);
+    const at::Tensor xc = x.to(ct);
+    const at::Tensor gc = g.to(ct);
+    at::Tensor gx = need_x ? at::zeros(x.sizes(), xc.options()) : at::Tensor();
+    for (const LoraRun& r : runs) {
+      if (r.slot < 0 || r.len == 0) continue;
+      const at::Tensor a = A.select(0, r.slot).narrow(0, 0, r.rank).to(ct);
+      const at::Tensor b = B.select(0, r.slot).narrow(1, 0, r.rank).to(ct);
+      const at::Tensor xr = xc.narrow(0, r.begin, r.len), gr = gc.narrow(0, r.begin, r.len);
+      const at::Tensor h = at::linear(xr, a) * r.scale;  // [len, r]
+      GradOf(B).select(0, r.slot).narrow(1, 0, r.rank).add_(at::mm(gr.t(), h));
+      const at::Tensor gxa = at::mm(gr, b) * r.scale;  // [len, r]
+      GradOf(A).select(0, r.slot).narrow(0, 0, r.rank).add_(at::mm(gxa.t(), xr));
+      if (need_x) gx.narrow(0, r.begin, r.len).copy_(at::mm(gxa, a));
+    }
+    if (need_x) out[0] = gx.to(x.scalar_type());
+    return out;
+  }
+};
+
+// The plain forward of the grouped form.
+at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
+                          at::ScalarType ct, int64_t d_out, at::Tensor* xp_out = nullptr, at::Tensor* h_out = nullptr) {
+  const int64_t U = routing.num_slots(), L = routing.max_rows, d_in = x.size(1);
+  if (U == 0) return at::zeros({x.size(0), d_out}, x.options().dtype(ct));
+  // Gather first, then cast: a copy of the padded rows only (none when the
+  // rows already are in padded order, e.g. 16 tenants x 512).
+  at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
+  xp = xp.to(ct).view({U, L, d_in});
+  const at::Tensor a = A.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, d_in, R]
+  const at::Tensor b = B.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, R, d_out]
+  const at::Tensor h = at::bmm(xp, a) * routing.scale.to(ct);                     // [U, L, R]
+  at::Tensor y = at::bmm(h, b).view({U * L, d_out});
+  if (xp_out) *xp_out = xp;
+  if (h_out) *h_out = h;
+  if (routing.identity) return y;
+  if (routing.base_rows) y = at::cat({y, at::zeros({1, d_out}, y.options())}, 0);
+  return y.index_select(0, routing.scatter);
+}
+
+class GroupedNode : public torch::autograd::Function<GroupedNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                            const LoraGroups* routing, int64_t ct, int64_t d_out) {
+    c10::NoGradGuard no_grad;
+    at::Tensor xp, h;
+    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, &xp, &h);
+    ctx->save_for_backward({xp, h, A, B, routing->slots, routing->scale, routing->gather, routing->scatter});
+    ctx->saved_data["identity"] = routing->identity;
+    ctx->saved_data["shape"] = std::vector<int64_t>{x.size(0), x.size(1), d_out, routing->max_rows};
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &xp = saved[0], &h = saved[1], &A = saved[2], &B = saved[3], &slots = saved[4],
+                     &scale = saved[5], &gather = saved[6], &scatter = saved[7];
+    const bool identity = ctx->saved_data["identity"].toBool();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const int64_t T = shape[0], d_in = shape[1], d_out = shape[2], L = shape[3], U = slots.size(0);
+    const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const at::Tensor& g = grads[0];
+    variable_list out(6);
+    if (!g.defined()) return out;
+    c10::NoGradGuard no_grad;
+    const at::ScalarType ct = xp.scalar_type();
+    // The padded gradient: each packed row's gradient at its padded position;
+    // pad rows (never read back) and the appended zero row get none.
+    at::Tensor gp;
+    if (identity) {
+      gp = g.to(ct).view({U, L, d_out});
+    } else {
+      gp = at::zeros({U * L + 1, d_out}, g.options().dtype(ct));
+      gp.index_add_(0, scatter, g.to(ct));
+      gp = gp.narrow(0, 0, U * L).view({U, L, d_out});
+    }
+    const at::Tensor a = A.index_select(0, slots).to(ct);  // [U, R, d_in]
+    const at::Tensor b = B.index_select(0, slots).to(ct);  // [U, d_out, R]
+    // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
+    GradOf(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
+    const at::Tensor gxa = at::bmm(gp, b) * scale.to(ct);  // [U, L, R]
+    GradOf(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+    if (!ctx->needs_input_grad(0)) return out;
+    at::Tensor gxp = at::bmm(gxa, a).view({U * L, d_in});
+    at::Tensor gx;
+    if (identity) {
+      gx = gxp;
+    } else {
+      // Pad rows carry zero gradient (their gp rows are zero), so adding them is exact.
+      gx = at::zeros({T, d_in}, gxp.options());
+      gx.index_add_(0, gather, gxp);
+    }
+    out[0] = gx.to(x_dtype);
+    return out;
+  }
+};
+
+bool Differentiable(const at::Tensor& A) { return c10::GradMode::is_enabled() && A.requires_grad(); }
+
+}  // namespace
+
+at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                            const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out) {
+  if (!Differentiable(A)) return SegmentForward(x, A, B, runs, ct, d_out);
+  std::vector<double> scales;
+  const std::vector<int64_t> packed = PackRuns(runs, scales);
+  return SegmentNode::apply(x, A, B, packed, scales, static_cast<int64_t>(ct), d_out);
+}
+
+at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
+                            at::ScalarType ct, int64_t d_out) {
+  if (!Differentiable(A) || routing.num_slots() == 0) return GroupedForward(x, A, B, routing, ct, d_out);
+  return GroupedNode::apply(x, A, B, &routing, static_cast<int64_t>(ct), d_out);
+}
+
+}  // namespace loom::engine

@@ -1,0 +1,47 @@
+// lora_nodes: the segment and grouped LoRA deltas (slot_bank.h) as single
+// autograd nodes with written-out backwards that add each used slot's
+// gradient into the factors' .grad in place, in that slot's rows only.
+//
+// Why: through ATen's op-by-op graph every use of a slot's slice of A or B
+// (select, narrow, index_select, a dtype cast) has a backward that first
+// materialises a dense zero [N, R, d] gradient and then adds all of it into
+// .grad: per target per pass, memory traffic that grows with the number of
+// slots N, and ~10 autograd nodes a target that dominate a small step's host
+// time. Here the node's backward writes gradients of shape [r, d] straight
+// into A.grad[s, :r] and B.grad[s, :, :r] and returns none for A and B.
+//
+// The forward values are those of the plain ops (the same calls, run without
+// a graph); the gradients are those the graph would give, to rounding
+// (tests/engine/slot_bank_test.cpp compares them). A and B are inputs of the
+// node only so that it is part of every backward that reaches the factors
+// (RecomputedLayer's too); their autograd gradient stays undefined.
+//
+// Threading: the engine thread, and the autograd engine's thread for the
+// device inside the caller's backward(); one backward at a time per bank.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "engine/lora/slot_bank.h"
+
+namespace loom::engine {
+
+// A run of rows [begin, begin + len) that use one slot (slot < 0: no LoRA,
+// zero rows), at the slot's rank and alpha / r.
+struct LoraRun {
+  int64_t begin = 0, len = 0;
+  int64_t slot = -1, rank = 0;
+  double scale = 0;
+};
+
+// sum over runs of scale * (x_run a^T) b^T, a = A[slot, :rank], b =
+// B[slot, :, :rank], in dtype ct; rows outside every run are zero. x [T, d_in].
+at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
+                            const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out);
+
+// GroupedDelta's value (slot_bank.h) in dtype ct.
+at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
+                            at::ScalarType ct, int64_t d_out);
+
+}  // namespace loom::engine
