@@ -135,6 +135,7 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
       // factors with 16-byte loads on CUDA cores; 6 takes the scalar path.
       for (int64_t max_rank : {16, 8, 6}) {
         SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
+        bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
         LoraConfig all;
         all.rank = max_rank, all.alpha = 16, all.seed = 1;
         LoraConfig attn_only;

@@ -475,9 +475,12 @@ TEST(SlotBank, FormSelectionRule) {
   // The measured H200 case: 16 tenants x 512 tokens at R = 32 (U*R = 512).
   EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 16, 16, 512), 32), LoraForm::kGrouped);
   EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 16, 16, 512), 32), LoraForm::kSegment);
-  // Routed while U*R <= 128 on CUDA, <= 64 on the CPU.
-  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 4, 4, 2048), 32), LoraForm::kRouted);   // 128
-  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 5, 5, 2048), 32), LoraForm::kGrouped);  // 160; 5*2048 <= 2T
+  // Grouped first on CUDA (4 tenants x 2048: no padding at all); routed
+  // while U*R <= 128 on CUDA when the padding is too much, <= 64 on the CPU.
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 4, 4, 2048), 32), LoraForm::kGrouped);  // 4*2048 <= 2T
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(8192, 5, 5, 2048), 32), LoraForm::kGrouped);  // 5*2048 <= 2T
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(1000, 8, 4, 600), 32), LoraForm::kRouted);    // 2400 > 2T; U*R = 128
+  EXPECT_EQ(SlotBank::SelectForm(cuda, shape(1000, 8, 5, 600), 32), LoraForm::kSegment);   // 3000 > 2T; U*R = 160
   EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 4, 4, 2048), 16), LoraForm::kRouted);    // 64
   EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 5, 5, 2048), 16), LoraForm::kSegment);   // 80
   EXPECT_EQ(SlotBank::SelectForm(cpu, shape(8192, 5, 5, 1639), 16), LoraForm::kSegment);   // never grouped

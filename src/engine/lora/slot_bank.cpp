@@ -233,13 +233,15 @@ LoraBatchShape SlotBank::Shape(TargetGroup g, const std::vector<int64_t>& seg_be
 LoraForm SlotBank::SelectForm(bool cuda, const LoraBatchShape& shape, int64_t max_rank) {
   // One run is one matmul pair in the segment form already.
   if (shape.runs <= 1 || shape.slots == 0) return LoraForm::kSegment;
-  // The routed form multiplies every row by all used slots' A (U*R columns):
-  // on CUDA that trades FLOPs for launches while U*R is small; on the CPU
-  // FLOPs are the cost, so only small U*R (few, low-rank slots) pays.
-  if (shape.slots * max_rank <= (cuda ? 128 : 64)) return LoraForm::kRouted;
-  // The grouped form does only the needed FLOPs, plus those of the padding
-  // (U*Lmax rows in all), in a fixed number of kernels.
+  // On CUDA the grouped form does only the needed FLOPs, plus those of the
+  // padding (U*Lmax rows in all), in a fixed number of kernels, and needs no
+  // isolation pass (no row meets another slot's factors).
   if (cuda && shape.slots * shape.max_rows <= 2 * shape.rows) return LoraForm::kGrouped;
+  // The routed form multiplies every row by all used slots' A (U*R columns),
+  // plus the elementwise passes that keep slots isolated: on CUDA that
+  // trades FLOPs for launches while U*R is small; on the CPU FLOPs are the
+  // cost, so only small U*R (few, low-rank slots) pays.
+  if (shape.slots * max_rank <= (cuda ? 128 : 64)) return LoraForm::kRouted;
   return LoraForm::kSegment;
 }
 

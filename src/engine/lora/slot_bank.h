@@ -149,11 +149,12 @@ class SlotBank {
   // batch (its slots, their bound state and groups, and its row counts).
   LoraForm ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
   // The selection rule, with T, runs, U, Lmax from `shape` and R = max_rank:
-  //   CUDA: kRouted  when runs > 1 and U*R <= 128 (its matmuls cost U*R/d_out
-  //                  of the base layer's, cheaper than launches while small);
-  //         kGrouped when runs > 1 and U*Lmax <= 2*T (padding at most
+  //   CUDA: kGrouped when runs > 1 and U*Lmax <= 2*T (padding at most
   //                  doubles the rows; only the needed FLOPs otherwise, in a
-  //                  fixed number of kernels);
+  //                  fixed number of kernels, and no isolation passes);
+  //         kRouted  else when runs > 1 and U*R <= 128 (its matmuls cost
+  //                  U*R/d_out of the base layer's, cheaper than launches
+  //                  while small);
   //         kSegment otherwise (one run, or one slot's rows dominate).
   //   CPU:  kRouted  when runs > 1 and U*R <= 64 (FLOPs are the cost there,
   //                  so only few, low-rank slots pay), else kSegment.

@@ -12,7 +12,9 @@
 //
 //   bytes(T, k) = fixed + T * (recomputed + (L - k) / L * (kept - recomputed))
 //
-// with `kept` and `recomputed` the per-token slopes at k = 0 and k = L.
+// with `kept` and `recomputed` the per-token slopes at k = 0 and k = L,
+// each term a tenth above the line through the probes (the allocator's
+// rounding and splitting of blocks grows with the pass).
 //
 // Threading: pure values and functions; any thread.
 #pragma once
