@@ -24,13 +24,6 @@ using Clock = std::chrono::steady_clock;
 using engine::SampleCall;
 using engine::SampleOutput;
 
-std::vector<int32_t> RandomPrompt(std::mt19937& rng, int64_t vocab, int len) {
-  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(vocab) - 2);
-  std::vector<int32_t> p(static_cast<size_t>(len));
-  for (int32_t& t : p) t = tok(rng);
-  return p;
-}
-
 double Percentile(std::vector<double> v, double q) {
   std::sort(v.begin(), v.end());
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5));
@@ -111,6 +104,13 @@ class Flood {
 };
 
 }  // namespace
+
+std::vector<int32_t> RandomPrompt(std::mt19937& rng, int64_t vocab, int len) {
+  std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(vocab) - 2);
+  std::vector<int32_t> p(static_cast<size_t>(len));
+  for (int32_t& t : p) t = tok(rng);
+  return p;
+}
 
 int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   std::printf("contention: light tenant %d requests one at a time (prompt %d, %d new tokens); flood tenant keeps %d "

@@ -1,6 +1,10 @@
 // `loom bench sample --contention` (bench_contention.cpp): a light tenant's
 // small requests on an idle sampler and beside another tenant's flood.
 #pragma once
+#include <cstdint>
+#include <random>
+#include <vector>
+
 #include "engine/sample_api.h"
 
 namespace loom::cli {
@@ -20,5 +24,9 @@ struct ContentionOptions {
 // Runs both phases on s (which the caller opened with room for the flood's
 // prompts) and prints the table; 0 on success.
 int RunContention(engine::Sampler& s, const ContentionOptions& o);
+
+// len random prompt tokens in [0, vocab - 1) (the last id is often EOS);
+// the sample benches' prompts.
+std::vector<int32_t> RandomPrompt(std::mt19937& rng, int64_t vocab, int len);
 
 }  // namespace loom::cli

@@ -5,7 +5,7 @@
 // temperature 1 with fixed seeds, and EOS is ignored by using a model whose
 // EOS the sampler is not told about (--ignore-eos is implied: tokens/s
 // counts what was generated). With --contention it runs bench_contention.h's
-// two phases instead.
+// two phases instead; with --multi-turn, bench_multiturn.h's conversation.
 #include "cli/bench_sample.h"
 
 #include <ATen/ATen.h>
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cli/bench_contention.h"
+#include "cli/bench_multiturn.h"
 #include "cli/decode_flags.h"
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
@@ -52,6 +53,8 @@ struct Options {
   engine::DecodeOptions decode;
   bool contention = false;  // --contention: bench_contention.h instead of the decode table
   ContentionOptions contended;
+  bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
+  MultiTurnOptions turns;
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -162,13 +165,27 @@ int Run(const Options& o) {
   so.threads = o.threads;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
+  if (o.multi_turn) {  // room for one conversation in each of the two samplers
+    so.max_batch_rows = 1;
+    so.context_window = MultiTurnContext(o.turns) + 16;
+    so.kv_budget_tokens = so.context_window + 64;
+  }
   auto sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
   if (!sampler.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", sampler.status().message().c_str()), 1;
   engine::Sampler& s = **sampler;
-  if (o.contention) {
+  if (o.contention || o.multi_turn) {
     std::printf("model %s  device %s  dtype %s\n", o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(),
                 cuda ? "cuda" : "cpu", bf16 ? "bf16" : "fp32");
-    const int rc = RunContention(s, o.contended);
+    int rc;
+    if (o.multi_turn) {
+      so.prefix_cache = false;
+      auto uncached = engine::Sampler::Open(model, so);
+      if (!uncached.ok())
+        return std::fprintf(stderr, "loom bench sample: %s\n", uncached.status().message().c_str()), 1;
+      rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", o.turns);
+    } else {
+      rc = RunContention(s, o.contended);
+    }
     sampler->reset();
     std::error_code ec;
     fs::remove_all(scratch, ec);
@@ -241,6 +258,13 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--flood-tokens", c.flood_tokens, "--contention: flood new tokens")->default_val(c.flood_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_flag("--arrival-order", c.arrival_order,
                "--contention: both tenants in one flow (arrival order, the yardstick for fair share)");
+  app.add_flag("--multi-turn", o.multi_turn,
+               "instead: a conversation's prefill time per turn with the prefix cache on and off (the last "
+               "--adapters count > 0: with an adapter)");
+  MultiTurnOptions& t = o.turns;
+  app.add_option("--turns", t.turns, "--multi-turn: turns")->default_val(t.turns)->check(CLI::Range(1, 1000));
+  app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
   const DecodeFlags decode_flags(app);
   try {
     app.parse(argc, argv);

@@ -88,6 +88,8 @@ int Serve(int argc, char** argv) {
   app.add_option("--admin-key", admin_key, "X-API-Key that sees every tenant's series in /metrics (default: none; tenants see their own)");
   app.add_option("--sample-queue", sample_queue, "asample calls the sampler holds at once, queued or running (beyond: 429, the SDK backs off and resubmits); one tenant may hold half")->default_val(sample_queue)->check(CLI::Range(1, 1 << 20));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
+  std::string prefix_cache = "on";
+  app.add_option("--prefix-cache", prefix_cache, "keep full KV blocks for later samples with the same snapshot and token prefix (prompt_cache_hit_tokens)")->default_val(prefix_cache)->check(CLI::IsMember({"on", "off"}));
   app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   int max_models_per_tenant = -1;  // -1: the default below
   app.add_option("--max-models-per-tenant", max_models_per_tenant, "live training models (adapter slots) one tenant may hold; 0 = no limit (default: max(1, max-adapters/4) with --api-keys, no limit in open mode)")->check(CLI::Range(0, 4096));
@@ -160,6 +162,7 @@ int Serve(int argc, char** argv) {
   samp.sampler_adapters = sampler_adapters;
   samp.max_rank = max_rank;
   samp.kv_budget_tokens = kv_budget_tokens;
+  samp.prefix_cache = prefix_cache == "on";
   samp.context_window = (*engine)->info().context_window;
   samp.admission_window = std::chrono::milliseconds(batch_window_ms);
   samp.decode = decode_flags.options();

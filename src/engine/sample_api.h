@@ -60,6 +60,10 @@ struct SamplerOptions {
   int block_size = 16;            // tokens per KV block
   int max_batch_rows = 64;        // decode rows (sequences) per step
   int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step (one prompt always fits)
+  // Keep full KV blocks of finished work for later requests with the same
+  // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
+  // prompt is prefilled whole.
+  bool prefix_cache = true;
   int64_t context_window = 0;     // 0 = the model's max_position_embeddings
   int32_t max_num_samples = 128;
   int threads = 0;                // CPU intra-op threads of the decode thread; 0 = leave as is
@@ -94,7 +98,11 @@ struct SamplerStats {
   int64_t admission_waits = 0;    // times the first request in fair order waited for room (KV, rows, a slot)
   int64_t requests_cancelled = 0; // completed by Cancel(), queued or running
   int64_t requests_waiting = 0;   // queued, not yet admitted (after the last step)
-  int64_t kv_blocks_free = 0;
+  int64_t kv_blocks_free = 0;     // no one holds them (plain free + idle cached)
+  int64_t kv_blocks_cached = 0;   // of those, kept by the prefix cache for reuse
+  int64_t kv_cache_evictions = 0; // cached blocks taken back for new work
+  int64_t prefill_tokens = 0;     // prompt tokens the prefill steps computed
+  int64_t prompt_cache_hit_tokens = 0;  // prompt tokens reused from the prefix cache instead
   // Wall time of the prefill and decode steps, sampling included (each step
   // ends by copying its chosen tokens to the host, so this is device time).
   double prefill_seconds = 0;

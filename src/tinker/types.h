@@ -116,6 +116,8 @@ struct SampleOutput {
   int32_t topk = 0;
   std::vector<int32_t> topk_token_ids;
   std::vector<float> topk_logprobs;
+  // Prompt tokens whose K/V came from the sampler's prefix cache (whole blocks).
+  int32_t prompt_cache_hit_tokens = 0;
 };
 
 }  // namespace loom::tinker

@@ -169,6 +169,7 @@ SampleResult SampleResultOf(const tinker::SampleOutput& output) {
     r.sequences.push_back(std::move(w));
   }
   r.prompt_logprobs = output.prompt_logprobs;
+  r.prompt_cache_hit_tokens = output.prompt_cache_hit_tokens;
   if (output.topk > 0) {
     TopkPromptLogprobs t;
     t.k = static_cast<uint32_t>(output.topk);

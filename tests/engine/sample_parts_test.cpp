@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 #include <stdexcept>
+#include <vector>
 
 #include "testmodel/make_model.h"
 #include "engine/sample/block_manager.h"
@@ -43,6 +44,65 @@ TEST(SampleBlockManager, ReservationsAndRefcounts) {
   EXPECT_EQ(m.reserved(), 0);
   EXPECT_TRUE(m.Reserve(4));
   EXPECT_THROW({ m.Unreserve(4); m.Allocate(); }, std::logic_error);
+}
+
+TEST(SampleBlockManager, PrefixCacheMatchesExactChainsAndEvictsIdleBlocksOnly) {
+  BlockManager m(4, 2);
+  const uint64_t base = m.RootTag(""), lora = m.RootTag("/snap/1");
+  EXPECT_NE(base, lora);
+  EXPECT_EQ(m.RootTag(""), base);
+  const int32_t toks[] = {1, 2, 3, 4, 5, 6};
+  ASSERT_TRUE(m.Reserve(3));
+  const int a = m.Allocate(), b = m.Allocate(), c = m.Allocate();
+  m.Publish(a, base, toks);
+  m.Publish(b, m.Tag(a), toks + 2);
+  m.Publish(c, m.Tag(a), toks + 2);  // same key as b: b stays the cached copy
+  EXPECT_EQ(m.Match(base, toks, 3), (std::vector<int>{a, b}));
+  EXPECT_EQ(m.Match(base, toks, 1), (std::vector<int>{a}));
+  EXPECT_TRUE(m.Match(lora, toks, 3).empty());  // another adapter's root
+  EXPECT_TRUE(m.Match(base, toks + 2, 3).empty());
+  m.Release(c);
+  m.Release(b);
+  m.Release(a);
+  EXPECT_EQ(m.free_count(), 4);  // plain: the two never-published ones; idle: a, b
+  EXPECT_EQ(m.cached_count(), 2);
+  // Taking the hits back holds them: they leave the free count.
+  EXPECT_FALSE(m.Acquire({a, b}, 3));  // 2 idle + 3 > 4
+  ASSERT_TRUE(m.Acquire({a, b}, 2));
+  EXPECT_EQ(m.free_count(), 2);
+  EXPECT_EQ(m.cached_count(), 0);
+  m.Allocate();
+  m.Allocate();
+  EXPECT_EQ(m.evictions(), 0);  // plain blocks go first
+  m.Release(b);
+  m.Release(a);  // LRU order now: b, then a
+  ASSERT_TRUE(m.Reserve(1));
+  EXPECT_EQ(m.Allocate(), b);
+  EXPECT_EQ(m.evictions(), 1);
+  EXPECT_EQ(m.Match(base, toks, 3), (std::vector<int>{a}));
+  ASSERT_TRUE(m.Reserve(1));
+  EXPECT_EQ(m.Allocate(), a);
+  EXPECT_TRUE(m.Match(base, toks, 3).empty());
+}
+
+TEST(SampleBlockManager, AReusedBlockIdNeverMatchesItsOldChildren) {
+  BlockManager m(3, 1);
+  const uint64_t root = m.RootTag("");
+  const int32_t x[] = {7, 8}, y[] = {9, 8};
+  ASSERT_TRUE(m.Reserve(2));
+  const int p = m.Allocate(), q = m.Allocate();
+  m.Publish(p, root, x);
+  m.Publish(q, m.Tag(p), x + 1);
+  m.Release(p);  // head first, so the LRU evicts p while its child q stays cached
+  m.Release(q);
+  ASSERT_TRUE(m.Reserve(2));
+  m.Allocate();  // the plain free block
+  ASSERT_EQ(m.Allocate(), p);
+  EXPECT_EQ(m.cached_count(), 1);  // q
+  m.Publish(p, root, y);
+  // p now holds y[0]; q's K/V were computed after x[0]: never a match.
+  EXPECT_EQ(m.Match(root, y, 2), (std::vector<int>{p}));
+  EXPECT_TRUE(m.Match(root, x, 2).empty());
 }
 
 TEST(SampleDetokenizer, DecodesByteLevelVocabAndAddedTokens) {

@@ -65,6 +65,19 @@ TEST(SampleResponse, RoundTripWithTopkPaddingAndPromptNaN) {
   EXPECT_EQ(back->topk_prompt_logprobs->logprobs[5], -99999.0f);
 }
 
+TEST(SampleResponse, TheSamplersCacheHitsReachTheWire) {
+  tinker::SampleOutput out;
+  out.sequences.resize(1);
+  out.prompt_cache_hit_tokens = 48;
+  const SampleResult r = SampleResultOf(out);
+  EXPECT_EQ(r.prompt_cache_hit_tokens, 48);
+  auto bytes = EncodeSampleResponse(r);
+  ASSERT_TRUE(bytes.ok());
+  tinker_public::SampleResponse msg;
+  ASSERT_TRUE(msg.ParseFromString(bytes.value()));
+  EXPECT_EQ(msg.prompt_cache_hit_tokens(), 48);
+}
+
 TEST(SampleResponse, AbsentOptionalsStayAbsent) {
   SampleResult r;
   r.sequences.push_back({StopReason::kStop, {1}, {-1}});

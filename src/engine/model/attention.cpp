@@ -9,15 +9,16 @@
 namespace loom::engine {
 namespace {
 
-// One sequence, math path. q [H, L, hd], k/v [KVH, L, hd]. Grouped-query
-// attention by viewing the H query heads as [KVH, group] and broadcasting the
-// matmul over the group, so K and V are never copied per query head.
+// One sequence, math path. q [H, n, hd] (the last n positions), k/v [KVH,
+// L, hd]. Grouped-query attention by viewing the H query heads as [KVH,
+// group] and broadcasting the matmul over the group, so K and V are never
+// copied per query head.
 at::Tensor MathCausal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t heads = q.size(0), len = q.size(1), hd = q.size(2), kv_heads = k.size(0);
+  const int64_t heads = q.size(0), len = q.size(1), hd = q.size(2), kv_heads = k.size(0), keys = k.size(1);
   const int64_t group = heads / kv_heads;
   const at::Tensor qg = q.reshape({kv_heads, group, len, hd});
   at::Tensor scores = at::matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * (1.0 / std::sqrt(double(hd)));
-  const at::Tensor future = at::ones({len, len}, q.options().dtype(at::kBool)).triu(1);
+  const at::Tensor future = at::ones({len, keys}, q.options().dtype(at::kBool)).triu(keys - len + 1);
   scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
   return at::matmul(probs, v.unsqueeze(1)).reshape({heads, len, hd});  // [H, L, hd]
@@ -125,6 +126,26 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
   if (outs.empty()) return at::zeros({q.size(0), heads * hd}, q.options());
   if (outs.size() == 1) return outs[0];
   return at::cat(outs, 0);
+}
+
+at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 AttentionKernel kernel) {
+  const int64_t n = q.size(0), heads = q.size(1), hd = q.size(2);
+  // [n, H, hd] -> [H, n, hd]; [L, KVH, hd] -> [KVH, L, hd]
+  const at::Tensor qs = q.transpose(0, 1), ks = k.transpose(0, 1), vs = v.transpose(0, 1);
+  at::Tensor o;
+  (void)kernel;  // math only before libtorch 2.0
+#if LOOM_TORCH_AT_LEAST(2, 0)
+  if (kernel == AttentionKernel::kSdpa) {
+    const int64_t L = k.size(0), group = heads / k.size(1);
+    const at::Tensor visible = at::ones({n, L}, q.options().dtype(at::kBool)).tril(L - n);  // true = attend
+    const at::Tensor kk = group == 1 ? ks : ks.repeat_interleave(group, 0);
+    const at::Tensor vv = group == 1 ? vs : vs.repeat_interleave(group, 0);
+    o = at::scaled_dot_product_attention(qs.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), visible).squeeze(0);
+  }
+#endif
+  if (!o.defined()) o = MathCausal(qs, ks, vs);
+  return o.transpose(0, 1).reshape({n, heads * hd});
 }
 
 }  // namespace loom::engine

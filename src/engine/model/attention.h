@@ -55,4 +55,11 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded = nullptr);  // batched when given
 
+// One sequence's new tokens over its cached prefix plus themselves: q
+// [n, H, hd] holds the last n positions of k, v [L, KVH, hd], and query i
+// sees keys 0..L-n+i. SDPA with an explicit mask for kSdpa on libtorch 2.x,
+// else math. Returns [n, H * hd] in q's dtype.
+at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 AttentionKernel kernel);
+
 }  // namespace loom::engine

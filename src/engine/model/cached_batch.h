@@ -34,10 +34,11 @@ struct KvCache {
 };
 
 // S rows (sequences), each contributing its new tokens, packed on one axis.
-// Two kinds of step (as nano-vllm): prefill, where every row starts at
-// position 0 and attends causally to its own new tokens only; and decode,
-// where every row has exactly one new token that attends to its whole
-// context (cached rows plus itself) through context_rows.
+// Two kinds of step (as nano-vllm): prefill, where every row's new tokens
+// attend causally to themselves and to the row's cached prefix (a prefix
+// reused from the sampler's prefix cache; none unless seq_cached says so);
+// and decode, where every row has exactly one new token that attends to its
+// whole context (cached rows plus itself) through context_rows.
 struct CachedBatch {
   at::Tensor tokens;               // [T] int64
   at::Tensor positions;            // [T] int64
@@ -45,6 +46,11 @@ struct CachedBatch {
   std::vector<int> seq_slot;       // S adapter slots of the bank (-1 = base); rows of one slot adjacent
   at::Tensor write_rows;           // [T] int64: the cache row each new token's K/V goes to
   bool prefill = false;
+  // Prefill only: per row, how many positions before its new tokens are
+  // already cached (empty: none for every row), and the cache rows of those
+  // positions, rows concatenated in order ([sum of seq_cached] int64).
+  std::vector<int64_t> seq_cached;
+  at::Tensor cached_rows;
   // Decode only: [S, Lmax] int64 cache rows of each row's context in
   // position order (padding: any valid row), and [S, Lmax] bool, true where
   // the column is part of the row's context.

@@ -6,6 +6,7 @@
 // trainer/sampler consistency test in tests/engine/sample_*_test.cpp).
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -36,6 +37,31 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
   return at::matmul(probs, vv).reshape({S, H * hd});
 }
 
+// A prefill where some rows continue a cached prefix: each such row's new
+// queries attend to its cached K/V (read back from the pools) followed by
+// its own new keys; rows without one take the packed causal path.
+at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& k_pool, const at::Tensor& v_pool, const CachedBatch& batch,
+                                   AttentionKernel kernel) {
+  std::vector<at::Tensor> outs;
+  int64_t rows_at = 0;
+  for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
+    const int64_t begin = batch.seq_begin[i], n = batch.seq_begin[i + 1] - begin, c = batch.seq_cached[i];
+    if (n == 0) continue;
+    const at::Tensor qs = q.narrow(0, begin, n), ks = k.narrow(0, begin, n), vs = v.narrow(0, begin, n);
+    if (c == 0) {
+      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel));
+      continue;
+    }
+    const at::Tensor rows = batch.cached_rows.narrow(0, rows_at, c);
+    rows_at += c;
+    const at::Tensor kc = at::cat({k_pool.index_select(0, rows).to(ks.scalar_type()), ks}, 0);
+    const at::Tensor vc = at::cat({v_pool.index_select(0, rows).to(vs.scalar_type()), vs}, 0);
+    outs.push_back(PrefixCausalAttention(qs, kc, vc, kernel));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
 }  // namespace
 
 at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const {
@@ -46,18 +72,23 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
   const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
   const BatchLora delta(bank, batch.seq_begin, batch.seq_slot, attn_lora, mlp_lora);
+  const bool over_prefix = batch.prefill && std::any_of(batch.seq_cached.begin(), batch.seq_cached.end(),
+                                                         [](int64_t c) { return c > 0; });
   // A prefill of many prompts: one batched attention per layer (as Hidden()).
-  const PaddedLayout padded =
-      batch.prefill ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device()) : PaddedLayout{};
+  const PaddedLayout padded = batch.prefill && !over_prefix
+                                  ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())
+                                  : PaddedLayout{};
 
   auto lora = [&](size_t layer, int k, const at::Tensor& in) {
     return delta(LayerTarget(bank, layer, k), in);
   };
   // New tokens' keys and values go into the paged cache; a prefill attends
-  // within its own rows, a decode row reads its context back from the cache.
+  // within its own rows (and its cached prefix), a decode row reads its
+  // context back from the cache.
   auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     cache.k[i].index_copy_(0, batch.write_rows, k.to(cache.k[i].scalar_type()));
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));
+    if (over_prefix) return PrefillOverCachedPrefix(q, k, v, cache.k[i], cache.v[i], batch, attention_kernel_);
     return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_,
                                                  padded.get())
                          : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask);

@@ -31,7 +31,8 @@ class ModelRunner {
   // Bytes of K and V for one token across all layers, in the model dtype.
   static int64_t KvBytesPerToken(const Transformer& model);
 
-  // Runs every request's whole prompt (rows: the requests, in order),
+  // Runs every request's prompt past its cached_prefix (rows: the
+  // requests, in order; the new tokens attend to the cached prefix too),
   // writing its K/V into sequence 0's blocks (allocated by the caller).
   // Fills output.prompt_logprobs / topk when asked. Returns the logits of
   // each prompt's last token, [requests, vocab] fp32.

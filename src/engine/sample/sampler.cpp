@@ -66,6 +66,7 @@ class SamplerImpl final : public Sampler {
     sample::SchedulerLimits limits;
     limits.max_batch_rows = options.max_batch_rows;
     limits.max_prefill_tokens = options.max_prefill_tokens;
+    limits.prefix_cache = options.prefix_cache;
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);
     stats_ = scheduler_->stats();

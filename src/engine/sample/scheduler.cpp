@@ -27,14 +27,35 @@ void Scheduler::EnsureBlock(Sequence& s, int64_t pos) {
   }
 }
 
+std::vector<int> Scheduler::CacheHits(const SampleRequest& r) const {
+  if (!limits_.prefix_cache || r.call.prompt_logprobs || r.call.topk_prompt_logprobs > 0) return {};
+  return blocks_.Match(r.cache_root, r.call.prompt.data(), (r.prompt_len() - 1) / blocks_.block_size());
+}
+
+void Scheduler::PublishFull(Sequence& s) {
+  if (!limits_.prefix_cache) return;
+  const int64_t bs = blocks_.block_size();
+  for (int64_t j = s.published; (j + 1) * bs <= s.cached; ++j) {
+    const uint64_t parent = j == 0 ? s.request->cache_root : blocks_.Tag(s.block_table[j - 1]);
+    blocks_.Publish(s.block_table[j], parent, s.tokens.data() + j * bs);
+    s.published = j + 1;
+  }
+}
+
 std::vector<SampleRequest*> Scheduler::Admit() {
   std::vector<SampleRequest*> fresh;
   int64_t prefill_tokens = 0;
   const int64_t bs = blocks_.block_size();
+  // A request costs the free blocks its admission takes: its worst case less
+  // the cached blocks it reuses, plus those of them no one holds now.
   const auto cost = [&](const SampleRequest& r) -> std::optional<int64_t> {
     if (rows_in_use_ + r.call.num_samples > limits_.max_batch_rows) return std::nullopt;
-    if (!fresh.empty() && prefill_tokens + r.prompt_len() > limits_.max_prefill_tokens) return std::nullopt;
-    return blocks_.WorstCase(r.prompt_len(), r.max_tokens, r.call.num_samples) * bs;
+    const std::vector<int> hits = CacheHits(r);
+    const int64_t fresh_tokens = r.prompt_len() - static_cast<int64_t>(hits.size()) * bs;
+    if (!fresh.empty() && prefill_tokens + fresh_tokens > limits_.max_prefill_tokens) return std::nullopt;
+    const int64_t need = blocks_.WorstCase(r.prompt_len(), r.max_tokens, r.call.num_samples) -
+                         static_cast<int64_t>(hits.size());
+    return (need + blocks_.Idle(hits)) * bs;
   };
   const auto admit = [&](std::unique_ptr<SampleRequest>& owned) {
     SampleRequest& r = *owned;
@@ -52,9 +73,18 @@ std::vector<SampleRequest*> Scheduler::Admit() {
       }
       slot = *got;
     }
-    const int64_t need = blocks_.WorstCase(P, r.max_tokens, n);
-    blocks_.Reserve(need);
+    // Matched again: an earlier admission of this pass may have evicted (or
+    // taken a hold on) some of the blocks cost() saw, which never makes it dearer.
+    const std::vector<int> hits = CacheHits(r);
+    const int64_t need = blocks_.WorstCase(P, r.max_tokens, n) - static_cast<int64_t>(hits.size());
+    if (!blocks_.Acquire(hits, need)) {
+      if (slot >= 0) adapters_.Release(slot);
+      return sched::Take::kRefused;
+    }
     r.reserved_blocks = need;
+    r.cached_prefix = static_cast<int64_t>(hits.size()) * bs;
+    r.output.prompt_cache_hit_tokens = static_cast<int32_t>(r.cached_prefix);
+    stats_.prompt_cache_hit_tokens += r.cached_prefix;
     r.slot = slot;
     r.output.sequences.assign(static_cast<size_t>(n), SampledSequence{});
     for (int64_t j = 0; j < n; ++j) {
@@ -64,9 +94,12 @@ std::vector<SampleRequest*> Scheduler::Admit() {
       s->tokens = r.call.prompt;
       r.sequences.push_back(std::move(s));
     }
-    EnsureBlock(*r.sequences[0], P - 1);
+    Sequence& s0 = *r.sequences[0];
+    s0.block_table = hits;
+    s0.published = static_cast<int64_t>(hits.size());
+    EnsureBlock(s0, P - 1);
     rows_in_use_ += n;
-    prefill_tokens += P;
+    prefill_tokens += P - r.cached_prefix;
     fresh.push_back(&r);
     admitted_.push_back(std::move(owned));
     return sched::Take::kTaken;
@@ -93,6 +126,8 @@ void Scheduler::PrefillStep(const std::vector<SampleRequest*>& fresh_in) {
     const int64_t P = r.prompt_len();
     Sequence& s0 = *r.sequences[0];
     s0.cached = P;
+    PublishFull(s0);
+    stats_.prefill_tokens += P - r.cached_prefix;
     for (size_t j = 1; j < r.sequences.size(); ++j) {  // fork from the one prefill
       Sequence& s = *r.sequences[j];
       for (int64_t b = 0; b < P / bs; ++b) {
@@ -104,6 +139,7 @@ void Scheduler::PrefillStep(const std::vector<SampleRequest*>& fresh_in) {
         runner_.CopyBlock(s0.block_table[P / bs], s.block_table.back(), P % bs);
       }
       s.cached = P;
+      s.published = P / bs;  // s0's, shared
     }
     for (auto& s : r.sequences) {
       if (r.max_tokens <= 0) {
@@ -151,6 +187,7 @@ void Scheduler::DecodeStep() {
   stats_.max_adapters_in_step = std::max(stats_.max_adapters_in_step, adapters);
   for (size_t k = 0; k < rows.size(); ++k) {
     ++rows[k]->cached;
+    PublishFull(*rows[k]);
     Append(*rows[k], c.tokens[k], c.logprobs[k]);
   }
 }
@@ -185,7 +222,8 @@ void Scheduler::Finish(Sequence& s, SampleStopReason why) {
   if (s.finished) return;
   s.finished = true;
   s.request->output.sequences[s.index].stop_reason = why;
-  for (int b : s.block_table) blocks_.Release(b);
+  // Last block first: the prefix cache's LRU then evicts a chain from its tail.
+  for (auto b = s.block_table.rbegin(); b != s.block_table.rend(); ++b) blocks_.Release(*b);
   s.block_table.clear();
   --rows_in_use_;
 }
@@ -265,6 +303,8 @@ SamplerStats Scheduler::stats() const {
   s.adapter_loads = adapters_.loads();
   s.adapter_evictions = adapters_.evictions();
   s.kv_blocks_free = blocks_.free_count();
+  s.kv_blocks_cached = blocks_.cached_count();
+  s.kv_cache_evictions = blocks_.evictions();
   s.requests_waiting = static_cast<int64_t>(waiting_.size());
   return s;
 }

@@ -6,6 +6,12 @@
 // A step is either the prefill of newly admitted requests (each prompt run
 // once; its num_samples rows fork from that one prefill) or one decode step
 // over every running row of every adapter, sorted by adapter slot.
+// Prefix cache (limits.prefix_cache): every full block a sequence computes,
+// prompt or generated, is published to the BlockManager under the request's
+// adapter identity; at admission a request takes the longest cached chain of
+// its prompt's whole blocks, leaving at least its last token to prefill (its
+// logits start the sampling). A request asking for prompt logprobs reuses
+// nothing (they need every prompt position's hidden state).
 // Invariant: every admitted request holds its adapter slot and its block
 // reservation until its last sequence finishes; then its callback runs.
 //
@@ -25,7 +31,8 @@ namespace loom::engine::sample {
 
 struct SchedulerLimits {
   int max_batch_rows = 64;
-  int64_t max_prefill_tokens = 8192;
+  int64_t max_prefill_tokens = 8192;  // new (not cached) prompt tokens per prefill step
+  bool prefix_cache = true;
 };
 
 class Scheduler {
@@ -34,7 +41,10 @@ class Scheduler {
             int64_t block_size, SchedulerLimits limits, const DecodeOptions& decode, const Detokenizer* detok,
             std::vector<int32_t> eos);
 
-  void Add(std::unique_ptr<SampleRequest> r) { waiting_.Push(std::move(r)); }
+  void Add(std::unique_ptr<SampleRequest> r) {
+    r->cache_root = blocks_.RootTag(r->call.adapter_dir);  // snapshots are immutable: the directory is the version
+    waiting_.Push(std::move(r));
+  }
   bool idle() const { return waiting_.empty() && admitted_.empty(); }
   // One prefill or decode step; completes finished requests. On a device
   // error every admitted request fails with it.
@@ -62,6 +72,10 @@ class Scheduler {
   void CompleteDone();
   void Complete(SampleRequest& r, Result<SampleOutput> result);
   void EnsureBlock(Sequence& s, int64_t pos);
+  // The cached blocks r may reuse now (none with the cache off).
+  std::vector<int> CacheHits(const SampleRequest& r) const;
+  // Offers s's full, computed blocks past s.published to the prefix cache.
+  void PublishFull(Sequence& s);
 
   std::unique_ptr<SlotBank> bank_;
   AdapterCache adapters_;

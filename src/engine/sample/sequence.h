@@ -4,8 +4,11 @@
 // A request owns its sequences. Sequence 0 holds the prompt's KV blocks
 // from the prefill; the others share its full prompt blocks (refcounted)
 // and get a copy of the partial last one, so the prompt is computed once.
+// With the prefix cache, sequence 0's first blocks may be reused from an
+// earlier request (request.cached_prefix tokens); the prefill computes the rest.
 // Invariant: seq.cached tokens of seq.tokens have K/V in the cache, at rows
-// given by block_table; the last token of a running sequence is not cached.
+// given by block_table; the last token of a running sequence is not cached;
+// the first seq.published blocks were offered to the prefix cache.
 //
 // Threading: the decode thread only.
 #pragma once
@@ -26,6 +29,7 @@ struct Sequence {
   std::vector<int32_t> tokens;     // prompt followed by generated tokens
   int64_t cached = 0;              // tokens whose K/V is in the cache
   std::vector<int> block_table;    // KV blocks in position order
+  int64_t published = 0;           // leading full blocks already offered to the prefix cache
   std::string text;                // generated text as bytes (kept only when stop strings are set)
   bool finished = false;
 };
@@ -38,6 +42,8 @@ struct SampleRequest {
   uint64_t seed = 0;               // resolved (unset -> fresh entropy)
   int slot = -1;                   // adapter slot while admitted (-1 = base)
   int64_t reserved_blocks = 0;     // KV blocks promised and not yet allocated
+  uint64_t cache_root = 0;         // the prefix cache's root tag of the adapter identity
+  int64_t cached_prefix = 0;       // prompt tokens reused from the prefix cache (whole blocks)
   std::vector<std::unique_ptr<Sequence>> sequences;
   SampleOutput output;
   int64_t prompt_len() const { return static_cast<int64_t>(call.prompt.size()); }

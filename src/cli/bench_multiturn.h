@@ -1,0 +1,27 @@
+// `loom bench sample --multi-turn` (bench_multiturn.cpp): one conversation
+// of --turns turns on two samplers of the same model, the prefix cache on
+// and off, to show where each turn's prefill time goes.
+#pragma once
+#include <string>
+
+#include "engine/sample_api.h"
+
+namespace loom::cli {
+
+struct MultiTurnOptions {
+  int turns = 10;
+  int user_tokens = 64;   // each turn's new user message
+  int reply_tokens = 32;  // each turn's sampled reply, at most (it may stop at EOS)
+};
+
+// The context window one conversation needs.
+inline int64_t MultiTurnContext(const MultiTurnOptions& o) {
+  return static_cast<int64_t>(o.turns) * (o.user_tokens + o.reply_tokens);
+}
+
+// Runs the conversation turn by turn on both samplers (same prompts, same
+// seeds; `adapter` may be "" for the base) and prints one row per turn; 0 on success.
+int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::string& adapter,
+                 const MultiTurnOptions& o);
+
+}  // namespace loom::cli
