@@ -19,6 +19,7 @@
 #include "engine/model/transformer.h"
 #include "engine/sample_api.h"
 #include "testmodel/make_model.h"
+#include "tiny_model.h"
 
 namespace loom::engine::testing_sampler {
 
@@ -54,16 +55,7 @@ struct World {
   }
 
   static void MakeAdapter(SlotBank& bank, int slot, int rank, double alpha, uint64_t seed, const std::string& dir) {
-    LoraConfig c;
-    c.rank = rank;
-    c.alpha = alpha;
-    c.seed = seed;
-    ASSERT_TRUE(bank.Bind(slot, c).ok());
-    at::manual_seed(seed);
-    {
-      c10::NoGradGuard no_grad;
-      for (auto& t : bank.targets()) t.B.select(0, slot).narrow(1, 0, rank).copy_(0.3 * at::randn({t.d_out, rank}));
-    }
+    BindRandom(bank, slot, rank, alpha, seed, 0.3);
     ASSERT_TRUE(SavePeft(bank, slot, dir, "tiny").ok());
   }
 };

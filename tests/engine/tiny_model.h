@@ -57,7 +57,9 @@ inline std::unique_ptr<SlotBank> Bank(const Transformer& t, int slots = 4, int r
   return std::make_unique<SlotBank>(slots, rank, at::kCPU, t.LoraTargets());
 }
 
-inline void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t seed) {
+// Binds slot s and gives its B random entries of scale b_scale (a fresh
+// adapter's B is zero, which would hide every LoRA path).
+inline void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t seed, double b_scale = 0.2) {
   LoraConfig c;
   c.rank = rank;
   c.alpha = alpha;
@@ -65,7 +67,7 @@ inline void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t s
   ASSERT_TRUE(bank.Bind(s, c).ok());
   at::manual_seed(seed);
   c10::NoGradGuard no_grad;
-  for (auto& t : bank.targets()) t.B.select(0, s).narrow(1, 0, rank).copy_(0.2 * at::randn({t.d_out, rank}));
+  for (auto& t : bank.targets()) t.B.select(0, s).narrow(1, 0, rank).copy_(b_scale * at::randn({t.d_out, rank}));
 }
 
 // Next-token targets within each sequence (the last token predicts token 0).
