@@ -8,7 +8,8 @@
 // depends only on its own sequences (attention is block-diagonal, LoRA is
 // routed per sequence), so each slot receives exactly its own gradient.
 //
-// Threading: engine thread only, except info() and ValidateForwardBackward().
+// Threading: engine thread only, except info(), ValidateForwardBackward(),
+// MaxPassTokens() and MemoryPlanReport() (the memory plan is fixed at Open).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
