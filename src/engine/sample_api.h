@@ -59,7 +59,7 @@ struct SamplerOptions {
   int64_t kv_budget_bytes = 0;    // used when kv_budget_tokens is 0; both 0 = 65536 tokens
   int block_size = 16;            // tokens per KV block
   int max_batch_rows = 64;        // decode rows (sequences) per step
-  int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step (one prompt always fits)
+  int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step; longer prompts in chunks
   // Keep full KV blocks of finished work for later requests with the same
   // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
   // prompt is prefilled whole.

@@ -71,9 +71,9 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
   for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
   const int64_t vocab = model->config().vocab_size;
   Rows a = MakeRows(lens, slots, vocab, steps), b = MakeRows(lens, slots, vocab, steps);
-  std::vector<SampleRequest*> ra, rb;
-  for (auto& r : a.requests) ra.push_back(r.get());
-  for (auto& r : b.requests) rb.push_back(r.get());
+  std::vector<ModelRunner::PrefillChunk> ra, rb;
+  for (auto& r : a.requests) ra.push_back({r.get(), r->cached_prefix, r->prompt_len()});
+  for (auto& r : b.requests) rb.push_back({r.get(), r->cached_prefix, r->prompt_len()});
   ref.Prefill(ra);
   fast.Prefill(rb);
   double worst = 0.0;

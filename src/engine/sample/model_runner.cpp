@@ -44,23 +44,24 @@ int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {
   return static_cast<int64_t>(s.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
 }
 
-at::Tensor ModelRunner::Prefill(const std::vector<SampleRequest*>& requests) {
+at::Tensor ModelRunner::Prefill(const std::vector<PrefillChunk>& chunks) {
   c10::NoGradGuard no_grad;
   const at::Device dev = model_->device();
   std::vector<int64_t> tokens, positions, rows, seq_begin{0}, last, seq_cached, cached_rows;
   std::vector<int> slots;
-  for (SampleRequest* r : requests) {
-    const Sequence& s0 = *r->sequences[0];
-    for (int64_t p = 0; p < r->cached_prefix; ++p) cached_rows.push_back(Row(s0, p));
-    for (int64_t p = r->cached_prefix; p < r->prompt_len(); ++p) {
-      tokens.push_back(r->call.prompt[p]);
+  for (const PrefillChunk& c : chunks) {
+    const SampleRequest& r = *c.request;
+    const Sequence& s0 = *r.sequences[0];
+    for (int64_t p = 0; p < c.begin; ++p) cached_rows.push_back(Row(s0, p));
+    for (int64_t p = c.begin; p < c.end; ++p) {
+      tokens.push_back(r.call.prompt[p]);
       positions.push_back(p);
       rows.push_back(Row(s0, p));
     }
-    seq_cached.push_back(r->cached_prefix);
+    seq_cached.push_back(c.begin);
     seq_begin.push_back(static_cast<int64_t>(tokens.size()));
     last.push_back(seq_begin.back() - 1);
-    slots.push_back(r->slot);
+    slots.push_back(r.slot);
   }
   CachedBatch b;
   b.tokens = LongTensor(tokens, dev);
@@ -74,10 +75,10 @@ at::Tensor ModelRunner::Prefill(const std::vector<SampleRequest*>& requests) {
     b.cached_rows = LongTensor(cached_rows, dev);
   }
   const at::Tensor hidden = model_->ForwardCached(b, cache_, *bank_);
-  // A request asking for prompt logprobs reused no prefix (the scheduler's
-  // rule), so its whole prompt is in hidden.
-  for (size_t i = 0; i < requests.size(); ++i) PromptLogprobs(*requests[i], hidden, seq_begin[i]);
-  std::vector<int64_t> one_each(requests.size() + 1);
+  // A request asking for prompt logprobs reused no prefix and is never split
+  // (the scheduler's rules), so its whole prompt is in hidden.
+  for (size_t i = 0; i < chunks.size(); ++i) PromptLogprobs(*chunks[i].request, hidden, seq_begin[i]);
+  std::vector<int64_t> one_each(chunks.size() + 1);
   for (size_t i = 0; i < one_each.size(); ++i) one_each[i] = static_cast<int64_t>(i);
   return model_->Logits(hidden.index_select(0, LongTensor(last, dev)), Routing(one_each, slots), *bank_);
 }

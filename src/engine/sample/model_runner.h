@@ -31,12 +31,19 @@ class ModelRunner {
   // Bytes of K and V for one token across all layers, in the model dtype.
   static int64_t KvBytesPerToken(const Transformer& model);
 
-  // Runs every request's prompt past its cached_prefix (rows: the
-  // requests, in order; the new tokens attend to the cached prefix too),
-  // writing its K/V into sequence 0's blocks (allocated by the caller).
-  // Fills output.prompt_logprobs / topk when asked. Returns the logits of
-  // each prompt's last token, [requests, vocab] fp32.
-  at::Tensor Prefill(const std::vector<SampleRequest*>& requests);
+  // One prefill row: prompt positions [begin, end) of request's prompt,
+  // over its cached positions [0, begin) (reused from the prefix cache or
+  // computed by earlier chunks of the same prompt).
+  struct PrefillChunk {
+    SampleRequest* request;
+    int64_t begin, end;
+  };
+  // Runs every chunk (rows in order; the new tokens attend to their cached
+  // prefix too), writing its K/V into sequence 0's blocks (allocated by the
+  // caller). Fills output.prompt_logprobs / topk when asked, which needs the
+  // whole prompt in one chunk. Returns the logits of each chunk's last
+  // token, [chunks, vocab] fp32.
+  at::Tensor Prefill(const std::vector<PrefillChunk>& chunks);
 
   // One new token (the last of seq.tokens) per sequence at position
   // seq.cached, blocks allocated by the caller. Returns [rows, vocab] fp32.

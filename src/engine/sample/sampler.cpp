@@ -268,6 +268,7 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   if (options.max_rank < 1) return Status::Invalid("sampler max_rank must be >= 1");
   if (options.block_size < 1) return Status::Invalid("sampler block_size must be >= 1");
   if (options.max_batch_rows < 1) return Status::Invalid("max_batch_rows must be >= 1");
+  if (options.max_prefill_tokens < 1) return Status::Invalid("max_prefill_tokens must be >= 1");
   const ModelConfig& c = model->config();
   SamplerInfo info;
   info.vocab_size = c.vocab_size;

@@ -42,9 +42,24 @@ void Scheduler::PublishFull(Sequence& s) {
   }
 }
 
-std::vector<SampleRequest*> Scheduler::Admit() {
-  std::vector<SampleRequest*> fresh;
-  int64_t prefill_tokens = 0;
+int64_t Scheduler::PendingPrefill() const {
+  int64_t n = 0;
+  for (const auto& r : admitted_)
+    if (r->prefilling()) n += r->prompt_len() - r->sequences[0]->cached;
+  return n;
+}
+
+bool Scheduler::HasDecodeRows() const {
+  for (const auto& r : admitted_)
+    if (!r->prefilling())
+      for (const auto& s : r->sequences)
+        if (!s->finished) return true;
+  return false;
+}
+
+void Scheduler::Admit() {
+  // New prompt tokens join while the prefill still owed fits one step.
+  int64_t prefill_tokens = PendingPrefill();
   const int64_t bs = blocks_.block_size();
   // A request costs the free blocks its admission takes: its worst case less
   // the cached blocks it reuses, plus those of them no one holds now.
@@ -52,7 +67,7 @@ std::vector<SampleRequest*> Scheduler::Admit() {
     if (rows_in_use_ + r.call.num_samples > limits_.max_batch_rows) return std::nullopt;
     const std::vector<int> hits = CacheHits(r);
     const int64_t fresh_tokens = r.prompt_len() - static_cast<int64_t>(hits.size()) * bs;
-    if (!fresh.empty() && prefill_tokens + fresh_tokens > limits_.max_prefill_tokens) return std::nullopt;
+    if (prefill_tokens > 0 && prefill_tokens + fresh_tokens > limits_.max_prefill_tokens) return std::nullopt;
     const int64_t need = blocks_.WorstCase(r.prompt_len(), r.max_tokens, r.call.num_samples) -
                          static_cast<int64_t>(hits.size());
     return (need + blocks_.Idle(hits)) * bs;
@@ -97,10 +112,10 @@ std::vector<SampleRequest*> Scheduler::Admit() {
     Sequence& s0 = *r.sequences[0];
     s0.block_table = hits;
     s0.published = static_cast<int64_t>(hits.size());
+    s0.cached = r.cached_prefix;
     EnsureBlock(s0, P - 1);
     rows_in_use_ += n;
     prefill_tokens += P - r.cached_prefix;
-    fresh.push_back(&r);
     admitted_.push_back(std::move(owned));
     return sched::Take::kTaken;
   };
@@ -109,25 +124,38 @@ std::vector<SampleRequest*> Scheduler::Admit() {
     ++stats_.admission_waits;
     head_waited_ = waits->id + 1;
   }
-  return fresh;
 }
 
-void Scheduler::PrefillStep(const std::vector<SampleRequest*>& fresh_in) {
-  std::vector<SampleRequest*> fresh = fresh_in;
-  std::stable_sort(fresh.begin(), fresh.end(), [](auto* a, auto* b) { return a->slot < b->slot; });
-  const at::Tensor logits = runner_.Prefill(fresh);
+void Scheduler::PrefillStep() {
+  // This step's chunks, in admission order, within the token cap.
+  std::vector<ModelRunner::PrefillChunk> chunks;
+  int64_t budget = limits_.max_prefill_tokens;
+  for (auto& owned : admitted_) {
+    SampleRequest& r = *owned;
+    if (!r.prefilling()) continue;
+    const int64_t begin = r.sequences[0]->cached, left = r.prompt_len() - begin;
+    const bool whole = r.call.prompt_logprobs || r.call.topk_prompt_logprobs > 0;
+    if (budget <= 0 || (whole && left > budget && !chunks.empty())) break;
+    const int64_t n = whole ? left : std::min(left, budget);
+    chunks.push_back({&r, begin, begin + n});
+    budget -= n;
+  }
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const auto& a, const auto& b) { return a.request->slot < b.request->slot; });
+  const at::Tensor logits = runner_.Prefill(chunks);
   ++stats_.prefill_steps;
   const int64_t bs = blocks_.block_size();
   std::vector<int64_t> from;
   std::vector<RowChoiceParams> params;
   std::vector<Sequence*> rows;
-  for (size_t i = 0; i < fresh.size(); ++i) {
-    SampleRequest& r = *fresh[i];
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    SampleRequest& r = *chunks[i].request;
     const int64_t P = r.prompt_len();
     Sequence& s0 = *r.sequences[0];
-    s0.cached = P;
+    s0.cached = chunks[i].end;
     PublishFull(s0);
-    stats_.prefill_tokens += P - r.cached_prefix;
+    stats_.prefill_tokens += chunks[i].end - chunks[i].begin;
+    if (r.prefilling()) continue;  // more chunks to come; its logits are not a sample's
     for (size_t j = 1; j < r.sequences.size(); ++j) {  // fork from the one prefill
       Sequence& s = *r.sequences[j];
       for (int64_t b = 0; b < P / bs; ++b) {
@@ -162,8 +190,9 @@ void Scheduler::PrefillStep(const std::vector<SampleRequest*>& fresh_in) {
 void Scheduler::DecodeStep() {
   std::vector<Sequence*> rows;
   for (auto& r : admitted_)
-    for (auto& s : r->sequences)
-      if (!s->finished) rows.push_back(s.get());
+    if (!r->prefilling())
+      for (auto& s : r->sequences)
+        if (!s->finished) rows.push_back(s.get());
   if (rows.empty()) return;
   std::stable_sort(rows.begin(), rows.end(), [](const Sequence* a, const Sequence* b) {
     if (a->request->slot != b->request->slot) return a->request->slot < b->request->slot;
@@ -256,15 +285,18 @@ void Scheduler::CompleteDone() {
 
 void Scheduler::Step() {
   try {
-    const std::vector<SampleRequest*> fresh = Admit();
+    Admit();
+    // Between two prefill chunks the running rows get a decode step.
+    const bool prefill = PendingPrefill() > 0 && (!last_step_prefill_ || !HasDecodeRows());
     const auto t0 = std::chrono::steady_clock::now();
-    if (!fresh.empty()) {
-      PrefillStep(fresh);
+    if (prefill) {
+      PrefillStep();
     } else {
       DecodeStep();
     }
+    last_step_prefill_ = prefill;
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    (fresh.empty() ? stats_.decode_seconds : stats_.prefill_seconds) += took;
+    (prefill ? stats_.prefill_seconds : stats_.decode_seconds) += took;
     CompleteDone();
   } catch (const std::exception& e) {
     const Status failed = Status::Internal(std::string("sampler step failed: ") + e.what());

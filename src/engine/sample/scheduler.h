@@ -3,9 +3,17 @@
 // sessions); between decode steps they are admitted in its order while their
 // adapter has a slot (AdapterCache), their worst-case KV blocks can be
 // reserved (BlockManager), and the rows fit max_batch_rows.
-// A step is either the prefill of newly admitted requests (each prompt run
-// once; its num_samples rows fork from that one prefill) or one decode step
-// over every running row of every adapter, sorted by adapter slot.
+// A step is either a prefill or one decode step over every running row of
+// every adapter, sorted by adapter slot. A prefill step runs at most
+// limits.max_prefill_tokens prompt tokens of admitted requests, in admission
+// order: a longer prompt is prefilled in chunks over several steps, each
+// chunk over the K/V of the ones before (as a cached prefix), and samples its
+// first token after its last chunk; its num_samples rows fork from that one
+// prefill. While a prompt is prefilled, prefill and decode steps alternate,
+// so running rows get a token between any two chunks. Admission adds new
+// prompt tokens only while the admitted ones not yet prefilled fit one step
+// (or none are left), so a request admitted now is prefilled within a step
+// or two of its admission.
 // Prefix cache (limits.prefix_cache): every full block a sequence computes,
 // prompt or generated, is published to the BlockManager under the request's
 // adapter identity; at admission a request takes the longest cached chain of
@@ -31,7 +39,9 @@ namespace loom::engine::sample {
 
 struct SchedulerLimits {
   int max_batch_rows = 64;
-  int64_t max_prefill_tokens = 8192;  // new (not cached) prompt tokens per prefill step
+  // New (not cached) prompt tokens per prefill step; a longer prompt is
+  // chunked, except one asking for prompt logprobs (prefilled whole).
+  int64_t max_prefill_tokens = 8192;
   bool prefix_cache = true;
 };
 
@@ -46,7 +56,7 @@ class Scheduler {
     waiting_.Push(std::move(r));
   }
   bool idle() const { return waiting_.empty() && admitted_.empty(); }
-  // One prefill or decode step; completes finished requests. On a device
+  // One prefill (chunk) or decode step; completes finished requests. On a device
   // error every admitted request fails with it.
   void Step();
   // Completes every request, queued or admitted, with status.
@@ -63,8 +73,11 @@ class Scheduler {
   const BlockManager& blocks() const { return blocks_; }
 
  private:
-  std::vector<SampleRequest*> Admit();
-  void PrefillStep(const std::vector<SampleRequest*>& fresh);
+  void Admit();
+  // Prompt tokens of admitted requests not yet prefilled.
+  int64_t PendingPrefill() const;
+  bool HasDecodeRows() const;
+  void PrefillStep();
   void DecodeStep();
   // Appends a chosen token; true when the sequence is done.
   bool Append(Sequence& s, int32_t token, float logprob);
@@ -87,6 +100,7 @@ class Scheduler {
   FairQueue waiting_;
   std::vector<std::unique_ptr<SampleRequest>> admitted_;
   int64_t rows_in_use_ = 0;
+  bool last_step_prefill_ = false;
   uint64_t head_waited_ = 0;  // id + 1 of the last anchor request counted in admission_waits
   SamplerStats stats_;
   std::vector<std::pair<SampleCallback, Result<SampleOutput>>> completed_;

@@ -5,7 +5,9 @@
 // from the prefill; the others share its full prompt blocks (refcounted)
 // and get a copy of the partial last one, so the prompt is computed once.
 // With the prefix cache, sequence 0's first blocks may be reused from an
-// earlier request (request.cached_prefix tokens); the prefill computes the rest.
+// earlier request (request.cached_prefix tokens); the prefill computes the
+// rest, in one or more chunks: the request is prefilling while sequence 0's
+// cached < prompt_len(), and only then do the other sequences get blocks.
 // Invariant: seq.cached tokens of seq.tokens have K/V in the cache, at rows
 // given by block_table; the last token of a running sequence is not cached;
 // the first seq.published blocks were offered to the prefix cache.
@@ -47,6 +49,7 @@ struct SampleRequest {
   std::vector<std::unique_ptr<Sequence>> sequences;
   SampleOutput output;
   int64_t prompt_len() const { return static_cast<int64_t>(call.prompt.size()); }
+  bool prefilling() const { return sequences[0]->cached < prompt_len(); }
 };
 
 }  // namespace loom::engine::sample
