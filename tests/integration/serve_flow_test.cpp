@@ -18,6 +18,7 @@
 
 #include "../http/test_client.h"
 #include "serve_process.h"
+#include "tenant_client.h"
 #include "wire/forward_backward.h"
 
 namespace loom {
@@ -40,31 +41,10 @@ class LoomServer : public test::ServeProcess {
   }
 };
 
-class Flow {
+// The tenant's client (tenant_client.h) with this flow's model and datum.
+class Flow : public test::TenantClient {
  public:
-  explicit Flow(uint16_t port, const char* key = kKey) : client_("127.0.0.1", port), key_(key) {}
-
-  testing::Reply Post(const std::string& route, const Json& body) {
-    return client_.Call("POST", "/api/v1/" + route, body.dump(), {{"X-API-Key", key_}});
-  }
-  Json PostOk(const std::string& route, const Json& body) {
-    auto r = Post(route, body);
-    EXPECT_EQ(r.status, 200) << route << ": " << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
-  testing::Reply Get(const std::string& target) { return client_.Call("GET", target, "", {{"X-API-Key", key_}}); }
-  testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", key_}}); }
-
-  testing::Reply Retrieve(const std::string& id, bool proto = false) {
-    return testing::RetrieveFuture(client_, key_, id, proto, /*attempts=*/200);
-  }
-  Json Result(const Json& submitted) {
-    auto r = Retrieve(submitted["request_id"]);
-    EXPECT_EQ(r.status, 200) << r.body;
-    Json j = Json::parse(r.body, nullptr, false);
-    EXPECT_FALSE(j.contains("error")) << r.body;
-    return j;
-  }
+  explicit Flow(uint16_t port, const char* key = kKey) : TenantClient(port, key) {}
 
   std::string NewModel() {
     Json s = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
@@ -89,8 +69,7 @@ class Flow {
     req.call.data.push_back(d);
     req.call.loss_fn = "cross_entropy";
     req.call.forward_only = forward_only;
-    auto sub = client_.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(req),
-                            {{"X-API-Key", key_}, {"Content-Type", "application/x-protobuf"}});
+    auto sub = PostProto("forward_backward", wire::EncodeForwardBackwardRequest(req));
     EXPECT_EQ(sub.status, 200) << sub.body;
     if (sub.status != 200) return NAN;
     auto res = Retrieve(Json::parse(sub.body)["request_id"], /*proto=*/true);
@@ -109,10 +88,6 @@ class Flow {
     EXPECT_NEAR(loss, expect, 1e-4 * std::max(1.0, std::abs(expect)));  // loss = sum of -logprob * weight
     return loss;
   }
-
- private:
-  testing::HttpClient client_;
-  const char* key_;
 };
 
 std::string Adam(double lr) {

@@ -31,11 +31,19 @@ class TenantClient {
     EXPECT_EQ(r.status, 200) << route << ": " << r.body;
     return Json::parse(r.body, nullptr, false);
   }
-  testing::Reply Retrieve(const std::string& id, bool proto) {
+  // A protobuf body to a POST route (forward_backward).
+  testing::Reply PostProto(const std::string& route, const std::string& body) {
+    return client_.Call("POST", "/api/v1/" + route, body,
+                        {{"X-API-Key", key_}, {"Content-Type", "application/x-protobuf"}});
+  }
+  testing::Reply Get(const std::string& target) { return client_.Call("GET", target, "", {{"X-API-Key", key_}}); }
+  testing::Reply Delete(const std::string& target) { return client_.Call("DELETE", target, "", {{"X-API-Key", key_}}); }
+  testing::Reply Retrieve(const std::string& id, bool proto = false) {
     return testing::RetrieveFuture(client_, key_, id, proto, /*attempts=*/300);
   }
   Json Result(const Json& submitted) {
     auto r = Retrieve(submitted.value("request_id", ""), false);
+    EXPECT_EQ(r.status, 200) << r.body;
     Json j = Json::parse(r.body, nullptr, false);
     EXPECT_FALSE(j.contains("error")) << r.body;
     return j;
@@ -65,8 +73,7 @@ class TenantClient {
     req.call.data.push_back(d);
     req.call.loss_fn = "cross_entropy";
     req.call.forward_only = forward_only;
-    return client_.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(req),
-                        {{"X-API-Key", key_}, {"Content-Type", "application/x-protobuf"}});
+    return PostProto("forward_backward", wire::EncodeForwardBackwardRequest(req));
   }
   std::vector<float> Forward(std::vector<int32_t> tokens, std::vector<int64_t> targets, bool forward_only) {
     auto sub = SubmitForward(std::move(tokens), std::move(targets), forward_only);
@@ -121,8 +128,7 @@ class TenantClient {
       d.loss_fn_inputs["advantages"] = tinker::Array::Floats(std::move(advantages));
       req.call.data.push_back(std::move(d));
     }
-    auto sub = client_.Call("POST", "/api/v1/forward_backward", wire::EncodeForwardBackwardRequest(req),
-                            {{"X-API-Key", key_}, {"Content-Type", "application/x-protobuf"}});
+    auto sub = PostProto("forward_backward", wire::EncodeForwardBackwardRequest(req));
     ASSERT_EQ(sub.status, 200) << sub.body;
     EXPECT_EQ(Retrieve(Json::parse(sub.body)["request_id"], true).status, 200);
     OptimStep();
