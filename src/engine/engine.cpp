@@ -278,25 +278,28 @@ class TrainingEngine final : public Engine {
     return 0;
   }
 
-  // How many layers this pass recomputes: the fixed count asked for, or the
-  // fewest that fit (all of them where nothing was measured, on a GPU).
-  train::PassPlan Plan(const std::vector<ForwardBackwardCall>& calls) const {
+  // Every datum's tokens (invalid calls are left out of the pass later, so
+  // this is an upper bound on what it holds).
+  static int64_t PassTokens(const std::vector<ForwardBackwardCall>& calls) {
     int64_t tokens = 0;
     for (const ForwardBackwardCall& c : calls)
       for (const Datum& d : c.data) tokens += static_cast<int64_t>(d.tokens.size());
+    return tokens;
+  }
+
+  // How many layers this pass recomputes: the fixed count asked for, or the
+  // fewest that fit (all of them where nothing was measured, on a GPU).
+  train::PassPlan Plan(const std::vector<ForwardBackwardCall>& calls) const {
+    const int64_t tokens = PassTokens(calls);
     if (recompute_layers_ >= 0) return {true, recompute_layers_, 0};
     if (!model_->device().is_cuda()) return {true, 0, 0};
     if (!cost_.known()) return {true, info_.num_layers, 0};
-    train::PassPlan plan = train::PlanPass(cost_, tokens, FreeForActivations());
-    if (!plan.fits) plan.bytes = cost_.Bytes(tokens, info_.num_layers);
-    return plan;
+    return train::PlanPass(cost_, tokens, FreeForActivations());
   }
 
   std::vector<Result<ForwardBackwardOutput>> Refuse(const std::vector<ForwardBackwardCall>& calls,
                                                     const train::PassPlan& plan) const {
-    int64_t tokens = 0;
-    for (const ForwardBackwardCall& c : calls)
-      for (const Datum& d : c.data) tokens += static_cast<int64_t>(d.tokens.size());
+    const int64_t tokens = PassTokens(calls);
     constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
     const Status s = Status::Exhausted(
         Cat("forward_backward: a pass of ", tokens, " tokens needs about ", static_cast<int64_t>(plan.bytes / kGiB),
