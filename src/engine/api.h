@@ -88,6 +88,25 @@ struct StateInfo {
   bool has_optimizer = false;
 };
 
+// An immutable copy of one adapter slot, taken by Engine::SnapshotForSampler
+// on the engine thread: later calls on the slot (forward_backward,
+// optim_step, release, rebinding) leave it as it is. Holding it holds its
+// memory (the factors at the slot's rank, on the engine's device). The
+// service writes it to disk on a thread of its own and hands it to the
+// Sampler (Sampler::Offer), so a publish costs the engine thread one copy.
+//
+// Threading: any thread, any number at once (it is never modified).
+class SlotSnapshot {
+ public:
+  virtual ~SlotSnapshot() = default;
+  // Writes it as a PEFT directory (adapter_config.json +
+  // adapter_model.safetensors) that appears whole or not at all
+  // (durable::PublishDirectory: an existing dir is AlreadyExists).
+  virtual Status WritePeft(const std::string& dir, const std::string& base_model_name) const = 0;
+  // The memory it holds.
+  virtual int64_t bytes() const = 0;
+};
+
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> Open(const EngineOptions& options);
@@ -132,8 +151,14 @@ class Engine {
   virtual Status LoadState(int slot, const std::string& dir, bool with_optimizer) = 0;
   static Result<StateInfo> ReadStateInfo(const std::string& dir);
 
-  // Immutable PEFT snapshot (adapter_config.json + adapter_model.safetensors).
-  virtual Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) = 0;
+  // A copy of the bound slot's adapter for the sampler (a device-to-device
+  // copy of its factors; no host sync, no disk).
+  virtual Result<std::shared_ptr<const SlotSnapshot>> SnapshotForSampler(int slot) = 0;
+  // SnapshotForSampler, written at once: an immutable PEFT directory.
+  Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) {
+    auto snapshot = SnapshotForSampler(slot);
+    return snapshot.ok() ? (*snapshot)->WritePeft(dir, base_model_name) : snapshot.status();
+  }
 
   virtual DeviceMemory Memory() const { return {}; }
   // The most tokens one training pass can hold in the device memory free

@@ -25,9 +25,8 @@
 #include <map>
 #include <thread>
 
-#include "common/durable.h"
 #include "engine/api.h"
-#include "engine/io/peft.h"
+#include "engine/io/peft_snapshot.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
 #include "engine/train/adamw.h"
@@ -252,13 +251,14 @@ class TrainingEngine final : public Engine {
     }
   }
 
-  Status SaveForSampler(int slot, const std::string& dir, const std::string& base_model_name) override {
+  Result<std::shared_ptr<const SlotSnapshot>> SnapshotForSampler(int slot) override {
     if (slot < 0 || slot >= info_.max_slots)
       return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
     if (!bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
     try {
-      return durable::PublishDirectory(
-          dir, [&](const std::string& tmp) { return SavePeft(bank_, slot, tmp, base_model_name); });
+      auto snapshot = PeftSnapshot::Take(bank_, slot);
+      if (!snapshot.ok()) return snapshot.status();
+      return std::shared_ptr<const SlotSnapshot>(std::move(*snapshot));
     } catch (const std::exception& e) {
       return FromException("save_weights_for_sampler", e);
     }

@@ -20,6 +20,7 @@
 namespace loom::engine {
 
 class Transformer;
+class SlotSnapshot;  // engine/api.h
 
 // Tinker's nouns (tinker/types.h), under the names the sampler has always used.
 using tinker::SampledSequence;
@@ -53,7 +54,13 @@ struct DecodeOptions {
 
 struct SamplerOptions {
   std::string model_dir;          // for tokenizer.json and generation_config.json (may be empty)
-  int sampler_adapters = 4;       // adapter cache slots (--sampler-adapters)
+  // Adapter cache slots (--sampler-adapters). 0 = auto: one per trainer
+  // slot (trainer_slots, at least 4), so that every live model's newest
+  // version stays resident while its tenant samples it, but no more than
+  // kAutoAdapterShare of the device's memory (host RAM on the CPU) holds
+  // at max_rank. SamplerInfo::sampler_adapters says what was chosen.
+  int sampler_adapters = 0;
+  int trainer_slots = 0;          // the trainer's adapter slots (--max-adapters), for auto
   int max_rank = 32;              // the largest LoRA rank a snapshot may have
   int64_t kv_budget_tokens = 0;   // KV cache size in tokens; 0 = from kv_budget_bytes
   int64_t kv_budget_bytes = 0;    // used when kv_budget_tokens is 0; both 0 = 65536 tokens
@@ -74,6 +81,9 @@ struct SamplerOptions {
   DecodeOptions decode;
 };
 
+// The most of the device's memory the auto --sampler-adapters takes.
+inline constexpr double kAutoAdapterShare = 0.10;
+
 struct SamplerInfo {
   int64_t vocab_size = 0;
   int64_t context_window = 0;
@@ -92,6 +102,7 @@ struct SamplerStats {
   int64_t prefill_steps = 0;
   int64_t tokens_generated = 0;
   int64_t adapter_loads = 0;      // snapshot loads from disk (first loads + reloads after eviction)
+  int64_t adapter_installs = 0;   // snapshots installed from memory (Offer), no disk read
   int64_t adapter_evictions = 0;
   int64_t max_rows_in_step = 0;   // the most sequences one decode step carried
   int64_t max_adapters_in_step = 0;  // the most distinct adapters one decode step carried
@@ -141,6 +152,14 @@ class Sampler {
   // adapter slots are freed and their callbacks get `why`. Sticky: a later
   // Submit for the session gets `why` at once.
   virtual void Cancel(const std::string& session, const Status& why) = 0;
+
+  // The trainer's snapshot of what the PEFT directory adapter_dir holds:
+  // the first call naming adapter_dir installs it from memory instead of
+  // reading the files (SamplerStats::adapter_installs). The sampler keeps at
+  // most sampler_adapters offers not yet used (the oldest is dropped; its
+  // directory loads from disk as before); a snapshot of another engine's
+  // kind is ignored. Any thread; never waits for a step.
+  virtual void Offer(const std::string& adapter_dir, std::shared_ptr<const SlotSnapshot> snapshot) = 0;
 
   virtual SamplerStats stats() const = 0;
 };

@@ -1,6 +1,5 @@
-// Checkpoints on the engine thread: one save path for both kinds, loads, and
-// the registry's TTL sweep and grant expiry the janitor asks for. The REST
-// side is in rest.cpp.
+// Checkpoints (service/checkpoints.h): saves of both kinds through one name
+// rule and one commit, and loads.
 #include "service/checkpoints.h"
 
 #include <fmt/format.h>
@@ -29,43 +28,77 @@ std::optional<int64_t> ExpiresMs(int64_t created_ms, const std::optional<int64_t
   if (!ttl_seconds) return std::nullopt;
   return store::ExpiryMs(created_ms, *ttl_seconds);  // saturated: a huge TTL never wraps into the past
 }
+
+// The field a save's errors name.
+std::string Field(const TrainingOp& op) {
+  return op.kind == OpKind::kSaveForSampler ? "save_weights_for_sampler.path" : "save_weights.path";
+}
 }  // namespace
 
-Result<tinker::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef& ref) {
+Result<Checkpoints::Publication> Checkpoints::Prepare(const TrainingOp& op, const ModelRef& ref) {
   const bool for_sampler = op.kind == OpKind::kSaveForSampler;
-  const std::string field = for_sampler ? "save_weights_for_sampler.path" : "save_weights.path";
   // save_weights overwrites when asked; a named sampler save never does; an
   // unnamed one (a sampling session's snapshot) replaces its own when retried.
   const bool named = !op.name.empty();
   const std::string name = for_sampler && !named ? fmt::format("unnamed-seq-{}", op.seq_id) : op.name;
   const bool overwrite = for_sampler ? !named : op.overwrite;
-  const tinker::TinkerPath path{
+  Publication pub;
+  pub.path = tinker::TinkerPath{
       op.model_id, for_sampler ? tinker::TinkerPath::Kind::kSampler : tinker::TinkerPath::Kind::kTraining, name};
-  if (!overwrite && registry_.GetCheckpoint(path).ok()) {
+  if (!overwrite && registry_.GetCheckpoint(pub.path).ok()) {
     return Status::Invalid(fmt::format("{}: checkpoint '{}' already exists for model '{}'; choose another name{}",
-                                       field, name, op.model_id, for_sampler ? "" : " or pass overwrite=true"));
+                                       Field(op), name, op.model_id, for_sampler ? "" : " or pass overwrite=true"));
   }
   auto staging = StagingTarget(registry_);
   if (!staging.ok()) return staging.status();
-  Status saved = for_sampler ? engine_.SaveForSampler(ref.slot, *staging, ref.base_model)
-                             : engine_.SaveState(ref.slot, *staging);
-  if (!saved.ok()) return saved;
-  store::CheckpointSpec spec;
-  spec.owner = ref.owner;
-  spec.model_id = op.model_id;
-  spec.kind = path.kind_segment();
-  spec.name = name;
-  spec.created_ms = NowMs();
-  spec.expires_ms = ExpiresMs(spec.created_ms, op.ttl_seconds);
-  spec.overwrite = overwrite;
-  auto committed = registry_.CommitCheckpoint(*staging, spec);
+  pub.staging = std::move(*staging);
+  pub.spec.owner = ref.owner;
+  pub.spec.model_id = op.model_id;
+  pub.spec.kind = pub.path.kind_segment();
+  pub.spec.name = name;
+  pub.spec.created_ms = NowMs();
+  pub.spec.expires_ms = ExpiresMs(pub.spec.created_ms, op.ttl_seconds);
+  pub.spec.overwrite = overwrite;
+  pub.base_model = ref.base_model;
+  return pub;
+}
+
+Result<store::Checkpoint> Checkpoints::Commit(const Publication& pub, const std::string& field) {
+  auto committed = registry_.CommitCheckpoint(pub.staging, pub.spec);
   if (!committed.ok()) {
     Status st = committed.status();
     if (st.code() == Code::kAlreadyExists) st = Status::Invalid(field + ": " + st.message());
     return st;
   }
-  registry_.TouchRun(op.model_id, spec.created_ms);
-  return path;
+  registry_.TouchRun(pub.spec.model_id, pub.spec.created_ms);
+  return committed;
+}
+
+Result<tinker::TinkerPath> Checkpoints::Save(const TrainingOp& op, const ModelRef& ref) {
+  auto pub = Prepare(op, ref);
+  if (!pub.ok()) return pub.status();
+  if (Status saved = engine_.SaveState(ref.slot, pub->staging); !saved.ok()) return saved;
+  auto committed = Commit(*pub, Field(op));
+  if (!committed.ok()) return committed.status();
+  return pub->path;
+}
+
+Result<Checkpoints::Publication> Checkpoints::SnapshotForSampler(const TrainingOp& op, const ModelRef& ref) {
+  auto pub = Prepare(op, ref);
+  if (!pub.ok()) return pub.status();
+  auto snapshot = engine_.SnapshotForSampler(ref.slot);
+  if (!snapshot.ok()) return snapshot.status();
+  pub->snapshot = std::move(*snapshot);
+  return pub;
+}
+
+Result<store::Checkpoint> Checkpoints::Publish(const Publication& pub) {
+  if (Status written = pub.snapshot->WritePeft(pub.staging, pub.base_model); !written.ok()) {
+    return Status(written.code(), fmt::format("save_weights_for_sampler: writing checkpoint '{}' to disk failed, so "
+                                              "it was not saved (the model is unchanged; retry): {}",
+                                              pub.path.ToString(), written.message()));
+  }
+  return Commit(pub, "save_weights_for_sampler.path");
 }
 
 Result<tinker::TinkerPath> Checkpoints::Load(const TrainingOp& op, const ModelRef& ref) {

@@ -7,13 +7,19 @@
 //
 // Invariants: a save is staged in a fresh folder under the registry's staging
 // area and committed whole, or not at all; save_weights and
-// save_weights_for_sampler go through one path (Save) and differ only in the
-// checkpoint kind, the engine's writer and the overwrite rule.
+// save_weights_for_sampler share the name and overwrite rule (Prepare) and
+// the commit (Commit), and differ in the checkpoint kind, the engine's writer
+// and the thread that writes: save_weights writes on the engine thread
+// (Save); save_weights_for_sampler only takes the slot's snapshot there
+// (SnapshotForSampler), and a writer thread writes and commits it (Publish,
+// service/publisher.h).
 //
-// Threading: every method calls the Engine: only the engine thread calls
-// them, with no lock held.
+// Threading: Save, SnapshotForSampler, Load and Restore call the Engine:
+// only the engine thread calls them, with no lock held. Publish touches no
+// engine state: any thread.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
 #include "common/status.h"
@@ -31,13 +37,25 @@ class Checkpoints {
  public:
   using ModelRef = TrainingModels::ModelRef;
 
+  // A save_weights_for_sampler between the engine thread and its writer:
+  // the slot's snapshot and the checkpoint it becomes.
+  struct Publication {
+    std::shared_ptr<const engine::SlotSnapshot> snapshot;
+    std::string staging;  // a fresh path under the registry's staging area (not made yet)
+    store::CheckpointSpec spec;
+    tinker::TinkerPath path;
+    std::string base_model;  // written into adapter_config.json
+  };
+
   Checkpoints(const ServiceOptions& options, engine::Engine& engine, store::Registry& registry)
       : options_(options), engine_(engine), registry_(registry) {}
 
   // ---- the engine thread ----
-  // save_weights (kSaveWeights) or save_weights_for_sampler (kSaveForSampler)
-  // of ref's slot: the committed checkpoint's path.
+  // save_weights (kSaveWeights) of ref's slot, written and committed: its path.
   Result<tinker::TinkerPath> Save(const TrainingOp& op, const ModelRef& ref);
+  // save_weights_for_sampler (kSaveForSampler) of ref's slot: the name
+  // checked, the slot's snapshot taken; nothing written yet.
+  Result<Publication> SnapshotForSampler(const TrainingOp& op, const ModelRef& ref);
   // load_state[_with_optimizer] into ref's slot, from a checkpoint ref's
   // owner may read: the loaded path.
   Result<tinker::TinkerPath> Load(const TrainingOp& op, const ModelRef& ref);
@@ -45,7 +63,17 @@ class Checkpoints {
   // whose access was checked at admission).
   Status Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer);
 
+  // ---- any thread ----
+  // Writes pub's snapshot as a PEFT directory into its staging folder and
+  // commits it: the committed checkpoint (its dir is where the files are).
+  Result<store::Checkpoint> Publish(const Publication& pub);
+
  private:
+  // The checkpoint op asks for (name, overwrite rule, path, spec), with a
+  // fresh staging target, or the answer to a name already taken.
+  Result<Publication> Prepare(const TrainingOp& op, const ModelRef& ref);
+  Result<store::Checkpoint> Commit(const Publication& pub, const std::string& field);
+
   const ServiceOptions& options_;
   engine::Engine& engine_;
   store::Registry& registry_;

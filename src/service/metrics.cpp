@@ -82,6 +82,17 @@ void Metrics::RecordPass(const std::string& kind, int64_t tokens, double fill_ra
   }
 }
 
+double Metrics::publish_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return publish_seconds_;
+}
+
+void Metrics::RecordPublish(double seconds, bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++(ok ? publishes_ : publish_failures_);
+  publish_seconds_ += seconds;
+}
+
 void Metrics::RecordQueueWait(const std::string& model_id, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& w = wait_[model_id];
@@ -182,6 +193,19 @@ std::string Metrics::Render(const QueueSnapshot& live) const {
   out += fmt::format("loom_slots_in_use {}\n", live.slots_in_use);
   Head(out, "loom_slots_total", "gauge", "Adapter slots (--max-adapters).");
   out += fmt::format("loom_slots_total {}\n", live.slots_total);
+  Head(out, "loom_publishes_total", "counter",
+       "save_weights_for_sampler snapshots written and committed off the engine thread, by result.");
+  out += fmt::format("loom_publishes_total{{result=\"ok\"}} {}\n", publishes_);
+  out += fmt::format("loom_publishes_total{{result=\"failed\"}} {}\n", publish_failures_);
+  Head(out, "loom_publish_seconds_total", "counter", "Writer-thread time spent writing and committing snapshots.");
+  out += fmt::format("loom_publish_seconds_total {:.6f}\n", publish_seconds_);
+  Head(out, "loom_publishes_pending", "gauge", "Snapshots queued or being written.");
+  out += fmt::format("loom_publishes_pending {}\n", live.publishes_pending);
+  Head(out, "loom_sampler_adapter_loads_total", "counter", "Sampler snapshot loads from disk.");
+  out += fmt::format("loom_sampler_adapter_loads_total {}\n", live.adapter_loads);
+  Head(out, "loom_sampler_adapter_installs_total", "counter",
+       "Sampler snapshots installed from the trainer's memory (no disk read).");
+  out += fmt::format("loom_sampler_adapter_installs_total {}\n", live.adapter_installs);
   Head(out, "loom_http_responses_total", "counter", "HTTP responses by status code.");
   for (const auto& [code, n] : responses_) out += fmt::format("loom_http_responses_total{{code=\"{}\"}} {}\n", code, n);
   return out;

@@ -1,7 +1,7 @@
 // Metrics: the service's counters and gauges for GET /metrics, rendered as
 // Prometheus text (exposition format 0.0.4, written by hand). The engine loop
-// records passes and per-model queue waits, the sampler records generated
-// tokens, the router counts responses by status code; the service adds the
+// records passes and per-model queue waits, the writer threads record
+// publishes, the sampler records generated tokens, the router counts responses by status code; the service adds the
 // live gauges (queue depths, slots in use) when it renders.
 //
 // Invariant: counters only grow; the tokens/s gauges are rates over the last
@@ -33,6 +33,9 @@ struct QueueSnapshot {
   int slots_in_use = 0;
   int slots_total = 0;
   int64_t token_budget = 0;
+  size_t publishes_pending = 0;     // save_weights_for_sampler snapshots queued or being written
+  int64_t adapter_loads = 0;        // the sampler's snapshot loads from disk
+  int64_t adapter_installs = 0;     // the sampler's snapshots installed from memory
 };
 
 class Metrics {
@@ -43,6 +46,9 @@ class Metrics {
   // One engine pass: kind is "forward_backward", "forward", "optim_step" or
   // "exclusive"; tokens and fill ratio matter for the first two.
   void RecordPass(const std::string& kind, int64_t tokens, double fill_ratio, size_t models, double seconds);
+  // One save_weights_for_sampler written and committed by a writer thread
+  // (or failed there), and how long that took.
+  void RecordPublish(double seconds, bool ok);
   // How long a request waited from ready to its first pass.
   void RecordQueueWait(const std::string& model_id, double seconds);
   // Tokens a sampler generated (the sampling layer calls this).
@@ -56,6 +62,8 @@ class Metrics {
   int64_t responses(int status_code) const;
   // Engine seconds recorded for passes of this kind so far (0 for none).
   double pass_seconds(const std::string& kind) const;
+  // Writer-thread seconds of the publishes so far (RecordPublish).
+  double publish_seconds() const;
 
   // The whole exposition, with the live gauges of `live`.
   std::string Render(const QueueSnapshot& live) const;
@@ -84,6 +92,8 @@ class Metrics {
   double last_fill_ = 0;
   std::map<std::string, std::pair<double, int64_t>> wait_;  // model -> (sum s, count)
   std::map<int, int64_t> responses_;
+  int64_t publishes_ = 0, publish_failures_ = 0;
+  double publish_seconds_ = 0;
   mutable std::deque<Sample> training_recent_;
   mutable std::deque<Sample> sampling_recent_;
 };

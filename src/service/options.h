@@ -29,6 +29,9 @@ struct ServiceOptions {
   // --sample-queue: asample calls the sampler holds at once, queued or
   // running; one tenant may hold half. Beyond either, asample answers 429.
   int sample_queue = 256;
+  // --publish-threads: writer threads that write and commit
+  // save_weights_for_sampler snapshots off the engine thread (service/publisher.h).
+  int publish_threads = 2;
 };
 
 }  // namespace loom::service

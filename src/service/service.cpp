@@ -22,8 +22,11 @@ Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
       models_(options_, engine_->info(), *registry_, futures_, lock_, sessions_, idempotency_),
       checkpoints_(options_, *engine_, *registry_),
       catalog_(options_, *registry_),
-      loop_(options_, *engine_, futures_, metrics_, lock_, sessions_, models_, checkpoints_),
       sampling_(options_.sample_queue),
+      // Room for two publications per slot: every model's newest save and one more.
+      publisher_(options_.publish_threads, std::max<size_t>(4, 2 * static_cast<size_t>(engine_->info().max_slots)),
+                 checkpoints_, futures_, metrics_, lock_, sessions_, sampling_),
+      loop_(options_, *engine_, futures_, metrics_, lock_, sessions_, models_, checkpoints_, publisher_),
       janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_, sampling_) {}
 
 Service::~Service() { Stop(); }
@@ -32,10 +35,20 @@ void Service::Start() {
   std::lock_guard<std::mutex> lock(lock_.mu);
   if (loop_.StartedLocked()) return;
   catalog_.SweepExpired();
+  publisher_.Start();
   loop_.StartLocked([this](Clock::time_point now) { janitor_.SweepIfDueLocked(now); });
 }
 
-void Service::Stop() { loop_.Stop(); }
+void Service::Stop() {
+  loop_.Stop();       // no more saves are submitted
+  publisher_.Stop();  // the ones submitted are written and answered
+}
+
+std::optional<engine::SamplerStats> Service::sampler_stats() const {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  if (!sampling_.sampler) return std::nullopt;
+  return sampling_.sampler->stats();
+}
 
 int Service::slots_in_use() const {
   std::lock_guard<std::mutex> lock(lock_.mu);
@@ -50,7 +63,13 @@ std::string Service::MetricsText() const {
     loop_.QueueDepthsLocked(&live);
     live.slots_total = engine_->info().max_slots;
     live.slots_in_use = models_.SlotsInUseLocked();
+    if (sampling_.sampler) {
+      const engine::SamplerStats stats = sampling_.sampler->stats();
+      live.adapter_loads = stats.adapter_loads;
+      live.adapter_installs = stats.adapter_installs;
+    }
   }
+  live.publishes_pending = publisher_.pending();
   return metrics_.Render(live);
 }
 

@@ -8,6 +8,7 @@
 //  - TrainLoop (train_loop.h): the planner and the engine thread;
 //  - Checkpoints (checkpoints.h): saves/loads through the registry, the REST
 //    runs/checkpoints listings, archive grants;
+//  - Publisher (publisher.h): the writer threads of save_weights_for_sampler;
 //  - Janitor (janitor.h): the one periodic sweep over all of them;
 //  - FutureTable, Metrics, SamplingState (sampling.cpp: asample).
 // The Service translates each request into a part's terms and delegates.
@@ -49,6 +50,7 @@
 #include "service/janitor.h"
 #include "service/metrics.h"
 #include "service/options.h"
+#include "service/publisher.h"
 #include "service/sampling.h"
 #include "service/service_lock.h"
 #include "service/sessions.h"
@@ -114,6 +116,8 @@ class Service {
 
   // For tests and /metrics: slots currently bound to live models.
   int slots_in_use() const;
+  // The sampler's counters (nullopt: no sampler is attached).
+  std::optional<engine::SamplerStats> sampler_stats() const;
   // Counters other layers feed (router: responses; sampler: tokens).
   Metrics& metrics() { return metrics_; }
   // GET /metrics: Prometheus text with the live queue gauges.
@@ -132,11 +136,14 @@ class Service {
   TrainingModels models_;
   Checkpoints checkpoints_;
   CheckpointCatalog catalog_;
-  TrainLoop loop_;
   // Below futures_ and metrics_, which its Sampler's callbacks use, so the
-  // Sampler stops before them; above the janitor, which cancels the samples
-  // of expired sessions.
+  // Sampler stops before them; above the publisher, which offers it
+  // snapshots, and the janitor, which cancels the samples of expired
+  // sessions.
   SamplingState sampling_;
+  // Stopped after the train loop (whose saves it writes), before the sampler.
+  Publisher publisher_;
+  TrainLoop loop_;
   Janitor janitor_;
 };
 

@@ -80,7 +80,8 @@ const char* PassKindName(const sched::Pass& pass) {
 }  // namespace
 
 TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, FutureTable& futures, Metrics& metrics,
-                     ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints)
+                     ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
+                     Publisher& publisher)
     : options_(options),
       engine_(engine),
       futures_(futures),
@@ -89,6 +90,7 @@ TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, Futu
       sessions_(sessions),
       models_(models),
       checkpoints_(checkpoints),
+      publisher_(publisher),
       planner_(sched::PlannerOptions{options.token_budget}) {}
 
 // ------------------------------------------------------------- lifecycle
@@ -284,7 +286,7 @@ void TrainLoop::RunPass(PassWork& work) {
           case OpKind::kCreateModel: RunCreateModel(pw.op); break;
           case OpKind::kSaveWeights: RunSave(pw.op); break;
           case OpKind::kLoadWeights: RunLoadWeights(pw.op); break;
-          case OpKind::kSaveForSampler: RunSave(pw.op); break;
+          case OpKind::kSaveForSampler: RunSaveForSampler(pw.op); break;
           default: futures_.Fail(pw.op.request_id, Status::Internal("unexpected request kind")); break;
         }
       }
@@ -437,16 +439,22 @@ void TrainLoop::RunSave(TrainingOp& op) {
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
   auto path = checkpoints_.Save(op, *ref);
   if (!path.ok()) return futures_.Fail(op.request_id, path.status());
-  if (op.kind == OpKind::kSaveWeights) {
-    return futures_.Complete(op.request_id, tinker::SaveWeightsResult{*path});
-  }
-  std::optional<std::string> sampler_id;
+  futures_.Complete(op.request_id, tinker::SaveWeightsResult{*path});
+}
+
+void TrainLoop::RunSaveForSampler(TrainingOp& op) {
+  auto ref = models_.ModelForRun(op.model_id);
+  if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
+  // Only the snapshot here: the writing, the commit and the answer are the publisher's.
+  auto publication = checkpoints_.SnapshotForSampler(op, *ref);
+  if (!publication.ok()) return futures_.Fail(op.request_id, publication.status());
+  Publisher::Job job{op.request_id, std::move(*publication), std::nullopt, ref->session_id};
   if (op.name.empty()) {  // an unnamed save_weights_for_sampler opens a sampling session on its snapshot
-    sampler_id = fmt::format("{}:sample:{}", ref->session_id, op.sampling_session_seq_id.value_or(0));
-    std::lock_guard<std::mutex> lock(lock_.mu);
-    sessions_.AddSamplerLocked({*sampler_id, ref->owner, ref->base_model, *path}, ref->session_id);
+    job.sampler = Sessions::SamplingSession{
+        fmt::format("{}:sample:{}", ref->session_id, op.sampling_session_seq_id.value_or(0)), ref->owner,
+        ref->base_model, std::nullopt};
   }
-  futures_.Complete(op.request_id, tinker::SaveWeightsForSamplerResult{*path, sampler_id});
+  publisher_.Submit(std::move(job));
 }
 
 void TrainLoop::RunLoadWeights(TrainingOp& op) {

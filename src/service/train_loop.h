@@ -40,6 +40,7 @@
 #include "service/future_table.h"
 #include "service/metrics.h"
 #include "service/options.h"
+#include "service/publisher.h"
 #include "service/service_lock.h"
 #include "service/sessions.h"
 #include "service/training_models.h"
@@ -54,7 +55,8 @@ class TrainLoop {
   using ModelState = TrainingModels::ModelState;
 
   TrainLoop(const ServiceOptions& options, engine::Engine& engine, FutureTable& futures, Metrics& metrics,
-            ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints);
+            ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
+            Publisher& publisher);
 
   bool StartedLocked() const { return started_; }
   // The periodic chores the engine thread runs each turn, under the lock,
@@ -117,7 +119,8 @@ class TrainLoop {
   void RunForwardBackwardPass(PassWork& work);
   void RunOptimPass(PassWork& work);
   void RunCreateModel(TrainingOp& op);
-  void RunSave(TrainingOp& op);  // save_weights and save_weights_for_sampler
+  void RunSave(TrainingOp& op);            // save_weights: written and committed here
+  void RunSaveForSampler(TrainingOp& op);  // the slot's snapshot, handed to the publisher
   void RunLoadWeights(TrainingOp& op);
   // Ends a piece on the engine thread: keeps or joins its output, answers the request.
   void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
@@ -132,6 +135,7 @@ class TrainLoop {
   Sessions& sessions_;          // [lock_.mu]
   TrainingModels& models_;      // [lock_.mu]
   Checkpoints& checkpoints_;
+  Publisher& publisher_;
   Chores chores_;  // set by StartLocked, run by the engine thread under lock_.mu
 
   bool started_ = false;                 // [lock_.mu]

@@ -1,12 +1,16 @@
 // FakeEngine: a tensor-free Engine test double for the service tests. It
 // records every call in order, can hold the engine thread inside
 // ForwardBackward (to let requests pile up and be packed), and writes small
-// marker files for saves. Thread-safe (tests read while the engine thread runs).
+// marker files for saves; its sampler snapshots' writes can be held or made
+// to fail. Thread-safe (tests read while the engine thread runs).
 #pragma once
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -112,16 +116,40 @@ class FakeEngine : public engine::Engine {
     log_.push_back("load:" + std::to_string(slot) + (with_optimizer ? ":opt" : ""));
     return Status::Ok();
   }
-  Status SaveForSampler(int slot, const std::string& dir, const std::string& base) override {
-    std::filesystem::create_directories(dir);
-    std::ofstream(dir + "/adapter_config.json") << "{\"base_model_name_or_path\":\"" << base << "\"}";
-    std::ofstream(dir + "/adapter_model.safetensors") << "x";
+  // A snapshot records "sampler:<slot>" when taken; writing it makes the
+  // marker files of a PEFT directory, or fails / waits as the test set up.
+  Result<std::shared_ptr<const engine::SlotSnapshot>> SnapshotForSampler(int slot) override {
     std::lock_guard<std::mutex> lock(mu_);
     log_.push_back("sampler:" + std::to_string(slot));
-    return Status::Ok();
+    return std::shared_ptr<const engine::SlotSnapshot>(
+        std::make_shared<Snapshot>(this, slot, snapshot_tags_[slot]++));
   }
 
   // ---- test controls ----
+  // Writes of slot's snapshots fail (as a disk that refuses them would).
+  void FailWritesOf(int slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    failing_slots_.insert(slot);
+  }
+  // Snapshot writes wait until ReleaseWrites().
+  void HoldWrites() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_writes_ = true;
+  }
+  void ReleaseWrites() {
+    std::lock_guard<std::mutex> lock(mu_);
+    hold_writes_ = false;
+    cv_.notify_all();
+  }
+  void WaitWriting(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return writing_ >= n; });
+  }
+  // "write:<slot>:<n>" per finished write of slot's n-th snapshot, in order.
+  std::vector<std::string> write_log() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return write_log_;
+  }
   void set_vocab_size(int64_t n) { info_.vocab_size = n; }
   void Hold() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -154,6 +182,32 @@ class FakeEngine : public engine::Engine {
   }
 
  private:
+  class Snapshot final : public engine::SlotSnapshot {
+   public:
+    Snapshot(FakeEngine* engine, int slot, int tag) : engine_(engine), slot_(slot), tag_(tag) {}
+    Status WritePeft(const std::string& dir, const std::string& base) const override {
+      {
+        std::unique_lock<std::mutex> lock(engine_->mu_);
+        ++engine_->writing_;
+        engine_->cv_.notify_all();
+        engine_->cv_.wait(lock, [&] { return !engine_->hold_writes_; });
+        --engine_->writing_;
+        if (engine_->failing_slots_.count(slot_)) return Status::Internal("cannot create " + dir + ": Read-only file system");
+      }
+      std::filesystem::create_directories(dir);
+      std::ofstream(dir + "/adapter_config.json") << "{\"base_model_name_or_path\":\"" << base << "\"}";
+      std::ofstream(dir + "/adapter_model.safetensors") << "slot " << slot_ << " snapshot " << tag_;
+      std::lock_guard<std::mutex> lock(engine_->mu_);
+      engine_->write_log_.push_back("write:" + std::to_string(slot_) + ":" + std::to_string(tag_));
+      return Status::Ok();
+    }
+    int64_t bytes() const override { return 1; }
+
+   private:
+    FakeEngine* engine_;
+    int slot_, tag_;
+  };
+
   void GradLog(std::string entry) {
     std::lock_guard<std::mutex> lock(mu_);
     grad_log_.push_back(std::move(entry));
@@ -167,6 +221,11 @@ class FakeEngine : public engine::Engine {
   std::vector<std::string> grad_log_;
   std::vector<size_t> batch_sizes_;
   std::vector<size_t> optim_batch_sizes_;
+  std::map<int, int> snapshot_tags_;  // slot -> snapshots taken
+  std::set<int> failing_slots_;
+  bool hold_writes_ = false;
+  int writing_ = 0;
+  std::vector<std::string> write_log_;
 };
 
 }  // namespace loom::testing

@@ -5,7 +5,7 @@
 // deterministic sequences: sample i of a call generates max_tokens tokens
 // (prompt.back() + i + 1 + j) % vocab with logprob -(j + 1) / 10.
 // Thread-safe; Hold() keeps calls queued until Release(); Cancel() fails a
-// session's queued calls.
+// session's queued calls; Offer() only records the offers.
 #pragma once
 #include <condition_variable>
 #include <deque>
@@ -94,6 +94,12 @@ class FakeSampler : public engine::Sampler {
     for (auto& done : dropped) done(why);
   }
 
+  // Records (dir, snapshot) in order.
+  void Offer(const std::string& dir, std::shared_ptr<const engine::SlotSnapshot> snapshot) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    offers_.emplace_back(dir, std::move(snapshot));
+  }
+
   engine::SamplerStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     engine::SamplerStats s;
@@ -116,6 +122,12 @@ class FakeSampler : public engine::Sampler {
   std::vector<engine::SampleCall> calls() const {
     std::lock_guard<std::mutex> lock(mu_);
     return calls_;
+  }
+  std::vector<std::string> offered_dirs() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::string> dirs;
+    for (const auto& [dir, snapshot] : offers_) dirs.push_back(dir);
+    return dirs;
   }
 
   static engine::SampleOutput Answer(const engine::SampleCall& c, int64_t vocab) {
@@ -170,6 +182,7 @@ class FakeSampler : public engine::Sampler {
   int64_t done_ = 0;
   std::deque<std::pair<engine::SampleCall, engine::SampleCallback>> queue_;
   std::vector<engine::SampleCall> calls_;
+  std::vector<std::pair<std::string, std::shared_ptr<const engine::SlotSnapshot>>> offers_;
   std::map<std::string, Status> cancelled_;
   std::thread thread_;
 };

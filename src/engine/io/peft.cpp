@@ -6,7 +6,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -48,10 +47,64 @@ std::string PeftShortName(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
-Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const std::string& base_model_name) {
+PeftAdapter PeftAdapter::To(at::Device device) const {
+  PeftAdapter out;
+  out.config = config;
+  if (!storage.defined()) {
+    for (const Factor& f : factors) out.factors.push_back({f.module, f.A.to(device), f.B.to(device)});
+    return out;
+  }
+  out.storage = storage.to(device);
+  // Each factor at the same place in the new buffer as in the old.
+  const auto moved = [&](const at::Tensor& t) {
+    return out.storage.as_strided(t.sizes(), t.strides(),
+                                  t.storage_offset() - storage.storage_offset() + out.storage.storage_offset());
+  };
+  for (const Factor& f : factors) out.factors.push_back({f.module, moved(f.A), moved(f.B)});
+  return out;
+}
+
+int64_t PeftAdapter::bytes() const {
+  if (storage.defined()) return static_cast<int64_t>(storage.nbytes());
+  int64_t n = 0;
+  for (const Factor& f : factors) n += static_cast<int64_t>(f.A.nbytes() + f.B.nbytes());
+  return n;
+}
+
+Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
   if (slot < 0 || slot >= bank.num_slots() || !bank.slot(slot).bound)
     return Status::Precondition("slot " + std::to_string(slot) + " is not bound to an adapter");
-  const LoraConfig& c = bank.slot(slot).config;
+  PeftAdapter out;
+  out.config = bank.slot(slot).config;
+  const int64_t r = out.config.rank;
+  c10::NoGradGuard no_grad;
+  // One cat of every factor's slice: a few kernels however many targets
+  // (B's slice is strided when r < R; reshape copies it first).
+  std::vector<const LoraTarget*> used;
+  std::vector<at::Tensor> parts;
+  for (const LoraTarget& t : bank.targets()) {
+    if (!bank.trains(slot, t.group)) continue;
+    used.push_back(&t);
+    parts.push_back(t.A.select(0, slot).narrow(0, 0, r).reshape({-1}));
+    parts.push_back(t.B.select(0, slot).narrow(1, 0, r).reshape({-1}));
+  }
+  if (parts.empty()) return out;
+  out.storage = at::cat(parts);
+  int64_t offset = 0;
+  for (const LoraTarget* t : used) {
+    PeftAdapter::Factor f;
+    f.module = t->module;
+    f.A = out.storage.narrow(0, offset, r * t->d_in).view({r, t->d_in});
+    offset += r * t->d_in;
+    f.B = out.storage.narrow(0, offset, t->d_out * r).view({t->d_out, r});
+    offset += t->d_out * r;
+    out.factors.push_back(std::move(f));
+  }
+  return out;
+}
+
+Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::string& base_model_name) {
+  const LoraConfig& c = adapter.config;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::Internal("cannot create " + dir + ": " + ec.message());
@@ -59,15 +112,11 @@ Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const st
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
   std::vector<std::string> modules;  // short names, first-seen order
-  for (const LoraTarget& t : bank.targets()) {
-    if (!bank.trains(slot, t.group)) continue;
-    const std::string shorty = PeftShortName(t.module);
+  for (const PeftAdapter::Factor& f : adapter.factors) {
+    const std::string shorty = PeftShortName(f.module);
     if (std::find(modules.begin(), modules.end(), shorty) == modules.end()) modules.push_back(shorty);
-    c10::NoGradGuard no_grad;
-    const at::Tensor a = t.A.select(0, slot).narrow(0, 0, c.rank).detach().to(at::kCPU).contiguous();
-    const at::Tensor b = t.B.select(0, slot).narrow(1, 0, c.rank).detach().to(at::kCPU).contiguous();
-    if (Status s = AddTensor(writer, TensorName(t.module, true), a); !s.ok()) return s;
-    if (Status s = AddTensor(writer, TensorName(t.module, false), b); !s.ok()) return s;
+    if (Status s = AddTensor(writer, TensorName(f.module, true), f.A); !s.ok()) return s;
+    if (Status s = AddTensor(writer, TensorName(f.module, false), f.B); !s.ok()) return s;
   }
 
   nlohmann::json config = {
@@ -101,67 +150,112 @@ Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const st
   return durable::ReplaceFile((root / kConfigFile).string(), config.dump(2) + "\n");
 }
 
-Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {
-  if (slot < 0 || slot >= bank.num_slots())
-    return Status::Invalid("slot " + std::to_string(slot) + " is outside [0, " + std::to_string(bank.num_slots()) +
-                           ")");
+Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
   const std::filesystem::path root(dir);
   const std::string config_path = (root / kConfigFile).string();
   Result<std::string> text = ReadText(config_path);
   if (!text.ok()) return text.status();
   Result<PeftConfig> cfg = ParsePeftConfig(*text, bank.max_rank(), config_path);
   if (!cfg.ok()) return cfg.status();
-  const LoraConfig& config = cfg->lora;
   const std::set<std::string>& modules = cfg->modules;
-  const int64_t rank = config.rank;
+  const int64_t rank = cfg->lora.rank;
 
   const std::string weights_path = (root / kWeightsFile).string();
   Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);
   if (!file.ok()) return file.status();
 
-  // Check every tensor before touching the bank.
-  std::map<std::string, std::pair<const LoraTarget*, bool>> expected;  // name -> (target, is_a)
+  std::set<std::string> expected;
   for (const LoraTarget& t : bank.targets()) {
     if (!modules.count(PeftShortName(t.module))) continue;
-    expected[TensorName(t.module, true)] = {&t, true};
-    expected[TensorName(t.module, false)] = {&t, false};
+    expected.insert(TensorName(t.module, true));
+    expected.insert(TensorName(t.module, false));
   }
   for (const auto& [name, view] : (*file)->tensors())
     if (!expected.count(name))
       return Status::Invalid(weights_path + ": tensor '" + name + "' is not expected by target_modules");
-  std::vector<std::pair<std::pair<const LoraTarget*, bool>, at::Tensor>> loaded;
-  for (const auto& [name, where] : expected) {
+  // One tensor of the file, checked against the shape `want`.
+  const auto load = [&](const std::string& name, const std::vector<int64_t>& want,
+                        at::Device device) -> Result<at::Tensor> {
     const TensorView* view = (*file)->find(name);
     if (!view) return Status::Invalid(weights_path + ": tensor '" + name + "' is missing");
-    const LoraTarget& t = *where.first;
-    const std::vector<int64_t> want = where.second ? std::vector<int64_t>{rank, t.d_in}
-                                                   : std::vector<int64_t>{t.d_out, rank};
     if (view->shape != want)
       return Status::Invalid(weights_path + ": tensor '" + name + "' has shape " + ShapeText(view->shape) +
                              ", expected " + ShapeText(want));
-    Result<at::Tensor> tensor = LoadTensor(*view, at::kFloat, t.A.device());
+    Result<at::Tensor> tensor = LoadTensor(*view, at::kFloat, device);
     if (!tensor.ok()) return tensor.status();
     // A non-finite factor would poison every row it is multiplied with (the
     // slot invariant: a slot's weights are always finite).
     if (!at::isfinite(*tensor).all().item<bool>())
       return Status::Invalid(weights_path + ": tensor '" + name + "' holds non-finite values");
-    loaded.push_back({where, std::move(*tensor)});
+    return tensor;
+  };
+  PeftAdapter out;
+  out.config = cfg->lora;
+  for (const LoraTarget& t : bank.targets()) {
+    if (!modules.count(PeftShortName(t.module))) continue;
+    Result<at::Tensor> a = load(TensorName(t.module, true), {rank, t.d_in}, t.A.device());
+    if (!a.ok()) return a.status();
+    Result<at::Tensor> b = load(TensorName(t.module, false), {t.d_out, rank}, t.B.device());
+    if (!b.ok()) return b.status();
+    out.factors.push_back({t.module, std::move(*a), std::move(*b)});
   }
+  return out;
+}
 
-  if (Status s = bank.Bind(slot, config); !s.ok()) return s;
-  c10::NoGradGuard no_grad;
-  for (auto& t : bank.targets()) {  // no trace of the random init remains
-    t.A.select(0, slot).zero_();
-    t.B.select(0, slot).zero_();
+Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
+  if (slot < 0 || slot >= bank.num_slots())
+    return Status::Invalid("slot " + std::to_string(slot) + " is outside [0, " + std::to_string(bank.num_slots()) +
+                           ")");
+  const LoraConfig& c = adapter.config;
+  const int64_t r = c.rank;
+  if (r < 1 || r > bank.max_rank())
+    return Status::Invalid("adapter rank " + std::to_string(r) + " must be in [1, " + std::to_string(bank.max_rank()) +
+                           "] (the bank's max rank)");
+  const auto trained = [&](TargetGroup g) {
+    return g == TargetGroup::kAttn ? c.train_attn : g == TargetGroup::kMlp ? c.train_mlp : c.train_unembed;
+  };
+  // Everything is checked before the bank is touched.
+  std::vector<std::pair<LoraTarget*, const PeftAdapter::Factor*>> copies;
+  for (const PeftAdapter::Factor& f : adapter.factors) {
+    LoraTarget* t = bank.find(f.module);
+    if (t == nullptr) return Status::Invalid("adapter module '" + f.module + "' is not a LoRA target of this model");
+    if (!trained(t->group))
+      return Status::Invalid("adapter module '" + f.module + "' is outside the groups its config trains");
+    const std::vector<int64_t> want_a{r, t->d_in}, want_b{t->d_out, r};
+    if (f.A.sizes().vec() != want_a || f.B.sizes().vec() != want_b)
+      return Status::Invalid("adapter module '" + f.module + "': A " + ShapeText(f.A.sizes().vec()) + " and B " +
+                             ShapeText(f.B.sizes().vec()) + ", expected " + ShapeText(want_a) + " and " +
+                             ShapeText(want_b));
+    copies.emplace_back(t, &f);
   }
-  for (const auto& [where, tensor] : loaded) {
-    LoraTarget* t = bank.find(where.first->module);
-    if (where.second)
-      t->A.select(0, slot).narrow(0, 0, rank).copy_(tensor);
-    else
-      t->B.select(0, slot).narrow(1, 0, rank).copy_(tensor);
+  // Bind draws a random A for the groups it trains, which the copies would
+  // overwrite anyway: bind with none (every entry of the slot zero), then
+  // give the slot its groups.
+  LoraConfig bare = c;
+  bare.train_attn = bare.train_mlp = bare.train_unembed = false;
+  if (Status s = bank.Bind(slot, bare); !s.ok()) return s;
+  bank.slot(slot).config = c;
+  c10::NoGradGuard no_grad;
+  for (const auto& [t, f] : copies) {
+    t->A.select(0, slot).narrow(0, 0, r).copy_(f->A);
+    t->B.select(0, slot).narrow(1, 0, r).copy_(f->B);
   }
   return Status::Ok();
+}
+
+Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const std::string& base_model_name) {
+  Result<PeftAdapter> adapter = CopyPeft(bank, slot);
+  if (!adapter.ok()) return adapter.status();
+  return WritePeft(*adapter, dir, base_model_name);
+}
+
+Status LoadPeft(SlotBank& bank, int slot, const std::string& dir) {
+  if (slot < 0 || slot >= bank.num_slots())
+    return Status::Invalid("slot " + std::to_string(slot) + " is outside [0, " + std::to_string(bank.num_slots()) +
+                           ")");
+  Result<PeftAdapter> adapter = ReadPeft(bank, dir);
+  if (!adapter.ok()) return adapter.status();
+  return InstallPeft(bank, slot, *adapter);
 }
 
 }  // namespace loom::engine

@@ -9,26 +9,73 @@
 //                               fp32, trimmed to the slot's own rank r.
 // PEFT's scale is lora_alpha / r, the bank's too (rsLoRA and DoRA are refused).
 //
-// Engine thread only (reads or writes the bank's tensors). Each file is
-// written atomically (temp + fsync + rename); making the directory as a whole
-// appear atomically (temp dir + rename) is the caller's job.
+// PeftAdapter is that content in memory. Every way in and out goes through
+// it: a slot is copied out (CopyPeft) and written (WritePeft), or read
+// (ReadPeft) and installed into a slot (InstallPeft); SavePeft and LoadPeft
+// are those two chains.
+//
+// Threading: the functions that take a SlotBank run on the thread that owns
+// it (the engine or the decode thread); a PeftAdapter is a value of its own
+// (its tensors alias no bank), so WritePeft and To() may run on any thread.
+// Each file is written atomically (temp + fsync + rename); making the
+// directory as a whole appear atomically is the caller's job.
 #pragma once
+#include <ATen/ATen.h>
+
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "engine/lora/slot_bank.h"
 
 namespace loom::engine {
 
-// Writes slot s of bank into dir (created if missing). The slot must be bound.
+// One adapter as a PEFT directory holds it: its config (rank, alpha, the
+// trained groups) and, for every target of a trained group in bank order,
+// A [r, d_in] and B [d_out, r], fp32, contiguous.
+struct PeftAdapter {
+  struct Factor {
+    std::string module;  // HF module path, e.g. "model.layers.0.self_attn.q_proj"
+    at::Tensor A, B;
+  };
+  LoraConfig config;
+  std::vector<Factor> factors;
+  // The one buffer every factor views, when CopyPeft made it (else undefined).
+  at::Tensor storage;
+
+  // The same adapter on `device`: one copy of storage where there is one.
+  // Runs on the caller's current stream.
+  PeftAdapter To(at::Device device) const;
+  int64_t bytes() const;
+};
+
+// A copy of bound slot s of bank on the bank's device, in one buffer (a few
+// kernels, no host sync): later changes to the slot leave it as it is.
+Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot);
+
+// Writes adapter into dir (created if missing), from any device.
+Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::string& base_model_name);
+
+// Reads dir for a bank of bank's targets and max rank, onto the bank's
+// device: rank and alpha from adapter_config.json (r must be <= the bank's
+// max rank), groups from target_modules, weights from the safetensors file.
+// Every module named in target_modules must have both tensors with the
+// right shape; an unknown, missing, extra, mis-shaped or non-finite tensor
+// is Status::Invalid naming it.
+Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir);
+
+// Binds slot s of bank to adapter's config and values (every other entry of
+// the slot zero). Each factor must name a target of the bank with A
+// [r, d_in] and B [d_out, r], r <= the bank's max rank, on any device; on
+// error the slot is unchanged. Its values are not checked for finiteness:
+// CopyPeft's are a trainer slot's (always finite), ReadPeft checked its own.
+Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter);
+
+// WritePeft(CopyPeft(bank, slot)). The slot must be bound.
 Status SavePeft(const SlotBank& bank, int slot, const std::string& dir, const std::string& base_model_name);
 
-// Binds slot s of bank from dir: rank and alpha from adapter_config.json
-// (r must be <= the bank's max rank), groups from target_modules, weights
-// from the safetensors file. Every module named in target_modules must have
-// both tensors with the right shape; an unknown, missing, extra or
-// mis-shaped tensor is Status::Invalid naming it. Everything is checked
-// before the bank is touched: on error the slot is unchanged.
+// InstallPeft(ReadPeft(bank, dir)): everything is checked before the bank
+// is touched, so on error the slot is unchanged.
 Status LoadPeft(SlotBank& bank, int slot, const std::string& dir);
 
 // "model.layers.3.self_attn.q_proj" -> "q_proj"; "lm_head" -> "lm_head".

@@ -1,23 +1,54 @@
 #include "engine/sample/adapter_cache.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include "engine/io/peft.h"
 
 namespace loom::engine::sample {
 
+namespace {
+// One name per directory, however it was spelled.
+std::string Canonical(const std::string& dir) {
+  std::error_code ec;
+  std::string canonical = std::filesystem::weakly_canonical(dir, ec).string();
+  return ec ? dir : canonical;
+}
+}  // namespace
+
 AdapterCache::AdapterCache(SlotBank* bank) : bank_(bank), entries_(static_cast<size_t>(bank->num_slots())) {}
 
-Result<int> AdapterCache::Acquire(const std::string& dir_in) {
-  std::error_code ec;
-  std::string dir = std::filesystem::weakly_canonical(dir_in, ec).string();
-  if (ec) dir = dir_in;
+void AdapterCache::Offer(const std::string& dir_in, std::shared_ptr<const PeftSnapshot> snapshot) {
+  const std::string dir = Canonical(dir_in);
+  if (slot_of_.count(dir)) return;
+  std::erase_if(offers_, [&](const auto& offer) { return offer.first == dir; });
+  offers_.emplace_back(dir, std::move(snapshot));
+  while (offers_.size() > entries_.size()) offers_.pop_front();
+}
+
+Status AdapterCache::Fill(int slot, const std::string& dir) {
+  const auto offer = std::find_if(offers_.begin(), offers_.end(), [&](const auto& o) { return o.first == dir; });
+  if (offer == offers_.end()) {
+    if (Status s = LoadPeft(*bank_, slot, dir); !s.ok()) return s;
+    ++loads_;
+    return Status::Ok();
+  }
+  const std::shared_ptr<const PeftSnapshot> snapshot = std::move(offer->second);
+  offers_.erase(offer);
+  snapshot->Ready();
+  if (Status s = InstallPeft(*bank_, slot, snapshot->adapter()); !s.ok()) return s;
+  ++installs_;
+  return Status::Ok();
+}
+
+Result<AdapterCache::Acquired> AdapterCache::Acquire(const std::string& dir_in) {
+  const std::string dir = Canonical(dir_in);
   ++clock_;
   if (auto it = slot_of_.find(dir); it != slot_of_.end()) {
     Entry& e = entries_[it->second];
     ++e.holds;
     e.last_use = clock_;
-    return it->second;
+    return Acquired{it->second, false};
   }
   int victim = -1;
   for (int s = 0; s < static_cast<int>(entries_.size()); ++s) {
@@ -37,16 +68,15 @@ Result<int> AdapterCache::Acquire(const std::string& dir_in) {
     e.dir.clear();
     ++evictions_;
   }
-  if (Status s = LoadPeft(*bank_, victim, dir); !s.ok()) {
+  if (Status s = Fill(victim, dir); !s.ok()) {
     bank_->Release(victim);
     return s;
   }
-  ++loads_;
   e.dir = dir;
   e.holds = 1;
   e.last_use = clock_;
   slot_of_[dir] = victim;
-  return victim;
+  return Acquired{victim, true};
 }
 
 void AdapterCache::Release(int slot) {

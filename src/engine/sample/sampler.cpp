@@ -2,6 +2,10 @@
 // inbox that Submit() fills from any thread, and the Scheduler that only
 // the decode thread touches.
 #include <ATen/Parallel.h>
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#endif
+#include <unistd.h>
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -20,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/batch_window.h"
+#include "engine/io/peft_snapshot.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/scheduler.h"
 #include "engine/sample_api.h"
@@ -51,6 +56,27 @@ std::vector<int32_t> EosTokens(const std::string& model_dir, const ModelConfig& 
   if (config.eos_token_id >= 0 && std::find(eos.begin(), eos.end(), config.eos_token_id) == eos.end())
     eos.push_back(static_cast<int32_t>(config.eos_token_id));
   return eos;
+}
+
+// SamplerOptions::sampler_adapters = 0: one slot per trainer slot (at least
+// 4), capped at kAutoAdapterShare of the device's memory (host RAM on the
+// CPU). A slot costs its fp32 factors at max_rank, and on CUDA their bf16
+// mirror for the fused decode kernels.
+int AutoAdapters(const Transformer& model, const SamplerOptions& options) {
+  int64_t per_slot = 0;
+  for (const auto& [module, group, d_in, d_out] : model.LoraTargets())
+    per_slot += static_cast<int64_t>(options.max_rank) * (d_in + d_out);
+  const bool cuda = model.device().is_cuda();
+  per_slot *= cuda ? 4 + 2 : 4;
+  double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+#if LOOM_CUDA_KERNELS
+  if (cuda) {
+    const int index = model.device().index() < 0 ? 0 : model.device().index();
+    memory = static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem);
+  }
+#endif
+  const double fit = kAutoAdapterShare * memory / static_cast<double>(std::max<int64_t>(1, per_slot));
+  return std::max(1, static_cast<int>(std::min<double>(std::max(4, options.trainer_slots), fit)));
 }
 
 class SamplerImpl final : public Sampler {
@@ -178,6 +204,13 @@ class SamplerImpl final : public Sampler {
     cv_.notify_one();
   }
 
+  void Offer(const std::string& adapter_dir, std::shared_ptr<const SlotSnapshot> snapshot) override {
+    auto peft = std::dynamic_pointer_cast<const PeftSnapshot>(std::move(snapshot));
+    if (!peft || adapter_dir.empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stop_) offers_.emplace_back(adapter_dir, std::move(peft));
+  }
+
   SamplerStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
@@ -194,6 +227,10 @@ class SamplerImpl final : public Sampler {
         cv_.wait(lock, [&] { return stop_ || !inbox_.empty() || !cancels_.empty() || !scheduler_->idle(); });
         if (scheduler_->idle() && cancels_.empty()) GatherBurst(lock);
         if (stop_) break;
+        // Offers first: a call that names a directory offered before it
+        // was submitted finds the snapshot.
+        for (auto& [dir, snapshot] : offers_) scheduler_->Offer(dir, std::move(snapshot));
+        offers_.clear();
         for (auto& r : inbox_) scheduler_->Add(std::move(r));
         inbox_.clear();
         cancels = std::move(cancels_);
@@ -251,6 +288,7 @@ class SamplerImpl final : public Sampler {
   bool stop_ = false;
   uint64_t next_id_ = 0;
   std::vector<std::unique_ptr<SampleRequest>> inbox_;
+  std::vector<std::pair<std::string, std::shared_ptr<const PeftSnapshot>>> offers_;  // for the scheduler, in order
   // Sessions cancelled so far (never cleared: session ids are not reused),
   // and the cancels the decode thread has not applied yet.
   std::map<std::string, Status> cancelled_;
@@ -264,7 +302,7 @@ class SamplerImpl final : public Sampler {
 Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer> model,
                                                const SamplerOptions& options) {
   if (!model) return Status::Invalid("sampler: no model");
-  if (options.sampler_adapters < 1) return Status::Invalid("sampler_adapters must be >= 1");
+  if (options.sampler_adapters < 0) return Status::Invalid("sampler_adapters must be >= 1, or 0 (auto)");
   if (options.max_rank < 1) return Status::Invalid("sampler max_rank must be >= 1");
   if (options.block_size < 1) return Status::Invalid("sampler block_size must be >= 1");
   if (options.max_batch_rows < 1) return Status::Invalid("max_batch_rows must be >= 1");
@@ -282,7 +320,7 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   info.kv_blocks = tokens / options.block_size;
   if (info.kv_blocks < 1) return Status::Invalid("the KV budget holds less than one block");
   info.kv_tokens = info.kv_blocks * options.block_size;
-  info.sampler_adapters = options.sampler_adapters;
+  info.sampler_adapters = options.sampler_adapters > 0 ? options.sampler_adapters : AutoAdapters(*model, options);
   info.eos_token_ids = EosTokens(options.model_dir, c);
   std::unique_ptr<Detokenizer> detok;
   if (!options.model_dir.empty()) {
@@ -294,7 +332,9 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
     }
   }
   info.has_tokenizer = detok != nullptr;
-  return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), options, std::move(detok), std::move(info)));
+  SamplerOptions chosen = options;
+  chosen.sampler_adapters = info.sampler_adapters;
+  return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), chosen, std::move(detok), std::move(info)));
 }
 
 }  // namespace loom::engine

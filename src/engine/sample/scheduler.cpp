@@ -77,16 +77,15 @@ void Scheduler::Admit() {
     const int64_t n = r.call.num_samples, P = r.prompt_len();
     int slot = -1;
     if (!r.call.adapter_dir.empty()) {
-      const int64_t loads = adapters_.loads();
-      Result<int> got = adapters_.Acquire(r.call.adapter_dir);
-      if (got.ok() && adapters_.loads() != loads) runner_.SlotChanged(*got);
+      Result<AdapterCache::Acquired> got = adapters_.Acquire(r.call.adapter_dir);
       if (!got.ok() && got.status().code() == Code::kResourceExhausted) return sched::Take::kRefused;
       if (!got.ok()) {
         Complete(*owned, got.status());
         owned.reset();
         return sched::Take::kDropped;
       }
-      slot = *got;
+      if (got->fresh) runner_.SlotChanged(got->slot);
+      slot = got->slot;
     }
     // Matched again: an earlier admission of this pass may have evicted (or
     // taken a hold on) some of the blocks cost() saw, which never makes it dearer.
@@ -333,6 +332,7 @@ void Scheduler::Cancel(const std::string& session, const Status& status) {
 SamplerStats Scheduler::stats() const {
   SamplerStats s = stats_;
   s.adapter_loads = adapters_.loads();
+  s.adapter_installs = adapters_.installs();
   s.adapter_evictions = adapters_.evictions();
   s.kv_blocks_free = blocks_.free_count();
   s.kv_blocks_cached = blocks_.cached_count();

@@ -55,6 +55,10 @@ class Scheduler {
     r->cache_root = blocks_.RootTag(r->call.adapter_dir);  // snapshots are immutable: the directory is the version
     waiting_.Push(std::move(r));
   }
+  // The trainer's copy of what adapter directory dir holds (AdapterCache::Offer).
+  void Offer(const std::string& dir, std::shared_ptr<const PeftSnapshot> snapshot) {
+    adapters_.Offer(dir, std::move(snapshot));
+  }
   bool idle() const { return waiting_.empty() && admitted_.empty(); }
   // One prefill (chunk) or decode step; completes finished requests. On a device
   // error every admitted request fails with it.

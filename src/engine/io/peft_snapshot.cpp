@@ -1,0 +1,68 @@
+#include "engine/io/peft_snapshot.h"
+
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <exception>
+
+#include "common/durable.h"
+
+namespace loom::engine {
+
+#if LOOM_CUDA_KERNELS
+struct PeftSnapshot::CopyDone {
+  // block() records nothing; it only makes a stream wait (cudaStreamWaitEvent).
+  mutable at::cuda::CUDAEvent event;
+};
+#else
+struct PeftSnapshot::CopyDone {};
+#endif
+
+PeftSnapshot::PeftSnapshot(PeftAdapter adapter, std::unique_ptr<CopyDone> done)
+    : adapter_(std::move(adapter)), done_(std::move(done)) {}
+
+PeftSnapshot::~PeftSnapshot() = default;
+
+Result<std::shared_ptr<const PeftSnapshot>> PeftSnapshot::Take(const SlotBank& bank, int slot) {
+  Result<PeftAdapter> copy = CopyPeft(bank, slot);
+  if (!copy.ok()) return copy.status();
+  std::unique_ptr<CopyDone> done;
+#if LOOM_CUDA_KERNELS
+  if (copy->storage.defined() && copy->storage.is_cuda()) {
+    done = std::make_unique<CopyDone>();
+    done->event.record(at::cuda::getCurrentCUDAStream(copy->storage.device().index()));
+  }
+#endif
+  return std::shared_ptr<const PeftSnapshot>(new PeftSnapshot(std::move(*copy), std::move(done)));
+}
+
+void PeftSnapshot::Ready() const {
+#if LOOM_CUDA_KERNELS
+  if (done_) done_->event.block(at::cuda::getCurrentCUDAStream(adapter_.storage.device().index()));
+#endif
+}
+
+Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_model_name) const {
+  try {
+    return durable::PublishDirectory(dir, [&](const std::string& tmp) {
+#if LOOM_CUDA_KERNELS
+      if (done_) {
+        // The device-to-host copy on a stream of its own: on the trainer's
+        // stream it would hold up every kernel queued behind it.
+        c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, adapter_.storage.device().index());
+        c10::cuda::CUDAStreamGuard guard(side);
+        Ready();
+        return engine::WritePeft(adapter_.To(at::kCPU), tmp, base_model_name);
+      }
+#endif
+      return engine::WritePeft(adapter_.To(at::kCPU), tmp, base_model_name);
+    });
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("writing the PEFT snapshot failed: ") + e.what());
+  }
+}
+
+}  // namespace loom::engine

@@ -1,0 +1,43 @@
+// PeftSnapshot: the engine's SlotSnapshot (api.h). A PeftAdapter copied out
+// of a trainer slot (CopyPeft: one buffer on the engine's device) plus, on
+// CUDA, an event recorded after the copy's kernels, so that a reader on
+// another thread waits for exactly them and not for the training queued
+// behind them.
+//
+// Readers: the service's writer thread (WritePeft: the buffer to the host on
+// a stream of its own, then the files) and the sampler's decode thread
+// (adapter(), installed into its own bank after Ready()).
+//
+// Threading: Take on the engine thread; everything else any thread, at once.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "engine/api.h"
+#include "engine/io/peft.h"
+
+namespace loom::engine {
+
+class PeftSnapshot final : public SlotSnapshot {
+ public:
+  // Copies bound slot s of bank (CopyPeft) on the current stream.
+  static Result<std::shared_ptr<const PeftSnapshot>> Take(const SlotBank& bank, int slot);
+  ~PeftSnapshot() override;
+
+  // On the bank's device. Call Ready() on the thread that reads it first.
+  const PeftAdapter& adapter() const { return adapter_; }
+  // Makes the calling thread's current stream wait for the copy (CUDA; a
+  // no-op on the CPU, where the copy is done when Take returns).
+  void Ready() const;
+
+  Status WritePeft(const std::string& dir, const std::string& base_model_name) const override;
+  int64_t bytes() const override { return adapter_.bytes(); }
+
+ private:
+  struct CopyDone;  // the CUDA event, where there is one
+  PeftSnapshot(PeftAdapter adapter, std::unique_ptr<CopyDone> done);
+  PeftAdapter adapter_;
+  std::unique_ptr<CopyDone> done_;
+};
+
+}  // namespace loom::engine

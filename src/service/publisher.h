@@ -1,0 +1,97 @@
+// Publisher: the writer threads of save_weights_for_sampler. The engine
+// thread only takes the slot's snapshot (Checkpoints::SnapshotForSampler, a
+// device-to-device copy) and hands it here; a writer thread then writes it
+// into the registry's staging area and commits it (Checkpoints::Publish),
+// offers the snapshot to the sampler under the committed directory (so the
+// next sample of that version reads no file), opens the sampling session of
+// an unnamed save, and only then answers the future: a path a client has
+// been given is on disk, in the registry, and survives a restart.
+//
+// Owns: the queue of publications waiting or being written, the writer
+// threads.
+//
+// Invariants:
+//  - one model's publications are written and committed in the order they
+//    were submitted (its seq_id order), never two at once; different
+//    models' run in parallel on up to `threads` writers;
+//  - a publication that fails (disk, registry) fails its own future only,
+//    with the cause; the writers go on with the others;
+//  - at most `capacity` publications wait or run: Submit waits for room
+//    beyond that. Only a client that saves faster than the disk writes,
+//    without awaiting its saves, gets there; then the engine thread waits
+//    for one write, as it did for every save before;
+//  - Stop() writes every publication already submitted, then joins.
+//
+// Threading: Submit on the engine thread; pending() any thread. A writer
+// takes ServiceLock::mu only to open a sampling session, never while
+// holding the queue's own lock (lock order: ServiceLock::mu first), and the
+// sampler's Offer never waits for a decode step, so a publication never
+// waits behind another tenant's sampling.
+#pragma once
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "service/checkpoints.h"
+#include "service/future_table.h"
+#include "service/metrics.h"
+#include "service/sampling.h"
+#include "service/service_lock.h"
+#include "service/sessions.h"
+
+namespace loom::service {
+
+class Publisher {
+ public:
+  // One save_weights_for_sampler to finish: its future, and for an unnamed
+  // save the sampling session to open on its path.
+  struct Job {
+    std::string request_id;
+    Checkpoints::Publication publication;
+    std::optional<Sessions::SamplingSession> sampler;  // model_path set once committed
+    std::string session_id;                            // the sampler's session
+  };
+
+  Publisher(int threads, size_t capacity, Checkpoints& checkpoints, FutureTable& futures, Metrics& metrics,
+            ServiceLock& lock, Sessions& sessions, SamplingState& sampling);
+  ~Publisher();
+
+  void Start();
+  // Writes what was submitted, then joins the writers. Idempotent.
+  void Stop();
+
+  // Queues job (waits while `capacity` are queued or running).
+  void Submit(Job job);
+  // Publications queued or being written.
+  size_t pending() const;
+
+ private:
+  void Writer();
+  // The oldest queued job whose model has none being written, taken out; nullopt when none.
+  std::optional<Job> TakeLocked();
+  void Finish(Job& job);
+
+  const int threads_;
+  const size_t capacity_;
+  Checkpoints& checkpoints_;
+  FutureTable& futures_;
+  Metrics& metrics_;
+  ServiceLock& lock_;
+  Sessions& sessions_;      // [lock_.mu]
+  SamplingState& sampling_;  // [lock_.mu] (its sampler pointer)
+
+  mutable std::mutex mu_;
+  std::condition_variable changed_;  // a job was queued or finished, or Stop()
+  std::deque<Job> queue_;            // [mu_] in submission order
+  std::set<std::string> writing_;    // [mu_] models with a job being written
+  bool stopping_ = false;            // [mu_]
+  std::vector<std::thread> writers_;
+};
+
+}  // namespace loom::service
