@@ -12,9 +12,12 @@
 // same loop with fresh tenants one at a time; with --heavy-tenant, once more
 // concurrently with tenant 0 sampling 10x the group, to show what a heavy
 // sampler costs the others. Prints steps/s, where a step's
-// client time goes, and the save's share of the trainer's busy time (engine
+// client time goes, the save's share of the trainer's busy time (engine
 // seconds of exclusive passes, which in the loop are the saves, over all
-// engine seconds).
+// engine seconds: what a save leaves on the engine thread, the snapshot),
+// the writer threads' time per save (PEFT files and commit, off the engine
+// thread), and how the sampler got each version it sampled (disk loads
+// against installs of the trainer's in-memory snapshot).
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -155,6 +158,9 @@ struct RoundResult {
   double wall = 0;                 // seconds for the whole round
   Phases phases;                   // summed over tenants
   double busy = 0, save_busy = 0;  // engine seconds: all passes, exclusive (save) passes
+  double write = 0;                // writer-thread seconds of the saves (write + commit, off the engine thread)
+  int64_t saves = 0;
+  int64_t disk_loads = 0, memory_installs = 0;  // how the sampler got each new version
   std::vector<double> first_lp, last_lp;
   std::vector<double> tenant_seconds;  // each tenant's client seconds over its steps
 };
@@ -169,7 +175,8 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
     for (const char* kind : {"forward_backward", "forward", "optim_step", "exclusive"}) s += metrics.pass_seconds(kind);
     return s;
   };
-  const double busy0 = engine_seconds(), save0 = metrics.pass_seconds("exclusive");
+  const double busy0 = engine_seconds(), save0 = metrics.pass_seconds("exclusive"), write0 = metrics.publish_seconds();
+  const engine::SamplerStats sampler0 = d.service().sampler_stats().value_or(engine::SamplerStats{});
   std::vector<Phases> phases(tenants.size());
   std::vector<std::vector<double>> lps(tenants.size());
   std::vector<Status> status(tenants.size(), Status::Ok());
@@ -196,14 +203,22 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   }
   r.busy = engine_seconds() - busy0;
   r.save_busy = metrics.pass_seconds("exclusive") - save0;
+  r.write = metrics.publish_seconds() - write0;
+  r.saves = static_cast<int64_t>(tenants.size()) * (o.steps + 1);
+  const engine::SamplerStats sampler1 = d.service().sampler_stats().value_or(engine::SamplerStats{});
+  r.disk_loads = sampler1.adapter_loads - sampler0.adapter_loads;
+  r.memory_installs = sampler1.adapter_installs - sampler0.adapter_installs;
   return r;
 }
 
 void Print(const char* name, const RoundResult& r, const RlOptions& o) {
   const double steps = static_cast<double>(o.tenants) * o.steps;
-  std::printf("%-12s %10.3f %12.3f %10.1f %10.1f %10.1f %10.1f %9.1f%%\n", name, steps / r.wall,
-              o.steps / (r.phases.total() / o.tenants), 1e3 * r.phases.sample / steps, 1e3 * r.phases.train / steps,
-              1e3 * r.phases.save / steps, 1e3 * r.busy / steps, r.busy > 0 ? 100.0 * r.save_busy / r.busy : 0.0);
+  std::printf("%-12s %10.3f %12.3f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.2f %10.2f %6lld/%lld\n", name,
+              steps / r.wall, o.steps / (r.phases.total() / o.tenants), 1e3 * r.phases.sample / steps,
+              1e3 * r.phases.train / steps, 1e3 * r.phases.save / steps, 1e3 * r.busy / steps,
+              r.busy > 0 ? 100.0 * r.save_busy / r.busy : 0.0, 1e3 * r.save_busy / static_cast<double>(r.saves),
+              1e3 * r.write / static_cast<double>(r.saves), static_cast<long long>(r.disk_loads),
+              static_cast<long long>(r.memory_installs));
 }
 
 int BenchRlRun(const RlOptions& o) {
@@ -246,11 +261,15 @@ int BenchRlRun(const RlOptions& o) {
   if (!conc.ok()) return fail(conc.status());
   auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
   if (!seq.ok()) return fail(seq.status());
-  std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s\n", "tenants", "steps/s", "steps/s/ten", "sample ms",
-              "train ms", "save ms", "engine ms", "save/busy");
+  std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s\n", "tenants", "steps/s", "steps/s/ten",
+              "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory");
   Print("together", *conc, o);
   Print("one by one", *seq, o);
-  std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants)\n",
+  std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants;\n"
+              "  engine ms: engine time per step; save/busy: the saves' share of it (the snapshot, on the engine thread);\n"
+              "  snap ms / write ms: per save, engine-thread time and writer-thread time (PEFT files + commit, off the\n"
+              "  engine thread); disk/memory: how the sampler got the versions it sampled: loads from disk / installs\n"
+              "  from the trainer's snapshot)\n",
               (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
   if (o.heavy_tenant) {
     auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);

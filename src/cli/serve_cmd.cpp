@@ -61,7 +61,7 @@ int Serve(int argc, char** argv) {
   std::string admin_key;
   double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
   size_t max_body_bytes = size_t{512} << 20;
-  int sampler_adapters = 16, sample_queue = 256;
+  int sampler_adapters = 0, sample_queue = 256, publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t kv_budget_tokens = 0, context_window = 0, max_prefill_tokens = engine::SamplerOptions{}.max_prefill_tokens;
   app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
   app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
@@ -87,7 +87,8 @@ int Serve(int argc, char** argv) {
   app.add_option("--max-connections", max_connections, "open HTTP connections (beyond: 503 and close); kept below the open-files limit minus a reserve for the store")->default_val(max_connections)->check(CLI::Range(1, 1 << 20));
   app.add_option("--admin-key", admin_key, "X-API-Key that sees every tenant's series in /metrics (default: none; tenants see their own)");
   app.add_option("--sample-queue", sample_queue, "asample calls the sampler holds at once, queued or running (beyond: 429, the SDK backs off and resubmits); one tenant may hold half")->default_val(sample_queue)->check(CLI::Range(1, 1 << 20));
-  app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk)")->default_val(sampler_adapters)->check(CLI::Range(1, 4096));
+  app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk); 0 = one per --max-adapters (at least 4), at most what fits in a tenth of the device's memory")->default_val(sampler_adapters)->check(CLI::Range(0, 4096));
+  app.add_option("--publish-threads", publish_threads, "threads that write and commit save_weights_for_sampler snapshots off the engine thread")->default_val(publish_threads)->check(CLI::Range(1, 64));
   std::string prefix_cache = "on";
   app.add_option("--prefix-cache", prefix_cache, "keep full KV blocks for later samples with the same snapshot and token prefix (prompt_cache_hit_tokens)")->default_val(prefix_cache)->check(CLI::IsMember({"on", "off"}));
   app.add_option("--max-prefill-tokens", max_prefill_tokens, "sampler prompt tokens prefilled per step; a longer prompt is prefilled in chunks, with decode steps for the running samples between them")->default_val(max_prefill_tokens)->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
@@ -153,6 +154,7 @@ int Serve(int argc, char** argv) {
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
   sopt.sample_queue = sample_queue;
+  sopt.publish_threads = publish_threads;
   // Keyed tenants share the slots; in open mode (loopback, one developer) a
   // tenant may take them all unless told otherwise.
   sopt.max_models_per_tenant =
@@ -161,6 +163,7 @@ int Serve(int argc, char** argv) {
   engine::SamplerOptions samp;
   samp.model_dir = model_dir;
   samp.sampler_adapters = sampler_adapters;
+  samp.trainer_slots = max_adapters;
   samp.max_rank = max_rank;
   samp.kv_budget_tokens = kv_budget_tokens;
   samp.max_prefill_tokens = max_prefill_tokens;
@@ -182,6 +185,7 @@ int Serve(int argc, char** argv) {
                    static_cast<long long>(token_budget), static_cast<long long>(pass_limit));
   }
   sopt.token_budget = token_budget;
+  const int sampler_slots = (*sampler)->info().sampler_adapters;
   service::Service service(sopt, std::move(*engine), std::move(*registry));
   service.AttachSampler(std::move(*sampler));
   service.Start();
@@ -204,9 +208,9 @@ int Serve(int argc, char** argv) {
 
   const auto& info = service.model_info();
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
-              "models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
+              "sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
-              info.dtype.c_str(), info.max_slots, info.max_rank,
+              info.dtype.c_str(), info.max_slots, info.max_rank, sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
               data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
   std::fflush(stdout);

@@ -57,7 +57,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     engine::SamplerOptions samp;
     samp.model_dir = model_dir;
     samp.max_rank = options.max_rank;
-    samp.sampler_adapters = options.max_slots;
+    samp.trainer_slots = options.max_slots;  // sampler_adapters auto: one per slot, memory permitting
     auto opened = engine::Sampler::Open(shared, samp);
     if (!opened.ok()) return opened.status();
     sampler = std::move(*opened);

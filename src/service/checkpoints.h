@@ -7,11 +7,13 @@
 //
 // Invariants: a save is staged in a fresh folder under the registry's staging
 // area and committed whole, or not at all; save_weights and
-// save_weights_for_sampler share the name and overwrite rule (Prepare) and
-// the commit (Commit), and differ in the checkpoint kind, the engine's writer
-// and the thread that writes: save_weights writes on the engine thread
-// (Save); save_weights_for_sampler only takes the slot's snapshot there
-// (SnapshotForSampler), and a writer thread writes and commits it (Publish,
+// save_weights_for_sampler share the name and overwrite rule (Target), the
+// staging (Stage) and the commit (Commit), and differ in the checkpoint
+// kind, the engine's writer and the thread that writes: save_weights writes
+// on the engine thread (Save); save_weights_for_sampler only takes the
+// slot's snapshot there (SnapshotForSampler, which touches neither the
+// registry nor the disk, so it never waits for another save's commit), and
+// a writer thread stages, writes and commits it (Publish,
 // service/publisher.h).
 //
 // Threading: Save, SnapshotForSampler, Load and Restore call the Engine:
@@ -41,7 +43,7 @@ class Checkpoints {
   // the slot's snapshot and the checkpoint it becomes.
   struct Publication {
     std::shared_ptr<const engine::SlotSnapshot> snapshot;
-    std::string staging;  // a fresh path under the registry's staging area (not made yet)
+    std::string staging;  // set by Publish: a fresh path under the registry's staging area
     store::CheckpointSpec spec;
     tinker::TinkerPath path;
     std::string base_model;  // written into adapter_config.json
@@ -53,8 +55,8 @@ class Checkpoints {
   // ---- the engine thread ----
   // save_weights (kSaveWeights) of ref's slot, written and committed: its path.
   Result<tinker::TinkerPath> Save(const TrainingOp& op, const ModelRef& ref);
-  // save_weights_for_sampler (kSaveForSampler) of ref's slot: the name
-  // checked, the slot's snapshot taken; nothing written yet.
+  // save_weights_for_sampler (kSaveForSampler) of ref's slot: the slot's
+  // snapshot and the checkpoint it becomes; nothing checked or written yet.
   Result<Publication> SnapshotForSampler(const TrainingOp& op, const ModelRef& ref);
   // load_state[_with_optimizer] into ref's slot, from a checkpoint ref's
   // owner may read: the loaded path.
@@ -64,15 +66,17 @@ class Checkpoints {
   Status Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer);
 
   // ---- any thread ----
-  // Writes pub's snapshot as a PEFT directory into its staging folder and
-  // commits it: the committed checkpoint (its dir is where the files are).
-  Result<store::Checkpoint> Publish(const Publication& pub);
+  // Checks pub's name is free (unless it may overwrite), writes its
+  // snapshot as a PEFT directory into a staging folder and commits it: the
+  // committed checkpoint (its dir is where the files are).
+  Result<store::Checkpoint> Publish(Publication& pub);
 
  private:
-  // The checkpoint op asks for (name, overwrite rule, path, spec), with a
-  // fresh staging target, or the answer to a name already taken.
-  Result<Publication> Prepare(const TrainingOp& op, const ModelRef& ref);
-  Result<store::Checkpoint> Commit(const Publication& pub, const std::string& field);
+  // The checkpoint op asks for: its name, path and spec (overwrite rule, TTL).
+  static Publication Target(const TrainingOp& op, const ModelRef& ref);
+  // The answer to a name already taken, or a fresh staging target in pub.
+  Status Stage(Publication& pub);
+  Result<store::Checkpoint> Commit(const Publication& pub);
 
   const ServiceOptions& options_;
   engine::Engine& engine_;

@@ -599,5 +599,31 @@ TEST(Engine, SaveForSamplerWritesPeftTrimmedToRank) {
   EXPECT_EQ(e->SaveForSampler(1, dir, "Qwen/Qwen3-tiny").code(), Code::kAlreadyExists);  // immutable
 }
 
+// A sampler snapshot is the slot as it was when taken: the training,
+// release and rebinding after it do not reach the files written from it.
+TEST(Engine, SnapshotForSamplerIsUnchangedByLaterCallsOnItsSlot) {
+  TempDir tmp;
+  auto e = Open(2, 8);
+  EXPECT_EQ(e->SnapshotForSampler(1).status().code(), Code::kFailedPrecondition);  // not bound
+  ASSERT_TRUE(e->BindSlot(1, Lora(4, 3)).ok());
+  TrainStep(*e, 1, Batch(1));
+  auto snapshot = e->SnapshotForSampler(1);
+  ASSERT_TRUE(snapshot.ok()) << snapshot.status().message();
+  ASSERT_TRUE(e->SaveForSampler(1, tmp.path + "/then", "tiny").ok());
+  TrainStep(*e, 1, Batch(2));
+  ASSERT_TRUE(e->SaveForSampler(1, tmp.path + "/trained", "tiny").ok());
+  e->ReleaseSlot(1);
+  ASSERT_TRUE(e->BindSlot(1, Lora(8, 4)).ok());
+  ASSERT_TRUE((*snapshot)->WritePeft(tmp.path + "/later", "tiny").ok());
+  const auto bytes = [&](const std::string& dir, const char* file) {
+    std::ifstream in(tmp.path + "/" + dir + "/" + file, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  for (const char* file : {"adapter_model.safetensors", "adapter_config.json"})
+    EXPECT_EQ(bytes("later", file), bytes("then", file)) << file;
+  EXPECT_NE(bytes("trained", "adapter_model.safetensors"), bytes("then", "adapter_model.safetensors"));
+  EXPECT_EQ((*snapshot)->WritePeft(tmp.path + "/later", "tiny").code(), Code::kAlreadyExists);  // immutable
+}
+
 }  // namespace
 }  // namespace loom::engine

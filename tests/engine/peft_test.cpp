@@ -1,5 +1,5 @@
-// PEFT adapter directories: save -> load round trip, the file layout HF PEFT
-// expects, and errors on bad directories.
+// PEFT adapter directories: save -> load round trip, the in-memory copy and
+// install, the file layout HF PEFT expects, and errors on bad directories.
 #include "engine/io/peft.h"
 
 #include <ATen/ATen.h>
@@ -84,6 +84,67 @@ TEST_F(PeftTest, RoundTripIsExactAndKeepsRowsBeyondRankZero) {
     EXPECT_EQ(b.B[2].narrow(1, 5, 3).abs().max().item<double>(), 0.0) << a.module << ": cols >= r";
     EXPECT_GT(b.B[2].abs().max().item<double>(), 0.0) << a.module;
   }
+}
+
+// The in-memory way (CopyPeft -> InstallPeft) gives the slot the files'
+// way (SavePeft -> LoadPeft) gives, bit for bit, and the copy does not
+// follow later changes of its slot.
+TEST_F(PeftTest, CopyAndInstallEqualSaveAndLoad) {
+  at::manual_seed(5);
+  SlotBank bank(2, 8, at::kCPU, Targets());
+  LoraConfig c;
+  c.rank = 5;
+  c.alpha = 10;
+  c.train_unembed = false;
+  BindTrained(bank, 1, c);
+  Result<PeftAdapter> copy = CopyPeft(bank, 1);
+  ASSERT_TRUE(copy.ok()) << copy.status().message();
+  EXPECT_EQ(copy->factors.size(), 14u);  // 2 layers x 7 modules; lm_head is not trained
+  ASSERT_TRUE(SavePeft(bank, 1, dir_.string(), "m").ok());
+  BindTrained(bank, 1, c);  // the slot moves on
+  SlotBank from_files(3, 8, at::kCPU, Targets()), from_memory(3, 8, at::kCPU, Targets());
+  ASSERT_TRUE(LoadPeft(from_files, 2, dir_.string()).ok());
+  const Status s = InstallPeft(from_memory, 2, *copy);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(from_memory.slot(2).config.rank, 5);
+  EXPECT_FALSE(from_memory.trains(2, TargetGroup::kUnembed));
+  EXPECT_TRUE(from_memory.trains(2, TargetGroup::kMlp));
+  EXPECT_FLOAT_EQ(from_memory.scales()[2].item<float>(), 2.0f);
+  for (size_t i = 0; i < from_files.targets().size(); ++i) {
+    const LoraTarget& f = from_files.targets()[i];
+    const LoraTarget& m = from_memory.targets()[i];
+    EXPECT_TRUE(at::equal(f.A[2], m.A[2])) << f.module;
+    EXPECT_TRUE(at::equal(f.B[2], m.B[2])) << f.module;
+  }
+  EXPECT_FALSE(at::equal(bank.targets()[0].B[1], from_memory.targets()[0].B[2]));
+  // The host copy is the same adapter.
+  const PeftAdapter host = copy->To(at::kCPU);
+  for (size_t i = 0; i < host.factors.size(); ++i) EXPECT_TRUE(at::equal(host.factors[i].B, copy->factors[i].B));
+}
+
+TEST_F(PeftTest, InstallRefusesWhatTheBankCannotHoldAndLeavesTheSlot) {
+  at::manual_seed(6);
+  SlotBank bank(1, 8, at::kCPU, Targets());
+  LoraConfig c;
+  c.rank = 8;
+  BindTrained(bank, 0, c);
+  Result<PeftAdapter> copy = CopyPeft(bank, 0);
+  ASSERT_TRUE(copy.ok());
+  SlotBank small(1, 4, at::kCPU, Targets());
+  Status s = InstallPeft(small, 0, *copy);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("rank 8"), std::string::npos) << s.message();
+  EXPECT_FALSE(small.slot(0).bound);
+  PeftAdapter wrong = *copy;
+  wrong.factors[0].module = "model.layers.9.self_attn.q_proj";
+  s = InstallPeft(bank, 0, wrong);
+  EXPECT_NE(s.message().find("not a LoRA target"), std::string::npos) << s.message();
+  wrong = *copy;
+  wrong.factors[1].B = wrong.factors[1].B.narrow(1, 0, 4);
+  s = InstallPeft(bank, 0, wrong);
+  EXPECT_NE(s.message().find("expected"), std::string::npos) << s.message();
+  EXPECT_TRUE(at::equal(bank.targets()[1].B[0].narrow(1, 0, 8), copy->factors[1].B));  // the slot kept its values
+  EXPECT_EQ(CopyPeft(small, 0).status().code(), Code::kFailedPrecondition);
 }
 
 TEST_F(PeftTest, FilesHaveThePeftLayout) {

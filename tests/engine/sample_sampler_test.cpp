@@ -1,7 +1,7 @@
 // Sampler end to end on a generated tiny qwen3 model (fp32, CPU): sampling
 // parameters, seeds, stops, the trainer/sampler logprob consistency, KV
 // cache vs full recompute, multi-adapter decode steps, adapter eviction,
-// the context window and KV admission control.
+// snapshots offered from memory, the context window and KV admission control.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "engine/io/peft.h"
+#include "engine/io/peft_snapshot.h"
 #include "engine/lora/slot_bank.h"
 #include "testmodel/make_model.h"
 #include "engine/model/transformer.h"
@@ -294,6 +295,63 @@ TEST(Sampler, EvictedAdapterReloadsWithUnchangedResults) {
   // A snapshot that does not exist is an error, not a hang.
   const auto missing = Start(*s, Call(kPrompt, 4, 0.0, W().root + "/nope")).get();
   EXPECT_FALSE(missing.ok());
+}
+
+// A trainer's snapshot of a directory's adapter, offered to the sampler.
+std::shared_ptr<const PeftSnapshot> SnapshotOf(const std::string& dir) {
+  SlotBank trainer(1, 8, at::kCPU, W().model->LoraTargets());
+  EXPECT_TRUE(LoadPeft(trainer, 0, dir).ok());
+  auto snapshot = PeftSnapshot::Take(trainer, 0);
+  EXPECT_TRUE(snapshot.ok()) << snapshot.status().message();
+  return snapshot.ok() ? *snapshot : nullptr;
+}
+
+// A copy of adapter1's directory under dir.
+void CopyAdapter(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  for (const char* f : {"adapter_config.json", "adapter_model.safetensors"})
+    std::filesystem::copy_file(W().adapter1 + "/" + f, dir + "/" + f,
+                               std::filesystem::copy_options::overwrite_existing);
+}
+
+TEST(Sampler, AnOfferedSnapshotIsInstalledWithoutReadingTheFiles) {
+  const SampleCall from_disk = Call(kPrompt, 12, 1.0, W().adapter1, 21);
+  const SampleOutput want = SampleNow(*Open(), from_disk);
+  const std::string dir = W().root + "/offered";
+  CopyAdapter(dir);
+  auto s = Open();
+  s->Offer(dir + "/", SnapshotOf(dir));  // another spelling of the same directory
+  // The weights file is gone: only the offer can serve the sample.
+  std::filesystem::remove(dir + "/adapter_model.safetensors");
+  SampleCall call = from_disk;
+  call.adapter_dir = dir;
+  const SampleOutput got = SampleNow(*s, call);
+  ASSERT_EQ(got.sequences.size(), 1u);
+  // The same values in the same kernels: the same bits as the disk's copy.
+  EXPECT_EQ(got.sequences[0].tokens, want.sequences[0].tokens);
+  EXPECT_EQ(got.sequences[0].logprobs, want.sequences[0].logprobs);
+  EXPECT_EQ(s->stats().adapter_installs, 1);
+  EXPECT_EQ(s->stats().adapter_loads, 0);
+  SampleNow(*s, call);  // resident now: neither installed nor loaded again
+  EXPECT_EQ(s->stats().adapter_installs, 1);
+  EXPECT_EQ(s->stats().adapter_loads, 0);
+}
+
+TEST(Sampler, OffersBeyondTheAdapterSlotsDropTheOldest) {
+  SamplerOptions two;
+  two.sampler_adapters = 2;
+  auto s = Open(two);
+  std::vector<std::string> dirs;
+  for (int i = 0; i < 3; ++i) {
+    dirs.push_back(W().root + "/offer" + std::to_string(i));
+    CopyAdapter(dirs.back());
+    s->Offer(dirs.back(), SnapshotOf(dirs.back()));
+  }
+  SampleNow(*s, Call(kPrompt, 2, 0.0, dirs[2]));
+  EXPECT_EQ(s->stats().adapter_installs, 1);
+  SampleNow(*s, Call(kPrompt, 2, 0.0, dirs[0]));  // dropped: from disk
+  EXPECT_EQ(s->stats().adapter_loads, 1);
+  EXPECT_EQ(s->stats().adapter_installs, 1);
 }
 
 TEST(Sampler, ContextWindowAndInputErrors) {

@@ -12,7 +12,6 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <string>
 #include <thread>
 
@@ -125,11 +124,7 @@ class TenantClient {
   int64_t seq_ = 1;
 };
 
-double Metric(const std::string& text, const std::string& series) {
-  std::smatch m;
-  const std::regex re("\n" + std::regex_replace(series, std::regex(R"([{}"\\])"), R"(\$&)") + " ([0-9.eE+-]+)\n");
-  return std::regex_search(text, m, re) ? std::stod(m[1]) : -1;
-}
+using test::Metric;
 
 TEST(MultiTenant, EightConcurrentTenantsTrainExactlyAsTheyDoAlone) {
   const std::string data_dir =

@@ -1,7 +1,8 @@
 // ServeProcess: the real `loom serve` binary (LOOM_BINARY) as a child process
 // on an ephemeral loopback port, for end-to-end tests. The constructor waits
 // for the "listening on http://127.0.0.1:PORT" banner (port() is 0 if it never
-// came); the destructor kills a server that is still running.
+// came); the destructor kills a server that is still running. Metric() reads
+// one series of its /metrics text.
 #pragma once
 #include <poll.h>
 #include <signal.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -84,5 +86,13 @@ class ServeProcess {
   bool stopped_ = false;
   std::string banner_;
 };
+
+// The value of one series (name with its labels, as written) in /metrics
+// text; -1 when it is absent.
+inline double Metric(const std::string& text, const std::string& series) {
+  std::smatch m;
+  const std::regex re("\n" + std::regex_replace(series, std::regex(R"([{}"\\])"), R"(\$&)") + " ([0-9.eE+-]+)\n");
+  return std::regex_search(text, m, re) ? std::stod(m[1]) : -1;
+}
 
 }  // namespace loom::test

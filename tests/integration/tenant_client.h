@@ -140,6 +140,29 @@ class TenantClient {
                                                         {"type", "save_weights_for_sampler"}}));
     return r.value("sampling_session_id", "");
   }
+  // save_weights_for_sampler as `name`, submitted (Result() waits for its path).
+  Json SubmitSave(const std::string& name) {
+    return PostOk("save_weights_for_sampler",
+                  {{"model_id", model_}, {"seq_id", ++seq_}, {"path", name}, {"type", "save_weights_for_sampler"}});
+  }
+  // A sampling session on a snapshot's tinker:// path.
+  std::string SamplingOn(const std::string& path) {
+    return PostOk("create_sampling_session", {{"session_id", session_}, {"sampling_session_seq_id", sampling_seq_++},
+                                              {"model_path", path}, {"type", "create_sampling_session"}})
+        .value("sampling_session_id", "");
+  }
+  // The sampler's logprobs of every token of prompt but the first (one
+  // sampled token, greedy), on a sampling session.
+  std::vector<float> PromptLogprobs(const std::string& sampling, const std::vector<int32_t>& prompt) {
+    Json body = SampleBody(sampling, prompt, 1, 1, 0);
+    body["prompt_logprobs"] = true;
+    body["sampling_params"]["temperature"] = 0.0;
+    Json sub = PostOk("asample", body);
+    auto out = wire::DecodeSampleResponse(Retrieve(sub.value("request_id", ""), true).body);
+    EXPECT_TRUE(out.ok() && out->prompt_logprobs) << (out.ok() ? "no prompt_logprobs" : out.status().message());
+    if (!out.ok() || !out->prompt_logprobs) return {};
+    return std::vector<float>(out->prompt_logprobs->begin() + 1, out->prompt_logprobs->end());
+  }
   Json SampleBody(const std::string& sampling, const std::vector<int32_t>& prompt, int max_tokens, int n,
                   uint64_t seed) {
     return {{"sampling_session_id", sampling}, {"seq_id", sample_seq_++}, {"num_samples", n},

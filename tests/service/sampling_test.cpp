@@ -3,9 +3,12 @@
 // ownership and publishing, (session, seq_id) dedup, validation before
 // queueing, results through the future table, tenant isolation, the
 // sampler's fair-share names, cancellation on session expiry, and the
-// --sample-queue bound (429).
+// --sample-queue bound (429); publishing off the engine thread (training
+// goes on while a snapshot is written, a failed write fails only its save,
+// one model's saves commit in order, Stop() writes what was taken).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
@@ -38,7 +41,9 @@ class SamplingServiceTest : public ::testing::Test {
     ASSERT_TRUE(registry.ok());
     so.base_model_name = "test/base";
     so.janitor_period = 20ms;
-    service_ = std::make_unique<Service>(so, std::make_unique<testing::FakeEngine>(4), std::move(*registry));
+    auto engine = std::make_unique<testing::FakeEngine>(4);
+    engine_ = engine.get();
+    service_ = std::make_unique<Service>(so, std::move(engine), std::move(*registry));
     auto sampler = std::make_unique<testing::FakeSampler>(100, 32);
     sampler_ = sampler.get();
     service_->AttachSampler(std::move(sampler));
@@ -104,8 +109,42 @@ class SamplingServiceTest : public ::testing::Test {
     return r;
   }
 
+  // save_weights_for_sampler of model as `name` (unnamed when empty), not waited for.
+  std::string SubmitSave(const std::string& tenant, const std::string& model, int64_t seq, const std::string& name) {
+    tinker::SaveWeightsForSamplerRequest req;
+    req.model_id = model;
+    req.seq_id = seq;
+    if (name.empty()) req.sampling_session_seq_id = seq;
+    else req.name = name;
+    auto sub = service_->SaveWeightsForSampler({tenant, ""}, req);
+    EXPECT_TRUE(sub.ok()) << sub.status().message();
+    return sub.ok() ? sub->request_id : "";
+  }
+  // forward_backward (tagged by its first token) then optim_step on model, not waited for.
+  std::vector<std::string> SubmitTrain(const std::string& tenant, const std::string& model, int64_t seq, int tag) {
+    tinker::ForwardBackwardRequest fb;
+    fb.model_id = model;
+    fb.seq_id = seq;
+    engine::Datum d;
+    d.tokens = {tag, 1, 2};
+    fb.call.data.push_back(d);
+    fb.call.loss_fn = "cross_entropy";
+    tinker::OptimStepRequest optim;
+    optim.model_id = model;
+    optim.seq_id = seq + 1;
+    auto a = service_->ForwardBackward({tenant, ""}, fb);
+    auto b = service_->OptimStep({tenant, ""}, optim);
+    EXPECT_TRUE(a.ok() && b.ok());
+    return {a.ok() ? a->request_id : "", b.ok() ? b->request_id : ""};
+  }
+  FutureState State(const std::string& tenant, const std::string& id) {
+    auto v = service_->futures().Get(tenant, id);
+    return v.ok() ? v->state : FutureState::kFailed;
+  }
+
   std::string dir_;
   std::unique_ptr<Service> service_;
+  testing::FakeEngine* engine_ = nullptr;
   testing::FakeSampler* sampler_ = nullptr;
 };
 
@@ -415,6 +454,107 @@ TEST(SamplingServiceNoSampler, AsampleIsUnavailableWithoutASampler) {
   EXPECT_EQ(service.Sample({"alice", ""}, r).status().code(), Code::kUnavailable);
   service.Stop();
   std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace loom::service
+
+namespace loom::service {
+namespace {
+
+// The engine thread only takes the snapshot: while a writer thread is still
+// writing it, the same model's later training and another tenant's run; the
+// save answers once the snapshot is committed, after it was offered to the
+// sampler under the committed directory, which a sample of the path names.
+TEST_F(SamplingServiceTest, TrainingRunsWhileTheSnapshotIsWrittenAndTheSampleFindsTheOffer) {
+  const std::string sa = Session("alice"), sb = Session("bob");
+  const std::string ma = Model("alice", sa), mb = Model("bob", sb);
+  engine_->HoldWrites();
+  const std::string save = SubmitSave("alice", ma, 1, "v1");
+  engine_->WaitWriting(1);  // the snapshot was taken and its write began
+  const std::vector<std::string> mine = SubmitTrain("alice", ma, 2, 11);
+  const std::vector<std::string> theirs = SubmitTrain("bob", mb, 1, 22);
+  for (const std::string& id : mine) EXPECT_EQ(Wait("alice", id).state, FutureState::kDone);
+  for (const std::string& id : theirs) EXPECT_EQ(Wait("bob", id).state, FutureState::kDone);
+  EXPECT_EQ(State("alice", save), FutureState::kPending);  // not durable yet, so not answered
+  EXPECT_TRUE(sampler_->offered_dirs().empty());
+  const std::vector<std::string> log = engine_->log();
+  const auto at = [&](const std::string& entry) { return std::find(log.begin(), log.end(), entry) - log.begin(); };
+  EXPECT_LT(at("sampler:0"), at("fb:0:11"));  // the snapshot precedes the later training, in seq order
+  engine_->ReleaseWrites();
+  FutureView v = Wait("alice", save);
+  ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
+  const std::string path = wire::FutureResultJson(*v.result).value("path", "");
+  auto sampling = CreateSampling("alice", sa, 0, std::nullopt, path);
+  ASSERT_TRUE(sampling.ok()) << sampling.status().message();
+  auto sub = service_->Sample({"alice", ""}, Req(*sampling, 0, {1, 2}));
+  ASSERT_TRUE(sub.ok()) << sub.status().message();
+  EXPECT_EQ(Wait("alice", sub->request_id).state, FutureState::kDone);
+  ASSERT_EQ(sampler_->offered_dirs().size(), 1u);
+  EXPECT_EQ(sampler_->calls().at(0).adapter_dir, sampler_->offered_dirs()[0]);
+  EXPECT_TRUE(std::filesystem::exists(sampler_->offered_dirs()[0] + "/adapter_model.safetensors"));
+}
+
+// A write that fails fails its own save, naming the cause; nothing is
+// committed or offered, the writers go on, and another tenant's save (and
+// the same tenant's training) are unaffected.
+TEST_F(SamplingServiceTest, AFailedSnapshotWriteFailsOnlyItsOwnSave) {
+  const std::string sa = Session("alice"), sb = Session("bob");
+  const std::string ma = Model("alice", sa), mb = Model("bob", sb);  // slots 0 and 1
+  engine_->FailWritesOf(0);
+  const std::string bad = SubmitSave("alice", ma, 1, "v1");
+  const std::string good = SubmitSave("bob", mb, 1, "v1");
+  FutureView failed = Wait("alice", bad);
+  ASSERT_EQ(failed.state, FutureState::kFailed);
+  EXPECT_NE(failed.error.message().find("writing checkpoint 'tinker://" + ma + "/sampler_weights/v1' to disk failed"),
+            std::string::npos)
+      << failed.error.message();
+  EXPECT_NE(failed.error.message().find("Read-only file system"), std::string::npos) << failed.error.message();
+  FutureView ok = Wait("bob", good);
+  ASSERT_EQ(ok.state, FutureState::kDone) << ok.error.message();
+  EXPECT_EQ(CreateSampling("alice", sa, 0, std::nullopt, "tinker://" + ma + "/sampler_weights/v1").status().code(),
+            Code::kNotFound);
+  EXPECT_EQ(sampler_->offered_dirs().size(), 1u);  // bob's only
+  for (const std::string& id : SubmitTrain("alice", ma, 2, 11)) EXPECT_EQ(Wait("alice", id).state, FutureState::kDone);
+  EXPECT_EQ(engine_->write_log(), (std::vector<std::string>{"write:1:0"}));
+  EXPECT_NE(service_->MetricsText().find("loom_publishes_total{result=\"failed\"} 1"), std::string::npos);
+}
+
+// One model's saves are written and committed in seq_id order: of two saves
+// of one name in flight, the first one wins and the second is refused.
+TEST_F(SamplingServiceTest, OneModelsSavesCommitInSeqOrder) {
+  const std::string s = Session("alice");
+  const std::string m = Model("alice", s);
+  engine_->HoldWrites();
+  const std::string first = SubmitSave("alice", m, 1, "same");
+  const std::string second = SubmitSave("alice", m, 2, "same");
+  const std::string third = SubmitSave("alice", m, 3, "");
+  engine_->WaitWriting(1);
+  engine_->ReleaseWrites();
+  EXPECT_EQ(Wait("alice", first).state, FutureState::kDone);
+  FutureView refused = Wait("alice", second);
+  ASSERT_EQ(refused.state, FutureState::kFailed);
+  EXPECT_EQ(refused.error.code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.error.message().find("save_weights_for_sampler.path"), std::string::npos)
+      << refused.error.message();
+  FutureView unnamed = Wait("alice", third);
+  ASSERT_EQ(unnamed.state, FutureState::kDone) << unnamed.error.message();
+  EXPECT_EQ(wire::FutureResultJson(*unnamed.result).value("sampling_session_id", ""), s + ":sample:3");
+  // The second was checked after the first was committed, so it was never written.
+  EXPECT_EQ(engine_->write_log(), (std::vector<std::string>{"write:0:0", "write:0:2"}));
+}
+
+// Stop() writes and answers the saves already taken.
+TEST_F(SamplingServiceTest, StopWritesTheSavesAlreadyTaken) {
+  const std::string s = Session("alice");
+  const std::string m = Model("alice", s);
+  engine_->HoldWrites();
+  const std::string save = SubmitSave("alice", m, 1, "v1");
+  engine_->WaitWriting(1);
+  std::thread stop([&] { service_->Stop(); });
+  engine_->ReleaseWrites();
+  stop.join();
+  EXPECT_EQ(State("alice", save), FutureState::kDone);
 }
 
 }  // namespace
