@@ -15,8 +15,22 @@
 #include <vector>
 
 #include "engine/api.h"
+#include "tinker/requests.h"
 
 namespace loom::testing {
+
+// A forward_backward of one datum {tag, 1, 2}: FakeEngine logs it as "fb:<slot>:<tag>".
+inline tinker::ForwardBackwardRequest TaggedForwardBackward(const std::string& model, int64_t seq, int32_t tag,
+                                                            const std::string& loss = "cross_entropy") {
+  tinker::ForwardBackwardRequest r;
+  r.model_id = model;
+  r.seq_id = static_cast<int32_t>(seq);
+  engine::Datum d;
+  d.tokens = {tag, 1, 2};
+  r.call.data.push_back(d);
+  r.call.loss_fn = loss;
+  return r;
+}
 
 class FakeEngine : public engine::Engine {
  public:

@@ -122,13 +122,7 @@ class SamplingServiceTest : public ::testing::Test {
   }
   // forward_backward (tagged by its first token) then optim_step on model, not waited for.
   std::vector<std::string> SubmitTrain(const std::string& tenant, const std::string& model, int64_t seq, int tag) {
-    tinker::ForwardBackwardRequest fb;
-    fb.model_id = model;
-    fb.seq_id = seq;
-    engine::Datum d;
-    d.tokens = {tag, 1, 2};
-    fb.call.data.push_back(d);
-    fb.call.loss_fn = "cross_entropy";
+    const tinker::ForwardBackwardRequest fb = testing::TaggedForwardBackward(model, seq, tag);
     tinker::OptimStepRequest optim;
     optim.model_id = model;
     optim.seq_id = seq + 1;

@@ -93,14 +93,7 @@ class ServiceTest : public ::testing::Test {
 
   static tinker::ForwardBackwardRequest Fb(const std::string& model, int32_t seq, int32_t tag,
                                          const std::string& loss = "cross_entropy") {
-    tinker::ForwardBackwardRequest r;
-    r.model_id = model;
-    r.seq_id = seq;
-    engine::Datum d;
-    d.tokens = {tag, 1, 2};
-    r.call.data.push_back(d);
-    r.call.loss_fn = loss;
-    return r;
+    return testing::TaggedForwardBackward(model, seq, tag, loss);
   }
 
   std::vector<std::string> FbLog() const {
