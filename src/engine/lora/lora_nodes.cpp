@@ -34,13 +34,6 @@ at::Tensor SegmentForward(const at::Tensor& x, const at::Tensor& A, const at::Te
   return at::cat(parts, 0);
 }
 
-// .grad of a factor, created (zero) on first use as AccumulateGrad would.
-at::Tensor& GradOf(const at::Tensor& factor) {
-  at::Tensor& g = const_cast<at::Tensor&>(factor).mutable_grad();
-  if (!g.defined()) g = at::zeros_like(factor);
-  return g;
-}
-
 std::vector<int64_t> PackRuns(const std::vector<LoraRun>& runs, std::vector<double>& scales) {
   std::vector<int64_t> v;
   for (const LoraRun& r : runs) {
@@ -90,9 +83,9 @@ class SegmentNode : public torch::autograd::Function<SegmentNode> {
       const at::Tensor b = B.select(0, r.slot).narrow(1, 0, r.rank).to(ct);
       const at::Tensor xr = xc.narrow(0, r.begin, r.len), gr = gc.narrow(0, r.begin, r.len);
       const at::Tensor h = at::linear(xr, a) * r.scale;  // [len, r]
-      GradOf(B).select(0, r.slot).narrow(1, 0, r.rank).add_(at::mm(gr.t(), h));
+      FactorGrad(B).select(0, r.slot).narrow(1, 0, r.rank).add_(at::mm(gr.t(), h));
       const at::Tensor gxa = at::mm(gr, b) * r.scale;  // [len, r]
-      GradOf(A).select(0, r.slot).narrow(0, 0, r.rank).add_(at::mm(gxa.t(), xr));
+      FactorGrad(A).select(0, r.slot).narrow(0, 0, r.rank).add_(at::mm(gxa.t(), xr));
       if (need_x) gx.narrow(0, r.begin, r.len).copy_(at::mm(gxa, a));
     }
     if (need_x) out[0] = gx.to(x.scalar_type());
@@ -160,9 +153,9 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     const at::Tensor a = A.index_select(0, slots).to(ct);  // [U, R, d_in]
     const at::Tensor b = B.index_select(0, slots).to(ct);  // [U, d_out, R]
     // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
-    GradOf(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
+    FactorGrad(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
     const at::Tensor gxa = at::bmm(gp, b) * scale.to(ct);  // [U, L, R]
-    GradOf(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+    FactorGrad(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
     if (!ctx->needs_input_grad(0)) return out;
     at::Tensor gxp = at::bmm(gxa, a).view({U * L, d_in});
     at::Tensor gx;
@@ -181,6 +174,12 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
 bool Differentiable(const at::Tensor& A) { return c10::GradMode::is_enabled() && A.requires_grad(); }
 
 }  // namespace
+
+at::Tensor& FactorGrad(const at::Tensor& factor) {
+  at::Tensor& g = const_cast<at::Tensor&>(factor).mutable_grad();
+  if (!g.defined()) g = at::zeros_like(factor);
+  return g;
+}
 
 at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
                             const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out) {

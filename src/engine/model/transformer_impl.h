@@ -84,6 +84,13 @@ class BatchLora {
     if (attn) Plan(TargetGroup::kAttn, attn_);
     if (mlp) Plan(TargetGroup::kMlp, mlp_);
   }
+  // The uniform layout's routing (transformer.h, UniformLora): the grouped
+  // form with the given device-side groups, planned nothing on the host.
+  BatchLora(const SlotBank& bank, const UniformLora& u) : bank_(bank), seg_begin_(none_), seg_slot_(none_slots_) {
+    attn_.form = mlp_.form = LoraForm::kGrouped;
+    attn_.grouped = u.attn;
+    mlp_.grouped = u.mlp;
+  }
   at::Tensor operator()(const LoraTarget* t, const at::Tensor& x) const {
     const Group& p = t->group == TargetGroup::kAttn ? attn_ : mlp_;
     switch (p.form) {
@@ -105,6 +112,8 @@ class BatchLora {
     if (p.form == LoraForm::kRouted) p.routed = bank_.Route(g, seg_begin_, seg_slot_);
     if (p.form == LoraForm::kGrouped) p.grouped = bank_.Group(g, seg_begin_, seg_slot_);
   }
+  const std::vector<int64_t> none_;
+  const std::vector<int> none_slots_;
   const SlotBank& bank_;
   const std::vector<int64_t>& seg_begin_;
   const std::vector<int>& seg_slot_;

@@ -39,4 +39,16 @@ UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& se
 at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
                                  const UnembedSpec& spec, int64_t chunk_tokens);
 
+// The same for the uniform layout (transformer.h, UniformLora): rows are S
+// sequences of L = groups.max_rows rows, sequence s adapted by the bank's
+// A/B of slot groups.slots[s] at groups.scale[s] (0: no LoRA), every factor
+// at full rank R (rows past a slot's rank are zero, so they add exact zeros).
+// The slots are read on the device, so the computation depends on nothing
+// host-side but shapes. chunk_tokens must be a multiple of L. The backward
+// adds each sequence's factor gradients into A.grad / B.grad in place (as
+// lora_nodes.h) and returns none for A and B.
+at::Tensor UniformTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
+                                 const at::Tensor& A, const at::Tensor& B, const LoraGroups& groups,
+                                 int64_t chunk_tokens);
+
 }  // namespace loom::engine
