@@ -472,6 +472,10 @@ TEST_F(SamplingServiceTest, TrainingRunsWhileTheSnapshotIsWrittenAndTheSampleFin
   for (const std::string& id : theirs) EXPECT_EQ(Wait("bob", id).state, FutureState::kDone);
   EXPECT_EQ(State("alice", save), FutureState::kPending);  // not durable yet, so not answered
   EXPECT_TRUE(sampler_->offered_dirs().empty());
+  // The path exists once it is committed, just before the answer: until then
+  // naming it is a 404, as for a save still queued.
+  EXPECT_EQ(CreateSampling("alice", sa, 1, std::nullopt, "tinker://" + ma + "/sampler_weights/v1").status().code(),
+            Code::kNotFound);
   const std::vector<std::string> log = engine_->log();
   const auto at = [&](const std::string& entry) { return std::find(log.begin(), log.end(), entry) - log.begin(); };
   EXPECT_LT(at("sampler:0"), at("fb:0:11"));  // the snapshot precedes the later training, in seq order
