@@ -74,8 +74,8 @@ struct PassResult {
 // (slot 1 trains the MLP only), with the first `recompute` layers recomputed.
 PassResult Pass(const Transformer& model, SlotBank& bank, int64_t recompute) {
   for (auto& t : bank.targets()) {
-    if (t.A.grad().defined()) t.A.mutable_grad() = at::Tensor();
-    if (t.B.grad().defined()) t.B.mutable_grad() = at::Tensor();
+    if (t.A.grad().defined()) t.A.mutable_grad().zero_();
+    if (t.B.grad().defined()) t.B.mutable_grad().zero_();
   }
   const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(4, 2), Seq(13, 3), Seq(6, 4)};
   const PackedBatch batch = PackedBatch::Make(seqs, {0, -1, 1, 0}, model.device());
