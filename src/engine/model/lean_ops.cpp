@@ -57,7 +57,77 @@ class SwiGluNode : public torch::autograd::Function<SwiGluNode> {
   }
 };
 
+// rotate_half and its transpose (rotate_half^T = -rotate_half):
+// [x1, x2] -> [-x2, x1] and [y1, y2] -> [y2, -y1].
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+at::Tensor RotateHalfT(const at::Tensor& y) {
+  const int64_t half = y.size(-1) / 2;
+  return at::cat({y.narrow(-1, half, half), -y.narrow(-1, 0, half)}, -1);
+}
+
+class RopeNode : public torch::autograd::Function<RopeNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    c10::NoGradGuard no_grad;
+    ctx->save_for_backward({cos, sin});
+    return RopePlain(x, cos, sin);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& g = grads[0];
+    return {g * saved[0] + RotateHalfT(g * saved[1]), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::vector<at::Tensor> Columns(const at::Tensor& x, const std::vector<int64_t>& widths) {
+  std::vector<at::Tensor> out;
+  int64_t at = 0;
+  for (int64_t w : widths) {
+    out.push_back(x.narrow(1, at, w));
+    at += w;
+  }
+  return out;
+}
+
+class SplitNode : public torch::autograd::Function<SplitNode> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::vector<int64_t>& widths) {
+    ctx->saved_data["widths"] = widths;
+    ctx->saved_data["rows"] = x.size(0);
+    return Columns(x, widths);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto widths = ctx->saved_data["widths"].toIntVector();
+    const int64_t rows = ctx->saved_data["rows"].toInt();
+    at::Tensor any;
+    for (const at::Tensor& g : grads)
+      if (g.defined()) any = g;
+    if (!any.defined()) return {at::Tensor(), at::Tensor()};
+    std::vector<at::Tensor> parts;
+    for (size_t i = 0; i < widths.size(); ++i)
+      parts.push_back(grads[i].defined() ? grads[i] : at::zeros({rows, widths[i]}, any.options()));
+    return {at::cat(parts, 1), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+at::Tensor RopePlain(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x * cos + RotateHalf(x) * sin;
+}
+
+at::Tensor RopeLean(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  if (!c10::GradMode::is_enabled() || !x.requires_grad()) return RopePlain(x, cos, sin);
+  return RopeNode::apply(x, cos, sin);
+}
+
+std::vector<at::Tensor> SplitLean(const at::Tensor& x, const std::vector<int64_t>& widths) {
+  if (!c10::GradMode::is_enabled() || !x.requires_grad()) return Columns(x, widths);
+  return SplitNode::apply(x, widths);
+}
 
 at::Tensor RmsNormPlain(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xf = x.to(at::kFloat);

@@ -90,7 +90,8 @@ std::vector<Run> UnpackRuns(const std::vector<int64_t>& v, const std::vector<dou
 
 // Autograd node that keeps only hidden (plus the frozen lm_head and targets)
 // for the backward pass and recomputes each chunk's logits there, one chunk
-// at a time, differentiating into hidden and per-slot slices of A and B.
+// at a time, differentiating into hidden and per-slot slices of A and B
+// (added into their .grad in place; none returned for A and B).
 class CheckpointedLogprobs : public torch::autograd::Function<CheckpointedLogprobs> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& A,
@@ -176,14 +177,13 @@ class CheckpointedLogprobs : public torch::autograd::Function<CheckpointedLogpro
     torch::autograd::variable_list out(8);
     out[0] = grad_h;
     if (need_ab) {
+      // Into the used slots' rows of .grad in place (as lora_nodes.h), not
+      // through a dense [N, ...] gradient of the whole bank.
       c10::NoGradGuard no_grad;
-      at::Tensor dA = at::zeros_like(A), dB = at::zeros_like(B);
       for (size_t k = 0; k < f.slot.size(); ++k) {
-        dA.select(0, f.slot[k]).narrow(0, 0, f.rank[k]).copy_(grad_a[k]);
-        dB.select(0, f.slot[k]).narrow(1, 0, f.rank[k]).copy_(grad_b[k]);
+        FactorGrad(A).select(0, f.slot[k]).narrow(0, 0, f.rank[k]).add_(grad_a[k]);
+        FactorGrad(B).select(0, f.slot[k]).narrow(1, 0, f.rank[k]).add_(grad_b[k]);
       }
-      out[1] = dA;
-      out[2] = dB;
     }
     return out;
   }

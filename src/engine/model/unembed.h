@@ -35,7 +35,8 @@ UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& se
 // lm_head [vocab, hidden] in the model dtype (logits are computed in that
 // dtype, as HF does, then in fp32). Returns fp32 of the targets' shape:
 // logit[target] - logsumexp(logits). Differentiable into hidden and the
-// spec's A and B (only the used slots' slices get nonzero gradient).
+// spec's A and B: the used slots' gradient slices are added into A.grad and
+// B.grad in place (lora_nodes.h), no autograd gradient is returned for them.
 at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
                                  const UnembedSpec& spec, int64_t chunk_tokens);
 
