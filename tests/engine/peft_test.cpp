@@ -117,6 +117,16 @@ TEST_F(PeftTest, CopyAndInstallEqualSaveAndLoad) {
     EXPECT_TRUE(at::equal(f.B[2], m.B[2])) << f.module;
   }
   EXPECT_FALSE(at::equal(bank.targets()[0].B[1], from_memory.targets()[0].B[2]));
+  // Into a bank of another max rank (another row layout): factor by factor, the same values.
+  SlotBank wider(1, 16, at::kCPU, Targets());
+  ASSERT_TRUE(InstallPeft(wider, 0, *copy).ok());
+  for (size_t i = 0; i < wider.targets().size(); ++i) {
+    const LoraTarget& f = from_files.targets()[i];
+    const LoraTarget& w = wider.targets()[i];
+    EXPECT_TRUE(at::equal(f.A[2], w.A[0].narrow(0, 0, 8))) << f.module;
+    EXPECT_TRUE(at::equal(f.B[2], w.B[0].narrow(1, 0, 8))) << f.module;
+    EXPECT_EQ(w.A[0].narrow(0, 8, 8).abs().max().item<double>(), 0.0) << f.module;
+  }
   // The host copy is the same adapter.
   const PeftAdapter host = copy->To(at::kCPU);
   for (size_t i = 0; i < host.factors.size(); ++i) EXPECT_TRUE(at::equal(host.factors[i].B, copy->factors[i].B));

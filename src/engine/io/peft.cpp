@@ -55,6 +55,9 @@ PeftAdapter PeftAdapter::To(at::Device device) const {
     return out;
   }
   out.storage = storage.to(device);
+  out.flat_begin = flat_begin;
+  out.flat_rank = flat_rank;
+  out.flat_width = flat_width;
   // Each factor at the same place in the new buffer as in the old.
   const auto moved = [&](const at::Tensor& t) {
     return out.storage.as_strided(t.sizes(), t.strides(),
@@ -76,28 +79,29 @@ Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
     return Status::Precondition("slot " + std::to_string(slot) + " is not bound to an adapter");
   PeftAdapter out;
   out.config = bank.slot(slot).config;
-  const int64_t r = out.config.rank;
+  const int64_t r = out.config.rank, R = bank.max_rank();
+  // Each group's targets are one column range of the slot's flat row: the
+  // trained groups lie within one span of it (an untrained group between
+  // them is zero there), copied at once.
+  int64_t begin = bank.flat().size(1), end = 0;
+  for (TargetGroup g : {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed}) {
+    const auto [first, width] = bank.GroupColumns(g);
+    if (width == 0 || !bank.trains(slot, g)) continue;
+    begin = std::min(begin, first);
+    end = std::max(end, first + width);
+  }
+  if (end <= begin) return out;
   c10::NoGradGuard no_grad;
-  // One cat of every factor's slice: a few kernels however many targets
-  // (B's slice is strided when r < R; reshape copies it first).
-  std::vector<const LoraTarget*> used;
-  std::vector<at::Tensor> parts;
+  out.storage = bank.flat().select(0, slot).narrow(0, begin, end - begin).clone();
+  out.flat_begin = begin;
+  out.flat_rank = R;
+  out.flat_width = bank.flat().size(1);
   for (const LoraTarget& t : bank.targets()) {
     if (!bank.trains(slot, t.group)) continue;
-    used.push_back(&t);
-    parts.push_back(t.A.select(0, slot).narrow(0, 0, r).reshape({-1}));
-    parts.push_back(t.B.select(0, slot).narrow(1, 0, r).reshape({-1}));
-  }
-  if (parts.empty()) return out;
-  out.storage = at::cat(parts);
-  int64_t offset = 0;
-  for (const LoraTarget* t : used) {
     PeftAdapter::Factor f;
-    f.module = t->module;
-    f.A = out.storage.narrow(0, offset, r * t->d_in).view({r, t->d_in});
-    offset += r * t->d_in;
-    f.B = out.storage.narrow(0, offset, t->d_out * r).view({t->d_out, r});
-    offset += t->d_out * r;
+    f.module = t.module;
+    f.A = out.storage.narrow(0, t.a_col - begin, R * t.d_in).view({R, t.d_in}).narrow(0, 0, r);
+    f.B = out.storage.narrow(0, t.b_col - begin, t.d_out * R).view({t.d_out, R}).narrow(1, 0, r);
     out.factors.push_back(std::move(f));
   }
   return out;
@@ -214,7 +218,11 @@ Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
   const auto trained = [&](TargetGroup g) {
     return g == TargetGroup::kAttn ? c.train_attn : g == TargetGroup::kMlp ? c.train_mlp : c.train_unembed;
   };
-  // Everything is checked before the bank is touched.
+  // Everything is checked before the bank is touched. `same_layout`: each
+  // factor sits in adapter.storage where it sits in this bank's row.
+  const auto offset = [&](const at::Tensor& t) { return t.storage_offset() - adapter.storage.storage_offset(); };
+  bool same_layout = adapter.storage.defined() && adapter.flat_rank == bank.max_rank() &&
+                     adapter.flat_width == bank.flat().size(1) && adapter.storage.is_contiguous();
   std::vector<std::pair<LoraTarget*, const PeftAdapter::Factor*>> copies;
   for (const PeftAdapter::Factor& f : adapter.factors) {
     LoraTarget* t = bank.find(f.module);
@@ -227,6 +235,8 @@ Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
                              ShapeText(f.B.sizes().vec()) + ", expected " + ShapeText(want_a) + " and " +
                              ShapeText(want_b));
     copies.emplace_back(t, &f);
+    same_layout = same_layout && f.A.is_alias_of(adapter.storage) && f.B.is_alias_of(adapter.storage) &&
+                  offset(f.A) == t->a_col - adapter.flat_begin && offset(f.B) == t->b_col - adapter.flat_begin;
   }
   // Bind draws a random A for the groups it trains, which the copies would
   // overwrite anyway: bind with none (every entry of the slot zero), then
@@ -236,6 +246,10 @@ Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
   if (Status s = bank.Bind(slot, bare); !s.ok()) return s;
   bank.slot(slot).config = c;
   c10::NoGradGuard no_grad;
+  if (same_layout) {
+    bank.flat().select(0, slot).narrow(0, adapter.flat_begin, adapter.storage.numel()).copy_(adapter.storage);
+    return Status::Ok();
+  }
   for (const auto& [t, f] : copies) {
     t->A.select(0, slot).narrow(0, 0, r).copy_(f->A);
     t->B.select(0, slot).narrow(1, 0, r).copy_(f->B);

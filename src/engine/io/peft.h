@@ -32,7 +32,8 @@ namespace loom::engine {
 
 // One adapter as a PEFT directory holds it: its config (rank, alpha, the
 // trained groups) and, for every target of a trained group in bank order,
-// A [r, d_in] and B [d_out, r], fp32, contiguous.
+// A [r, d_in] and B [d_out, r], fp32 (B a strided view when CopyPeft took
+// it from a bank of max rank R > r).
 struct PeftAdapter {
   struct Factor {
     std::string module;  // HF module path, e.g. "model.layers.0.self_attn.q_proj"
@@ -40,8 +41,12 @@ struct PeftAdapter {
   };
   LoraConfig config;
   std::vector<Factor> factors;
-  // The one buffer every factor views, when CopyPeft made it (else undefined).
+  // When CopyPeft made it: the one buffer every factor views, a copy of
+  // columns [flat_begin, flat_begin + storage.numel()) of a bank row (the
+  // slot's factors at max rank flat_rank, rows flat_width wide; SlotBank::flat).
+  // Else undefined.
   at::Tensor storage;
+  int64_t flat_begin = 0, flat_rank = 0, flat_width = 0;
 
   // The same adapter on `device`: one copy of storage where there is one.
   // Runs on the caller's current stream.
@@ -49,8 +54,9 @@ struct PeftAdapter {
   int64_t bytes() const;
 };
 
-// A copy of bound slot s of bank on the bank's device, in one buffer (a few
-// kernels, no host sync): later changes to the slot leave it as it is.
+// A copy of bound slot s of bank on the bank's device: one copy of the span
+// of its flat row that holds the trained groups (no host sync). Later
+// changes to the slot leave it as it is.
 Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot);
 
 // Writes adapter into dir (created if missing), from any device.
@@ -67,8 +73,10 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir);
 // Binds slot s of bank to adapter's config and values (every other entry of
 // the slot zero). Each factor must name a target of the bank with A
 // [r, d_in] and B [d_out, r], r <= the bank's max rank, on any device; on
-// error the slot is unchanged. Its values are not checked for finiteness:
-// CopyPeft's are a trainer slot's (always finite), ReadPeft checked its own.
+// error the slot is unchanged. A CopyPeft of a bank of the same layout (the
+// same model and max rank) is one copy into the slot's row; anything else
+// one copy per factor. Its values are not checked for finiteness: CopyPeft's
+// are a trainer slot's (always finite), ReadPeft checked its own.
 Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter);
 
 // WritePeft(CopyPeft(bank, slot)). The slot must be bound.
