@@ -5,8 +5,10 @@
 // behind them.
 //
 // Readers: the service's writer thread (WritePeft: the buffer to the host on
-// a stream of its own, then the files) and the sampler's decode thread
-// (adapter(), installed into its own bank after Ready()).
+// a stream of its own, synchronized before it returns, then the files) and
+// the sampler's decode thread (adapter(), installed into its own bank after
+// Ready(), on the default stream the engine thread copies on, so the buffer
+// may be freed after the install is queued).
 //
 // Threading: Take on the engine thread; everything else any thread, at once.
 #pragma once
