@@ -3,11 +3,29 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+
+#include "engine/model/cuda/lean_grads.h"
+#endif
+
 namespace loom::engine {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+#if LOOM_CUDA_KERNELS
+// Whether the fused backward kernels (model/cuda/lean_grads.h) take x: a
+// CUDA tensor in bf16 or fp32, with the other tensors in its dtype.
+bool FusedOn(const at::Tensor& x, std::initializer_list<at::Tensor> same) {
+  if (!x.is_cuda() || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat)) return false;
+  for (const at::Tensor& t : same)
+    if (!t.defined() || t.scalar_type() != x.scalar_type() || t.device() != x.device()) return false;
+  return true;
+}
+cudaStream_t Stream(const at::Tensor& x) { return at::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
+#endif
 
 // 1/rms of each row, fp32 [.., 1]: the factor RmsNormPlain multiplies by.
 at::Tensor InverseRms(const at::Tensor& xf, double eps) { return at::rsqrt(xf.pow(2).mean(-1, true) + eps); }
@@ -27,6 +45,16 @@ class RmsNormNode : public torch::autograd::Function<RmsNormNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &inv = saved[2];
+#if LOOM_CUDA_KERNELS
+    if (FusedOn(x, {grads[0], weight}) && x.size(-1) <= cuda::kMaxNormGradWidth) {
+      const int64_t n = x.size(-1);
+      const at::Tensor g = grads[0].contiguous(), xc = x.contiguous(), w = weight.contiguous(), r = inv.contiguous();
+      at::Tensor dx = at::empty_like(xc);
+      cuda::RmsNormGrad(x.scalar_type() == at::kBFloat16, g.data_ptr(), xc.data_ptr(), w.data_ptr(),
+                        r.data_ptr<float>(), dx.data_ptr(), xc.numel() / n, n, Stream(x));
+      return {dx, at::Tensor(), at::Tensor()};
+    }
+#endif
     const at::Tensor dn = (grads[0] * weight).to(at::kFloat);
     const at::Tensor n = x.to(at::kFloat) * inv;
     const at::Tensor dx = inv * (dn - n * (dn * n).mean(-1, true));
@@ -47,6 +75,15 @@ class SwiGluNode : public torch::autograd::Function<SwiGluNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor gate_up = ctx->get_saved_variables()[0];
     const int64_t inter = gate_up.size(-1) / 2;
+#if LOOM_CUDA_KERNELS
+    if (FusedOn(gate_up, {grads[0]})) {
+      const at::Tensor gu = gate_up.contiguous(), dy = grads[0].contiguous();
+      at::Tensor out = at::empty_like(gu);
+      cuda::SwiGluGrad(gu.scalar_type() == at::kBFloat16, gu.data_ptr(), dy.data_ptr(), out.data_ptr(),
+                       gu.numel() / (2 * inter), inter, Stream(gu));
+      return {out};
+    }
+#endif
     const at::Tensor g = gate_up.narrow(-1, 0, inter).to(at::kFloat);
     const at::Tensor u = gate_up.narrow(-1, inter, inter).to(at::kFloat);
     const at::Tensor dy = grads[0].to(at::kFloat);

@@ -19,7 +19,8 @@
 //                 blocks' gradients, where the graph makes a dense zero
 //                 [T, n] gradient per block and adds them.
 //
-// Without grad mode (the sampler) all are the plain ops.
+// Without grad mode (the sampler) all are the plain ops. On CUDA the RMSNorm
+// and SwiGLU backwards are one fused kernel each (model/cuda/lean_grads.h).
 //
 // Threading: pure functions; any thread.
 #pragma once
