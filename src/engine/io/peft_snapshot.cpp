@@ -1,7 +1,9 @@
 #include "engine/io/peft_snapshot.h"
 
 #if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -41,7 +43,14 @@ Result<std::shared_ptr<const PeftSnapshot>> PeftSnapshot::Take(const SlotBank& b
 
 void PeftSnapshot::Ready() const {
 #if LOOM_CUDA_KERNELS
-  if (done_) done_->event.block(at::cuda::getCurrentCUDAStream(adapter_.storage.device().index()));
+  if (done_) {
+    const c10::cuda::CUDAStream reader = at::cuda::getCurrentCUDAStream(adapter_.storage.device().index());
+    done_->event.block(reader);
+    // The storage was allocated on the trainer's stream: when the snapshot
+    // is freed, its memory must not go back to that stream's pool before
+    // this stream's reads of it (queued asynchronously) have run.
+    c10::cuda::CUDACachingAllocator::recordStream(adapter_.storage.storage().data_ptr(), reader);
+  }
 #endif
 }
 

@@ -7,8 +7,9 @@
 // Readers: the service's writer thread (WritePeft: the buffer to the host on
 // a stream of its own, synchronized before it returns, then the files) and
 // the sampler's decode thread (adapter(), installed into its own bank after
-// Ready(), on the default stream the engine thread copies on, so the buffer
-// may be freed after the install is queued).
+// Ready(), which also tells the caching allocator that the reader's stream
+// uses the buffer, so it may be freed as soon as the install is queued,
+// whichever stream that is).
 //
 // Threading: Take on the engine thread; everything else any thread, at once.
 #pragma once
@@ -28,8 +29,9 @@ class PeftSnapshot final : public SlotSnapshot {
 
   // On the bank's device. Call Ready() on the thread that reads it first.
   const PeftAdapter& adapter() const { return adapter_; }
-  // Makes the calling thread's current stream wait for the copy (CUDA; a
-  // no-op on the CPU, where the copy is done when Take returns).
+  // Makes the calling thread's current stream wait for the copy and records
+  // the buffer's use on it (CUDA; a no-op on the CPU, where the copy is done
+  // when Take returns).
   void Ready() const;
 
   Status WritePeft(const std::string& dir, const std::string& base_model_name) const override;
