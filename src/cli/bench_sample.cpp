@@ -26,6 +26,7 @@
 #include "cli/bench_contention.h"
 #include "cli/bench_multiturn.h"
 #include "cli/decode_flags.h"
+#include "cli/step_flags.h"
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
@@ -51,7 +52,7 @@ struct Options {
   int rank = 16;
   int threads = 0;
   engine::DecodeOptions decode;
-  int64_t max_prefill_tokens = engine::SamplerOptions{}.max_prefill_tokens;
+  engine::SamplerOptions steps;  // the step limits of --max-prefill-tokens and --contended-*
   bool contention = false;  // --contention: bench_contention.h instead of the decode table
   ContentionOptions contended;
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
@@ -164,7 +165,9 @@ int Run(const Options& o) {
     so.context_window = std::max(c.flood_prompt + c.flood_tokens, c.light_prompt + c.light_tokens) + 16;
   }
   so.threads = o.threads;
-  so.max_prefill_tokens = o.max_prefill_tokens;
+  so.max_prefill_tokens = o.steps.max_prefill_tokens;
+  so.contended_prefill_tokens = o.steps.contended_prefill_tokens;
+  so.contended_decode_rows = o.steps.contended_decode_rows;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
   if (o.multi_turn) {  // room for one conversation in each of the two samplers
@@ -248,8 +251,7 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);
   app.add_option("--threads", o.threads, "CPU threads (0 = libtorch default)")->default_val(o.threads);
-  app.add_option("--max-prefill-tokens", o.max_prefill_tokens, "prompt tokens prefilled per step (as `loom serve`'s flag)")
-      ->default_val(o.max_prefill_tokens)->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  const StepFlags step_flags(app);
   app.add_flag("--contention", o.contention,
                "instead: a light tenant's latency on an idle sampler and beside another tenant's flood");
   ContentionOptions& c = o.contended;
@@ -276,6 +278,7 @@ int BenchSample(int argc, char** argv) {
     return app.exit(e);
   }
   o.decode = decode_flags.options();
+  step_flags.Apply(&o.steps);
   return Run(o);
 }
 
