@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <future>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -57,6 +58,7 @@ struct Options {
   ContentionOptions contended;
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
+  std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -187,7 +189,9 @@ int Run(const Options& o) {
       auto uncached = engine::Sampler::Open(model, so);
       if (!uncached.ok())
         return std::fprintf(stderr, "loom bench sample: %s\n", uncached.status().message().c_str()), 1;
-      rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", o.turns);
+      MultiTurnOptions turns = o.turns;
+      turns.logprob_tolerance = o.logprob_tolerance.value_or(bf16 ? 0.1 : 1e-3);
+      rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", turns);
     } else {
       rc = RunContention(s, o.contended);
     }
@@ -269,6 +273,12 @@ int BenchSample(int argc, char** argv) {
                "--adapters count > 0: with an adapter)");
   MultiTurnOptions& t = o.turns;
   app.add_option("--turns", t.turns, "--multi-turn: turns")->default_val(t.turns)->check(CLI::Range(1, 1000));
+  app.add_option("--history-tokens", t.history_tokens, "--multi-turn: tokens of earlier conversation before turn 0")
+      ->default_val(t.history_tokens)
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--logprob-tolerance", o.logprob_tolerance,
+                 "--multi-turn: largest |logprob| difference of a turn's first token, cache on vs off (default: "
+                 "0.1 in bf16, 1e-3 in fp32)");
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
   const DecodeFlags decode_flags(app);

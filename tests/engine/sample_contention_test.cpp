@@ -62,12 +62,12 @@ std::string StepUntil(Scheduler& s, const std::optional<Result<SampleOutput>>& d
 TEST(SamplerContention, LightRequestMidChunkingRunsInItsOwnStepsBesideCappedChunks) {
   auto s = Make();
   std::optional<Result<SampleOutput>> flood1, flood2, light;
-  AddRequest(*s, 1, Tokens(300, 1), 4, 1, &flood1, "", "flood");
-  AddRequest(*s, 2, Tokens(300, 2), 4, 1, &flood2, "", "flood");
+  AddRequest(*s, 1, Tokens(600, 1), 4, 1, &flood1, "", "flood");
+  AddRequest(*s, 2, Tokens(600, 2), 4, 1, &flood2, "", "flood");
   const Stepped first = StepOnce(*s);  // the flood alone: a full chunk
   EXPECT_EQ(first.prefilled, kChunk);
   EXPECT_FALSE(first.contended);
-  // The flood still owes 472 prompt tokens (more than a step): before
+  // The flood still owes 1072 prompt tokens (more than a step): before
   // issue 19's step rule the light request waited for them.
   AddRequest(*s, 3, Tokens(10, 3), 3, 1, &light, "", "light");
   std::vector<Stepped> steps;

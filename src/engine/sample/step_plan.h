@@ -52,7 +52,7 @@
 namespace loom::engine::sample {
 
 // Steps a tenant counts as having work after its last request completed.
-constexpr uint64_t kRecentSteps = 4;
+constexpr uint64_t kRecentSteps = 16;
 // Decode steps in a row that within-share rows may take while an
 // over-share prompt waits.
 constexpr int kDecodeRun = 4;
