@@ -280,7 +280,7 @@ void Scheduler::Step() {
     }
     history_.last_prefill = plan.prefill;
     history_.last_within_prefill = plan.within_prefill;
-    history_.decode_run = plan.prefill ? 0 : history_.decode_run + 1;
+    history_.within_run = plan.within_decode ? history_.within_run + 1 : 0;
     if (plan.contended) ++stats_.contended_steps;
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     (plan.prefill ? stats_.prefill_seconds : stats_.decode_seconds) += took;

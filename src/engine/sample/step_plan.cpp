@@ -79,34 +79,37 @@ StepPlan PlanStep(const Admitted& admitted, const StepLimits& limits, const Step
   const bool within_waits = AnyPrefilling(admitted, is_within);
   const bool over_waits = AnyPrefilling(admitted, is_over);
   std::vector<Sequence*> within_rows = Rows(admitted, is_within);
-  if (within_waits && !(h.last_within_prefill && any_rows)) {
-    plan.prefill = plan.within_prefill = true;
-  } else if (!within_rows.empty() && !(over_waits && h.decode_run >= kDecodeRun)) {
-    plan.prefill = false;
-  } else {
-    plan.prefill = over_waits && (!h.last_prefill || !any_rows);
-  }
-
-  if (plan.prefill) {
-    const int64_t used =
-        plan.within_prefill ? AddChunks(admitted, is_within, limits.max_prefill_tokens, &plan.chunks) : 0;
-    AddChunks(admitted, is_over, std::min(limits.contended_prefill_tokens, limits.max_prefill_tokens - used),
-              &plan.chunks);
-    return plan;
-  }
-  plan.rows = std::move(within_rows);
   std::vector<Sequence*> over_rows = Rows(admitted, is_over);
   const size_t cap = limits.contended_decode_rows > 0 ? static_cast<size_t>(limits.contended_decode_rows)
                                                       : over_rows.size();
-  if (over_rows.size() > cap) {
-    // The rows that waited longest first; ties in arrival order.
-    std::stable_sort(over_rows.begin(), over_rows.end(), [](const Sequence* a, const Sequence* b) {
-      if (a->last_step != b->last_step) return a->last_step < b->last_step;
-      return a->request->id < b->request->id;
-    });
-    over_rows.resize(cap);
+  // Over-share work that a within-share decode step leaves waiting.
+  const bool over_left = over_waits || over_rows.size() > cap;
+  if (within_waits && !(h.last_within_prefill && any_rows)) {
+    plan.prefill = plan.within_prefill = true;  // 1
+  } else if (!within_rows.empty() && !(over_left && h.within_run >= kDecodeRun)) {
+    plan.within_decode = true;  // 2
+    if (over_rows.size() > cap) {
+      // The rows that waited longest first; ties in arrival order.
+      std::stable_sort(over_rows.begin(), over_rows.end(), [](const Sequence* a, const Sequence* b) {
+        if (a->last_step != b->last_step) return a->last_step < b->last_step;
+        return a->request->id < b->request->id;
+      });
+      over_rows.resize(cap);
+    }
+    plan.rows = std::move(within_rows);
+    plan.rows.insert(plan.rows.end(), over_rows.begin(), over_rows.end());
+    return plan;
+  } else {  // 3: the over-share tenants' turn
+    plan.prefill = over_waits && (!h.last_prefill || !any_rows);
+    if (!plan.prefill) {
+      plan.rows = Rows(admitted, all);
+      return plan;
+    }
   }
-  plan.rows.insert(plan.rows.end(), over_rows.begin(), over_rows.end());
+  const int64_t used =
+      plan.within_prefill ? AddChunks(admitted, is_within, limits.max_prefill_tokens, &plan.chunks) : 0;
+  AddChunks(admitted, is_over, std::min(limits.contended_prefill_tokens, limits.max_prefill_tokens - used),
+            &plan.chunks);
   return plan;
 }
 

@@ -19,17 +19,20 @@
 //   prefill (or no row is running), taking up to max_prefill_tokens in
 //   admission order, a longer prompt in chunks; else a decode step over every
 //   running row.
-//  Contended: an over-share tenant's work in a step is capped at
-//   contended_prefill_tokens of prompt (over-share chunks together, in
-//   admission order, after the within-share tenants' chunks) and at
-//   contended_decode_rows running rows (the over-share rows that waited
-//   longest; 0 = all rows). Within-share work goes first:
-//   1. a prefill step when a within-share prompt waits, unless the last step
-//      was one and rows are running (then a decode step comes between);
-//   2. else a decode step when a within-share row runs, unless kDecodeRun
-//      decode steps in a row have passed while an over-share prompt waits
-//      (then 3: a long generation cannot starve the other tenant's prompts);
-//   3. else the over-share work alone, capped, alternating as uncontended.
+//  Contended: within-share work goes first, and the over-share tenants'
+//   work that shares its steps is capped: at most contended_prefill_tokens
+//   of their prompts per prefill step (together, in admission order, after
+//   the within-share chunks), at most contended_decode_rows of their running
+//   rows per decode step (those that waited longest; 0 = all rows).
+//   1. A prefill step when a within-share prompt waits, unless the last step
+//      was one and rows are running (then a decode step comes between).
+//   2. Else a decode step of the within-share rows and the capped over-share
+//      ones, unless kDecodeRun such steps in a row have left over-share work
+//      waiting (a prompt, or rows beyond the cap): then 3, so a long
+//      generation cannot starve the other tenants.
+//   3. Else the over-share tenants' turn: a capped prefill step when their
+//      prompts wait and the last step was not a prefill (or no row runs),
+//      else a decode step of every running row.
 //  Effect: a within-share request waits for at most one capped step at
 //  arrival, then runs its prefill and, back to back, its decode steps, each
 //  carrying a capped part of the others' work: its latency stays within a
@@ -53,8 +56,7 @@ namespace loom::engine::sample {
 
 // Steps a tenant counts as having work after its last request completed.
 constexpr uint64_t kRecentSteps = 16;
-// Decode steps in a row that within-share rows may take while an
-// over-share prompt waits.
+// Rule-2 decode steps in a row while over-share work waits.
 constexpr int kDecodeRun = 4;
 
 struct StepLimits {
@@ -68,14 +70,15 @@ struct StepHistory {
   uint64_t step = 0;                  // steps run so far
   bool last_prefill = false;          // the last step was a prefill
   bool last_within_prefill = false;   // ... carrying a within-share tenant's chunk
-  int decode_run = 0;                 // decode steps since the last prefill step
+  int within_run = 0;                 // rule-2 steps in a row just before this one
   std::map<std::string, uint64_t> last_done;  // tenant -> step (1-based) of its last completion
 };
 
 struct StepPlan {
   bool prefill = false;
   bool contended = false;
-  bool within_prefill = false;        // a prefill carrying a within-share tenant's chunk
+  bool within_prefill = false;        // a prefill carrying a within-share tenant's chunk (rule 1)
+  bool within_decode = false;         // a decode step of rule 2
   std::vector<PrefillChunk> chunks;   // prefill: admission order
   std::vector<Sequence*> rows;        // decode: within-share rows, then over-share ones
 };
