@@ -42,6 +42,7 @@ struct TrainBenchOptions {
   std::string save_adapter;  // after timing, tenant 0's PEFT snapshot goes here
   bool lora_fp32 = false;
   int recompute_layers = -1;
+  int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
 };
 
@@ -139,6 +140,7 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.threads = o.threads;
   eo.lora_fp32 = o.lora_fp32;
   eo.recompute_layers = o.recompute_layers;
+  eo.graph_max_tokens = o.graph_tokens;
   auto opened = engine::Engine::Open(eo);
   if (!opened.ok()) {
     std::fprintf(stderr, "loom bench train: %s\n", opened.status().message().c_str());
@@ -204,6 +206,10 @@ int BenchTrain(const TrainBenchOptions& o) {
   row(std::to_string(o.tenants) + " tenants packed", *packed, tps_packed);
   std::printf("packed / alone throughput ratio: %.2fx (%d tokens per tenant per step)\n", tps_packed / tps_one,
               o.tokens_per_tenant);
+  if (const auto g = e.TrainGraphStats(); g.passes > 0)
+    std::printf("training graphs: %lld passes in the uniform layout, %lld replayed, %lld shapes captured, pool %.2f GiB\n",
+                static_cast<long long>(g.passes), static_cast<long long>(g.replays),
+                static_cast<long long>(g.captures), static_cast<double>(g.pool_bytes) / (1 << 30));
   return 0;
 }
 
@@ -233,6 +239,10 @@ int Bench(int argc, char** argv) {
                     "decoder layers whose activations are recomputed in the backward (0 = keep all; -1 = the "
                     "fewest that fit, per pass, on a GPU)")
       ->default_val(t.recompute_layers)->check(CLI::Range(-1, 100000));
+  train->add_option("--graph-tokens", t.graph_tokens,
+                    "on a GPU, passes of at most this many tokens (padded: power-of-two lengths of at least 64 "
+                    "and counts) run as CUDA graphs; 0 = never")
+      ->default_val(t.graph_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   train->add_option("--profile", t.profile,
                     "after timing, trace one more step of each row (Kineto, libtorch 2.x) to PATH.one.json and "
                     "PATH.packed.json (bench/trace_summary.py reads them)");

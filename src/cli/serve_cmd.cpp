@@ -80,8 +80,10 @@ int Serve(int argc, char** argv) {
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
   int64_t token_budget = 0;
+  int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   int batch_window_ms = 2;
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--graph-tokens", graph_tokens, "on a GPU, forward_backward passes of at most this many tokens (padded to power-of-two lengths of at least 64 and counts) run as CUDA graphs, captured on first use (0 = never)")->default_val(graph_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
   app.add_option("--decode-threads", decode_threads, "threads that decode heavy bodies (zstd, protobuf, large JSON) off the I/O threads")->default_val(decode_threads)->check(CLI::Range(1, 64));
@@ -144,6 +146,7 @@ int Serve(int argc, char** argv) {
   eopt.max_slots = max_adapters;
   eopt.max_rank = max_rank;
   eopt.context_window = context_window;
+  eopt.graph_max_tokens = graph_tokens;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return Fail("--model: " + engine.status().message());
   auto registry = store::Registry::Open(data_dir);

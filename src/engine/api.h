@@ -58,6 +58,11 @@ struct EngineOptions {
   // fit the device memory free at that moment (train/memory_plan.h); none on
   // the CPU.
   int recompute_layers = -1;
+  // On a GPU, forward_backward passes of at most this many tokens once
+  // padded to the uniform layout (train/uniform_pass.h) run as CUDA graphs
+  // (train/pass_graphs.h): a small step costs its GPU time, not its ~10,000
+  // launches. 0 = never. No effect on the CPU.
+  int64_t graph_max_tokens = 2048;
 };
 
 struct ModelInfo {
@@ -142,6 +147,12 @@ class Engine {
   virtual int64_t MaxPassTokens() const { return 0; }
   // One line on how the pass limit was measured (empty where none was).
   virtual std::string MemoryPlanReport() const { return {}; }
+  // The training graphs so far (EngineOptions::graph_max_tokens): passes run
+  // in the uniform layout, keys captured, passes replayed, the pool's bytes.
+  struct GraphStats {
+    int64_t passes = 0, captures = 0, replays = 0, pool_bytes = 0;
+  };
+  virtual GraphStats TrainGraphStats() const { return {}; }
   virtual void ResetPeakMemory() {}
 
   // The frozen base model, for a Sampler to share (so it is held once).

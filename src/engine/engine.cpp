@@ -34,6 +34,7 @@
 #include "engine/train/forward_backward.h"
 #include "engine/train/grad_marks.h"
 #include "engine/train/memory_plan.h"
+#include "engine/train/pass_graphs.h"
 #include "engine/train/loss_spec.h"
 #include "engine/train/state.h"
 
@@ -54,7 +55,9 @@ class TrainingEngine final : public Engine {
         model_(std::move(model)),
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
-        optimizer_(bank_) {
+        optimizer_(bank_),
+        graphs_(train::PassGraphs::Options{model_->device().is_cuda() ? options.graph_max_tokens : 0,
+                                           /*capture=*/true}) {
     bank_.set_lora_fp32(options.lora_fp32);
   }
 
@@ -185,7 +188,8 @@ class TrainingEngine final : public Engine {
       const train::PassPlan plan = Plan(calls);
       if (!plan.fits) return Refuse(calls, plan);
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window,
-                                       plan.recompute_layers);
+                                       plan.recompute_layers,
+                                       graphs_.options().max_tokens > 0 ? &graphs_ : nullptr);
     } catch (const std::exception& e) {
       for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
       for (auto& r : results)
@@ -219,6 +223,10 @@ class TrainingEngine final : public Engine {
     }
 #endif
     return m;
+  }
+  GraphStats TrainGraphStats() const override {
+    const auto& s = graphs_.stats();
+    return GraphStats{s.passes, s.captures, s.replays, s.pool_bytes};
   }
   void ResetPeakMemory() override {
 #if LOOM_CUDA_KERNELS
@@ -272,7 +280,9 @@ class TrainingEngine final : public Engine {
 #if LOOM_CUDA_KERNELS
     if (model_->device().is_cuda()) {
       const auto* props = at::cuda::getDeviceProperties(model_->device().index() < 0 ? 0 : model_->device().index());
-      return 0.90 * static_cast<double>(props->totalGlobalMem) - static_cast<double>(Memory().allocated);
+      // The training graphs' pool is reserved for them, allocated or not.
+      return 0.90 * static_cast<double>(props->totalGlobalMem) - static_cast<double>(Memory().allocated) -
+             static_cast<double>(graphs_.stats().pool_bytes);
     }
 #endif
     return 0;
@@ -328,6 +338,7 @@ class TrainingEngine final : public Engine {
   ModelInfo info_;
   SlotBank bank_;
   train::SlotOptimizer optimizer_;
+  train::PassGraphs graphs_;  // small passes as CUDA graphs (GPU only)
   std::map<int, train::GradMark> marks_;  // MarkGrad's, by slot
 };
 
@@ -340,6 +351,8 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     return Status::Invalid(Cat("recompute_layers: ", options.recompute_layers, " must be >= 0, or -1 (auto)"));
   if (options.context_window < 0)
     return Status::Invalid(Cat("context_window: ", options.context_window, " must be >= 0"));
+  if (options.graph_max_tokens < 0)
+    return Status::Invalid(Cat("graph_max_tokens: ", options.graph_max_tokens, " must be >= 0"));
   at::Device device = at::kCPU;
   if (options.device == "cuda" || (options.device == "auto" && at::hasCUDA())) {
     if (!at::hasCUDA()) return Status::Invalid("device: cuda was asked for but this build or machine has no CUDA");

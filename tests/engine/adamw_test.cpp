@@ -108,8 +108,8 @@ struct SlotOptimizerTest : ::testing::Test {
       // are zero outside each slot's rank (as autograd produces them).
       t.B.normal_();
       for (int s = 0; s < 3; ++s) t.B.select(0, s).narrow(1, bank.slot(s).config.rank, 4 - bank.slot(s).config.rank).zero_();
-      t.A.mutable_grad() = at::randn_like(t.A) * 0.1;
-      t.B.mutable_grad() = at::randn_like(t.B) * 0.1;
+      t.A.mutable_grad().copy_(at::randn_like(t.A) * 0.1);
+      t.B.mutable_grad().copy_(at::randn_like(t.B) * 0.1);
       for (int s = 0; s < 3; ++s) {
         const int r = bank.slot(s).config.rank;
         t.A.mutable_grad().select(0, s).narrow(0, r, 4 - r).zero_();
@@ -180,8 +180,8 @@ TEST_F(SlotOptimizerTest, NonFiniteGradientSkipsOnlyThatSlot) {
     for (size_t i = 0; i < 3; ++i) {
       twin.targets()[i].A.copy_(bank.targets()[i].A);
       twin.targets()[i].B.copy_(bank.targets()[i].B);
-      twin.targets()[i].A.mutable_grad() = bank.targets()[i].A.grad().clone();
-      twin.targets()[i].B.mutable_grad() = bank.targets()[i].B.grad().clone();
+      twin.targets()[i].A.mutable_grad().copy_(bank.targets()[i].A.grad().clone());
+      twin.targets()[i].B.mutable_grad().copy_(bank.targets()[i].B.grad().clone());
     }
   }
   SlotOptimizer twin_opt{twin};
@@ -250,8 +250,8 @@ TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) {
       for (size_t i = 0; i < 3; ++i) {
         auto& t = bank.targets()[i];
         if (round > 0) {  // fresh gradients, zero outside each slot's rank
-          t.A.mutable_grad() = at::randn_like(t.A) * 0.1;
-          t.B.mutable_grad() = at::randn_like(t.B) * 0.1;
+          t.A.mutable_grad().copy_(at::randn_like(t.A) * 0.1);
+          t.B.mutable_grad().copy_(at::randn_like(t.B) * 0.1);
           for (int s = 0; s < 3; ++s) {
             const int r = bank.slot(s).config.rank;
             t.A.mutable_grad().select(0, s).narrow(0, r, 4 - r).zero_();
@@ -262,8 +262,8 @@ TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) {
           twin.targets()[i].A.copy_(t.A);
           twin.targets()[i].B.copy_(t.B);
         }
-        twin.targets()[i].A.mutable_grad() = t.A.grad().clone();
-        twin.targets()[i].B.mutable_grad() = t.B.grad().clone();
+        twin.targets()[i].A.mutable_grad().copy_(t.A.grad().clone());
+        twin.targets()[i].B.mutable_grad().copy_(t.B.grad().clone());
       }
     }
     const std::vector<OptimStepCall> calls{{0, p0}, {1, p1}, {2, p1}, {0, p0}};
@@ -314,8 +314,8 @@ TEST_F(SlotOptimizerTest, StepThatWouldOverflowIsRefusedOnBothPaths) {
       for (size_t i = 0; i < 3; ++i) {
         to.targets()[i].A.copy_(bank.targets()[i].A);
         to.targets()[i].B.copy_(bank.targets()[i].B);
-        to.targets()[i].A.mutable_grad() = bank.targets()[i].A.grad().clone();
-        to.targets()[i].B.mutable_grad() = bank.targets()[i].B.grad().clone();
+        to.targets()[i].A.mutable_grad().copy_(bank.targets()[i].A.grad().clone());
+        to.targets()[i].B.mutable_grad().copy_(bank.targets()[i].B.grad().clone());
       }
     };
     SlotBank all{3, 4, at::kCPU, {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7},
@@ -357,10 +357,10 @@ TEST_F(SlotOptimizerTest, StepThatWouldOverflowIsRefusedOnBothPaths) {
   }
 }
 
-// The multi-tensor path checks a run of neighbouring slots with equal
-// factors as one entry; when that entry is refused, each slot is checked
-// again alone, so a stable slot merged with an unstable one still steps.
-TEST_F(SlotOptimizerTest, ForeachRefusesOnlyTheUnstableSlotOfAMergedRun) {
+// The multi-tensor path checks each slot's flat rows as one entry: when a
+// neighbouring slot with the same factors cannot step, the stable one still
+// steps, exactly as it would alone.
+TEST_F(SlotOptimizerTest, ForeachRefusesOnlyTheUnstableNeighbourSlot) {
   AdamParams sane;
   sane.learning_rate = 1e-2;  // no clipping: both slots share every factor
   sane.eps = 0;
@@ -374,8 +374,8 @@ TEST_F(SlotOptimizerTest, ForeachRefusesOnlyTheUnstableSlotOfAMergedRun) {
     for (size_t i = 0; i < 2; ++i) {
       b->targets()[i].A.copy_(bank.targets()[i].A.narrow(0, 0, 2));
       b->targets()[i].B.copy_(bank.targets()[i].B.narrow(0, 0, 2));
-      b->targets()[i].A.mutable_grad() = bank.targets()[i].A.grad().narrow(0, 0, 2).clone();
-      b->targets()[i].B.mutable_grad() = bank.targets()[i].B.grad().narrow(0, 0, 2).clone();
+      b->targets()[i].A.mutable_grad().copy_(bank.targets()[i].A.grad().narrow(0, 0, 2).clone());
+      b->targets()[i].B.mutable_grad().copy_(bank.targets()[i].B.grad().narrow(0, 0, 2).clone());
     }
   }
   // Slot 0's gradient is finite and nonzero, but its square underflows

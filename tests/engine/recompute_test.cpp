@@ -1,5 +1,5 @@
 // The trainer's memory levers against their plain references: the lean
-// RMSNorm and SwiGLU nodes (same forward bits, autograd's gradients to
+// RMSNorm, SwiGLU, RoPE and split nodes (same forward bits, autograd's gradients to
 // rounding), layer recomputation (the same values and gradients as keeping
 // every activation), and, on CUDA, the bf16 trainer's gap to the fp32
 // reference, printed for docs/compatibility.md.
@@ -65,6 +65,47 @@ TEST(LeanOps, SwiGluHasThePlainValuesAndAutogradsGradient) {
     }
 }
 
+TEST(LeanOps, RopeHasThePlainValuesAndAutogradsGradient) {
+  for (const at::Device device : Devices())
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      at::manual_seed(5);
+      const auto opts = at::TensorOptions().device(device);
+      const at::Tensor x = at::randn({13, 4, 16}, opts).to(dtype);
+      const at::Tensor angle = at::randn({13, 1, 8}, opts);
+      const at::Tensor cos = at::cat({angle.cos(), angle.cos()}, -1).to(dtype);
+      const at::Tensor sin = at::cat({angle.sin(), angle.sin()}, -1).to(dtype);
+      const at::Tensor g = at::randn({13, 4, 16}, opts).to(dtype);
+      const auto [y_plain, gx_plain] = ValueAndGrad([&](const at::Tensor& v) { return RopePlain(v, cos, sin); }, x, g);
+      const auto [y_lean, gx_lean] = ValueAndGrad([&](const at::Tensor& v) { return RopeLean(v, cos, sin); }, x, g);
+      EXPECT_TRUE(at::equal(y_plain, y_lean)) << device << " " << dtype;
+      const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+      EXPECT_LT(RelDiff(gx_lean.to(at::kFloat), gx_plain.to(at::kFloat)), tol) << device << " " << dtype;
+      EXPECT_GT(gx_plain.abs().max().item<double>(), 1e-2);
+    }
+}
+
+TEST(LeanOps, SplitGivesViewsAndTheSumOfItsBlocksGradients) {
+  for (const at::Device device : Devices()) {
+    at::manual_seed(6);
+    const auto opts = at::TensorOptions().device(device);
+    const at::Tensor x0 = at::randn({7, 12}, opts);
+    const at::Tensor w = at::randn({7, 12}, opts);
+    // Blocks used unequally (one unused), as q, k, v are.
+    const auto loss = [&](const std::vector<at::Tensor>& b) {
+      return (b[0] * w.narrow(1, 0, 6)).sum() + (b[1] * b[1]).sum();
+    };
+    const at::Tensor xa = x0.clone().requires_grad_(true), xb = x0.clone().requires_grad_(true);
+    const std::vector<at::Tensor> plain{xa.narrow(1, 0, 6), xa.narrow(1, 6, 3), xa.narrow(1, 9, 3)};
+    const std::vector<at::Tensor> lean = SplitLean(xb, {6, 3, 3});
+    ASSERT_EQ(lean.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(lean[i], plain[i])) << i;
+    loss(plain).backward();
+    loss(lean).backward();
+    EXPECT_TRUE(at::equal(xa.grad(), xb.grad())) << device;
+    EXPECT_TRUE(at::equal(xb.grad().narrow(1, 9, 3), at::zeros({7, 3}, opts)));
+  }
+}
+
 struct PassResult {
   at::Tensor logprobs;
   std::vector<at::Tensor> grads;  // every target's A and B gradient
@@ -74,8 +115,8 @@ struct PassResult {
 // (slot 1 trains the MLP only), with the first `recompute` layers recomputed.
 PassResult Pass(const Transformer& model, SlotBank& bank, int64_t recompute) {
   for (auto& t : bank.targets()) {
-    if (t.A.grad().defined()) t.A.mutable_grad() = at::Tensor();
-    if (t.B.grad().defined()) t.B.mutable_grad() = at::Tensor();
+    if (t.A.grad().defined()) t.A.mutable_grad().zero_();
+    if (t.B.grad().defined()) t.B.mutable_grad().zero_();
   }
   const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(4, 2), Seq(13, 3), Seq(6, 4)};
   const PackedBatch batch = PackedBatch::Make(seqs, {0, -1, 1, 0}, model.device());

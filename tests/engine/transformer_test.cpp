@@ -114,8 +114,8 @@ TEST_P(TransformerArch, TargetLogprobsEqualsLogSoftmaxOfFullLogits) {
   for (auto& t : bank->targets()) {
     chunked_grads.push_back(t.A.grad().clone());
     chunked_grads.push_back(t.B.grad().clone());
-    t.A.mutable_grad() = at::Tensor();
-    t.B.mutable_grad() = at::Tensor();
+    t.A.mutable_grad().zero_();
+    t.B.mutable_grad().zero_();
   }
 
   // Reference: full logits, log_softmax, gather — plain autograd.

@@ -34,13 +34,6 @@ at::Tensor SegmentForward(const at::Tensor& x, const at::Tensor& A, const at::Te
   return at::cat(parts, 0);
 }
 
-// .grad of a factor, created (zero) on first use as AccumulateGrad would.
-at::Tensor& GradOf(const at::Tensor& factor) {
-  at::Tensor& g = const_cast<at::Tensor&>(factor).mutable_grad();
-  if (!g.defined()) g = at::zeros_like(factor);
-  return g;
-}
-
 std::vector<int64_t> PackRuns(const std::vector<LoraRun>& runs, std::vector<double>& scales) {
   std::vector<int64_t> v;
   for (const LoraRun& r : runs) {
@@ -90,9 +83,9 @@ class SegmentNode : public torch::autograd::Function<SegmentNode> {
       const at::Tensor b = B.select(0, r.slot).narrow(1, 0, r.rank).to(ct);
       const at::Tensor xr = xc.narrow(0, r.begin, r.len), gr = gc.narrow(0, r.begin, r.len);
       const at::Tensor h = at::linear(xr, a) * r.scale;  // [len, r]
-      GradOf(B).select(0, r.slot).narrow(1, 0, r.rank).add_(at::mm(gr.t(), h));
+      FactorGrad(B).select(0, r.slot).narrow(1, 0, r.rank).add_(at::mm(gr.t(), h));
       const at::Tensor gxa = at::mm(gr, b) * r.scale;  // [len, r]
-      GradOf(A).select(0, r.slot).narrow(0, 0, r.rank).add_(at::mm(gxa.t(), xr));
+      FactorGrad(A).select(0, r.slot).narrow(0, 0, r.rank).add_(at::mm(gxa.t(), xr));
       if (need_x) gx.narrow(0, r.begin, r.len).copy_(at::mm(gxa, a));
     }
     if (need_x) out[0] = gx.to(x.scalar_type());
@@ -101,20 +94,34 @@ class SegmentNode : public torch::autograd::Function<SegmentNode> {
 };
 
 // The plain forward of the grouped form.
+// What the grouped form's backward reuses of its forward: the gathered
+// input and rank-wide hidden, the scale in the compute type, and (for few
+// groups, where the copies are small) the slots' factors in the compute type.
+struct GroupedSaved {
+  at::Tensor xp, h, scale, a, b;
+};
+constexpr int64_t kKeepFactorsUpTo = 2;  // groups; the memory plan's probes take 2 slots
+
 at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                          at::ScalarType ct, int64_t d_out, at::Tensor* xp_out = nullptr, at::Tensor* h_out = nullptr) {
+                          at::ScalarType ct, int64_t d_out, GroupedSaved* saved = nullptr) {
   const int64_t U = routing.num_slots(), L = routing.max_rows, d_in = x.size(1);
   if (U == 0) return at::zeros({x.size(0), d_out}, x.options().dtype(ct));
   // Gather first, then cast: a copy of the padded rows only (none when the
   // rows already are in padded order, e.g. 16 tenants x 512).
   at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
   xp = xp.to(ct).view({U, L, d_in});
-  const at::Tensor a = A.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, d_in, R]
-  const at::Tensor b = B.index_select(0, routing.slots).to(ct).transpose(1, 2);  // [U, R, d_out]
-  const at::Tensor h = at::bmm(xp, a) * routing.scale.to(ct);                     // [U, L, R]
-  at::Tensor y = at::bmm(h, b).view({U * L, d_out});
-  if (xp_out) *xp_out = xp;
-  if (h_out) *h_out = h;
+  const at::Tensor a = A.index_select(0, routing.slots).to(ct);  // [U, R, d_in]
+  const at::Tensor b = B.index_select(0, routing.slots).to(ct);  // [U, d_out, R]
+  const at::Tensor scale = routing.scale.to(ct);
+  const at::Tensor h = at::bmm(xp, a.transpose(1, 2)) * scale;   // [U, L, R]
+  at::Tensor y = at::bmm(h, b.transpose(1, 2)).view({U * L, d_out});
+  if (saved) {
+    *saved = GroupedSaved{xp, h, scale, at::Tensor(), at::Tensor()};
+    if (U <= kKeepFactorsUpTo) {
+      saved->a = a;
+      saved->b = b;
+    }
+  }
   if (routing.identity) return y;
   if (routing.base_rows) y = at::cat({y, at::zeros({1, d_out}, y.options())}, 0);
   return y.index_select(0, routing.scatter);
@@ -125,9 +132,10 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
                             const LoraGroups* routing, int64_t ct, int64_t d_out) {
     c10::NoGradGuard no_grad;
-    at::Tensor xp, h;
-    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, &xp, &h);
-    ctx->save_for_backward({xp, h, A, B, routing->slots, routing->scale, routing->gather, routing->scatter});
+    GroupedSaved sv;
+    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, &sv);
+    ctx->save_for_backward(
+        {sv.xp, sv.h, A, B, routing->slots, sv.scale, routing->gather, routing->scatter, sv.a, sv.b});
     ctx->saved_data["identity"] = routing->identity;
     ctx->saved_data["shape"] = std::vector<int64_t>{x.size(0), x.size(1), d_out, routing->max_rows};
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
@@ -137,7 +145,7 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xp = saved[0], &h = saved[1], &A = saved[2], &B = saved[3], &slots = saved[4],
-                     &scale = saved[5], &gather = saved[6], &scatter = saved[7];
+                     &scale = saved[5], &gather = saved[6], &scatter = saved[7];  // scale in the compute type
     const bool identity = ctx->saved_data["identity"].toBool();
     const auto shape = ctx->saved_data["shape"].toIntVector();
     const int64_t T = shape[0], d_in = shape[1], d_out = shape[2], L = shape[3], U = slots.size(0);
@@ -157,12 +165,12 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
       gp.index_add_(0, scatter, g.to(ct));
       gp = gp.narrow(0, 0, U * L).view({U, L, d_out});
     }
-    const at::Tensor a = A.index_select(0, slots).to(ct);  // [U, R, d_in]
-    const at::Tensor b = B.index_select(0, slots).to(ct);  // [U, d_out, R]
+    const at::Tensor a = saved[8].defined() ? saved[8] : A.index_select(0, slots).to(ct);  // [U, R, d_in]
+    const at::Tensor b = saved[9].defined() ? saved[9] : B.index_select(0, slots).to(ct);  // [U, d_out, R]
     // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
-    GradOf(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
-    const at::Tensor gxa = at::bmm(gp, b) * scale.to(ct);  // [U, L, R]
-    GradOf(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+    FactorGrad(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
+    const at::Tensor gxa = at::bmm(gp, b) * scale;  // [U, L, R]
+    FactorGrad(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
     if (!ctx->needs_input_grad(0)) return out;
     at::Tensor gxp = at::bmm(gxa, a).view({U * L, d_in});
     at::Tensor gx;
@@ -181,6 +189,12 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
 bool Differentiable(const at::Tensor& A) { return c10::GradMode::is_enabled() && A.requires_grad(); }
 
 }  // namespace
+
+at::Tensor& FactorGrad(const at::Tensor& factor) {
+  at::Tensor& g = const_cast<at::Tensor&>(factor).mutable_grad();
+  if (!g.defined()) g = at::zeros_like(factor);
+  return g;
+}
 
 at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
                             const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out) {

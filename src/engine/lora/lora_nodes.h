@@ -40,6 +40,11 @@ struct LoraRun {
 at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
                             const std::vector<LoraRun>& runs, at::ScalarType ct, int64_t d_out);
 
+// The .grad of a bank factor (A or B), created zero on first use as
+// AccumulateGrad would: the nodes that write a slot's gradient in place
+// (these, and the unembed's) add into it.
+at::Tensor& FactorGrad(const at::Tensor& factor);
+
 // GroupedDelta's value (slot_bank.h) in dtype ct.
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
                             at::ScalarType ct, int64_t d_out);

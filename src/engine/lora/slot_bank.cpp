@@ -57,10 +57,33 @@ SlotBank::SlotBank(int num_slots, int max_rank, at::Device device,
     t.group = group;
     t.d_in = d_in;
     t.d_out = d_out;
-    // at:: factories ignore requires_grad in 1.13: set it on the result.
-    t.A = at::zeros({num_slots, max_rank, d_in}, opts).requires_grad_();
-    t.B = at::zeros({num_slots, d_out, max_rank}, opts).requires_grad_();
     targets_.push_back(std::move(t));
+  }
+  // Columns by group, each target's A then B, in target order within a group.
+  int64_t cols = 0;
+  for (int g = 0; g < 3; ++g) {
+    const int64_t begin = cols;
+    for (LoraTarget& t : targets_) {
+      if (static_cast<int>(t.group) != g) continue;
+      t.a_col = cols;
+      cols += max_rank * t.d_in;
+      t.b_col = cols;
+      cols += t.d_out * max_rank;
+    }
+    group_cols_[g] = {begin, cols - begin};
+  }
+  flat_ = at::zeros({num_slots, cols}, opts);
+  flat_grad_ = at::zeros({num_slots, cols}, opts);
+  const auto view = [&](const at::Tensor& flat, int64_t col, int64_t rows, int64_t width) {
+    return flat.narrow(1, col, rows * width).view({num_slots, rows, width});
+  };
+  for (LoraTarget& t : targets_) {
+    // Leaves sharing the flat buffer's storage (at:: factories ignore
+    // requires_grad in 1.13: set it on the result).
+    t.A = view(flat_, t.a_col, max_rank, t.d_in).detach().requires_grad_();
+    t.B = view(flat_, t.b_col, t.d_out, max_rank).detach().requires_grad_();
+    t.A.mutable_grad() = view(flat_grad_, t.a_col, max_rank, t.d_in);
+    t.B.mutable_grad() = view(flat_grad_, t.b_col, t.d_out, max_rank);
   }
   scales_ = at::zeros({num_slots}, opts);
 }
@@ -108,10 +131,7 @@ void SlotBank::Release(int s) {
   if (s < 0 || s >= num_slots_) return;
   {
     c10::NoGradGuard no_grad;
-    for (auto& t : targets_) {
-      t.A.select(0, s).zero_();
-      t.B.select(0, s).zero_();
-    }
+    flat_.select(0, s).zero_();
     scales_.select(0, s).zero_();
   }
   ZeroGrad(s);
@@ -122,10 +142,7 @@ void SlotBank::ZeroGrad(int s) {
   if (s < 0 || s >= num_slots_) return;
   slots_[s].grad_dirty = false;
   c10::NoGradGuard no_grad;
-  for (auto& t : targets_) {
-    if (t.A.grad().defined()) t.A.grad().select(0, s).zero_();
-    if (t.B.grad().defined()) t.B.grad().select(0, s).zero_();
-  }
+  flat_grad_.select(0, s).zero_();
 }
 
 at::ScalarType SlotBank::ComputeType(const at::Tensor& x) const {

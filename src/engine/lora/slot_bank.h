@@ -1,8 +1,14 @@
 // SlotBank: N LoRA adapter slots at maximum rank R over a frozen base model.
 //
-// Layout (one few large tensors, not N small modules): for every adapted
+// Layout (a few large tensors, not N small modules): for every adapted
 // linear layer ("target") there is A [N, R, d_in] and B [N, d_out, R], FP32,
-// on the engine's device. A slot of rank r < R uses rows/columns [0, r); the
+// on the engine's device. They are views into one flat buffer [N, P] (P =
+// every target's R * (d_in + d_out)), so that each slot's factors are one
+// contiguous row, with the targets' columns ordered by group (attn, mlp,
+// unembed: each group one column range); their .grad tensors are views of
+// the same layout into a flat gradient buffer, defined (zero) from the start
+// and only ever changed in place. The optimizer then steps a slot as a few
+// rows, not ~500 tensors (train/adamw.h). A slot of rank r < R uses rows/columns [0, r); the
 // rest stay exactly zero, so their gradients are zero and AdamW leaves them
 // zero. scale[slot] = alpha / r. Targets a slot does not train (by group:
 // attn, mlp, unembed) have zero A and B and are masked out of the optimizer.
@@ -26,8 +32,9 @@ struct LoraTarget {
   TargetGroup group;
   int64_t d_in = 0;
   int64_t d_out = 0;
-  at::Tensor A;         // [N, R, d_in] fp32 leaf, requires_grad
-  at::Tensor B;         // [N, d_out, R] fp32 leaf, requires_grad
+  at::Tensor A;         // [N, R, d_in] fp32 leaf, requires_grad (a view of the bank's flat buffer)
+  at::Tensor B;         // [N, d_out, R] fp32 leaf, requires_grad (likewise)
+  int64_t a_col = 0, b_col = 0;  // where A's and B's R * d_in and d_out * R columns start in the flat row
 };
 
 // How a packed batch's tokens reach the slots of one target group, built
@@ -108,6 +115,14 @@ class SlotBank {
 
   // Per-slot scale alpha/r as a [N] fp32 tensor on the device (0 for unbound).
   const at::Tensor& scales() const { return scales_; }
+
+  // The flat buffers every target's A and B (and their gradients) are views
+  // of: [N, P] fp32, slot s's factors in row s. Weights change only under
+  // NoGradGuard (binding, loading, the optimizer).
+  const at::Tensor& flat() const { return flat_; }
+  const at::Tensor& flat_grad() const { return flat_grad_; }
+  // The columns [begin, begin + len) of group g's targets in a flat row.
+  std::pair<int64_t, int64_t> GroupColumns(TargetGroup g) const { return group_cols_[static_cast<int>(g)]; }
 
   // Binds slot s: A[s,:r,:] ~ kaiming-uniform from config.seed (as PEFT does:
   // U(-1/sqrt(d_in), 1/sqrt(d_in))), B[s] = 0; untrained groups and rows >= r
@@ -197,6 +212,8 @@ class SlotBank {
   at::Device device_;
   std::vector<LoraTarget> targets_;
   std::vector<SlotState> slots_;
+  at::Tensor flat_, flat_grad_;
+  std::pair<int64_t, int64_t> group_cols_[3];
   at::Tensor scales_;
   bool lora_fp32_ = false;
 };

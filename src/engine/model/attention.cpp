@@ -53,6 +53,8 @@ PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Devic
     l.max_len = std::max(l.max_len, len);
   }
   const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
+  l.uniform = l.seqs > 0 && l.seqs * l.max_len == T;  // no empty sequence is counted, so all are full
+  if (l.uniform) return l;
   at::Tensor gather = at::empty({l.seqs * l.max_len}, at::TensorOptions().dtype(at::kLong));
   at::Tensor scatter = at::empty({T}, at::TensorOptions().dtype(at::kLong));
   int64_t* g = gather.data_ptr<int64_t>();
@@ -89,16 +91,18 @@ bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device devi
 
 at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const PaddedLayout& layout, AttentionKernel kernel) {
-  const int64_t heads = q.size(1), kv_heads = k.size(1), hd = q.size(2);
+  const int64_t heads = q.size(1), hd = q.size(2);
   const int64_t S = layout.seqs, L = layout.max_len;
   if (S == 0) return at::zeros({q.size(0), heads * hd}, q.options());
   // [T, H, hd] -> [S, Lmax, H, hd] -> [S, H, Lmax, hd]
-  const at::Tensor qp = q.index_select(0, layout.gather).view({S, L, heads, hd}).transpose(1, 2);
-  const at::Tensor kp = k.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
-  const at::Tensor vp = v.index_select(0, layout.gather).view({S, L, kv_heads, hd}).transpose(1, 2);
+  const auto padded = [&](const at::Tensor& t) {
+    return (layout.uniform ? t : t.index_select(0, layout.gather)).view({S, L, t.size(1), hd}).transpose(1, 2);
+  };
+  const at::Tensor qp = padded(q), kp = padded(k), vp = padded(v);
   const at::Tensor o = kernel == AttentionKernel::kMath ? MathCausalBatched(qp, kp, vp)
                                                        : compat::CausalSdpa(qp, kp, vp);  // [S, H, Lmax, hd]
-  return o.transpose(1, 2).reshape({S * L, heads * hd}).index_select(0, layout.scatter);
+  const at::Tensor rows = o.transpose(1, 2).reshape({S * L, heads * hd});
+  return layout.uniform ? rows : rows.index_select(0, layout.scatter);
 }
 
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

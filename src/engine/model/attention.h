@@ -28,8 +28,12 @@ AttentionKernel DefaultAttentionKernel();
 // back). Immutable after Make; any thread.
 struct PaddedLayout {
   int64_t seqs = 0, max_len = 0;
-  at::Tensor gather;   // [S * Lmax] int64: packed row read into each padded slot
-  at::Tensor scatter;  // [T] int64: padded slot of each packed row
+  // Every sequence has max_len rows and they lie back to back (the uniform
+  // layout of engine/train/uniform_pass.h): the packed rows already are the
+  // padded layout, so there is nothing to gather and no tensor is built.
+  bool uniform = false;
+  at::Tensor gather;   // [S * Lmax] int64: packed row read into each padded slot (undefined when uniform)
+  at::Tensor scatter;  // [T] int64: padded slot of each packed row (undefined when uniform)
   static PaddedLayout Make(const std::vector<int64_t>& seq_begin, at::Device device);
   // Worth using on this device: more than one sequence, and at most 4x
   // padding waste on CUDA (where one launch beats S of them) or 1.25x on the

@@ -11,12 +11,22 @@
 //                 instead of about 12D. The weight is frozen (no gradient).
 //   SwiGluLean    silu(gate) * up over the fused [.., 2I] projection; keeps
 //                 that input only (the graph also keeps silu(gate)).
+//   RopeLean      x * cos + rotate_half(x) * sin; keeps cos and sin only,
+//                 and its backward is g * cos + rotate_half^T(g * sin), where
+//                 the graph makes a dense zero gradient per half slice.
+//   SplitLean     column blocks of one [T, n] tensor (the fused q/k/v
+//                 projection) as views; the backward is one cat of the
+//                 blocks' gradients, where the graph makes a dense zero
+//                 [T, n] gradient per block and adds them.
 //
-// Without grad mode (the sampler) both are the plain ops.
+// Without grad mode (the sampler) all are the plain ops. On CUDA the RMSNorm
+// and SwiGLU backwards are one fused kernel each (model/cuda/lean_grads.h).
 //
 // Threading: pure functions; any thread.
 #pragma once
 #include <ATen/ATen.h>
+
+#include <vector>
 
 namespace loom::engine {
 
@@ -30,5 +40,14 @@ at::Tensor RmsNormLean(const at::Tensor& x, const at::Tensor& weight, double eps
 // I): the plain ops, and the lean node keeping only gate_up.
 at::Tensor SwiGluPlain(const at::Tensor& gate_up);
 at::Tensor SwiGluLean(const at::Tensor& gate_up);
+
+// HF's rotary embedding x * cos + rotate_half(x) * sin, rotate_half([x1,
+// x2]) = [-x2, x1] over the last dimension; cos and sin broadcast against x
+// and are constants (no gradient).
+at::Tensor RopePlain(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor RopeLean(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// x [T, sum(widths)] as the views x[:, b_i : b_i + widths[i]].
+std::vector<at::Tensor> SplitLean(const at::Tensor& x, const std::vector<int64_t>& widths);
 
 }  // namespace loom::engine

@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 #include <utility>
@@ -248,8 +249,9 @@ namespace {
 // recomputed layers' backward (after Hidden has returned) still has it.
 struct PassState {
   PassState(const SlotBank& bank, const PackedBatch& batch, bool attn, bool mlp)
-      : delta(bank, batch.seq_begin, batch.seq_slot, attn, mlp),
-        padded(PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())) {}
+      : delta(batch.uniform ? BatchLora(bank, *batch.uniform) : BatchLora(bank, batch.seq_begin, batch.seq_slot, attn, mlp)),
+        padded(batch.uniform ? PaddedLayout::Make(batch.seq_begin, batch.tokens.device())
+                             : PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())) {}
   BatchLora delta;
   PaddedLayout padded;
   Rope rope;
@@ -274,8 +276,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   const Impl& m = *impl_;
   const double eps = config_.rms_norm_eps;
 
-  const bool attn_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
-  const bool mlp_lora = AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
+  const bool attn_lora = batch.uniform ? batch.uniform->attn_on : AnyTrains(bank, batch.seq_slot, TargetGroup::kAttn);
+  const bool mlp_lora = batch.uniform ? batch.uniform->mlp_on : AnyTrains(bank, batch.seq_slot, TargetGroup::kMlp);
   // The routing is planned once per target group for the batch, and one
   // batched attention per layer replaces one per sequence where cheaper.
   auto state = std::make_shared<PassState>(bank, batch, attn_lora, mlp_lora);
@@ -307,6 +309,14 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
 
 at::Tensor Transformer::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,
                                        const SlotBank& bank, int64_t chunk_tokens) const {
+  if (batch.uniform) {
+    const LoraTarget* t = bank.find("lm_head");
+    const int64_t len = batch.seq_begin.size() > 1 ? batch.seq_begin[1] : 1;
+    const int64_t chunk = std::max<int64_t>(1, chunk_tokens / len) * len;  // whole sequences
+    if (t && batch.uniform->unembed_on)
+      return UniformTargetLogprobs(hidden, targets, impl_->lm_head, t->A, t->B, batch.uniform->unembed, chunk);
+    return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, UnembedSpec{}, chunk);
+  }
   UnembedSpec spec = MakeUnembedSpec(bank, batch.seq_begin, batch.seq_slot);
   return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, spec, chunk_tokens);
 }

@@ -23,11 +23,26 @@ namespace loom::engine {
 struct CachedBatch;  // engine/model/cached_batch.h: the sampler's rows over a paged KV cache
 struct KvCache;
 
+// A batch in the uniform layout (engine/train/uniform_pass.h): S sequences
+// of L rows each, back to back, each its own LoRA group, with each
+// sequence's slot and alpha/r per target group already on the device
+// (scale 0: no LoRA for that sequence and group). The forward then reads
+// nothing from the host but shapes and the three switches, so a CUDA graph
+// of it replays with any slots. The groups' routing is LoraGroups with
+// identity set: rows S * L, max_rows L, slots [S], scale [S, 1, 1].
+struct UniformLora {
+  LoraGroups attn, mlp, unembed;
+  bool attn_on = false, mlp_on = false, unembed_on = false;  // whether the group's LoRA runs at all
+};
+
 struct PackedBatch {
   at::Tensor tokens;                  // [T] int64 on device
   at::Tensor positions;               // [T] int64 on device, restarting per sequence
   std::vector<int64_t> seq_begin;     // size S+1, cumulative offsets (cu_seqlens)
-  std::vector<int> seq_slot;          // size S, slot of each sequence (-1 = base only)
+  std::vector<int> seq_slot;          // size S, slot of each sequence (-1 = base only); unused when uniform is set
+  // Set for the uniform layout: the LoRA routing comes from here, not from
+  // seq_slot, and seq_begin must be 0, L, 2L, ..., S * L.
+  std::shared_ptr<const UniformLora> uniform;
 
   static PackedBatch Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
                           at::Device device);

@@ -42,12 +42,6 @@ inline at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double 
   return RmsNormLean(x, weight, eps);
 }
 
-// HF's rotate_half: [x1, x2] -> [-x2, x1] over the last dimension.
-inline at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
-
 // The layer's LoRA targets in LoraTargets() order, as module-path suffixes.
 inline constexpr const char* kLayerTargets[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                  "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
@@ -84,6 +78,13 @@ class BatchLora {
     if (attn) Plan(TargetGroup::kAttn, attn_);
     if (mlp) Plan(TargetGroup::kMlp, mlp_);
   }
+  // The uniform layout's routing (transformer.h, UniformLora): the grouped
+  // form with the given device-side groups, planned nothing on the host.
+  BatchLora(const SlotBank& bank, const UniformLora& u) : bank_(bank), seg_begin_(none_), seg_slot_(none_slots_) {
+    attn_.form = mlp_.form = LoraForm::kGrouped;
+    attn_.grouped = u.attn;
+    mlp_.grouped = u.mlp;
+  }
   at::Tensor operator()(const LoraTarget* t, const at::Tensor& x) const {
     const Group& p = t->group == TargetGroup::kAttn ? attn_ : mlp_;
     switch (p.form) {
@@ -105,6 +106,8 @@ class BatchLora {
     if (p.form == LoraForm::kRouted) p.routed = bank_.Route(g, seg_begin_, seg_slot_);
     if (p.form == LoraForm::kGrouped) p.grouped = bank_.Group(g, seg_begin_, seg_slot_);
   }
+  const std::vector<int64_t> none_;
+  const std::vector<int> none_slots_;
   const SlotBank& bank_;
   const std::vector<int64_t>& seg_begin_;
   const std::vector<int>& seg_slot_;
@@ -150,16 +153,16 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // base's bits.
   at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
   if (attn_lora) qkv = qkv + at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1);
-  at::Tensor q = qkv.narrow(1, 0, qn), k = qkv.narrow(1, qn, kvn), v = qkv.narrow(1, qn + kvn, kvn);
-  q = q.reshape({T, m.heads, hd});
-  k = k.reshape({T, m.kv_heads, hd});
-  v = v.reshape({T, m.kv_heads, hd});
+  const std::vector<at::Tensor> split = SplitLean(qkv, {qn, kvn, kvn});
+  at::Tensor q = split[0].reshape({T, m.heads, hd});
+  at::Tensor k = split[1].reshape({T, m.kv_heads, hd});
+  at::Tensor v = split[2].reshape({T, m.kv_heads, hd});
   if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
     q = RmsNorm(q, l.q_norm, eps);
     k = RmsNorm(k, l.k_norm, eps);
   }
-  q = q * rope.cos + RotateHalf(q) * rope.sin;
-  k = k * rope.cos + RotateHalf(k) * rope.sin;
+  q = RopeLean(q, rope.cos, rope.sin);
+  k = RopeLean(k, rope.cos, rope.sin);
   const at::Tensor attn = attend(i, q, k, v);
   at::Tensor o = at::linear(attn, l.o_w, l.o_b);
   if (attn_lora) o = o + lora(i, 3, attn);

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 
+#include "engine/lora/lora_nodes.h"
+
 namespace loom::engine {
 namespace {
 
@@ -88,7 +90,8 @@ std::vector<Run> UnpackRuns(const std::vector<int64_t>& v, const std::vector<dou
 
 // Autograd node that keeps only hidden (plus the frozen lm_head and targets)
 // for the backward pass and recomputes each chunk's logits there, one chunk
-// at a time, differentiating into hidden and per-slot slices of A and B.
+// at a time, differentiating into hidden and per-slot slices of A and B
+// (added into their .grad in place; none returned for A and B).
 class CheckpointedLogprobs : public torch::autograd::Function<CheckpointedLogprobs> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& A,
@@ -174,15 +177,98 @@ class CheckpointedLogprobs : public torch::autograd::Function<CheckpointedLogpro
     torch::autograd::variable_list out(8);
     out[0] = grad_h;
     if (need_ab) {
+      // Into the used slots' rows of .grad in place (as lora_nodes.h), not
+      // through a dense [N, ...] gradient of the whole bank.
       c10::NoGradGuard no_grad;
-      at::Tensor dA = at::zeros_like(A), dB = at::zeros_like(B);
       for (size_t k = 0; k < f.slot.size(); ++k) {
-        dA.select(0, f.slot[k]).narrow(0, 0, f.rank[k]).copy_(grad_a[k]);
-        dB.select(0, f.slot[k]).narrow(1, 0, f.rank[k]).copy_(grad_b[k]);
+        FactorGrad(A).select(0, f.slot[k]).narrow(0, 0, f.rank[k]).add_(grad_a[k]);
+        FactorGrad(B).select(0, f.slot[k]).narrow(1, 0, f.rank[k]).add_(grad_b[k]);
       }
-      out[1] = dA;
-      out[2] = dB;
     }
+    return out;
+  }
+};
+
+// One chunk of the uniform layout: h [c * L, hidden] fp32, a [c, R, hidden]
+// and b [c, vocab, R] the chunk's sequences' factors, scale [c, 1, 1].
+at::Tensor UniformChunkLogprobs(const at::Tensor& h, const at::Tensor& targets, const at::Tensor& lm_head,
+                                const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale) {
+  const int64_t c = a.size(0), n = h.size(0), L = n / c;
+  at::Tensor logits = at::linear(h.to(lm_head.scalar_type()), lm_head).to(at::kFloat);
+  // (h a^T) b^T * scale, the order of ChunkLogprobs' run term.
+  const at::Tensor delta = at::bmm(at::bmm(h.view({c, L, h.size(1)}), a.transpose(1, 2)), b.transpose(1, 2)) * scale;
+  logits = logits + delta.view({n, -1});
+  const at::Tensor lse = at::logsumexp(logits, -1, /*keepdim=*/true);
+  if (targets.dim() == 1) return (logits.gather(1, targets.unsqueeze(1)) - lse).squeeze(1);
+  return logits.gather(1, targets) - lse;
+}
+
+at::Tensor UniformAllChunks(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
+                            const at::Tensor& A, const at::Tensor& B, const at::Tensor& slots,
+                            const at::Tensor& scale, int64_t len, int64_t chunk) {
+  std::vector<at::Tensor> out;
+  for (int64_t c0 = 0; c0 < hidden.size(0); c0 += chunk) {
+    const int64_t n = std::min(chunk, hidden.size(0) - c0), s0 = c0 / len, c = n / len;
+    const at::Tensor sl = slots.narrow(0, s0, c);
+    out.push_back(UniformChunkLogprobs(hidden.narrow(0, c0, n), targets.narrow(0, c0, n), lm_head,
+                                       A.index_select(0, sl), B.index_select(0, sl), scale.narrow(0, s0, c)));
+  }
+  return out.size() == 1 ? out[0] : at::cat(out, 0);
+}
+
+// The uniform layout's node: keeps hidden (plus the frozen lm_head, the
+// targets and the groups' device tensors) and recomputes each chunk in the
+// backward, as CheckpointedLogprobs does, with the chunk's factors gathered
+// by index on the device.
+class UniformLogprobs : public torch::autograd::Function<UniformLogprobs> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& A,
+                            const at::Tensor& B, const at::Tensor& lm_head, const at::Tensor& targets,
+                            const at::Tensor& slots, const at::Tensor& scale, int64_t len, int64_t chunk) {
+    c10::NoGradGuard no_grad;
+    ctx->save_for_backward({hidden, A, B, lm_head, targets, slots, scale});
+    ctx->saved_data["len"] = len;
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["need_h"] = hidden.requires_grad();
+    return UniformAllChunks(hidden, targets, lm_head, A, B, slots, scale, len, chunk);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &A = saved[1], &B = saved[2], &lm_head = saved[3], &targets = saved[4],
+                     &slots = saved[5], &scale = saved[6];
+    const int64_t len = ctx->saved_data["len"].toInt(), chunk = ctx->saved_data["chunk"].toInt();
+    const bool need_h = ctx->saved_data["need_h"].toBool();
+    const at::Tensor& g = grad_outputs[0];
+    torch::autograd::variable_list out(9);
+    if (!g.defined()) return out;
+    at::Tensor grad_h = need_h ? at::zeros_like(hidden) : at::Tensor();
+    for (int64_t c0 = 0; c0 < hidden.size(0); c0 += chunk) {
+      const int64_t n = std::min(chunk, hidden.size(0) - c0), s0 = c0 / len, c = n / len;
+      at::Tensor sl, hc, a, b;
+      {
+        c10::NoGradGuard no_grad;
+        sl = slots.narrow(0, s0, c);
+        hc = hidden.narrow(0, c0, n).detach().requires_grad_(need_h);
+        a = A.index_select(0, sl).requires_grad_();
+        b = B.index_select(0, sl).requires_grad_();
+      }
+      std::vector<at::Tensor> inputs{a, b};
+      if (need_h) inputs.push_back(hc);
+      at::Tensor lp;
+      {
+        c10::AutoGradMode enable(true);
+        lp = UniformChunkLogprobs(hc, targets.narrow(0, c0, n), lm_head, a, b, scale.narrow(0, s0, c));
+      }
+      const auto grads = torch::autograd::grad({lp}, inputs, {g.narrow(0, c0, n)}, /*retain_graph=*/false,
+                                               /*create_graph=*/false, /*allow_unused=*/true);
+      c10::NoGradGuard no_grad;
+      if (grads[0].defined()) FactorGrad(A).index_add_(0, sl, grads[0]);
+      if (grads[1].defined()) FactorGrad(B).index_add_(0, sl, grads[1]);
+      if (need_h) grad_h.narrow(0, c0, n).copy_(grads[2]);
+    }
+    out[0] = grad_h;
     return out;
   }
 };
@@ -221,6 +307,22 @@ at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& tar
   }
   const Factors f = spec.A.defined() ? SliceFactors(spec.A, spec.B, spec.runs) : Factors{};
   return AllChunks(hidden, targets, lm_head, spec.runs, f, chunk);
+}
+
+}  // namespace loom::engine
+
+namespace loom::engine {
+
+at::Tensor UniformTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
+                                 const at::Tensor& A, const at::Tensor& B, const LoraGroups& groups,
+                                 int64_t chunk_tokens) {
+  const int64_t len = groups.max_rows;
+  TORCH_CHECK(len > 0 && chunk_tokens % len == 0 && hidden.size(0) == groups.rows,
+              "UniformTargetLogprobs: chunk ", chunk_tokens, " is not a multiple of ", len, " or rows differ");
+  const at::Tensor scale = groups.scale.view({-1, 1, 1});
+  if (c10::GradMode::is_enabled() && (hidden.requires_grad() || A.requires_grad()))
+    return UniformLogprobs::apply(hidden, A, B, lm_head, targets, groups.slots, scale, len, chunk_tokens);
+  return UniformAllChunks(hidden, targets, lm_head, A, B, groups.slots, scale, len, chunk_tokens);
 }
 
 }  // namespace loom::engine

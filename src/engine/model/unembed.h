@@ -35,8 +35,21 @@ UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& se
 // lm_head [vocab, hidden] in the model dtype (logits are computed in that
 // dtype, as HF does, then in fp32). Returns fp32 of the targets' shape:
 // logit[target] - logsumexp(logits). Differentiable into hidden and the
-// spec's A and B (only the used slots' slices get nonzero gradient).
+// spec's A and B: the used slots' gradient slices are added into A.grad and
+// B.grad in place (lora_nodes.h), no autograd gradient is returned for them.
 at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
                                  const UnembedSpec& spec, int64_t chunk_tokens);
+
+// The same for the uniform layout (transformer.h, UniformLora): rows are S
+// sequences of L = groups.max_rows rows, sequence s adapted by the bank's
+// A/B of slot groups.slots[s] at groups.scale[s] (0: no LoRA), every factor
+// at full rank R (rows past a slot's rank are zero, so they add exact zeros).
+// The slots are read on the device, so the computation depends on nothing
+// host-side but shapes. chunk_tokens must be a multiple of L. The backward
+// adds each sequence's factor gradients into A.grad / B.grad in place (as
+// lora_nodes.h) and returns none for A and B.
+at::Tensor UniformTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
+                                 const at::Tensor& A, const at::Tensor& B, const LoraGroups& groups,
+                                 int64_t chunk_tokens);
 
 }  // namespace loom::engine

@@ -161,19 +161,22 @@ Status ValidateAdamParams(const AdamParams& p) {
 
 SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
   if (!bank.targets().empty() && bank.targets()[0].A.device().is_cuda()) path_ = Path::kForeach;
+  exp_avg_ = at::zeros_like(bank.flat());
+  exp_avg_sq_ = at::zeros_like(bank.flat());
+  const int64_t n = bank.num_slots(), r = bank.max_rank();
+  const auto view = [&](const at::Tensor& flat, int64_t col, int64_t rows, int64_t width) {
+    return flat.narrow(1, col, rows * width).view({n, rows, width});
+  };
   for (const LoraTarget& t : bank.targets()) {
-    a_.push_back({at::zeros_like(t.A.detach()), at::zeros_like(t.A.detach())});
-    b_.push_back({at::zeros_like(t.B.detach()), at::zeros_like(t.B.detach())});
+    a_.push_back({view(exp_avg_, t.a_col, r, t.d_in), view(exp_avg_sq_, t.a_col, r, t.d_in)});
+    b_.push_back({view(exp_avg_, t.b_col, t.d_out, r), view(exp_avg_sq_, t.b_col, t.d_out, r)});
   }
 }
 
 void SlotOptimizer::Reset(int s) {
   c10::NoGradGuard no_grad;
-  for (auto* list : {&a_, &b_})
-    for (Moments& m : *list) {
-      m.exp_avg.select(0, s).zero_();
-      m.exp_avg_sq.select(0, s).zero_();
-    }
+  exp_avg_.select(0, s).zero_();
+  exp_avg_sq_.select(0, s).zero_();
 }
 
 std::vector<Result<OptimStepOutput>> SlotOptimizer::Step(SlotBank& bank, const std::vector<OptimStepCall>& calls) {
@@ -201,20 +204,17 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
   const int64_t u = static_cast<int64_t>(slots.size());
   at::Tensor sq = at::zeros({u}, at::TensorOptions().dtype(at::kDouble).device(device));
   if (path_ == Path::kForeach) {
-    // Per group: every target's gradient side by side as [N, P_g] (one cat),
-    // the live rows, one fp64-accumulated sum of squares; masked by group.
+    // The live slots' flat gradient rows; per group (a column range), one
+    // fp64-accumulated sum of squares, masked by whether the slot trains it.
+    const at::Tensor rows = bank.flat_grad().index_select(0, index);
     const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
     for (TargetGroup g : groups) {
-      std::vector<at::Tensor> flat;
-      for (const LoraTarget& t : targets)
-        if (t.group == g)
-          for (const at::Tensor* p : {&t.A, &t.B})
-            if (p->grad().defined()) flat.push_back(p->grad().flatten(1));
-      if (flat.empty()) continue;
+      const auto [begin, len] = bank.GroupColumns(g);
+      if (len == 0) continue;
       std::vector<double> mask;
       for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), g) ? 1.0 : 0.0);
-      const at::Tensor rows = at::cat(flat, 1).index_select(0, index);
-      sq.add_(rows.square().sum({1}, false, at::kDouble) * at::tensor(mask, at::kDouble).to(device));
+      sq.add_(rows.narrow(1, begin, len).square().sum({1}, false, at::kDouble) *
+              at::tensor(mask, at::kDouble).to(device));
     }
     return sq;
   }
@@ -240,29 +240,19 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
 SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
                                                               const std::vector<AdamParams>& params,
                                                               const std::vector<int64_t>& steps,
-                                                              const std::vector<double>& scales, TargetGroup group,
-                                                              bool merge) const {
+                                                              const std::vector<double>& scales,
+                                                              TargetGroup group) const {
   ForeachLists l;
-  // Runs of consecutive slot indices with identical factors step as one
-  // [len, ...] view, so equal-hyperparameter tenants cost one list entry per
-  // tensor rather than one per slot (unless merge is off: one per slot).
-  struct Run {
-    int64_t first = 0, len = 0;
-    std::vector<int64_t> ks;  // indices into slots, one per slot of the run
-    float f[9];  // gscale, decay, b1, omb1, b2, omb2, inv_bc2, eps, neg_step
-  };
-  std::vector<size_t> order(slots.size());
-  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
-  std::sort(order.begin(), order.end(), [&](size_t x, size_t y) { return slots[x] < slots[y]; });
-  std::vector<Run> runs;
-  for (size_t k : order) {
+  // One entry per slot: the group's columns of its flat rows (weights,
+  // gradient, moments), each one contiguous span.
+  const auto [begin, len] = bank.GroupColumns(group);
+  if (len == 0) return l;
+  const at::Tensor p = bank.flat().narrow(1, begin, len), g = bank.flat_grad().narrow(1, begin, len);
+  const at::Tensor m = exp_avg_.narrow(1, begin, len), v = exp_avg_sq_.narrow(1, begin, len);
+  for (size_t k = 0; k < slots.size(); ++k) {
     const AdamParams& a = params[k];
     const double step = static_cast<double>(steps[k]);
     // The same fp32 factors AdamWRows::Make computes.
-    Run r;
-    r.first = slots[k];
-    r.len = 1;
-    r.ks = {static_cast<int64_t>(k)};
     const float f[9] = {static_cast<float>(scales[k]),
                         static_cast<float>(1.0 - a.learning_rate * a.weight_decay),
                         static_cast<float>(a.beta1),
@@ -272,32 +262,13 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
                         static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(a.beta2, step))),
                         static_cast<float>(a.eps),
                         -static_cast<float>(a.learning_rate / (1.0 - std::pow(a.beta1, step)))};
-    std::copy(f, f + 9, r.f);
-    if (merge && !runs.empty() && runs.back().first + runs.back().len == r.first &&
-        std::equal(f, f + 9, runs.back().f)) {
-      ++runs.back().len;
-      runs.back().ks.push_back(static_cast<int64_t>(k));
-      continue;
-    }
-    runs.push_back(r);
-  }
-  const auto& targets = bank.targets();
-  for (size_t ti = 0; ti < targets.size(); ++ti) {
-    const LoraTarget& t = targets[ti];
-    if (t.group != group) continue;
-    for (int ab = 0; ab < 2; ++ab) {
-      const at::Tensor& param = ab == 0 ? t.A : t.B;
-      const Moments& mo = ab == 0 ? a_[ti] : b_[ti];
-      const at::Tensor& grad = param.grad();
-      for (const Run& r : runs) {
-        l.p.push_back(param.detach().narrow(0, r.first, r.len));
-        l.g.push_back(grad.defined() ? grad.narrow(0, r.first, r.len) : at::zeros_like(l.p.back()));
-        l.m.push_back(mo.exp_avg.narrow(0, r.first, r.len));
-        l.v.push_back(mo.exp_avg_sq.narrow(0, r.first, r.len));
-        l.owners.push_back(r.ks);
-        for (int i = 0; i < 9; ++i) l.f[i].push_back(r.f[i]);
-      }
-    }
+    const int64_t s = slots[k];
+    l.p.push_back(p.select(0, s));
+    l.g.push_back(g.select(0, s));
+    l.m.push_back(m.select(0, s));
+    l.v.push_back(v.select(0, s));
+    l.owners.push_back(static_cast<int64_t>(k));
+    for (int i = 0; i < 9; ++i) l.f[i].push_back(f[i]);
   }
   return l;
 }
@@ -306,7 +277,7 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
                                   const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
                                   const std::vector<double>& scales, TargetGroup group) {
   c10::NoGradGuard no_grad;
-  ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
+  ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group);
   if (l.p.empty()) return;
   ForeachAdamW(l.p, l.g, l.m, l.v, l.f, /*in_place=*/true);
 }
@@ -316,7 +287,7 @@ std::vector<bool> SlotOptimizer::ForeachProvenFinite(const SlotBank& bank, const
                                                      const std::vector<int64_t>& steps,
                                                      const std::vector<double>& scales, TargetGroup group) const {
   c10::NoGradGuard no_grad;
-  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/true);
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group);
   std::vector<bool> proven(slots.size(), true);
   if (l.p.empty()) return proven;
   // max |x| per entry of each list: one multi-tensor reduction over the four
@@ -341,7 +312,7 @@ std::vector<bool> SlotOptimizer::ForeachProvenFinite(const SlotBank& bank, const
     const double m = f(2) * mx[1][e] + f(3) * g;
     const double p = std::abs(f(1)) * mx[0][e] + std::abs(f(8)) * m / f(7);
     if (f(7) > 0 && v <= kBound && p <= kBound) continue;
-    for (int64_t k : l.owners[e]) proven[static_cast<size_t>(k)] = false;
+    proven[static_cast<size_t>(l.owners[e])] = false;
   }
   return proven;
 }
@@ -350,7 +321,7 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
                                              const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
                                              const std::vector<double>& scales, TargetGroup group) const {
   c10::NoGradGuard no_grad;
-  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group, /*merge=*/false);
+  const ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group);
   const at::Device device = bank.targets()[0].A.device();
   at::Tensor bad = at::zeros({static_cast<int64_t>(slots.size())}, at::TensorOptions().device(device));
   // Chunks of list entries of at most 2^26 elements each (256 MiB per fp32
@@ -375,8 +346,8 @@ at::Tensor SlotOptimizer::ForeachStaysFinite(const SlotBank& bank, const std::ve
       const std::vector<at::Tensor> zeroed = at::_foreach_mul(*list, at::Scalar(0.0));
       entry_bad.add_(at::logical_not(at::isfinite(at::stack(at::_foreach_norm(zeroed)))).to(at::kFloat));
     }
-    std::vector<int64_t> owner;  // unmerged: one slot per entry
-    for (size_t e = begin; e < end; ++e) owner.push_back(l.owners[e].front());
+    const std::vector<int64_t> owner(l.owners.begin() + static_cast<std::ptrdiff_t>(begin),
+                                     l.owners.begin() + static_cast<std::ptrdiff_t>(end));
     bad.index_add_(0, at::tensor(owner, at::kLong).to(device), entry_bad);
     begin = end;
   }
@@ -537,12 +508,7 @@ void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& 
       if (!runs.empty() && runs.back().first + runs.back().second == s) ++runs.back().second;
       else runs.push_back({s, 1});
     }
-    std::vector<at::Tensor> grads;
-    for (LoraTarget& t : targets)
-      for (at::Tensor* p : {&t.A, &t.B})
-        if (p->grad().defined())
-          for (const auto& [first, len] : runs) grads.push_back(p->mutable_grad().narrow(0, first, len));
-    if (!grads.empty()) at::_foreach_zero_(grads);
+    for (const auto& [first, len] : runs) bank.flat_grad().narrow(0, first, len).zero_();
   } else if (!cleared.empty()) {
     const at::Tensor index = at::tensor(cleared, at::kLong).to(device);
     for (LoraTarget& t : targets) {

@@ -1,5 +1,6 @@
 // AdamW over a SlotBank: FP32 moments per slot laid out like the bank (one
-// exp_avg and one exp_avg_sq beside every A [N, R, d_in] and B [N, d_out, R]),
+// flat exp_avg and one exp_avg_sq [N, P] beside the bank's flat buffer, so
+// one beside every A [N, R, d_in] and B [N, d_out, R] as views),
 // stepped for several slots at once (index_select the slots' rows → math →
 // index_copy_), with each slot's own hyperparameters and step count.
 //
@@ -55,16 +56,17 @@ Status ValidateAdamParams(const AdamParams& params);
 class SlotOptimizer {
  public:
   struct Moments {
-    at::Tensor exp_avg;     // like the bank tensor, fp32
+    at::Tensor exp_avg;     // like the bank tensor, fp32 (a view of the flat moments)
     at::Tensor exp_avg_sq;
   };
 
   // The update path: kRows steps each target's rows with ~15 whole-tensor
-  // kernels per A/B tensor (the reference); kForeach builds one list of
-  // per-(target, slot) views and runs ~12 multi-tensor (_foreach_*) kernels
-  // over all of them, so the launch count no longer scales with the number of
-  // targets. Both give torch.optim.AdamW's numbers (kForeach within float
-  // rounding of kRows). Default: kForeach on CUDA, kRows on CPU.
+  // kernels per A/B tensor (the reference); kForeach runs ~12 multi-tensor
+  // (_foreach_*) kernels over one entry per (slot, group): the group's
+  // columns of the slot's flat row (SlotBank::flat()), so neither the launch
+  // count nor the host's list building scales with the number of targets.
+  // Both give torch.optim.AdamW's numbers (kForeach within float rounding of
+  // kRows). Default: kForeach on CUDA, kRows on CPU.
   enum class Path { kRows, kForeach };
 
   explicit SlotOptimizer(const SlotBank& bank);
@@ -103,24 +105,24 @@ class SlotOptimizer {
                            const std::vector<double>& scale, std::vector<PendingRows>* pending) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
-  // The multi-tensor path's lists for group g's targets: per entry one
-  // [len, ...] view of a param, its grad and moments, the indices k (into
-  // slots) of its run's slots, and the 9 fp32 factors (gscale, decay,
-  // b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps, -step size).
+  // The multi-tensor path's lists for group g: per slot one entry, the
+  // group's columns of the slot's flat rows (SlotBank::flat(): weights,
+  // gradient, moments), the index k (into slots) it belongs to, and the 9
+  // fp32 factors (gscale, decay, b1, 1-b1, b2, 1-b2, 1/sqrt(bc2), eps,
+  // -step size).
   struct ForeachLists {
     std::vector<at::Tensor> p, g, m, v;
-    std::vector<std::vector<int64_t>> owners;
+    std::vector<int64_t> owners;
     std::vector<at::Scalar> f[9];
   };
   ForeachLists BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
                                  const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
-                                 const std::vector<double>& scales, TargetGroup group, bool merge) const;
+                                 const std::vector<double>& scales, TargetGroup group) const;
   void ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& slots, const std::vector<AdamParams>& params,
                      const std::vector<int64_t>& steps, const std::vector<double>& scales, TargetGroup group);
   // Per slot (host): true when bounds computed from the largest |weight|,
-  // |moment| and |gradient| of the slot's entries (one multi-tensor max
-  // reduction over the merged runs' lists) prove that ForeachUpdate leaves
-  // it finite. A
+  // |moment| and |gradient| of the slot's entry (one multi-tensor max
+  // reduction over the lists) prove that ForeachUpdate leaves it finite. A
   // false is no verdict: ForeachStaysFinite decides those slots.
   std::vector<bool> ForeachProvenFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                         const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
@@ -131,6 +133,7 @@ class SlotOptimizer {
   at::Tensor ForeachStaysFinite(const SlotBank& bank, const std::vector<int64_t>& slots,
                                 const std::vector<AdamParams>& params, const std::vector<int64_t>& steps,
                                 const std::vector<double>& scales, TargetGroup group) const;
+  at::Tensor exp_avg_, exp_avg_sq_;  // [N, P] like SlotBank::flat(); a_ and b_ are views of them
   std::vector<Moments> a_, b_;
   Path path_ = Path::kRows;
 };

@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <memory>
+#include <optional>
 
 #include "engine/train/loss_spec.h"
 #include "engine/train/losses.h"
+#include "engine/train/pass_graphs.h"
 
 namespace loom::engine::train {
 namespace {
@@ -51,7 +53,7 @@ Array ToArray(const at::Tensor& host, int64_t begin, int64_t n, int64_t k) {
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
                                                            int64_t vocab_size, int64_t context_window,
-                                                           int64_t recompute_layers) {
+                                                           int64_t recompute_layers, PassGraphs* graphs) {
   std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
   // 1. Validate; valid calls with data join the batch, in call order.
   std::vector<Part> parts;
@@ -90,64 +92,103 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
   }
   if (parts.empty()) return results;
 
-  // 2. One packed forward (no autograd graph when nothing needs a backward).
-  const at::Device device = model.device();
-  std::unique_ptr<c10::NoGradGuard> no_grad;
-  if (!any_backward) no_grad = std::make_unique<c10::NoGradGuard>();
   std::vector<const Datum*> all_data;
   for (const Part& p : parts) all_data.insert(all_data.end(), p.data.begin(), p.data.end());
-  at::Tensor targets = PackTargets(all_data, k_cols).to(device);
-  PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
-  at::Tensor hidden = model.Hidden(batch, bank, recompute_layers);
-  at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank);
+  std::vector<int64_t> datum_row;  // each datum's first row in the outputs, in all_data order
+  std::vector<double> loss_values;  // per part
 
-  // 3. Per-call losses; one host sync for all of them.
-  std::vector<at::Tensor> elementwise, losses;
-  for (const Part& p : parts) {
-    at::Tensor lp = logprobs.narrow(0, p.begin, p.tokens);
-    const bool top_k = p.spec.AllowsTopK() && k_cols > 0;
-    if (!top_k && lp.dim() == 2) lp = lp.select(1, 0);
-    LossInputs in = PackLossInputs(p.spec, p.data, top_k ? k_cols : 0, device);
-    at::Tensor elem = ElementwiseLoss(p.spec, lp, in);
-    elementwise.push_back(elem);
-    losses.push_back(elem.sum());
+  // 2a. A small pass of one loss, all with a backward, in the uniform layout
+  // (as CUDA graphs on the GPU: pass_graphs.h).
+  std::optional<UniformResult> uniform;
+  if (graphs && recompute_layers == 0 && k_cols == 0 && any_backward) {
+    bool same = true;
+    for (const Part& p : parts)
+      same = same && !calls[p.call].forward_only && p.spec.kind == parts[0].spec.kind &&
+             p.spec.clip_low == parts[0].spec.clip_low && p.spec.clip_high == parts[0].spec.clip_high &&
+             p.spec.beta == parts[0].spec.beta;
+    if (same) uniform = graphs->Run(model, bank, parts[0].spec, all_data, seq_slots);
   }
-  at::Tensor loss_host = at::stack(losses).detach().to(at::kDouble).cpu();
-  const double* loss_values = loss_host.data_ptr<double>();
+  at::Tensor lp_host, elem_host;
+  if (uniform) {
+    lp_host = uniform->logprobs;
+    elem_host = uniform->elementwise;
+    size_t j = 0;
+    for (const Part& p : parts) {
+      double sum = 0;
+      for (size_t k = 0; k < p.data.size(); ++k, ++j) {
+        datum_row.push_back(static_cast<int64_t>(j) * uniform->len);
+        sum += uniform->loss[j];
+      }
+      loss_values.push_back(sum);
+    }
+  } else {
+    // 2b. One packed forward (no autograd graph when nothing needs a backward).
+    const at::Device device = model.device();
+    std::unique_ptr<c10::NoGradGuard> no_grad;
+    if (!any_backward) no_grad = std::make_unique<c10::NoGradGuard>();
+    at::Tensor targets = PackTargets(all_data, k_cols).to(device);
+    PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
+    at::Tensor hidden = model.Hidden(batch, bank, recompute_layers);
+    at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank);
 
-  // 4. One backward of the finite losses of calls that want gradients (their
-  // slots' gradients may then be non-zero: grad_dirty).
-  at::Tensor total;
-  std::vector<int> touched;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    if (calls[parts[i].call].forward_only || !std::isfinite(loss_values[i])) continue;
-    total = total.defined() ? total + losses[i] : losses[i];
-    touched.push_back(calls[parts[i].call].slot);
-  }
-  if (total.defined() && total.requires_grad()) {
-    for (int s : touched) bank.slot(s).grad_dirty = true;
-    total.backward();
+    // 3. Per-call losses; one host sync for all of them.
+    std::vector<at::Tensor> elementwise, losses;
+    for (const Part& p : parts) {
+      at::Tensor lp = logprobs.narrow(0, p.begin, p.tokens);
+      const bool top_k = p.spec.AllowsTopK() && k_cols > 0;
+      if (!top_k && lp.dim() == 2) lp = lp.select(1, 0);
+      LossInputs in = PackLossInputs(p.spec, p.data, top_k ? k_cols : 0, device);
+      at::Tensor elem = ElementwiseLoss(p.spec, lp, in);
+      // One width for all parts' rows (a 1-D part next to top-K ones fills column 0).
+      elementwise.push_back(k_cols > 0 && elem.dim() == 1 ? at::constant_pad_nd(elem.unsqueeze(1), {0, k_cols - 1})
+                                                          : elem);
+      losses.push_back(elem.sum());
+    }
+    at::Tensor loss_host = at::stack(losses).detach().to(at::kDouble).cpu();
+    loss_values.assign(loss_host.data_ptr<double>(), loss_host.data_ptr<double>() + parts.size());
+
+    // 4. One backward of the finite losses of calls that want gradients (their
+    // slots' gradients may then be non-zero: grad_dirty).
+    at::Tensor total;
+    std::vector<int> touched;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (calls[parts[i].call].forward_only || !std::isfinite(loss_values[i])) continue;
+      total = total.defined() ? total + losses[i] : losses[i];
+      touched.push_back(calls[parts[i].call].slot);
+    }
+    if (total.defined() && total.requires_grad()) {
+      for (int s : touched) bank.slot(s).grad_dirty = true;
+      total.backward();
+    }
+    lp_host = logprobs.detach().cpu();
+    elem_host = (elementwise.size() == 1 ? elementwise[0] : at::cat(elementwise, 0)).detach().cpu();
+    for (const Part& p : parts) {
+      int64_t row = p.begin;
+      for (const Datum* d : p.data) {
+        datum_row.push_back(row);
+        row += static_cast<int64_t>(d->tokens.size());
+      }
+    }
   }
 
   // 5. Outputs in datum order.
-  at::Tensor lp_host = logprobs.detach().cpu();
+  size_t j = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const Part& p = parts[i];
     if (!std::isfinite(loss_values[i])) {
       results[p.call] = Status::Invalid(Cat("loss_fn_inputs: the ", p.spec.name, " loss is not finite for this request's data (e.g. logprobs far below the model's, overflowing the ratio); no gradient was accumulated"));
+      j += p.data.size();
       continue;
     }
-    at::Tensor elem_host = elementwise[i].detach().cpu();
     ForwardBackwardOutput out;
-    int64_t row = 0;
     for (const Datum* d : p.data) {
       const int64_t n = static_cast<int64_t>(d->tokens.size());
       const int64_t k = TopK(*d);
       std::map<std::string, Array> o;
-      o["logprobs"] = ToArray(lp_host, p.begin + row, n, k);
-      o["elementwise_loss"] = ToArray(elem_host, row, n, k);
+      o["logprobs"] = ToArray(lp_host, datum_row[j], n, k);
+      o["elementwise_loss"] = ToArray(elem_host, datum_row[j], n, k);
       out.outputs.push_back(std::move(o));
-      row += n;
+      ++j;
     }
     out.metrics["loss:sum"] = loss_values[i];
     results[p.call] = std::move(out);

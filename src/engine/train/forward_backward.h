@@ -23,11 +23,18 @@
 
 namespace loom::engine::train {
 
+class PassGraphs;  // pass_graphs.h
+
 // One result per call, in order. Calls may mix losses and forward_only; the
-// forward runs without autograd when every call is forward_only.
+// forward runs without autograd when every call is forward_only. With
+// graphs, a pass of one loss whose calls all want gradients (1-D targets,
+// nothing recomputed) runs through graphs->Run() when it fits there: the
+// uniform layout, replayed as CUDA graphs on the GPU (pass_graphs.h); the
+// same values to float rounding.
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
                                                            int64_t vocab_size, int64_t context_window,
-                                                           int64_t recompute_layers = 0);
+                                                           int64_t recompute_layers = 0,
+                                                           PassGraphs* graphs = nullptr);
 
 }  // namespace loom::engine::train

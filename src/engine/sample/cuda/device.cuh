@@ -1,4 +1,4 @@
-// Device helpers shared by the decode kernels (*.cu here; nvcc only).
+// Device helpers shared by the CUDA kernels (*.cu here, and the trainer's model/cuda/; nvcc only).
 //
 // Conventions of every kernel in this folder: raw pointers and a stream,
 // no libtorch (the .cu files build in their own library, untouched by
