@@ -3,7 +3,8 @@
 // after another (each waits for the previous), first on an idle sampler, then
 // while tenant "flood" keeps --flood-depth requests queued (each completion
 // submits another). Prints the light requests' p50/p99 latency, submit to
-// result, in both phases and their ratio, and the flood's tokens/s.
+// result, in both phases and their ratio, and the flood's tokens/s: the
+// tokens the sampler generated during the light requests, less theirs.
 #include "cli/bench_contention.h"
 
 #include <algorithm>
@@ -30,8 +31,10 @@ double Percentile(std::vector<double> v, double q) {
   return v[i];
 }
 
-// The light tenant's requests, one at a time: their latencies in seconds.
-Result<std::vector<double>> LightRequests(engine::Sampler& s, const ContentionOptions& o, uint32_t seed) {
+// The light tenant's requests, one at a time: their latencies in seconds;
+// *tokens (when given) adds the tokens they generated.
+Result<std::vector<double>> LightRequests(engine::Sampler& s, const ContentionOptions& o, uint32_t seed,
+                                          int64_t* tokens = nullptr) {
   std::mt19937 rng(seed);
   std::vector<double> latencies;
   for (int i = 0; i < o.light_requests; ++i) {
@@ -48,6 +51,8 @@ Result<std::vector<double>> LightRequests(engine::Sampler& s, const ContentionOp
     Result<SampleOutput> r = f.get();
     if (!r.ok()) return r.status();
     latencies.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    if (tokens)
+      for (const auto& seq : r->sequences) *tokens += static_cast<int64_t>(seq.tokens.size());
   }
   return latencies;
 }
@@ -66,7 +71,6 @@ class Flood {
     s_.Cancel(kSession, Status::Unavailable("the bench is over"));  // nameless calls (--arrival-order) drain
     while (in_flight_.load() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  int64_t tokens() const { return tokens_.load(); }
   int64_t failures() const { return failures_.load(); }
 
  private:
@@ -83,11 +87,7 @@ class Flood {
     c.params.temperature = 1.0;
     ++in_flight_;
     s_.Submit(std::move(c), [this](Result<SampleOutput> r) {
-      if (r.ok()) {
-        for (const auto& seq : r->sequences) tokens_ += static_cast<int64_t>(seq.tokens.size());
-      } else if (!stop_) {
-        ++failures_;
-      }
+      if (!r.ok() && !stop_) ++failures_;
       if (!stop_) SubmitOne();
       --in_flight_;
     });
@@ -100,7 +100,7 @@ class Flood {
   uint64_t seed_ = 1;
   std::atomic<bool> stop_{false};
   std::atomic<int> in_flight_{0};
-  std::atomic<int64_t> tokens_{0}, failures_{0};
+  std::atomic<int64_t> failures_{0};
 };
 
 }  // namespace
@@ -123,11 +123,14 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   if (!idle.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", idle.status().message().c_str()), 1;
 
   Flood flood(s, o);
+  // The flood's tokens: every token the sampler generated meanwhile, less the light requests'.
+  const int64_t generated_before = s.stats().tokens_generated;
   flood.Start();
   const auto t0 = Clock::now();
-  auto busy = LightRequests(s, o, 1000);
+  int64_t light_tokens = 0;
+  auto busy = LightRequests(s, o, 1000, &light_tokens);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  const int64_t flood_tokens = flood.tokens();
+  const int64_t flood_tokens = s.stats().tokens_generated - generated_before - light_tokens;
   flood.Stop();
   if (!busy.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", busy.status().message().c_str()), 1;
   if (flood.failures() > 0)

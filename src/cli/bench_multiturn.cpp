@@ -1,13 +1,20 @@
 // `loom bench sample --multi-turn`: turn k's prompt is the whole history
-// (every earlier user message and reply) plus a new user message, as a
-// multi-turn RL environment sends it. Each turn goes to the sampler with the
-// prefix cache and to the one without, one after the other; the row shows
-// the prompt's length, the tokens each had to prefill, and each one's
-// prefill time (SamplerStats::prefill_seconds of that turn's one prefill
-// step). The history grows with the cached sampler's replies; "same" says
-// whether the uncached sampler's reply was token for token the same.
+// (--history-tokens of earlier conversation, then every earlier user message
+// and reply) plus a new user message, as a multi-turn RL environment sends
+// it. Each turn goes to the sampler with the prefix cache and to the one
+// without, one after the other; the row shows the prompt's length, the
+// tokens each had to prefill, and each one's prefill time
+// (SamplerStats::prefill_seconds of that turn's prefill steps). The history
+// grows with the cached sampler's replies.
+// The check: a turn's first sampled token and its logprob depend only on the
+// prefill, so "first" says whether the two samplers drew the same first token
+// with logprobs within --logprob-tolerance (bf16 rounds the cached and the
+// whole prefill differently, so later tokens of a temperature-1 reply may
+// part ways once one draw lands on the other side of a boundary: "reply"
+// says whether the whole reply was the same, for information).
 #include "cli/bench_multiturn.h"
 
+#include <cmath>
 #include <cstdio>
 #include <future>
 #include <memory>
@@ -47,8 +54,8 @@ Result<Turn> RunTurn(engine::Sampler& s, SampleCall c) {
 
 int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::string& adapter,
                  const MultiTurnOptions& o) {
-  std::printf("multi-turn: %d turns, %d new user tokens and a %d-token reply per turn, adapter %s\n", o.turns,
-              o.user_tokens, o.reply_tokens, adapter.empty() ? "none (base)" : "1");
+  std::printf("multi-turn: %d history tokens, then %d turns of %d new user tokens and a %d-token reply, adapter %s\n",
+              o.history_tokens, o.turns, o.user_tokens, o.reply_tokens, adapter.empty() ? "none (base)" : "1");
   std::mt19937 rng(5);
   const int64_t vocab = cached.info().vocab_size;
   const auto call = [&](const std::vector<int32_t>& prompt, uint64_t seed) {
@@ -66,11 +73,12 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
     if (auto w = RunTurn(*s, call(warm, 1)); !w.ok())
       return std::fprintf(stderr, "loom bench sample: %s\n", w.status().message().c_str()), 1;
 
-  std::printf("%5s %8s | %9s %10s %11s | %9s %11s | %5s\n", "turn", "prompt", "hit", "prefilled", "prefill ms",
-              "prefilled", "prefill ms", "same");
+  std::printf("%5s %8s | %9s %10s %11s | %9s %11s | %5s %10s %5s\n", "turn", "prompt", "hit", "prefilled",
+              "prefill ms", "prefilled", "prefill ms", "first", "|dlogprob|", "reply");
   std::printf("%5s %8s | %33s | %21s |\n", "", "", "prefix cache on", "prefix cache off");
-  std::vector<int32_t> history;
-  double on_total = 0, off_total = 0;
+  std::vector<int32_t> history = RandomPrompt(rng, vocab, o.history_tokens);
+  double on_total = 0, off_total = 0, worst = 0;
+  int firsts_same = 0;
   for (int k = 0; k < o.turns; ++k) {
     const std::vector<int32_t> user = RandomPrompt(rng, vocab, o.user_tokens);
     history.insert(history.end(), user.begin(), user.end());
@@ -78,11 +86,17 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
     if (!on.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", on.status().message().c_str()), 1;
     auto off = RunTurn(uncached, call(history, 100 + k));
     if (!off.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", off.status().message().c_str()), 1;
-    const std::vector<int32_t>& reply = on->out.sequences[0].tokens;
-    const bool same = reply == off->out.sequences[0].tokens;
-    std::printf("%5d %8zu | %9d %10lld %11.2f | %9lld %11.2f | %5s\n", k, history.size(),
+    const tinker::SampledSequence &a = on->out.sequences[0], &b = off->out.sequences[0];
+    const std::vector<int32_t>& reply = a.tokens;
+    // The first token of each (a reply of 0 tokens has none: max_tokens >= 1 here).
+    const double d = std::fabs(static_cast<double>(a.logprobs.at(0)) - b.logprobs.at(0));
+    const bool first = a.tokens.at(0) == b.tokens.at(0) && d <= o.logprob_tolerance;
+    firsts_same += first;
+    worst = std::max(worst, d);
+    std::printf("%5d %8zu | %9d %10lld %11.2f | %9lld %11.2f | %5s %10.2e %5s\n", k, history.size(),
                 on->out.prompt_cache_hit_tokens, static_cast<long long>(on->prefilled), on->prefill_ms,
-                static_cast<long long>(off->prefilled), off->prefill_ms, same ? "yes" : "NO");
+                static_cast<long long>(off->prefilled), off->prefill_ms, first ? "yes" : "NO", d,
+                reply == b.tokens ? "yes" : "no");
     std::fflush(stdout);
     on_total += on->prefill_ms;
     off_total += off->prefill_ms;
@@ -90,7 +104,9 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
   }
   std::printf("prefill over the conversation: %.1f ms with the prefix cache, %.1f ms without (%.2fx)\n", on_total,
               off_total, on_total > 0 ? off_total / on_total : 0.0);
-  return 0;
+  std::printf("first tokens the same in %d of %d turns (|dlogprob| at most %.2e, tolerance %.0e)\n", firsts_same,
+              o.turns, worst, o.logprob_tolerance);
+  return firsts_same == o.turns ? 0 : 1;
 }
 
 }  // namespace loom::cli

@@ -1,6 +1,7 @@
 // `loom bench sample --multi-turn` (bench_multiturn.cpp): one conversation
-// of --turns turns on two samplers of the same model, the prefix cache on
-// and off, to show where each turn's prefill time goes.
+// of --turns turns after --history-tokens of earlier conversation, on two
+// samplers of the same model, the prefix cache on and off, to show where
+// each turn's prefill time goes.
 #pragma once
 #include <string>
 
@@ -10,13 +11,17 @@ namespace loom::cli {
 
 struct MultiTurnOptions {
   int turns = 10;
-  int user_tokens = 64;   // each turn's new user message
-  int reply_tokens = 32;  // each turn's sampled reply, at most (it may stop at EOS)
+  int history_tokens = 0;  // earlier conversation before turn 0 (a system prompt, documents)
+  int user_tokens = 64;    // each turn's new user message
+  int reply_tokens = 32;   // each turn's sampled reply, at most (it may stop at EOS)
+  // The largest |logprob| difference of a turn's first sampled token, cache
+  // on against off, that still counts as the same (the bench sets it by dtype).
+  double logprob_tolerance = 1e-3;
 };
 
 // The context window one conversation needs.
 inline int64_t MultiTurnContext(const MultiTurnOptions& o) {
-  return static_cast<int64_t>(o.turns) * (o.user_tokens + o.reply_tokens);
+  return o.history_tokens + static_cast<int64_t>(o.turns) * (o.user_tokens + o.reply_tokens);
 }
 
 // Runs the conversation turn by turn on both samplers (same prompts, same

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <future>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "cli/bench_contention.h"
 #include "cli/bench_multiturn.h"
 #include "cli/decode_flags.h"
+#include "cli/step_flags.h"
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
@@ -51,11 +53,12 @@ struct Options {
   int rank = 16;
   int threads = 0;
   engine::DecodeOptions decode;
-  int64_t max_prefill_tokens = engine::SamplerOptions{}.max_prefill_tokens;
+  engine::SamplerOptions steps;  // the step limits of --max-prefill-tokens and --contended-*
   bool contention = false;  // --contention: bench_contention.h instead of the decode table
   ContentionOptions contended;
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
+  std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -164,7 +167,9 @@ int Run(const Options& o) {
     so.context_window = std::max(c.flood_prompt + c.flood_tokens, c.light_prompt + c.light_tokens) + 16;
   }
   so.threads = o.threads;
-  so.max_prefill_tokens = o.max_prefill_tokens;
+  so.max_prefill_tokens = o.steps.max_prefill_tokens;
+  so.contended_prefill_tokens = o.steps.contended_prefill_tokens;
+  so.contended_decode_rows = o.steps.contended_decode_rows;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
   if (o.multi_turn) {  // room for one conversation in each of the two samplers
@@ -184,7 +189,9 @@ int Run(const Options& o) {
       auto uncached = engine::Sampler::Open(model, so);
       if (!uncached.ok())
         return std::fprintf(stderr, "loom bench sample: %s\n", uncached.status().message().c_str()), 1;
-      rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", o.turns);
+      MultiTurnOptions turns = o.turns;
+      turns.logprob_tolerance = o.logprob_tolerance.value_or(bf16 ? 0.1 : 1e-3);
+      rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", turns);
     } else {
       rc = RunContention(s, o.contended);
     }
@@ -248,8 +255,7 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);
   app.add_option("--threads", o.threads, "CPU threads (0 = libtorch default)")->default_val(o.threads);
-  app.add_option("--max-prefill-tokens", o.max_prefill_tokens, "prompt tokens prefilled per step (as `loom serve`'s flag)")
-      ->default_val(o.max_prefill_tokens)->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  const StepFlags step_flags(app);
   app.add_flag("--contention", o.contention,
                "instead: a light tenant's latency on an idle sampler and beside another tenant's flood");
   ContentionOptions& c = o.contended;
@@ -267,6 +273,12 @@ int BenchSample(int argc, char** argv) {
                "--adapters count > 0: with an adapter)");
   MultiTurnOptions& t = o.turns;
   app.add_option("--turns", t.turns, "--multi-turn: turns")->default_val(t.turns)->check(CLI::Range(1, 1000));
+  app.add_option("--history-tokens", t.history_tokens, "--multi-turn: tokens of earlier conversation before turn 0")
+      ->default_val(t.history_tokens)
+      ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--logprob-tolerance", o.logprob_tolerance,
+                 "--multi-turn: largest |logprob| difference of a turn's first token, cache on vs off (default: "
+                 "0.1 in bf16, 1e-3 in fp32)");
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
   const DecodeFlags decode_flags(app);
@@ -276,6 +288,7 @@ int BenchSample(int argc, char** argv) {
     return app.exit(e);
   }
   o.decode = decode_flags.options();
+  step_flags.Apply(&o.steps);
   return Run(o);
 }
 

@@ -13,6 +13,7 @@
 
 #include "cli/commands.h"
 #include "cli/decode_flags.h"
+#include "cli/step_flags.h"
 #include "common/log.h"
 #include "engine/api.h"
 #include "engine/sample_api.h"
@@ -62,7 +63,8 @@ int Serve(int argc, char** argv) {
   double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
   size_t max_body_bytes = size_t{512} << 20;
   int sampler_adapters = 0, sample_queue = 256, publish_threads = service::ServiceOptions{}.publish_threads;
-  int64_t kv_budget_tokens = 0, context_window = 0, max_prefill_tokens = engine::SamplerOptions{}.max_prefill_tokens;
+  int64_t kv_budget_tokens = 0, context_window = 0;
+  int max_batch_rows = engine::SamplerOptions{}.max_batch_rows;
   app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
   app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
   app.add_option("--host", host, "address to bind")->default_val(host);
@@ -93,8 +95,9 @@ int Serve(int argc, char** argv) {
   app.add_option("--publish-threads", publish_threads, "threads that write and commit save_weights_for_sampler snapshots off the engine thread")->default_val(publish_threads)->check(CLI::Range(1, 64));
   std::string prefix_cache = "on";
   app.add_option("--prefix-cache", prefix_cache, "keep full KV blocks for later samples with the same snapshot and token prefix (prompt_cache_hit_tokens)")->default_val(prefix_cache)->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--max-prefill-tokens", max_prefill_tokens, "sampler prompt tokens prefilled per step; a longer prompt is prefilled in chunks, with decode steps for the running samples between them")->default_val(max_prefill_tokens)->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
-  app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 65536)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  const StepFlags step_flags(app);
+  app.add_option("--max-batch-rows", max_batch_rows, "sampler rows (sequences) per decode step")->default_val(max_batch_rows)->check(CLI::Range(1, 1 << 16));
+  app.add_option("--kv-budget-tokens", kv_budget_tokens, "sampler KV cache size in tokens (0 = 512 per batch row on a GPU, 65536 on the CPU)")->default_val(kv_budget_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   int max_models_per_tenant = -1;  // -1: the default below
   app.add_option("--max-models-per-tenant", max_models_per_tenant, "live training models (adapter slots) one tenant may hold; 0 = no limit (default: max(1, max-adapters/4) with --api-keys, no limit in open mode)")->check(CLI::Range(0, 4096));
   app.add_option("--context-window", context_window, "context window W for training and sampling (0 = the model config's)")->default_val(context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
@@ -169,7 +172,8 @@ int Serve(int argc, char** argv) {
   samp.trainer_slots = max_adapters;
   samp.max_rank = max_rank;
   samp.kv_budget_tokens = kv_budget_tokens;
-  samp.max_prefill_tokens = max_prefill_tokens;
+  samp.max_batch_rows = max_batch_rows;
+  step_flags.Apply(&samp);
   samp.prefix_cache = prefix_cache == "on";
   samp.context_window = (*engine)->info().context_window;
   samp.admission_window = std::chrono::milliseconds(batch_window_ms);

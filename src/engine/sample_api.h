@@ -63,10 +63,24 @@ struct SamplerOptions {
   int trainer_slots = 0;          // the trainer's adapter slots (--max-adapters), for auto
   int max_rank = 32;              // the largest LoRA rank a snapshot may have
   int64_t kv_budget_tokens = 0;   // KV cache size in tokens; 0 = from kv_budget_bytes
-  int64_t kv_budget_bytes = 0;    // used when kv_budget_tokens is 0; both 0 = 65536 tokens
+  // Used when kv_budget_tokens is 0; both 0: 512 tokens per batch row on a
+  // CUDA device (131072 at 256 rows, 19 GB for qwen3-4b in bf16), 65536
+  // tokens on the CPU.
+  int64_t kv_budget_bytes = 0;
   int block_size = 16;            // tokens per KV block
-  int max_batch_rows = 64;        // decode rows (sequences) per step
+  // Decode rows (sequences) per step: 16 tenants x an RL group of 16 in one
+  // batch (the CUDA fast decode path takes up to 512, in power-of-two buckets).
+  int max_batch_rows = 256;
   int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step; longer prompts in chunks
+  // While tenants contend (engine/sample/step_plan.h), a step carries at
+  // most this many prompt tokens of the tenants over their share and at
+  // most contended_decode_rows of their running rows (0 = all), after the
+  // work of the tenants within their share. Prompt tokens: 0 = by device,
+  // so that such a step costs a few decode steps: 512 on a CUDA device, 32
+  // on the CPU (a prompt token costs a GPU little beside a decode step's
+  // weight reads, a CPU much more: the ratio of compute to memory bandwidth).
+  int64_t contended_prefill_tokens = 0;
+  int contended_decode_rows = 0;
   // Keep full KV blocks of finished work for later requests with the same
   // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
   // prompt is prefilled whole.
@@ -114,6 +128,7 @@ struct SamplerStats {
   int64_t kv_cache_evictions = 0; // cached blocks taken back for new work
   int64_t prefill_tokens = 0;     // prompt tokens the prefill steps computed
   int64_t prompt_cache_hit_tokens = 0;  // prompt tokens reused from the prefix cache instead
+  int64_t contended_steps = 0;    // steps run under the contended rule (a tenant over its share capped)
   // Wall time of the prefill and decode steps, sampling included (each step
   // ends by copying its chosen tokens to the host, so this is device time).
   double prefill_seconds = 0;

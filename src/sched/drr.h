@@ -88,14 +88,22 @@ std::vector<typename Map::key_type> OrderFrom(const Map& flows, const typename M
   return order;
 }
 
-// The key whose flow holds the oldest ready ticket (the anchor), for an
-// ordered map of non-empty flows whose values have a `ticket` member.
+// The key whose flow holds the oldest ready ticket (the anchor) among the
+// flows whose value passes eligible(value), for an ordered map of flows whose
+// values have a `ticket` member; nullptr when none passes.
+template <class Map, class Pred>
+const typename Map::key_type* OldestTicket(const Map& flows, Pred eligible) {
+  const typename Map::key_type* anchor = nullptr;
+  const typename Map::mapped_type* best = nullptr;
+  for (const auto& [key, flow] : flows)
+    if (eligible(flow) && (best == nullptr || flow.ticket < best->ticket)) anchor = &key, best = &flow;
+  return anchor;
+}
+
+// The anchor among all flows of a non-empty map.
 template <class Map>
 typename Map::key_type OldestTicket(const Map& flows) {
-  auto anchor = flows.begin();
-  for (auto it = flows.begin(); it != flows.end(); ++it)
-    if (it->second.ticket < anchor->second.ticket) anchor = it;
-  return anchor->first;
+  return *OldestTicket(flows, [](const auto&) { return true; });
 }
 
 }  // namespace loom::sched

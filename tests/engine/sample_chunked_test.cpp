@@ -9,68 +9,33 @@
 #include <optional>
 #include <vector>
 
-#include "engine/sample/scheduler.h"
-#include "sample_world.h"
+#include "sample_steps.h"
 
 namespace loom::engine {
 namespace {
 
-using sample::SampleRequest;
 using sample::Scheduler;
 using sample::SchedulerLimits;
+using testing_sampler::Drain;
+using testing_sampler::RunCallbacks;
+using testing_sampler::Tokens;
 using testing_sampler::W;
+using testing_sampler::AddRequest;
 
 constexpr int64_t kBlocks = 32, kBlockSize = 8;
 
 std::unique_ptr<Scheduler> Make(int64_t max_prefill_tokens) {
   SchedulerLimits limits;
   limits.max_prefill_tokens = max_prefill_tokens;
-  DecodeOptions decode;
-  decode.cuda_graphs = false;
-  return std::make_unique<Scheduler>(W().model, std::make_unique<SlotBank>(2, 8, at::kCPU, W().model->LoraTargets()),
-                                     kBlocks, kBlockSize, limits, decode, nullptr, std::vector<int32_t>{});
-}
-
-std::vector<int32_t> Tokens(int n, int32_t salt) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(static_cast<int32_t>((salt * 131 + i * 37 + 11) % 500));
-  return t;
-}
-
-// Adds a request whose result lands in *out when it completes.
-void Add(Scheduler& s, uint64_t id, std::vector<int32_t> prompt, int64_t max_tokens, int num_samples,
-         std::optional<Result<SampleOutput>>* out, std::string adapter = "") {
-  auto r = std::make_unique<SampleRequest>();
-  r->id = id;
-  r->call.prompt = std::move(prompt);
-  r->call.adapter_dir = std::move(adapter);
-  r->call.num_samples = num_samples;
-  r->call.session = "t:sample:" + std::to_string(id);
-  r->call.params.temperature = 1.0;
-  r->max_tokens = max_tokens;
-  r->seed = 40 + id;
-  r->done = [out](Result<SampleOutput> res) { out->emplace(std::move(res)); };
-  s.Add(std::move(r));
-}
-
-void RunCallbacks(Scheduler& s) {
-  for (auto& [cb, res] : s.TakeCompleted()) cb(std::move(res));
-}
-
-void Drain(Scheduler& s) {
-  for (int i = 0; i < 1000 && !s.idle(); ++i) {
-    s.Step();
-    RunCallbacks(s);
-  }
-  ASSERT_TRUE(s.idle());
+  return testing_sampler::MakeScheduler(limits, kBlocks, kBlockSize);
 }
 
 TEST(SamplerChunkedPrefill, ChunkedPromptSamplesTheSameTokensAsWhole) {
   for (const std::string& adapter : {std::string(), W().adapter1}) {
     std::optional<Result<SampleOutput>> whole, chunked;
     auto a = Make(8192), b = Make(7);  // 7: chunks end mid-block
-    Add(*a, 1, Tokens(45, 3), 12, 3, &whole, adapter);
-    Add(*b, 1, Tokens(45, 3), 12, 3, &chunked, adapter);
+    AddRequest(*a, 1, Tokens(45, 3), 12, 3, &whole, adapter);
+    AddRequest(*b, 1, Tokens(45, 3), 12, 3, &chunked, adapter);
     Drain(*a);
     Drain(*b);
     EXPECT_EQ(a->stats().prefill_steps, 1);
@@ -89,10 +54,10 @@ TEST(SamplerChunkedPrefill, ChunkedPromptSamplesTheSameTokensAsWhole) {
 TEST(SamplerChunkedPrefill, RunningRequestGetsATokenBetweenChunks) {
   auto s = Make(8);
   std::optional<Result<SampleOutput>> running, longer;
-  Add(*s, 1, Tokens(5, 1), 40, 1, &running);
+  AddRequest(*s, 1, Tokens(5, 1), 40, 1, &running);
   s->Step();  // its prefill: it has its first token
   ASSERT_EQ(s->stats().tokens_generated, 1);
-  Add(*s, 2, Tokens(60, 2), 1, 1, &longer);  // 8 chunks of at most 8 tokens
+  AddRequest(*s, 2, Tokens(60, 2), 1, 1, &longer);  // 8 chunks of at most 8 tokens
   std::vector<char> kinds;  // 'P' prefill chunk, 'D' decode step
   while (!longer.has_value()) {
     const SamplerStats before = s->stats();
@@ -122,7 +87,7 @@ TEST(SamplerChunkedPrefill, RunningRequestGetsATokenBetweenChunks) {
 TEST(SamplerChunkedPrefill, CancelBetweenChunksFreesItsBlocks) {
   auto s = Make(8);
   std::optional<Result<SampleOutput>> doomed;
-  Add(*s, 1, Tokens(100, 4), 50, 2, &doomed);  // 13 chunks; worst case well over the prompt's blocks
+  AddRequest(*s, 1, Tokens(100, 4), 50, 2, &doomed);  // 13 chunks; worst case well over the prompt's blocks
   s->Step();
   s->Step();
   ASSERT_EQ(s->stats().prefill_steps, 2);

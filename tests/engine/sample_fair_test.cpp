@@ -24,6 +24,8 @@ std::unique_ptr<SampleRequest> Req(const std::string& tenant, const std::string&
   return r;
 }
 
+bool Ready(const SampleRequest&) { return true; }
+
 std::string Name(const SampleRequest& r) { return r.call.session + "#" + std::to_string(r.id); }
 
 // One pass that admits at most `room` requests (a stand-in for the batch
@@ -31,7 +33,7 @@ std::string Name(const SampleRequest& r) { return r.call.session + "#" + std::to
 std::vector<std::string> Pass(FairQueue& q, int room, int64_t free_tokens = 1000) {
   std::vector<std::string> got;
   q.Admit(
-      free_tokens,
+      free_tokens, Ready,
       [&](const SampleRequest& r) -> std::optional<int64_t> {
         if (static_cast<int>(got.size()) >= room) return std::nullopt;
         return r.max_tokens;
@@ -83,7 +85,7 @@ TEST(SampleFairQueue, AnchorThatDoesNotFitBlocksThePass) {
   const SampleRequest* waiting = nullptr;
   std::vector<std::string> got;
   waiting = q.Admit(
-      100, [](const SampleRequest& r) -> std::optional<int64_t> { return r.max_tokens; },
+      100, Ready, [](const SampleRequest& r) -> std::optional<int64_t> { return r.max_tokens; },
       [&](std::unique_ptr<SampleRequest>& r) {
         got.push_back(Name(*r));
         r.reset();
@@ -95,6 +97,28 @@ TEST(SampleFairQueue, AnchorThatDoesNotFitBlocksThePass) {
   EXPECT_EQ(Pass(q, 10, 1000), (std::vector<std::string>{"a:sample:0#0", "b:sample:0#1"}));
 }
 
+TEST(SampleFairQueue, AFlowItsOwnTenantHoldsBackSitsOutAndBlocksNoOne) {
+  FairQueue q(1000);
+  next_id = 0;
+  q.Push(Req("a", "a:sample:0", 100));  // id 0: the oldest ticket, but its tenant owes a full step
+  q.Push(Req("b", "b:sample:0", 10));   // id 1
+  std::vector<std::string> got;
+  const SampleRequest* waiting = q.Admit(
+      1000, [](const SampleRequest& r) { return r.call.tenant != "a"; },
+      [](const SampleRequest& r) -> std::optional<int64_t> {
+        if (r.call.tenant == "a") return std::nullopt;
+        return r.max_tokens;
+      },
+      [&](std::unique_ptr<SampleRequest>& r) {
+        got.push_back(Name(*r));
+        r.reset();
+        return sched::Take::kTaken;
+      });
+  EXPECT_EQ(waiting, nullptr);
+  EXPECT_EQ(got, (std::vector<std::string>{"b:sample:0#1"}));
+  EXPECT_EQ(Pass(q, 10), (std::vector<std::string>{"a:sample:0#0"}));  // held no longer: admitted
+}
+
 TEST(SampleFairQueue, DroppedRequestsLeaveWithoutBeingCharged) {
   FairQueue q(1000);
   next_id = 0;
@@ -102,7 +126,7 @@ TEST(SampleFairQueue, DroppedRequestsLeaveWithoutBeingCharged) {
   q.Push(Req("a", "a:sample:0", 900));
   int taken = 0;
   q.Admit(
-      1000, [](const SampleRequest& r) -> std::optional<int64_t> { return r.max_tokens; },
+      1000, Ready, [](const SampleRequest& r) -> std::optional<int64_t> { return r.max_tokens; },
       [&](std::unique_ptr<SampleRequest>& r) {
         const bool fail = r->id == 0;
         r.reset();

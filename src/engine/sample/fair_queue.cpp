@@ -12,9 +12,11 @@ void FairQueue::Push(std::unique_ptr<SampleRequest> r) {
   ++size_;
 }
 
-const SampleRequest* FairQueue::Admit(int64_t free_tokens, const CostFn& cost, const AdmitFn& admit) {
-  if (flows_.empty()) return nullptr;
-  const Key anchor = sched::OldestTicket(flows_);
+const SampleRequest* FairQueue::Admit(int64_t free_tokens, const ReadyFn& ready, const CostFn& cost,
+                                      const AdmitFn& admit) {
+  const Key* oldest = sched::OldestTicket(flows_, [&](const Flow& f) { return ready(*f.requests.front()); });
+  if (oldest == nullptr) return nullptr;  // every flow sits out the pass
+  const Key anchor = *oldest;
   const std::vector<Key> order = sched::OrderFrom(flows_, anchor);
   const SampleRequest& anchor_head = *flows_.at(anchor).requests.front();
   const std::optional<int64_t> anchor_cost = cost(anchor_head);

@@ -9,7 +9,10 @@
 //  1. Anchor. Each flow's head holds a ready ticket, taken when the flow
 //     became non-empty or when it last had a request admitted. The flow with
 //     the oldest ticket goes first, then the others in (tenant, session)
-//     order after it, so the first turn rotates over flows.
+//     order after it, so the first turn rotates over flows. A flow whose
+//     head its own tenant's limit holds back (ready() false: the tenant's
+//     owed prefill fills a step) sits out the pass and cannot be the anchor,
+//     so one tenant's backlog never blocks another's admission.
 //  2. DRR over the flows: the pass's budget is the free KV cache in tokens, a
 //     request costs its worst-case KV tokens (BlockManager::WorstCase), the
 //     deficit cap is the whole KV cache, and a session's quantum is
@@ -51,14 +54,16 @@ class FairQueue {
   bool empty() const { return size_ == 0; }
   size_t size() const { return size_; }
 
+  // ready(r): false when r's own tenant holds it back in this pass.
   // cost(r): r's worst-case KV tokens, or nullopt when r fails the limits
   // other than KV in this pass. admit(owned): kTaken or kDropped when it took
   // the request out of `owned` (admitted, or completed with an error),
   // kRefused when it left it (not now). Returns the anchor's head when it
   // could not be admitted (the pass admitted nothing), else nullptr.
+  using ReadyFn = std::function<bool(const SampleRequest&)>;
   using CostFn = std::function<std::optional<int64_t>(const SampleRequest&)>;
   using AdmitFn = std::function<sched::Take(std::unique_ptr<SampleRequest>&)>;
-  const SampleRequest* Admit(int64_t free_tokens, const CostFn& cost, const AdmitFn& admit);
+  const SampleRequest* Admit(int64_t free_tokens, const ReadyFn& ready, const CostFn& cost, const AdmitFn& admit);
 
   // Takes out every waiting request of one sampling session (arrival order).
   std::vector<std::unique_ptr<SampleRequest>> TakeSession(const std::string& session);

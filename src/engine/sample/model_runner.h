@@ -31,13 +31,7 @@ class ModelRunner {
   // Bytes of K and V for one token across all layers, in the model dtype.
   static int64_t KvBytesPerToken(const Transformer& model);
 
-  // One prefill row: prompt positions [begin, end) of request's prompt,
-  // over its cached positions [0, begin) (reused from the prefix cache or
-  // computed by earlier chunks of the same prompt).
-  struct PrefillChunk {
-    SampleRequest* request;
-    int64_t begin, end;
-  };
+  using PrefillChunk = sample::PrefillChunk;
   // Runs every chunk (rows in order; the new tokens attend to their cached
   // prefix too), writing its K/V into sequence 0's blocks (allocated by the
   // caller). Fills output.prompt_logprobs / topk when asked, which needs the

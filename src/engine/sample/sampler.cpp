@@ -92,6 +92,10 @@ class SamplerImpl final : public Sampler {
     sample::SchedulerLimits limits;
     limits.max_batch_rows = options.max_batch_rows;
     limits.max_prefill_tokens = options.max_prefill_tokens;
+    limits.contended_prefill_tokens = options.contended_prefill_tokens > 0 ? options.contended_prefill_tokens
+                                      : model->device().is_cuda()         ? 512
+                                                                          : 32;
+    limits.contended_decode_rows = options.contended_decode_rows;
     limits.prefix_cache = options.prefix_cache;
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);
@@ -307,6 +311,8 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   if (options.block_size < 1) return Status::Invalid("sampler block_size must be >= 1");
   if (options.max_batch_rows < 1) return Status::Invalid("max_batch_rows must be >= 1");
   if (options.max_prefill_tokens < 1) return Status::Invalid("max_prefill_tokens must be >= 1");
+  if (options.contended_prefill_tokens < 0) return Status::Invalid("contended_prefill_tokens must be >= 0");
+  if (options.contended_decode_rows < 0) return Status::Invalid("contended_decode_rows must be >= 0");
   const ModelConfig& c = model->config();
   SamplerInfo info;
   info.vocab_size = c.vocab_size;
@@ -316,7 +322,7 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   int64_t tokens = options.kv_budget_tokens;
   if (tokens <= 0 && options.kv_budget_bytes > 0)
     tokens = options.kv_budget_bytes / sample::ModelRunner::KvBytesPerToken(*model);
-  if (tokens <= 0) tokens = 65536;
+  if (tokens <= 0) tokens = model->device().is_cuda() ? int64_t{512} * options.max_batch_rows : 65536;
   info.kv_blocks = tokens / options.block_size;
   if (info.kv_blocks < 1) return Status::Invalid("the KV budget holds less than one block");
   info.kv_tokens = info.kv_blocks * options.block_size;

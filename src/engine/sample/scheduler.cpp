@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <iterator>
+#include <map>
 
 #include "engine/sample/sampling.h"
 
@@ -42,32 +44,26 @@ void Scheduler::PublishFull(Sequence& s) {
   }
 }
 
-int64_t Scheduler::PendingPrefill() const {
-  int64_t n = 0;
-  for (const auto& r : admitted_)
-    if (r->prefilling()) n += r->prompt_len() - r->sequences[0]->cached;
-  return n;
-}
-
-bool Scheduler::HasDecodeRows() const {
-  for (const auto& r : admitted_)
-    if (!r->prefilling())
-      for (const auto& s : r->sequences)
-        if (!s->finished) return true;
-  return false;
-}
-
 void Scheduler::Admit() {
-  // New prompt tokens join while the prefill still owed fits one step.
-  int64_t prefill_tokens = PendingPrefill();
+  // A tenant's new prompt tokens join while the prefill it still owes fits
+  // one step (so a request admitted now is prefilled soon); another
+  // tenant's owed prefill never holds it back.
+  std::map<std::string, int64_t> owed;
+  for (const auto& r : admitted_)
+    if (r->prefilling()) owed[r->call.tenant] += r->prompt_len() - r->sequences[0]->cached;
   const int64_t bs = blocks_.block_size();
+  const auto held = [&](const SampleRequest& r, const std::vector<int>& hits) {
+    const int64_t mine = owed[r.call.tenant];
+    const int64_t fresh_tokens = r.prompt_len() - static_cast<int64_t>(hits.size()) * bs;
+    return mine > 0 && mine + fresh_tokens > limits_.max_prefill_tokens;
+  };
+  const auto ready = [&](const SampleRequest& r) { return !held(r, CacheHits(r)); };
   // A request costs the free blocks its admission takes: its worst case less
   // the cached blocks it reuses, plus those of them no one holds now.
   const auto cost = [&](const SampleRequest& r) -> std::optional<int64_t> {
     if (rows_in_use_ + r.call.num_samples > limits_.max_batch_rows) return std::nullopt;
     const std::vector<int> hits = CacheHits(r);
-    const int64_t fresh_tokens = r.prompt_len() - static_cast<int64_t>(hits.size()) * bs;
-    if (prefill_tokens > 0 && prefill_tokens + fresh_tokens > limits_.max_prefill_tokens) return std::nullopt;
+    if (held(r, hits)) return std::nullopt;
     const int64_t need = blocks_.WorstCase(r.prompt_len(), r.max_tokens, r.call.num_samples) -
                          static_cast<int64_t>(hits.size());
     return (need + blocks_.Idle(hits)) * bs;
@@ -96,6 +92,7 @@ void Scheduler::Admit() {
       return sched::Take::kRefused;
     }
     r.reserved_blocks = need;
+    r.kv_tokens = blocks_.WorstCase(P, r.max_tokens, n) * bs;
     r.cached_prefix = static_cast<int64_t>(hits.size()) * bs;
     r.output.prompt_cache_hit_tokens = static_cast<int32_t>(r.cached_prefix);
     stats_.prompt_cache_hit_tokens += r.cached_prefix;
@@ -114,31 +111,19 @@ void Scheduler::Admit() {
     s0.cached = r.cached_prefix;
     EnsureBlock(s0, P - 1);
     rows_in_use_ += n;
-    prefill_tokens += P - r.cached_prefix;
+    owed[r.call.tenant] += P - r.cached_prefix;
     admitted_.push_back(std::move(owned));
     return sched::Take::kTaken;
   };
-  const SampleRequest* waits = waiting_.Admit((blocks_.free_count() - blocks_.reserved()) * bs, cost, admit);
+  const SampleRequest* waits =
+      waiting_.Admit((blocks_.free_count() - blocks_.reserved()) * bs, ready, cost, admit);
   if (waits != nullptr && head_waited_ != waits->id + 1) {
     ++stats_.admission_waits;
     head_waited_ = waits->id + 1;
   }
 }
 
-void Scheduler::PrefillStep() {
-  // This step's chunks, in admission order, within the token cap.
-  std::vector<ModelRunner::PrefillChunk> chunks;
-  int64_t budget = limits_.max_prefill_tokens;
-  for (auto& owned : admitted_) {
-    SampleRequest& r = *owned;
-    if (!r.prefilling()) continue;
-    const int64_t begin = r.sequences[0]->cached, left = r.prompt_len() - begin;
-    const bool whole = r.call.prompt_logprobs || r.call.topk_prompt_logprobs > 0;
-    if (budget <= 0 || (whole && left > budget && !chunks.empty())) break;
-    const int64_t n = whole ? left : std::min(left, budget);
-    chunks.push_back({&r, begin, begin + n});
-    budget -= n;
-  }
+void Scheduler::PrefillStep(std::vector<PrefillChunk> chunks) {
   std::stable_sort(chunks.begin(), chunks.end(),
                    [](const auto& a, const auto& b) { return a.request->slot < b.request->slot; });
   const at::Tensor logits = runner_.Prefill(chunks);
@@ -152,6 +137,7 @@ void Scheduler::PrefillStep() {
     const int64_t P = r.prompt_len();
     Sequence& s0 = *r.sequences[0];
     s0.cached = chunks[i].end;
+    s0.last_step = history_.step;
     PublishFull(s0);
     stats_.prefill_tokens += chunks[i].end - chunks[i].begin;
     if (r.prefilling()) continue;  // more chunks to come; its logits are not a sample's
@@ -166,6 +152,7 @@ void Scheduler::PrefillStep() {
         runner_.CopyBlock(s0.block_table[P / bs], s.block_table.back(), P % bs);
       }
       s.cached = P;
+      s.last_step = history_.step;
       s.published = P / bs;  // s0's, shared
     }
     for (auto& s : r.sequences) {
@@ -186,12 +173,7 @@ void Scheduler::PrefillStep() {
   for (size_t k = 0; k < rows.size(); ++k) Append(*rows[k], c.tokens[k], c.logprobs[k]);
 }
 
-void Scheduler::DecodeStep() {
-  std::vector<Sequence*> rows;
-  for (auto& r : admitted_)
-    if (!r->prefilling())
-      for (auto& s : r->sequences)
-        if (!s->finished) rows.push_back(s.get());
+void Scheduler::DecodeStep(std::vector<Sequence*> rows) {
   if (rows.empty()) return;
   std::stable_sort(rows.begin(), rows.end(), [](const Sequence* a, const Sequence* b) {
     if (a->request->slot != b->request->slot) return a->request->slot < b->request->slot;
@@ -215,6 +197,7 @@ void Scheduler::DecodeStep() {
   stats_.max_adapters_in_step = std::max(stats_.max_adapters_in_step, adapters);
   for (size_t k = 0; k < rows.size(); ++k) {
     ++rows[k]->cached;
+    rows[k]->last_step = history_.step;
     PublishFull(*rows[k]);
     Append(*rows[k], c.tokens[k], c.logprobs[k]);
   }
@@ -277,6 +260,7 @@ void Scheduler::CompleteDone() {
     }
     std::unique_ptr<SampleRequest> owned = std::move(admitted_[i]);
     admitted_.erase(admitted_.begin() + static_cast<std::ptrdiff_t>(i));
+    history_.last_done[owned->call.tenant] = history_.step;
     SampleOutput out = std::move(owned->output);
     Complete(*owned, std::move(out));
   }
@@ -285,17 +269,22 @@ void Scheduler::CompleteDone() {
 void Scheduler::Step() {
   try {
     Admit();
-    // Between two prefill chunks the running rows get a decode step.
-    const bool prefill = PendingPrefill() > 0 && (!last_step_prefill_ || !HasDecodeRows());
+    StepPlan plan = PlanStep(admitted_, limits_, history_);
+    ++history_.step;
     const auto t0 = std::chrono::steady_clock::now();
-    if (prefill) {
-      PrefillStep();
+    if (plan.prefill) {
+      PrefillStep(std::move(plan.chunks));
     } else {
-      DecodeStep();
+      DecodeStep(std::move(plan.rows));
     }
-    last_step_prefill_ = prefill;
+    history_.last_prefill = plan.prefill;
+    history_.last_within_prefill = plan.within_prefill;
+    history_.within_run = plan.within_decode ? history_.within_run + 1 : 0;
+    if (plan.contended) ++stats_.contended_steps;
     const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    (prefill ? stats_.prefill_seconds : stats_.decode_seconds) += took;
+    (plan.prefill ? stats_.prefill_seconds : stats_.decode_seconds) += took;
+    for (auto it = history_.last_done.begin(); it != history_.last_done.end();)  // forget tenants long done
+      it = history_.step - it->second >= kRecentSteps ? history_.last_done.erase(it) : std::next(it);
     CompleteDone();
   } catch (const std::exception& e) {
     const Status failed = Status::Internal(std::string("sampler step failed: ") + e.what());

@@ -3,17 +3,19 @@
 // sessions); between decode steps they are admitted in its order while their
 // adapter has a slot (AdapterCache), their worst-case KV blocks can be
 // reserved (BlockManager), and the rows fit max_batch_rows.
-// A step is either a prefill or one decode step over every running row of
-// every adapter, sorted by adapter slot. A prefill step runs at most
-// limits.max_prefill_tokens prompt tokens of admitted requests, in admission
-// order: a longer prompt is prefilled in chunks over several steps, each
-// chunk over the K/V of the ones before (as a cached prefix), and samples its
-// first token after its last chunk; its num_samples rows fork from that one
-// prefill. While a prompt is prefilled, prefill and decode steps alternate,
-// so running rows get a token between any two chunks. Admission adds new
-// prompt tokens only while the admitted ones not yet prefilled fit one step
-// (or none are left), so a request admitted now is prefilled within a step
-// or two of its admission.
+// A step is either a prefill or one decode step over running rows, sorted
+// by adapter slot; PlanStep (step_plan.h) picks which, and whose chunks and
+// rows it carries (fair across tenants: a tenant within its share never
+// waits behind another's long chunk). A prefill step runs at most
+// limits.max_prefill_tokens prompt tokens: a longer prompt is prefilled in
+// chunks over several steps, each chunk over the K/V of the ones before (as
+// a cached prefix), and samples its first token after its last chunk; its
+// num_samples rows fork from that one prefill. While a prompt is prefilled,
+// prefill and decode steps alternate, so running rows get a token between
+// any two chunks. Admission adds a tenant's new prompt tokens only while the
+// tenant's admitted ones not yet prefilled fit one step (or none are left),
+// so a request admitted now is prefilled within a step or two of its
+// admission, and another tenant's backlog never holds it back.
 // Prefix cache (limits.prefix_cache): every full block a sequence computes,
 // prompt or generated, is published to the BlockManager under the request's
 // adapter identity; at admission a request takes the longest cached chain of
@@ -34,14 +36,15 @@
 #include "engine/sample/fair_queue.h"
 #include "engine/sample/model_runner.h"
 #include "engine/sample/sequence.h"
+#include "engine/sample/step_plan.h"
 
 namespace loom::engine::sample {
 
-struct SchedulerLimits {
-  int max_batch_rows = 64;
-  // New (not cached) prompt tokens per prefill step; a longer prompt is
-  // chunked, except one asking for prompt logprobs (prefilled whole).
-  int64_t max_prefill_tokens = 8192;
+// StepLimits: new (not cached) prompt tokens per prefill step (a longer
+// prompt is chunked, except one asking for prompt logprobs) and the caps on
+// an over-share tenant's work in a contended step.
+struct SchedulerLimits : StepLimits {
+  int max_batch_rows = 256;
   bool prefix_cache = true;
 };
 
@@ -78,11 +81,8 @@ class Scheduler {
 
  private:
   void Admit();
-  // Prompt tokens of admitted requests not yet prefilled.
-  int64_t PendingPrefill() const;
-  bool HasDecodeRows() const;
-  void PrefillStep();
-  void DecodeStep();
+  void PrefillStep(std::vector<PrefillChunk> chunks);
+  void DecodeStep(std::vector<Sequence*> rows);
   // Appends a chosen token; true when the sequence is done.
   bool Append(Sequence& s, int32_t token, float logprob);
   void Finish(Sequence& s, SampleStopReason why);
@@ -104,7 +104,7 @@ class Scheduler {
   FairQueue waiting_;
   std::vector<std::unique_ptr<SampleRequest>> admitted_;
   int64_t rows_in_use_ = 0;
-  bool last_step_prefill_ = false;
+  StepHistory history_;
   uint64_t head_waited_ = 0;  // id + 1 of the last anchor request counted in admission_waits
   SamplerStats stats_;
   std::vector<std::pair<SampleCallback, Result<SampleOutput>>> completed_;

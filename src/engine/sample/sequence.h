@@ -32,6 +32,7 @@ struct Sequence {
   int64_t cached = 0;              // tokens whose K/V is in the cache
   std::vector<int> block_table;    // KV blocks in position order
   int64_t published = 0;           // leading full blocks already offered to the prefix cache
+  uint64_t last_step = 0;          // the scheduler step that last extended it (decode rotation)
   std::string text;                // generated text as bytes (kept only when stop strings are set)
   bool finished = false;
 };
@@ -44,12 +45,23 @@ struct SampleRequest {
   uint64_t seed = 0;               // resolved (unset -> fresh entropy)
   int slot = -1;                   // adapter slot while admitted (-1 = base)
   int64_t reserved_blocks = 0;     // KV blocks promised and not yet allocated
+  int64_t kv_tokens = 0;           // its worst-case KV tokens while admitted (its tenant's load)
   uint64_t cache_root = 0;         // the prefix cache's root tag of the adapter identity
   int64_t cached_prefix = 0;       // prompt tokens reused from the prefix cache (whole blocks)
   std::vector<std::unique_ptr<Sequence>> sequences;
   SampleOutput output;
   int64_t prompt_len() const { return static_cast<int64_t>(call.prompt.size()); }
   bool prefilling() const { return sequences[0]->cached < prompt_len(); }
+  // Prefilled whole, never in chunks: prompt logprobs need every position's hidden state.
+  bool whole_prefill() const { return call.prompt_logprobs || call.topk_prompt_logprobs > 0; }
+};
+
+// One prefill row of a step: prompt positions [begin, end) of request's
+// prompt, over its cached positions [0, begin) (reused from the prefix cache
+// or computed by earlier chunks of the same prompt).
+struct PrefillChunk {
+  SampleRequest* request;
+  int64_t begin, end;
 };
 
 }  // namespace loom::engine::sample

@@ -1,0 +1,30 @@
+#include "cli/step_flags.h"
+
+namespace loom::cli {
+
+StepFlags::StepFlags(CLI::App& app) {
+  engine::SamplerOptions& d = values_;  // parsed into; starts at the defaults
+  app.add_option("--max-prefill-tokens", d.max_prefill_tokens,
+                 "sampler prompt tokens prefilled per step; a longer prompt is prefilled in chunks, with decode "
+                 "steps for the running samples between them")
+      ->default_val(d.max_prefill_tokens)
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
+  app.add_option("--contended-prefill-tokens", d.contended_prefill_tokens,
+                 "while tenants contend, prompt tokens of the tenants over their share per sampler step (after "
+                 "the others' work), so a light tenant's step never waits behind a long chunk (0 = 512 on a GPU, "
+                 "32 on the CPU)")
+      ->default_val(d.contended_prefill_tokens)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  app.add_option("--contended-decode-rows", d.contended_decode_rows,
+                 "while tenants contend, running rows of the tenants over their share per decode step (0 = all)")
+      ->default_val(d.contended_decode_rows)
+      ->check(CLI::Range(0, 1 << 20));
+}
+
+void StepFlags::Apply(engine::SamplerOptions* o) const {
+  o->max_prefill_tokens = values_.max_prefill_tokens;
+  o->contended_prefill_tokens = values_.contended_prefill_tokens;
+  o->contended_decode_rows = values_.contended_decode_rows;
+}
+
+}  // namespace loom::cli

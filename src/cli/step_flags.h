@@ -1,0 +1,23 @@
+// The sampler's step limits (engine::SamplerOptions: prefill chunk size and
+// the caps on a tenant over its share while tenants contend) as flags,
+// shared by `loom serve` and `loom bench sample`. Out-of-range values fail
+// the command line at start-up with the flag's name and its range.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include "engine/sample_api.h"
+
+namespace loom::cli {
+
+class StepFlags {
+ public:
+  // Adds --max-prefill-tokens, --contended-prefill-tokens and --contended-decode-rows to app.
+  explicit StepFlags(CLI::App& app);
+  // Sets the options the parsed flags stand for (call after app.parse).
+  void Apply(engine::SamplerOptions* o) const;
+
+ private:
+  engine::SamplerOptions values_;  // only the step limits are read
+};
+
+}  // namespace loom::cli
