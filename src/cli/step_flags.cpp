@@ -11,8 +11,8 @@ StepFlags::StepFlags(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   app.add_option("--contended-prefill-tokens", d.contended_prefill_tokens,
                  "while tenants contend, prompt tokens of the tenants over their share per sampler step (after "
-                 "the others' work), so a light tenant's step never waits behind a long chunk (0 = 512 on a GPU, "
-                 "32 on the CPU)")
+                 "the others' work), so a light tenant's step never waits behind a long chunk (0 = 32 on the CPU, "
+                 "--max-prefill-tokens on a GPU)")
       ->default_val(d.contended_prefill_tokens)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_option("--contended-decode-rows", d.contended_decode_rows,

@@ -75,10 +75,10 @@ struct SamplerOptions {
   // While tenants contend (engine/sample/step_plan.h), a step carries at
   // most this many prompt tokens of the tenants over their share and at
   // most contended_decode_rows of their running rows (0 = all), after the
-  // work of the tenants within their share. Prompt tokens: 0 = by device,
-  // so that such a step costs a few decode steps: 512 on a CUDA device, 32
-  // on the CPU (a prompt token costs a GPU little beside a decode step's
-  // weight reads, a CPU much more: the ratio of compute to memory bandwidth).
+  // work of the tenants within their share. Prompt tokens: 0 = by device:
+  // 32 on the CPU (so that such a step costs a few decode steps there), and
+  // max_prefill_tokens on a CUDA device, where the measured H200 sweep found
+  // every smaller cap slower for both tenants (the rule's order still holds).
   int64_t contended_prefill_tokens = 0;
   int contended_decode_rows = 0;
   // Keep full KV blocks of finished work for later requests with the same

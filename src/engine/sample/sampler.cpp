@@ -92,8 +92,11 @@ class SamplerImpl final : public Sampler {
     sample::SchedulerLimits limits;
     limits.max_batch_rows = options.max_batch_rows;
     limits.max_prefill_tokens = options.max_prefill_tokens;
+    // 0: by device. On the H200 a cap below the step's own budget made both
+    // tenants slower (docs/benchmarks.md, session 11 sweep), so a GPU caps
+    // nothing beyond max_prefill_tokens and keeps only the rule's order.
     limits.contended_prefill_tokens = options.contended_prefill_tokens > 0 ? options.contended_prefill_tokens
-                                      : model->device().is_cuda()         ? 512
+                                      : model->device().is_cuda()         ? options.max_prefill_tokens
                                                                           : 32;
     limits.contended_decode_rows = options.contended_decode_rows;
     limits.prefix_cache = options.prefix_cache;
