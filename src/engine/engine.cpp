@@ -56,7 +56,8 @@ class TrainingEngine final : public Engine {
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
         optimizer_(bank_),
         graphs_(train::PassGraphs::Options{model_->device().is_cuda() ? options.graph_max_tokens : 0,
-                                           /*capture=*/true}) {
+                                           /*capture=*/true,
+                                           [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
     bank_.set_lora_fp32(options.lora_fp32);
   }
 
@@ -319,6 +320,15 @@ class TrainingEngine final : public Engine {
   }
 
   bool Bound(int slot) const { return slot >= 0 && slot < info_.max_slots && bank_.slot(slot).bound; }
+
+  // A new graph shape of this many padded tokens: its eager first pass must
+  // fit with every layer kept, as the graphs keep them (and the pool then
+  // holds about that much). Without a measured plan the packed path runs.
+  bool RoomForGraph(int64_t tokens) const {
+    if (!cost_.known()) return false;
+    const train::PassPlan p = train::PlanPass(cost_, tokens, FreeForActivations());
+    return p.fits && p.recompute_layers == 0;
+  }
 
   // OpenMP's thread count is a per-thread setting: a new engine thread would
   // otherwise run with the runtime's default rather than options.threads.

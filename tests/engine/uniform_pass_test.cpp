@@ -188,6 +188,13 @@ TEST(UniformPass, CudaGraphsReplayOverNewDataAndSlots) {
   EXPECT_EQ(graphs.stats().captures, 1);
   EXPECT_EQ(graphs.stats().replays, 2);
   EXPECT_GT(graphs.stats().pool_bytes, 0);
+
+  // No room for a new shape: the pass keeps the packed path, nothing captured.
+  PassGraphs tight(PassGraphs::Options{4096, true, [](int64_t) { return false; }});
+  const Outcome want = Pass(model, bank, passes[0], nullptr);
+  ExpectSame(Pass(model, bank, passes[0], &tight), want, 1e-5);  // attention backward may use atomics
+  EXPECT_EQ(tight.stats().passes, 0);
+  EXPECT_EQ(tight.stats().captures, 0);
 }
 
 }  // namespace

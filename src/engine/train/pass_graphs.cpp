@@ -70,6 +70,7 @@ std::optional<UniformResult> PassGraphs::Run(const Transformer& model, SlotBank&
   if (!e) e = std::make_unique<Entry>(key, device);
   const bool capture = options_.capture && device.is_cuda();
   if (!capture) return RunEntry(*e, model, bank, data, slots);
+  if (!e->captured() && options_.room && !options_.room(key.shape.tokens())) return std::nullopt;
 #if LOOM_CUDA_KERNELS
   const int index = device.index() < 0 ? 0 : device.index();
   if (!cuda_) cuda_ = std::make_unique<Cuda>(index);

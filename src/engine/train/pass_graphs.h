@@ -27,6 +27,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -52,6 +53,12 @@ class PassGraphs {
   struct Options {
     int64_t max_tokens = 0;  // passes of at most this many padded tokens (0: none)
     bool capture = false;    // CUDA graphs (CUDA devices only); else the uniform pass runs eagerly
+    // Whether the device has room now for a new shape of this many padded
+    // tokens: its eager first pass and the pool's growth by about that
+    // pass's activations, every layer kept. Asked before a shape is first
+    // run for capture; no (or unset: always yes) leaves the pass to the
+    // packed path and its own memory plan.
+    std::function<bool(int64_t tokens)> room;
   };
   struct Stats {
     int64_t passes = 0;     // passes run in the uniform layout
