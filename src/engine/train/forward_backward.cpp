@@ -103,9 +103,7 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
   if (graphs && recompute_layers == 0 && k_cols == 0 && any_backward) {
     bool same = true;
     for (const Part& p : parts)
-      same = same && !calls[p.call].forward_only && p.spec.kind == parts[0].spec.kind &&
-             p.spec.clip_low == parts[0].spec.clip_low && p.spec.clip_high == parts[0].spec.clip_high &&
-             p.spec.beta == parts[0].spec.beta;
+      same = same && !calls[p.call].forward_only && p.spec == parts[0].spec;
     if (same) uniform = graphs->Run(model, bank, parts[0].spec, all_data, seq_slots);
   }
   at::Tensor lp_host, elem_host;

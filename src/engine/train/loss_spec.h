@@ -34,6 +34,8 @@ struct LossSpec {
   std::vector<std::string> OptionalInputs() const;
   // cross_entropy accepts (N,) or (N,K) target_tokens; the RL losses (N,) only.
   bool AllowsTopK() const { return kind == LossKind::kCrossEntropy; }
+  // Same loss and parameters (passes of equal specs can share a graph).
+  bool operator==(const LossSpec&) const = default;
 };
 
 // Checks datum `index` of a call: non-empty, no longer than context_window

@@ -9,11 +9,6 @@ int64_t TotalTokens(const std::vector<const Datum*>& data) {
   return t;
 }
 
-// The values of a float input (int64 arrays are widened).
-float ValueAt(const Array& a, size_t j) {
-  return a.dtype == Array::DType::kInt64 ? static_cast<float>(a.i64[j]) : a.f32[j];
-}
-
 // One [T] fp32 tensor from a 1-D input key of every datum.
 at::Tensor PackVector(const std::vector<const Datum*>& data, const std::string& key, at::Device device) {
   std::vector<float> out;
@@ -26,6 +21,10 @@ at::Tensor PackVector(const std::vector<const Datum*>& data, const std::string& 
 }
 
 }  // namespace
+
+float ValueAt(const Array& a, size_t j) {
+  return a.dtype == Array::DType::kInt64 ? static_cast<float>(a.i64[j]) : a.f32[j];
+}
 
 at::Tensor PackTargets(const std::vector<const Datum*>& data, int64_t k_cols) {
   const int64_t total = TotalTokens(data);

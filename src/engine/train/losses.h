@@ -22,6 +22,9 @@ struct LossInputs {
   at::Tensor advantages;        // RL losses: fp32 [T]
 };
 
+// Element j of a loss input as fp32 (int64 arrays are widened).
+float ValueAt(const Array& a, size_t j);
+
 // Target tokens of validated datums as int64 [T] (k_cols == 0) or [T, k_cols]
 // (k_cols >= every datum's K; a 1-D datum fills column 0; padding is token 0).
 at::Tensor PackTargets(const std::vector<const Datum*>& data, int64_t k_cols);

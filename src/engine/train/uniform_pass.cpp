@@ -15,10 +15,6 @@ int64_t Pow2AtLeast(int64_t n, int64_t floor) {
   return p;
 }
 
-float ValueAt(const Array& a, size_t j) {
-  return a.dtype == Array::DType::kInt64 ? static_cast<float>(a.i64[j]) : a.f32[j];
-}
-
 enum Long { kTokens, kPositions, kTargets };
 enum Float { kWeights, kSamplerLp, kAdvantages, kMask };
 constexpr TargetGroup kGroups[3] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
