@@ -57,7 +57,11 @@ void Scheduler::Admit() {
     const int64_t fresh_tokens = r.prompt_len() - static_cast<int64_t>(hits.size()) * bs;
     return mine > 0 && mine + fresh_tokens > limits_.max_prefill_tokens;
   };
-  const auto ready = [&](const SampleRequest& r) { return !held(r, CacheHits(r)); };
+  // Only a tenant that owes prefill can be held: the others skip the prompt's hashing here.
+  const auto ready = [&](const SampleRequest& r) {
+    const auto it = owed.find(r.call.tenant);
+    return it == owed.end() || it->second == 0 || !held(r, CacheHits(r));
+  };
   // A request costs the free blocks its admission takes: its worst case less
   // the cached blocks it reuses, plus those of them no one holds now.
   const auto cost = [&](const SampleRequest& r) -> std::optional<int64_t> {
