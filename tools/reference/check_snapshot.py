@@ -8,16 +8,23 @@ per-token logprobs with what `loom forward --adapter` prints for the same tokens
 Prints the largest |logprob difference| between loom and HF+PEFT, and how far
 the adapter moves HF's logprobs away from the base model's (so a match is not
 the trivial one of an adapter that does nothing). Exits non-zero when the
-snapshot does not load cleanly or the difference exceeds --tol.
+snapshot does not load cleanly, PEFT loads it with other targets than its
+adapter_config.json names (transformers v5's MoE shim rewrites some), or the
+difference exceeds --tol. The base model loads as make_golden.py loads it
+(eager attention and, for qwen3_moe, eager experts; no missing weights), so
+snapshots of MoE models with target_parameters load the same way.
 """
 import argparse
+import json
+import os
 import subprocess
 import sys
 
 import numpy as np
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+
+from make_golden import config_drift, load_base
 
 
 def loom_logprobs(args, tokens):
@@ -45,7 +52,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     rng = np.random.default_rng(3)
-    base = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=dtype).to(args.device).eval()
+    base = load_base(args.model, args.device, dtype)
     vocab = base.config.vocab_size
     tokens = [rng.integers(0, vocab, size=n).tolist() for n in (9, 17, 5)]
 
@@ -62,6 +69,10 @@ def main():
 
     base_lp = hf_logprobs(base)
     peft_model = PeftModel.from_pretrained(base, args.adapter).eval()
+    with open(os.path.join(args.adapter, "adapter_config.json")) as f:
+        drift = config_drift(peft_model.peft_config["default"], json.load(f))
+    if drift:
+        sys.exit(f"PEFT loaded {args.adapter} with other targets than its adapter_config.json: {drift}")
     ref = hf_logprobs(peft_model)
     got = loom_logprobs(args, tokens)
     assert set(got) == set(ref), "loom forward printed different positions"

@@ -19,15 +19,28 @@ Output (OUT):
                             adapter tensor stored in adapter_model.safetensors
                             under <key> (base_model.model.<module>.lora_{A,B}.weight)
 
+qwen3_moe (model_type in config.json): attention and lm_head are module
+targets as above; the experts' fused mlp.experts.gate_up_proj [E, 2I, H] and
+down_proj [E, H, I] and the dense-MLP layers' gate/up/down_proj weights are
+target_parameters (PEFT's ParamWrapper). The expert LoRA is loom's layout
+(gate_up: one A shared by all experts, B per expert; down: A per expert, one
+B shared) written in PEFT's per-expert form with the shared factor replicated
+into every expert's slice. batch.json gains a "moe" block: the layers, the
+adapter config's targets, which parameter and layer each expert key belongs
+to, the saved key names, and HF's route (top-k experts) of every token.
+
 Usage (see README.md):
   python3 tools/reference/make_golden.py --model DIR --out tests/golden/qwen3
 Self-checking: it fails (non-zero exit) if any LoRA weight is zero, any
 gradient is non-finite or all-zero, the adapters do not change the
-logprobs, or the output exceeds 1 MB.
+logprobs, or the output exceeds 1 MB; for qwen3_moe also if any assumption
+about HF's or PEFT's layout does not hold at run time (see README.md).
 """
 import argparse
+import inspect
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -45,20 +58,43 @@ A_STD_SCALE = 1.0   # lora_A ~ N(0, A_STD_SCALE^2 / d_in)
 B_STD = 0.01        # lora_B ~ N(0, B_STD^2)
 MAX_BYTES = 1 << 20
 
+# qwen3_moe. Gate/up/down stay out of target_modules in every spelling:
+# PEFT's transformers-v5 shim (peft/utils/transformers_weight_conversion.py)
+# rewrites target_modules entries equal to or ending in ".gate_proj",
+# ".up_proj", ".down_proj" (and a regex, after resolving it to leaf names)
+# into target_parameters gate_up_proj/down_proj at rank 2r. So the dense-MLP
+# layers' projections are targeted as parameters by full name: a ParamWrapper
+# on a 2-D [out, in] weight is plain LoRA (A [r, in], B [out, r], the same
+# saved keys as a module target).
+MOE_TYPES = ("qwen3_moe",)
+MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+# Each expert target stores E slices of both factors, so ranks are halved
+# against ADAPTERS to stay under MAX_BYTES; the scales stay 8, 2, 4.
+MOE_ADAPTERS = [("a0", 2, 16), ("a1", 4, 8), ("a2", 4, 16)]
+# Longer than SEQ_LENGTHS so that every expert of every MoE layer gets a token
+# (checked); change these, not SEED, which would move the dense goldens too.
+MOE_SEQ_LENGTHS = [9, 15, 7, 13]
+RELOAD_TOL = 1e-5   # |logprob| after PeftModel.from_pretrained of the saved adapter
+
 
 def fail(msg):
-    print("make_golden: FAILED: " + msg, file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0])}: FAILED: {msg}", file=sys.stderr)
     sys.exit(1)
+
+
+def safetensors_paths(model_dir):
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
+        return [os.path.join(model_dir, p) for p in sorted(set(json.load(f)["weight_map"].values()))]
 
 
 def model_identity(model_dir):
     """loom.* metadata that make-model writes into every shard."""
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        path = single
-    else:
-        with open(os.path.join(model_dir, "model.safetensors.index.json")) as f:
-            path = os.path.join(model_dir, sorted(set(json.load(f)["weight_map"].values()))[0])
+    path = safetensors_paths(model_dir)[0]
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
     ident = {k[len("loom."):]: v for k, v in meta.items() if k.startswith("loom.")}
@@ -69,13 +105,35 @@ def model_identity(model_dir):
     return ident
 
 
-def load_base(model_dir, device):
+def config_model_type(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("model_type")
+
+
+def takes_experts_implementation():
+    """Whether from_pretrained takes experts_implementation (transformers v5's
+    experts backends; the default, grouped_mm, depends on the torch build on CPU)."""
+    from transformers import PreTrainedModel
+
+    fn = PreTrainedModel.from_pretrained
+    if "experts_implementation" in inspect.signature(fn).parameters:
+        return True
+    try:
+        return "experts_implementation" in inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+
+
+def load_base(model_dir, device, dtype=torch.float32):
     import transformers
     from transformers import AutoModelForCausalLM
 
     major = int(transformers.__version__.split(".")[0])
     kwargs = {"attn_implementation": "eager", "output_loading_info": True}
-    kwargs["dtype" if major >= 5 else "torch_dtype"] = torch.float32
+    kwargs["dtype" if major >= 5 else "torch_dtype"] = dtype
+    moe = config_model_type(model_dir) in MOE_TYPES
+    if moe and takes_experts_implementation():
+        kwargs["experts_implementation"] = "eager"
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model, info = loaded if isinstance(loaded, tuple) else (loaded, {})
     cfg = model.config
@@ -88,6 +146,13 @@ def load_base(model_dir, device):
              f"mismatched {info.get('mismatched_keys')}")
     if tied and model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr():
         fail("config says tie_word_embeddings but lm_head is not tied to embed_tokens")
+    if moe:
+        # A config without the attribute predates experts backends: its experts run their own (eager) loop.
+        impl = {"attn": getattr(cfg, "_attn_implementation", "eager"),
+                "experts": getattr(cfg, "_experts_implementation", "eager")}
+        if set(impl.values()) != {"eager"}:
+            fail(f"loading {model_dir}: implementations {impl}, wanted eager for both "
+                 f"(experts_implementation passed: {'experts_implementation' in kwargs})")
     model.to(device)
     model.eval()
     for p in model.parameters():
@@ -95,9 +160,9 @@ def load_base(model_dir, device):
     return model
 
 
-def make_batch(rng, vocab):
+def make_batch(rng, vocab, lengths):
     seqs = []
-    for length, adapter in zip(SEQ_LENGTHS, SEQ_ADAPTERS):
+    for length, adapter in zip(lengths, SEQ_ADAPTERS):
         tokens = rng.integers(0, vocab, size=length).tolist()
         last_target = int(rng.integers(0, vocab))
         seqs.append({"tokens": [int(t) for t in tokens],
@@ -119,6 +184,308 @@ def seq_logprobs(peft_model, seq, device):
     return torch.log_softmax(logits, dim=-1).gather(-1, tgt[:, None])[:, 0]
 
 
+# ---- qwen3_moe -------------------------------------------------------------
+
+def moe_layout(model, model_dir):
+    """qwen3_moe's layers as HF built them, checked against the config and the
+    checkpoint: each MoE layer's fused experts must hold the hub's per-expert
+    weights (gate rows first, then up; [E, out, in]). None for a dense model."""
+    cfg = model.config
+    if cfg.model_type not in MOE_TYPES:
+        return None
+    E, K = int(cfg.num_experts), int(cfg.num_experts_per_tok)
+    I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    mlps = {}
+    for name, m in model.named_modules():
+        hit = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\.mlp", name)
+        if hit:
+            mlps[int(hit.group(1))] = (name, m)
+    if sorted(mlps) != list(range(cfg.num_hidden_layers)):
+        fail(f"found the MLPs of layers {sorted(mlps)}, config.json has {cfg.num_hidden_layers} layers")
+    ckpt = {}
+    for path in safetensors_paths(model_dir):
+        with safe_open(path, framework="pt") as f:
+            ckpt.update({k: f.get_tensor(k) for k in f.keys()})
+
+    def stored(key, like):
+        if key not in ckpt:
+            fail(f"{model_dir} has no tensor {key} (make-model should write the hub's per-expert keys)")
+        return ckpt[key].to(like.device, like.dtype)
+
+    moe = {"num_experts": E, "top_k": K, "moe_layers": [], "dense_layers": [], "mlp": {}, "experts": {}}
+    for layer in sorted(mlps):
+        name, mlp = mlps[layer]
+        moe["mlp"][layer] = name
+        if layer in dense_only or E == 0 or (layer + 1) % step != 0:
+            if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in DENSE_MLP):
+                fail(f"{name}: config.json makes layer {layer} dense, but HF built {type(mlp).__name__}")
+            moe["dense_layers"].append(layer)
+            continue
+        experts, router = getattr(mlp, "experts", None), getattr(mlp, "gate", None)
+        gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        rw = getattr(router, "weight", None)
+        if not all(isinstance(t, torch.nn.Parameter) for t in (gu, dn, rw)):
+            fail(f"{name}: expected parameters experts.gate_up_proj, experts.down_proj and gate.weight "
+                 f"(transformers v5 fused experts), HF built {mlp}")
+        want = {"gate_up_proj": (E, 2 * I, H), "down_proj": (E, H, I), "gate.weight": (E, H)}
+        got = {"gate_up_proj": tuple(gu.shape), "down_proj": tuple(dn.shape), "gate.weight": tuple(rw.shape)}
+        transposed = getattr(experts, "is_transposed", False)
+        if got != want or transposed:
+            fail(f"{name}: shapes {got}, is_transposed {transposed}; expected {want}, [E, out, in]")
+        with torch.no_grad():
+            for j in range(E):
+                hub = f"{name}.experts.{j}"
+                if not (torch.equal(gu[j, :I], stored(f"{hub}.gate_proj.weight", gu))
+                        and torch.equal(gu[j, I:], stored(f"{hub}.up_proj.weight", gu))
+                        and torch.equal(dn[j], stored(f"{hub}.down_proj.weight", dn))):
+                    fail(f"{name}: fused expert {j} is not [gate_proj; up_proj] and down_proj of {hub}")
+            if not torch.equal(rw, stored(f"{name}.gate.weight", rw)):
+                fail(f"{name}: the router differs from {name}.gate.weight in the checkpoint")
+        moe["moe_layers"].append(layer)
+        moe["experts"][layer] = experts
+    if not moe["moe_layers"]:
+        fail(f"config.json says {cfg.model_type} but no layer is MoE")
+    moe["linear_targets"] = sorted(n for n, m in model.named_modules()
+                                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in MOE_TARGET_MODULES)
+    if len(moe["linear_targets"]) != 4 * len(mlps) + 1:
+        fail(f"expected q/k/v/o_proj in each of {len(mlps)} layers and one lm_head, found {moe['linear_targets']}")
+    return moe
+
+
+def moe_targets(moe):
+    """(target_modules, target_parameters) of a qwen3_moe adapter (see MOE_TYPES)."""
+    params = [f"mlp.experts.{p}" for p in EXPERT_PARAMS]
+    params += [f"{moe['mlp'][layer]}.{p}.weight" for layer in moe["dense_layers"] for p in DENSE_MLP]
+    return list(MOE_TARGET_MODULES), params
+
+
+def config_drift(got, want):
+    """How PEFT's adapter config `got` (a LoraConfig, or adapter_config.json as
+    a dict) differs from `want` (a dict) in its targets and rank/alpha
+    patterns; "" if it does not. PEFT's transformers-v5 MoE shim rewrites
+    these in place, on get_peft_model and again on from_pretrained."""
+    def field(cfg, key):
+        v = cfg.get(key) if isinstance(cfg, dict) else getattr(cfg, key, None)
+        if key.endswith("_pattern"):
+            return dict(v or {})
+        return {v} if isinstance(v, str) else set(v or [])
+
+    def show(v):
+        return v if isinstance(v, dict) else sorted(v)
+
+    return "; ".join(f"{key} {show(field(got, key))} (wanted {show(field(want, key))})"
+                     for key in ("target_modules", "target_parameters", "rank_pattern", "alpha_pattern")
+                     if field(got, key) != field(want, key))
+
+
+def expert_parameter(m):
+    """gate_up_proj or down_proj for PEFT's wrapper of a fused expert parameter, else None."""
+    name = getattr(m, "parameter_name", None)
+    return name if name in EXPERT_PARAMS and getattr(m, "num_experts", 1) > 1 else None
+
+
+def layer_of(module_name):
+    return int(re.search(r"layers\.(\d+)\.", module_name).group(1))
+
+
+def check_wrapped(layers, moe, adapters):
+    """Every intended target, and nothing else, carries every adapter at its
+    rank and alpha: module LoRA on attention and lm_head; a ParamWrapper on
+    both expert parameters of each MoE layer (E experts) and on each dense-MLP
+    weight (one)."""
+    from peft.tuners.lora import Linear, ParamWrapper
+
+    want = {(n, None): 1 for n in moe["linear_targets"]}
+    for layer in moe["moe_layers"]:
+        want.update({(f"{moe['mlp'][layer]}.experts", p): moe["num_experts"] for p in EXPERT_PARAMS})
+    for layer in moe["dense_layers"]:
+        want.update({(f"{moe['mlp'][layer]}.{p}", "weight"): 1 for p in DENSE_MLP})
+    got = {}
+    for mod_name, m in layers:
+        path = mod_name.removeprefix("base_model.model.").replace(".base_layer", "")
+        if isinstance(m, ParamWrapper):
+            key, experts = (path, m.parameter_name), m.num_experts
+        elif isinstance(m, Linear):
+            key, experts = (path, None), 1
+        else:
+            fail(f"{mod_name}: unexpected LoRA layer {type(m).__name__}")
+        if key in got:
+            fail(f"{key} is wrapped twice")
+        got[key] = experts
+        for name, r, alpha in adapters:
+            if m.r.get(name) != r or m.lora_alpha.get(name) != alpha or m.scaling.get(name) != alpha / r:
+                fail(f"{mod_name} {name}: r {m.r.get(name)} alpha {m.lora_alpha.get(name)} scaling "
+                     f"{m.scaling.get(name)}, wanted r {r} alpha {alpha}")
+    if got != want:
+        fail(f"PEFT wrapped {sorted(set(got.items()) - set(want.items()), key=str)} unasked and missed "
+             f"{sorted(set(want.items()) - set(got.items()), key=str)} (((module, parameter), experts))")
+
+
+def init_expert_lora(m, name, rng):
+    """Draws loom's layout for one expert target and writes it in PEFT's.
+    loom: gate_up has one A [r, H] for all experts and B_e [2I, r] per expert;
+    down has A_e [r, I] per expert and one B [H, r]. PEFT (ParamWrapper): A
+    [E*r, in] holds expert e in rows e*r+k, B [out, r*E] in columns k*E+e; so
+    the shared factor is replicated into every expert's slice. Checks that
+    PEFT's own delta (get_delta_weight) is scale * B_e A_e for every expert."""
+    E, r = m.num_experts, m.r[name]
+    a, b = m.lora_A[name].weight, m.lora_B[name].weight
+    d_in, d_out = a.shape[1], b.shape[0]
+    param = tuple(m.get_param().shape)
+    if tuple(a.shape) != (E * r, d_in) or tuple(b.shape) != (d_out, r * E) or param != (E, d_out, d_in):
+        fail(f"{m.parameter_name} {name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}, parameter {param}; "
+             f"expected [E*r, in], [out, r*E], [E, out, in] with E={E} r={r}")
+    a_std = A_STD_SCALE / np.sqrt(d_in)
+    if m.parameter_name == "gate_up_proj":
+        a_e = np.broadcast_to(rng.normal(0.0, a_std, size=(r, d_in)), (E, r, d_in))
+        b_e = rng.normal(0.0, B_STD, size=(E, d_out, r))
+    else:
+        a_e = rng.normal(0.0, a_std, size=(E, r, d_in))
+        b_e = np.broadcast_to(rng.normal(0.0, B_STD, size=(d_out, r)), (E, d_out, r))
+    a_e, b_e = a_e.astype(np.float32), b_e.astype(np.float32)
+    a.copy_(torch.from_numpy(np.ascontiguousarray(a_e.reshape(E * r, d_in))))
+    b.copy_(torch.from_numpy(np.ascontiguousarray(b_e.transpose(1, 2, 0).reshape(d_out, r * E))))
+    want = m.scaling[name] * np.einsum("eok,eki->eoi", b_e.astype(np.float64), a_e.astype(np.float64))
+    got = m.get_delta_weight(name).detach().cpu().double().numpy()
+    if got.shape != want.shape or np.abs(got - want).max() > 1e-5 * np.abs(want).max():
+        fail(f"{m.parameter_name} {name}: PEFT's get_delta_weight is not scale * B_e A_e for the layout "
+             f"written (rows e*r+k of A, columns k*E+e of B)")
+
+
+class RouteRecorder:
+    """Forward pre-hooks on the experts modules: the top-k experts HF routes
+    each token to in each MoE layer, and whether the routing weights carry a
+    gradient (the router's path back into the hidden state). Records only
+    between start() and stop()."""
+
+    def __init__(self, moe):
+        self.E, self.K = moe["num_experts"], moe["top_k"]
+        self.routes = None
+        self.weights_without_grad = set()
+        for layer, experts in moe["experts"].items():
+            experts.register_forward_pre_hook(self._hook(layer), with_kwargs=True)
+
+    def _hook(self, layer):
+        def hook(module, args, kwargs):
+            if self.routes is None:
+                return None
+            index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
+            weights = args[2] if len(args) > 2 else kwargs.get("top_k_weights")
+            if not (torch.is_tensor(index) and torch.is_tensor(weights)) or index.is_floating_point() \
+                    or index.dim() != 2 or index.shape[1] != self.K or tuple(weights.shape) != tuple(index.shape):
+                fail(f"layer {layer}: experts called without (hidden, top_k_index [T, {self.K}], top_k_weights)")
+            if layer in self.routes:
+                fail(f"layer {layer}: experts ran twice in one forward")
+            rows = index.tolist()
+            if any(len(set(row)) != self.K or not all(0 <= e < self.E for e in row) for row in rows):
+                fail(f"layer {layer}: routes {rows} are not {self.K} distinct experts in [0, {self.E})")
+            self.routes[layer] = rows
+            if torch.is_grad_enabled() and not weights.requires_grad:
+                self.weights_without_grad.add(layer)
+            return None
+        return hook
+
+    def start(self):
+        self.routes = {}
+
+    def stop(self):
+        routes, self.routes = self.routes, None
+        return routes
+
+
+def expert_hits(seqs, seq_routes, layer, adapter=None):
+    return {e for seq, routes in zip(seqs, seq_routes) if adapter in (None, seq["adapter"])
+            for row in routes[layer] for e in row}
+
+
+def check_routes(moe, seqs, seq_routes, recorder):
+    """Each sequence was routed in every MoE layer, every expert of every MoE
+    layer is hit by some token of the batch, and the routing weights had a
+    gradient (else HF's golden would lack the router's path)."""
+    for i, (seq, routes) in enumerate(zip(seqs, seq_routes)):
+        if sorted(routes) != moe["moe_layers"] or any(len(routes[L]) != len(seq["tokens"]) for L in routes):
+            fail(f"seq{i}: routes recorded for layers {sorted(routes)}, wanted one per token in {moe['moe_layers']}")
+    for layer in moe["moe_layers"]:
+        hit = expert_hits(seqs, seq_routes, layer)
+        if hit != set(range(moe["num_experts"])):
+            fail(f"layer {layer}: the batch hits experts {sorted(hit)} of {moe['num_experts']}; "
+                 f"lengthen MOE_SEQ_LENGTHS so that every expert gets a token")
+    if recorder.weights_without_grad:
+        fail(f"layers {sorted(recorder.weights_without_grad)}: the routing weights have no gradient")
+
+
+def check_expert_grads(layers, adapters, seqs, seq_routes):
+    """An expert's slices of a gradient (A rows e*r.., B columns ..*E+e) are
+    non-zero exactly when some token of the adapter's sequences hit it."""
+    for name, _, _ in adapters:
+        for mod_name, m in layers:
+            if not expert_parameter(m):
+                continue
+            E, r = m.num_experts, m.r[name]
+            ga, gb = m.lora_A[name].weight.grad, m.lora_B[name].weight.grad
+            if ga is None or gb is None:
+                fail(f"{mod_name} {name}: no gradient")
+            ga, gb = ga.reshape(E, r, -1), gb.reshape(gb.shape[0], r, E)
+            hit = expert_hits(seqs, seq_routes, layer_of(mod_name), name)
+            for e in range(E):
+                live = (ga[e].abs().max().item() > 0, gb[:, :, e].abs().max().item() > 0)
+                if live != ((e in hit),) * 2:
+                    fail(f"{mod_name} {name}: expert {e} (hit: {e in hit}) has gradient slices "
+                         f"non-zero A {live[0]}, B {live[1]}")
+
+
+def check_reload(model_dir, adapters_dir, adapters, seqs, logprobs, device, want):
+    """Each saved adapter loads into a fresh base with PeftModel.from_pretrained
+    (the v5 shim runs again there), keeps its config, and gives the golden
+    logprobs: the golden adapters are loadable PEFT adapters."""
+    from peft import PeftModel
+
+    for name, _, _ in adapters:
+        peft_model = PeftModel.from_pretrained(load_base(model_dir, device), os.path.join(adapters_dir, name),
+                                               adapter_name=name)
+        peft_model.eval()
+        drift = config_drift(peft_model.peft_config[name], want)
+        if drift:
+            fail(f"{name}: PeftModel.from_pretrained changed the config: {drift}")
+        with torch.no_grad():
+            for i, seq in enumerate(seqs):
+                if seq["adapter"] != name:
+                    continue
+                diff = (seq_logprobs(peft_model, seq, device).cpu() - logprobs[i]).abs().max().item()
+                if diff > RELOAD_TOL:
+                    fail(f"seq{i}: the reloaded {name} gives logprobs {diff:.3g} away from the golden")
+
+
+def moe_record(moe, layers, targets, saved_keys, seq_routes):
+    """batch.json's "moe" block: what loom's parity test needs to map PEFT's
+    saved expert tensors onto its own layout."""
+    if any(keys != saved_keys["a0"] for keys in saved_keys.values()):
+        fail(f"the adapters saved different keys: {saved_keys}")
+    shared = {"gate_up_proj": "lora_A", "down_proj": "lora_B"}
+    expert_keys = {}
+    for mod_name, m in layers:
+        param = expert_parameter(m)
+        for kind in ("lora_A", "lora_B") if param else ():
+            expert_keys[f"{mod_name}.{kind}.weight"] = {"layer": layer_of(mod_name), "parameter": param,
+                                                        "factor": kind, "shared": shared[param] == kind}
+    return {
+        "num_experts": moe["num_experts"],
+        "top_k": moe["top_k"],
+        "moe_layers": moe["moe_layers"],
+        "dense_mlp_layers": moe["dense_layers"],
+        "target_modules": targets["target_modules"],
+        "target_parameters": targets["target_parameters"],
+        "expert_lora": "lora_A [E*r, in]: expert e in rows e*r+k; lora_B [out, r*E]: expert e in columns k*E+e; "
+                       "the shared factor (gate_up_proj lora_A, down_proj lora_B) is replicated into every "
+                       "expert's slice, and its loom gradient is the sum of the slices' gradients",
+        "expert_keys": expert_keys,
+        "saved_keys": saved_keys["a0"],
+        "routes": [{str(layer): routes[layer] for layer in moe["moe_layers"]} for routes in seq_routes],
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="model dir from `loom make-model --preset tiny`")
@@ -137,48 +504,70 @@ def main():
     device = torch.device(args.device)
     ident = model_identity(args.model)
     model = load_base(args.model, device)
+    moe = moe_layout(model, args.model)
+    adapters = ADAPTERS if moe is None else MOE_ADAPTERS
+    target_modules, target_parameters = (list(TARGET_MODULES), []) if moe is None else moe_targets(moe)
+    targets = {"target_modules": target_modules, "target_parameters": target_parameters}
     vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(SEED)
-    seqs = make_batch(rng, vocab)
+    seqs = make_batch(rng, vocab, SEQ_LENGTHS if moe is None else MOE_SEQ_LENGTHS)
 
     # Base-only logprobs, to prove later that the adapters matter.
     with torch.no_grad():
         base_lp = [seq_logprobs(model, s, device) for s in seqs]
 
-    configs = {name: LoraConfig(r=r, lora_alpha=alpha, target_modules=list(TARGET_MODULES), lora_dropout=0.0,
+    configs = {name: LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules),
+                                target_parameters=list(target_parameters) or None, lora_dropout=0.0,
                                 bias="none", task_type="CAUSAL_LM", use_rslora=False, use_dora=False)
-               for name, r, alpha in ADAPTERS}
+               for name, r, alpha in adapters}
     peft_model = get_peft_model(model, configs["a0"], adapter_name="a0")
-    for name, _, _ in ADAPTERS[1:]:
+    for name, _, _ in adapters[1:]:
         peft_model.add_adapter(name, configs[name])
     peft_model.eval()
+    for name, _, _ in adapters:
+        drift = config_drift(peft_model.peft_config[name], targets)
+        if drift:
+            fail(f"{name}: PEFT rewrote the adapter config: {drift}")
 
     # Non-zero A and B for every adapter, in a fixed order from the seed.
     layers = lora_layers(peft_model)
+    if moe is not None:
+        check_wrapped(layers, moe, adapters)
     seen_short = set()
     with torch.no_grad():
-        for name, _, _ in ADAPTERS:
+        for name, _, _ in adapters:
             for mod_name, m in layers:
                 a = m.lora_A[name].weight
                 b = m.lora_B[name].weight
                 d_in = a.shape[1]
-                a.copy_(torch.from_numpy(rng.normal(0.0, A_STD_SCALE / np.sqrt(d_in), size=tuple(a.shape))
-                                         .astype(np.float32)))
-                b.copy_(torch.from_numpy(rng.normal(0.0, B_STD, size=tuple(b.shape)).astype(np.float32)))
+                if moe is not None and expert_parameter(m):
+                    init_expert_lora(m, name, rng)
+                else:
+                    a.copy_(torch.from_numpy(rng.normal(0.0, A_STD_SCALE / np.sqrt(d_in), size=tuple(a.shape))
+                                             .astype(np.float32)))
+                    b.copy_(torch.from_numpy(rng.normal(0.0, B_STD, size=tuple(b.shape)).astype(np.float32)))
                 if a.abs().max().item() == 0 or b.abs().max().item() == 0:
                     fail(f"{mod_name} {name}: zero LoRA weight")
                 seen_short.add(mod_name.split(".")[-1])
-    if seen_short != set(TARGET_MODULES):
+    if moe is None and seen_short != set(TARGET_MODULES):
         fail(f"PEFT adapted {sorted(seen_short)}, expected {sorted(TARGET_MODULES)}")
 
     # Forward each sequence alone under its adapter; backward right away so the
     # active adapter (the only one PEFT leaves trainable) accumulates its grad.
-    logprobs = []
+    recorder = RouteRecorder(moe) if moe is not None else None
+    logprobs, seq_routes = [], []
     for seq in seqs:
         peft_model.set_adapter(seq["adapter"])
+        if recorder:
+            recorder.start()
         lp = seq_logprobs(peft_model, seq, device)
+        if recorder:
+            seq_routes.append(recorder.stop())
         (-lp.sum()).backward()
         logprobs.append(lp.detach().cpu())
+    if moe is not None:
+        check_routes(moe, seqs, seq_routes, recorder)
+        check_expert_grads(layers, adapters, seqs, seq_routes)
 
     golden = {}
     for i, lp in enumerate(logprobs):
@@ -190,10 +579,11 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     adapters_dir = os.path.join(args.out, "adapters")
-    peft_model.save_pretrained(adapters_dir, selected_adapters=[n for n, _, _ in ADAPTERS],
+    peft_model.save_pretrained(adapters_dir, selected_adapters=[n for n, _, _ in adapters],
                                save_embedding_layers=False, safe_serialization=True)
 
-    for name, r, alpha in ADAPTERS:
+    saved_keys = {}
+    for name, r, alpha in adapters:
         path = os.path.join(adapters_dir, name, "adapter_model.safetensors")
         if not os.path.exists(path):
             fail(f"save_pretrained did not write {path}")
@@ -203,6 +593,9 @@ def main():
             acfg = json.load(f)
         if acfg.get("r") != r or float(acfg.get("lora_alpha")) != alpha:
             fail(f"{name}: adapter_config.json says r={acfg.get('r')} alpha={acfg.get('lora_alpha')}")
+        drift = config_drift(acfg, targets)
+        if drift:
+            fail(f"{name}: adapter_config.json differs from the asked config: {drift}")
         expected_keys = set()
         for mod_name, m in layers:
             key_prefix = mod_name  # base_model.model.<module>
@@ -220,10 +613,11 @@ def main():
                 golden[f"grad.{name}.{key}"] = g.detach().cpu().float().contiguous()
         if set(saved) != expected_keys:
             fail(f"{name}: {path} has unexpected tensors {sorted(set(saved) - expected_keys)}")
+        saved_keys[name] = sorted(saved)
 
     batch = {
         "model": ident,
-        "adapters": {name: {"r": r, "alpha": alpha, "dir": f"adapters/{name}"} for name, r, alpha in ADAPTERS},
+        "adapters": {name: {"r": r, "alpha": alpha, "dir": f"adapters/{name}"} for name, r, alpha in adapters},
         "sequences": seqs,
         "seed": SEED,
         "loss": "sum over sequences and positions of -logprob(target), weights 1",
@@ -232,6 +626,9 @@ def main():
                      "peft": peft.__version__, "numpy": np.__version__},
         "device": str(device),
     }
+    if moe is not None:
+        check_reload(args.model, adapters_dir, adapters, seqs, logprobs, device, targets)
+        batch["moe"] = moe_record(moe, layers, targets, saved_keys, seq_routes)
     with open(os.path.join(args.out, "batch.json"), "w") as f:
         json.dump(batch, f, indent=1)
         f.write("\n")
