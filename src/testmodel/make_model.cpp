@@ -165,18 +165,36 @@ std::string Quote(const std::string& s) { return nlohmann::json(s).dump(); }
 // ------------------------------------------------------------ presets
 
 Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype) {
-  if (arch != "qwen2" && arch != "qwen3") return Status::Invalid("arch '" + arch + "' is not one of qwen2, qwen3");
+  if (arch != "qwen2" && arch != "qwen3" && arch != "qwen3_moe")
+    return Status::Invalid("arch '" + arch + "' is not one of qwen2, qwen3, qwen3_moe");
+  const bool moe = arch == "qwen3_moe";
+  if (moe != (preset == "qwen3-30b-a3b") && preset != "tiny")
+    return Status::Invalid("preset '" + preset + "' is not one of " +
+                           (moe ? "tiny, qwen3-30b-a3b" : "tiny, small, qwen2.5-0.5b, qwen3-4b") + " for arch " + arch);
   ModelConfig c;
   c.model_type = arch;
   c.rms_norm_eps = 1e-6;
   c.rope_theta = 1000000.0;
   c.initializer_range = 0.02;
   std::string default_dtype = "bf16";
-  if (preset == "tiny") {
+  if (preset == "tiny" && moe) {
+    // Two MoE layers of 8 experts of width 32, top-2, renormalised (as
+    // Qwen3-30B-A3B, which has no dense layers either).
+    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 2;
+    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
+    c.max_position_embeddings = 2048, c.tie_word_embeddings = false;
+    c.num_experts = 8, c.num_experts_per_tok = 2, c.moe_intermediate_size = 32, c.norm_topk_prob = true;
+    default_dtype = "fp32";
+  } else if (preset == "tiny") {
     c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 2;
     c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
     c.max_position_embeddings = 2048, c.tie_word_embeddings = true;
     default_dtype = "fp32";
+  } else if (preset == "qwen3-30b-a3b") {
+    c.vocab_size = 151936, c.hidden_size = 2048, c.intermediate_size = 6144, c.num_hidden_layers = 48;
+    c.num_attention_heads = 32, c.num_key_value_heads = 4, c.head_dim = 128;
+    c.max_position_embeddings = 40960, c.tie_word_embeddings = false;
+    c.num_experts = 128, c.num_experts_per_tok = 8, c.moe_intermediate_size = 768, c.norm_topk_prob = true;
   } else if (preset == "small") {
     c.vocab_size = 8192, c.hidden_size = 256, c.intermediate_size = 704, c.num_hidden_layers = 4;
     c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 32;
@@ -202,7 +220,7 @@ Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& pre
     return Status::Invalid("dtype '" + dtype + "' is not one of bf16, fp32");
   }
   c.attention_bias = arch == "qwen2";
-  c.qk_norm = arch == "qwen3";
+  c.qk_norm = arch != "qwen2";
   c.bos_token_id = c.vocab_size - 1;
   c.eos_token_id = c.vocab_size - 1;
   return c;
@@ -210,29 +228,7 @@ Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& pre
 
 std::vector<WeightSpec> BaseWeightSpecs(const ModelConfig& c) {
   std::vector<WeightSpec> specs;
-  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
-  const bool o_bias = c.model_type == "qwen3" && c.attention_bias;  // Qwen2's o_proj has no bias
-  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i) + ".";
-    specs.push_back({p + "input_layernorm.weight", {h}});
-    for (auto [name, rows] : {std::pair{"q_proj", q}, std::pair{"k_proj", kv}, std::pair{"v_proj", kv}}) {
-      specs.push_back({p + "self_attn." + name + ".weight", {rows, h}});
-      if (c.attention_bias) specs.push_back({p + "self_attn." + name + ".bias", {rows}});
-    }
-    specs.push_back({p + "self_attn.o_proj.weight", {h, q}});
-    if (o_bias) specs.push_back({p + "self_attn.o_proj.bias", {h}});
-    if (c.qk_norm) {
-      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
-      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
-    }
-    specs.push_back({p + "post_attention_layernorm.weight", {h}});
-    specs.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, h}});
-    specs.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, h}});
-    specs.push_back({p + "mlp.down_proj.weight", {h, c.intermediate_size}});
-  }
-  specs.push_back({"model.norm.weight", {h}});
-  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, h}});
+  for (auto& [name, shape] : engine::BaseWeightShapes(c)) specs.push_back({std::move(name), std::move(shape)});
   return specs;
 }
 

@@ -47,15 +47,36 @@ fs::path SourceDir() {
 
 class ParityTest : public ::testing::TestWithParam<std::string> {};
 
-// make-model and the transformer agree on which base tensors a model has.
-TEST_P(ParityTest, MadeModelHasExactlyTheTransformersWeights) {
-  for (const char* preset : {"tiny", "small", "qwen2.5-0.5b", "qwen3-4b"}) {
-    auto cfg = testmodel::PresetConfig(GetParam(), preset);
-    ASSERT_TRUE(cfg.ok());
-    std::map<std::string, std::vector<int64_t>> made, expected;
-    for (const testmodel::WeightSpec& w : testmodel::BaseWeightSpecs(cfg.value())) made[w.name] = w.shape;
-    for (const auto& [name, shape] : Transformer::ExpectedWeights(cfg.value())) expected[name] = shape;
-    EXPECT_EQ(made, expected) << preset;
+// The real-shape presets have the parameter counts their model cards state
+// (billions): total, without the embeddings, and
+// activated per token for MoE (the non-expert weights plus k of E experts).
+TEST(PresetShapes, MatchTheModelCards) {
+  struct Card {
+    const char* arch;
+    const char* preset;
+    double total, non_embedding, active;
+  };
+  for (const Card& card : {Card{"qwen2", "qwen2.5-0.5b", 0.49, 0.36, 0.49}, Card{"qwen3", "qwen3-4b", 4.0, 3.6, 4.0},
+                           Card{"qwen3_moe", "qwen3-30b-a3b", 30.5, 29.9, 3.3}}) {
+    auto cfg = testmodel::PresetConfig(card.arch, card.preset);
+    ASSERT_TRUE(cfg.ok()) << card.preset;
+    const ModelConfig& c = cfg.value();
+    double total = 0, embedding = 0, experts = 0;
+    for (const auto& [name, shape] : Transformer::ExpectedWeights(c)) {
+      double n = 1;
+      for (int64_t d : shape) n *= static_cast<double>(d);
+      total += n;
+      if (name == "model.embed_tokens.weight" || name == "lm_head.weight") embedding += n;
+      if (name.find(".mlp.experts.") != std::string::npos) experts += n;
+    }
+    const double active =
+        total - experts + (c.num_experts > 0 ? experts * c.num_experts_per_tok / c.num_experts : 0.0);
+    // Within the card's last digit (cards round some figures and cut others:
+    // Qwen3-30B-A3B's 3.35 B activated is written 3.3).
+    const double tol = card.total < 1 ? 0.006 : 0.06;
+    EXPECT_NEAR(total / 1e9, card.total, tol) << card.preset;
+    EXPECT_NEAR((total - embedding) / 1e9, card.non_embedding, tol) << card.preset;
+    EXPECT_NEAR(active / 1e9, card.active, tol) << card.preset;
   }
 }
 
@@ -169,14 +190,30 @@ void RunGolden(const std::string& arch, at::Device dev, at::ScalarType dt, doubl
       const bool is_a = rest.size() > 14 && rest.compare(rest.size() - 14, 14, ".lora_A.weight") == 0;
       const bool is_b = rest.size() > 14 && rest.compare(rest.size() - 14, 14, ".lora_B.weight") == 0;
       ASSERT_TRUE(is_a || is_b) << key;
-      const std::string module = rest.substr(0, rest.size() - 14);
+      std::string module = rest.substr(0, rest.size() - 14);
+      // PEFT's expert wrappers (io/peft.h): gate_up_proj under the inner
+      // ".base_layer", down_proj the outer one on the experts module.
+      const bool experts = module.size() > 12 && module.compare(module.size() - 12, 12, ".mlp.experts") == 0;
+      const bool inner = module.size() > 23 && module.compare(module.size() - 23, 23, ".mlp.experts.base_layer") == 0;
+      if (experts) module += ".down_proj";
+      if (inner) module = module.substr(0, module.size() - 11) + ".gate_up_proj";
       const LoraTarget* t = bank.find(module);
       ASSERT_NE(t, nullptr) << "no bank target for " << module;
       auto ref = LoadTensor(view, at::kFloat, at::kCPU);
       ASSERT_TRUE(ref.ok());
+      if (t->is_expert()) {
+        // PEFT holds every expert's own A [E*r, in] (rows e*r+k) and B
+        // [out, r*E] (columns k*E+e); the golden's shared factor was one
+        // matrix copied into every expert, so its gradient in loom's shared
+        // layout is the sum of the copies' gradients.
+        const int64_t E = t->experts;
+        at::Tensor x = is_a ? ref->view({E, r, t->d_in}) : ref->view({t->d_out, r, E}).permute({2, 0, 1});
+        const bool shared = t->per_expert != (is_a ? ExpertFactor::kA : ExpertFactor::kB);
+        ref = shared ? x.sum(0) : x.contiguous();
+      }
       const at::Tensor full = (is_a ? t->A.grad() : t->B.grad()).cpu();
       ASSERT_TRUE(full.defined()) << key << ": no gradient in the bank";
-      const at::Tensor got = is_a ? full.select(0, s).narrow(0, 0, r) : full.select(0, s).narrow(1, 0, r);
+      const at::Tensor got = is_a ? full.select(0, s).narrow(-2, 0, r) : full.select(0, s).narrow(-1, 0, r);
       ASSERT_EQ(got.sizes(), ref->sizes()) << key;
       const double scale = ref->abs().max().item<double>();
       const double diff = (got - ref.value()).abs().max().item<double>();
@@ -190,9 +227,8 @@ void RunGolden(const std::string& arch, at::Device dev, at::ScalarType dt, doubl
               worst_grad_rel);
   ::testing::Test::RecordProperty("max_logprob_abs_diff", std::to_string(worst_lp));
   ::testing::Test::RecordProperty("max_grad_rel_diff", std::to_string(worst_grad_rel));
-  // 3 adapters x (7 per layer x layers + lm_head) x {A, B}.
-  EXPECT_EQ(compared, static_cast<int>(slot_of.size()) * 2 *
-                          (7 * static_cast<int>(model.value()->config().num_hidden_layers) + 1));
+  // 3 adapters x every target (dense: 7 per layer, MoE: 6, + lm_head) x {A, B}.
+  EXPECT_EQ(compared, static_cast<int>(slot_of.size() * 2 * bank.targets().size()));
   // The unbound slot got no gradient.
   for (const LoraTarget& t : bank.targets()) {
     if (t.A.grad().defined()) EXPECT_EQ(t.A.grad().select(0, 0).abs().max().item<double>(), 0.0) << t.module;
@@ -214,7 +250,7 @@ TEST_P(ParityTest, CudaPassMatchesHuggingFacePeft) {
   RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kBFloat16, 0.1, 0.1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, ParityTest, ::testing::Values("qwen2", "qwen3"));
+INSTANTIATE_TEST_SUITE_P(Arch, ParityTest, ::testing::Values("qwen2", "qwen3", "qwen3_moe"));
 
 }  // namespace
 }  // namespace loom::engine

@@ -18,19 +18,19 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> Targets() {
-  std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> t;
+std::vector<LoraTargetSpec> Targets() {
+  std::vector<LoraTargetSpec> t;
   for (int i = 0; i < 2; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    t.emplace_back(p + "self_attn.q_proj", TargetGroup::kAttn, 16, 16);
-    t.emplace_back(p + "self_attn.k_proj", TargetGroup::kAttn, 16, 8);
-    t.emplace_back(p + "self_attn.v_proj", TargetGroup::kAttn, 16, 8);
-    t.emplace_back(p + "self_attn.o_proj", TargetGroup::kAttn, 16, 16);
-    t.emplace_back(p + "mlp.gate_proj", TargetGroup::kMlp, 16, 24);
-    t.emplace_back(p + "mlp.up_proj", TargetGroup::kMlp, 16, 24);
-    t.emplace_back(p + "mlp.down_proj", TargetGroup::kMlp, 24, 16);
+    t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, 16, 16});
+    t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, 16, 8});
+    t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, 16, 8});
+    t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, 16, 16});
+    t.push_back({p + "mlp.gate_proj", TargetGroup::kMlp, 16, 24});
+    t.push_back({p + "mlp.up_proj", TargetGroup::kMlp, 16, 24});
+    t.push_back({p + "mlp.down_proj", TargetGroup::kMlp, 24, 16});
   }
-  t.emplace_back("lm_head", TargetGroup::kUnembed, 16, 40);
+  t.push_back({"lm_head", TargetGroup::kUnembed, 16, 40});
   return t;
 }
 

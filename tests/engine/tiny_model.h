@@ -17,10 +17,14 @@
 
 namespace loom::engine {
 
-// arch: "qwen2", "qwen3", or "qwen3-bias" (qwen3 with attention_bias: q/k/v/o biases).
+// arch: "qwen2", "qwen3", "qwen3-bias" (qwen3 with attention_bias: q/k/v/o
+// biases), "qwen3_moe" (both layers MoE: 4 experts, top-2, renormalised) or
+// "qwen3_moe-mixed" (decoder_sparse_step 2: layer 0 dense, layer 1 MoE; top-2
+// not renormalised).
 inline ModelConfig TinyConfig(const std::string& arch) {
   ModelConfig c;
-  c.model_type = arch.substr(0, 5);
+  const bool moe = arch.rfind("qwen3_moe", 0) == 0;
+  c.model_type = moe ? "qwen3_moe" : arch.substr(0, 5);
   c.vocab_size = 61;
   c.hidden_size = 32;
   c.intermediate_size = 40;
@@ -32,8 +36,15 @@ inline ModelConfig TinyConfig(const std::string& arch) {
   c.rope_theta = 1000.0;
   c.max_position_embeddings = 128;
   c.tie_word_embeddings = arch == "qwen3";
-  c.attention_bias = arch != "qwen3";
-  c.qk_norm = c.model_type == "qwen3";
+  c.attention_bias = arch != "qwen3" && !moe;
+  c.qk_norm = c.model_type != "qwen2";
+  if (moe) {
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 12;
+    c.norm_topk_prob = arch == "qwen3_moe";
+    c.decoder_sparse_step = arch == "qwen3_moe" ? 1 : 2;
+  }
   return c;
 }
 
@@ -67,7 +78,8 @@ inline void BindRandom(SlotBank& bank, int s, int rank, double alpha, uint64_t s
   ASSERT_TRUE(bank.Bind(s, c).ok());
   at::manual_seed(seed);
   c10::NoGradGuard no_grad;
-  for (auto& t : bank.targets()) t.B.select(0, s).narrow(1, 0, rank).copy_(b_scale * at::randn({t.d_out, rank}));
+  for (auto& t : bank.targets())
+    t.B.select(0, s).narrow(-1, 0, rank).copy_(b_scale * at::randn(t.FactorShape(false, rank)));
 }
 
 // Next-token targets within each sequence (the last token predicts token 0).

@@ -1,5 +1,6 @@
-// The client-driven RL loop through the real `loom serve` (embedded tiny
-// qwen3, CPU, fp32): 3 tenants, concurrently, 3 steps each of
+// The client-driven RL loop through the real `loom serve` (CPU, fp32; the
+// embedded tiny qwen3, and make-model's tiny qwen3_moe with LoRA on its
+// experts): 3 tenants, concurrently, 3 steps each of
 //   save_weights_and_get_sampling_client -> asample a group -> importance
 //   sampling forward_backward on it -> optim_step.
 // Every group is drawn from the version saved just before it: each sampled
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <filesystem>
 #include <string>
@@ -29,11 +31,24 @@ double Reward(const std::vector<int32_t>& tokens) {
          static_cast<double>(tokens.size());
 }
 
-TEST(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
-  const std::string data_dir =
-      (std::filesystem::temp_directory_path() / ("loom_rl_loop_" + std::to_string(::getpid()))).string();
+class RlLoop : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
+  const std::string arch = GetParam();
+  const std::string data_dir = (std::filesystem::temp_directory_path() /
+                                ("loom_rl_loop_" + arch + "_" + std::to_string(::getpid()))).string();
   std::filesystem::remove_all(data_dir);
-  test::ServeProcess server(data_dir, {"--max-adapters", "3", "--max-rank", "8", "--sampler-adapters", "3"});
+  std::vector<std::string> flags = {"--max-adapters", "3", "--max-rank", "8", "--sampler-adapters", "3"};
+  std::string base_model = "loom/tiny-qwen3";
+  if (arch != "qwen3") {
+    const std::string model_dir = data_dir + "/model-" + arch;
+    const std::string make = std::string(LOOM_BINARY) + " make-model --arch " + arch +
+                             " --preset tiny --seed 3 --out " + model_dir + " > /dev/null";
+    ASSERT_EQ(std::system(make.c_str()), 0) << make;
+    base_model = "loom/tiny-" + arch;
+    flags.insert(flags.end(), {"--model", model_dir, "--model-name", base_model});
+  }
+  test::ServeProcess server(data_dir, flags);
   ASSERT_NE(server.port(), 0) << "no listening banner: " << server.banner();
 
   constexpr int kTenants = 3, kSteps = 3, kGroup = 4, kNewTokens = 6;
@@ -41,7 +56,7 @@ TEST(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
   for (int t = 0; t < kTenants; ++t) {
     threads.emplace_back([&, t] {
       test::TenantClient client(server.port(), "tml-rl-" + std::to_string(t));
-      client.Start();
+      client.Start(base_model);
       const std::vector<int32_t> prompt = {5 + t, 17, 29, 41, 53, 65};
       const std::vector<int32_t> probe = {7, 11, 13, 19, 23, 31, 37, 43};
       const std::vector<int64_t> probe_targets(probe.begin() + 1, probe.end());
@@ -73,6 +88,8 @@ TEST(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
   for (auto& th : threads) th.join();
   std::filesystem::remove_all(data_dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe"));
 
 }  // namespace
 }  // namespace loom

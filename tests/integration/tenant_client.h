@@ -49,11 +49,12 @@ class TenantClient {
     return j;
   }
 
-  void Start() {
+  // A session and one model of base_model (the served model's name).
+  void Start(const std::string& base_model = "loom/tiny-qwen3") {
     session_ = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
                                          {"sdk_version", "0.26.2"}, {"type", "create_session"}})["session_id"];
     Json m = Result(PostOk("create_model", {{"session_id", session_}, {"model_seq_id", 0},
-                                            {"base_model", "loom/tiny-qwen3"},
+                                            {"base_model", base_model},
                                             {"lora_config", {{"rank", 4}, {"train_unembed", true},
                                                              {"train_mlp", true}, {"train_attn", true}}},
                                             {"type", "create_model"}}));

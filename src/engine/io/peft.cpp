@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -22,8 +23,57 @@ const char kConfigFile[] = "adapter_config.json";
 const char kWeightsFile[] = "adapter_model.safetensors";
 const char kPrefix[] = "base_model.model.";
 
+// An expert target's module path ends in the parameter's name
+// ("...mlp.experts.gate_up_proj"); PEFT adapts it with target_parameters.
+const char kExperts[] = ".mlp.experts.";
+bool IsExpertModule(const std::string& module) {
+  const size_t at = module.rfind(kExperts);
+  return at != std::string::npos && module.find('.', at + std::strlen(kExperts)) == std::string::npos;
+}
+// "model.layers.0.mlp.experts.gate_up_proj" -> "mlp.experts.gate_up_proj" (target_parameters' entry).
+std::string PeftParameterName(const std::string& module) { return "mlp.experts." + PeftShortName(module); }
+
+// PEFT's key of a factor. Expert parameters: PEFT wraps the experts module
+// once per targeted parameter, gate_up_proj first, so gate_up_proj's wrapper
+// is the inner one (".base_layer") and down_proj's the outer.
 std::string TensorName(const std::string& module, bool is_a) {
-  return std::string(kPrefix) + module + (is_a ? ".lora_A.weight" : ".lora_B.weight");
+  const std::string lora = is_a ? ".lora_A.weight" : ".lora_B.weight";
+  if (!IsExpertModule(module)) return std::string(kPrefix) + module + lora;
+  const std::string experts = module.substr(0, module.rfind('.'));
+  return std::string(kPrefix) + experts + (PeftShortName(module) == "gate_up_proj" ? ".base_layer" : "") + lora;
+}
+
+// Expert factors between loom's layout (slot_bank.h: one of A, B per expert,
+// the other shared) and PEFT's (ParamWrapper: lora_A [E * r, d_in] with
+// expert e's rows e * r + k, lora_B [d_out, r * E] with its columns k * E + e;
+// every expert has its own of both). loom -> PEFT repeats the shared factor.
+std::pair<at::Tensor, at::Tensor> ExpertsToPeft(const at::Tensor& A, const at::Tensor& B) {
+  if (A.dim() == 2) {  // A [r, d_in] shared, B [E, d_out, r]
+    const int64_t E = B.size(0);
+    return {A.repeat({E, 1}), B.permute({1, 2, 0}).reshape({B.size(1), -1})};
+  }
+  const int64_t E = A.size(0), r = A.size(1), d_out = B.size(0);  // A [E, r, d_in], B [d_out, r] shared
+  return {A.reshape({E * r, A.size(2)}), B.unsqueeze(2).expand({d_out, r, E}).reshape({d_out, r * E})};
+}
+
+// PEFT -> loom for target t at rank r; the factor loom shares must be the
+// same for every expert (as loom's own snapshots write it).
+Result<std::pair<at::Tensor, at::Tensor>> ExpertsFromPeft(const LoraTarget& t, int64_t r, const at::Tensor& a,
+                                                          const at::Tensor& b, const std::string& where) {
+  const int64_t E = t.experts;
+  const at::Tensor pa = a.view({E, r, t.d_in}), pb = b.view({t.d_out, r, E});
+  const auto differs = [&](const std::string& factor) {
+    return Status::Invalid(where + ": " + factor + " of " + PeftParameterName(t.module) +
+                           " differs between experts; loom shares it across a layer's experts");
+  };
+  if (t.per_expert == ExpertFactor::kB) {
+    const at::Tensor shared = pa.select(0, 0);
+    if (!at::equal(pa, shared.unsqueeze(0).expand_as(pa))) return differs("lora_A");
+    return std::pair{shared.contiguous(), pb.permute({2, 0, 1}).contiguous()};
+  }
+  const at::Tensor shared = pb.select(2, 0);
+  if (!at::equal(pb, shared.unsqueeze(2).expand_as(pb))) return differs("lora_B");
+  return std::pair{pa.contiguous(), shared.contiguous()};
 }
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
@@ -100,8 +150,8 @@ Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
     if (!bank.trains(slot, t.group)) continue;
     PeftAdapter::Factor f;
     f.module = t.module;
-    f.A = out.storage.narrow(0, t.a_col - begin, R * t.d_in).view({R, t.d_in}).narrow(0, 0, r);
-    f.B = out.storage.narrow(0, t.b_col - begin, t.d_out * R).view({t.d_out, R}).narrow(1, 0, r);
+    f.A = out.storage.narrow(0, t.a_col - begin, t.AElems(R)).view(t.FactorShape(true, R)).narrow(-2, 0, r);
+    f.B = out.storage.narrow(0, t.b_col - begin, t.BElems(R)).view(t.FactorShape(false, R)).narrow(-1, 0, r);
     out.factors.push_back(std::move(f));
   }
   return out;
@@ -115,12 +165,15 @@ Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::
 
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
-  std::vector<std::string> modules;  // short names, first-seen order
+  std::vector<std::string> modules, parameters;  // short names / expert parameters, first-seen order
   for (const PeftAdapter::Factor& f : adapter.factors) {
-    const std::string shorty = PeftShortName(f.module);
-    if (std::find(modules.begin(), modules.end(), shorty) == modules.end()) modules.push_back(shorty);
-    if (Status s = AddTensor(writer, TensorName(f.module, true), f.A); !s.ok()) return s;
-    if (Status s = AddTensor(writer, TensorName(f.module, false), f.B); !s.ok()) return s;
+    const bool expert = IsExpertModule(f.module);
+    const std::string name = expert ? PeftParameterName(f.module) : PeftShortName(f.module);
+    std::vector<std::string>& list = expert ? parameters : modules;
+    if (std::find(list.begin(), list.end(), name) == list.end()) list.push_back(name);
+    const auto [a, b] = expert ? ExpertsToPeft(f.A, f.B) : std::pair{f.A, f.B};
+    if (Status s = AddTensor(writer, TensorName(f.module, true), a); !s.ok()) return s;
+    if (Status s = AddTensor(writer, TensorName(f.module, false), b); !s.ok()) return s;
   }
 
   nlohmann::json config = {
@@ -129,6 +182,7 @@ Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::
       {"base_model_name_or_path", base_model_name},
       {"r", c.rank},
       {"target_modules", modules},
+      {"target_parameters", parameters.empty() ? nlohmann::json(nullptr) : nlohmann::json(parameters)},
       {"bias", "none"},
       {"lora_dropout", 0.0},
       {"fan_in_fan_out", false},
@@ -168,9 +222,15 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
   Result<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(weights_path);
   if (!file.ok()) return file.status();
 
+  // Whether the config names target t (a module by its short name, an
+  // expert parameter by its target_parameters entry).
+  const auto named = [&](const LoraTarget& t) {
+    return t.is_expert() ? cfg->parameters.count(PeftParameterName(t.module)) > 0
+                         : modules.count(PeftShortName(t.module)) > 0;
+  };
   std::set<std::string> expected;
   for (const LoraTarget& t : bank.targets()) {
-    if (!modules.count(PeftShortName(t.module))) continue;
+    if (!named(t)) continue;
     expected.insert(TensorName(t.module, true));
     expected.insert(TensorName(t.module, false));
   }
@@ -196,12 +256,19 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
   PeftAdapter out;
   out.config = cfg->lora;
   for (const LoraTarget& t : bank.targets()) {
-    if (!modules.count(PeftShortName(t.module))) continue;
-    Result<at::Tensor> a = load(TensorName(t.module, true), {rank, t.d_in}, t.A.device());
+    if (!named(t)) continue;
+    const int64_t e = t.is_expert() ? t.experts : 1;  // PEFT: every expert its own rank-r slice
+    Result<at::Tensor> a = load(TensorName(t.module, true), {e * rank, t.d_in}, t.A.device());
     if (!a.ok()) return a.status();
-    Result<at::Tensor> b = load(TensorName(t.module, false), {t.d_out, rank}, t.B.device());
+    Result<at::Tensor> b = load(TensorName(t.module, false), {t.d_out, rank * e}, t.B.device());
     if (!b.ok()) return b.status();
-    out.factors.push_back({t.module, std::move(*a), std::move(*b)});
+    if (!t.is_expert()) {
+      out.factors.push_back({t.module, std::move(*a), std::move(*b)});
+      continue;
+    }
+    auto factors = ExpertsFromPeft(t, rank, *a, *b, weights_path);
+    if (!factors.ok()) return factors.status();
+    out.factors.push_back({t.module, std::move(factors->first), std::move(factors->second)});
   }
   return out;
 }
@@ -229,7 +296,7 @@ Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
     if (t == nullptr) return Status::Invalid("adapter module '" + f.module + "' is not a LoRA target of this model");
     if (!trained(t->group))
       return Status::Invalid("adapter module '" + f.module + "' is outside the groups its config trains");
-    const std::vector<int64_t> want_a{r, t->d_in}, want_b{t->d_out, r};
+    const std::vector<int64_t> want_a = t->FactorShape(true, r), want_b = t->FactorShape(false, r);
     if (f.A.sizes().vec() != want_a || f.B.sizes().vec() != want_b)
       return Status::Invalid("adapter module '" + f.module + "': A " + ShapeText(f.A.sizes().vec()) + " and B " +
                              ShapeText(f.B.sizes().vec()) + ", expected " + ShapeText(want_a) + " and " +
@@ -251,8 +318,8 @@ Status InstallPeft(SlotBank& bank, int slot, const PeftAdapter& adapter) {
     return Status::Ok();
   }
   for (const auto& [t, f] : copies) {
-    t->A.select(0, slot).narrow(0, 0, r).copy_(f->A);
-    t->B.select(0, slot).narrow(1, 0, r).copy_(f->B);
+    t->A.select(0, slot).narrow(-2, 0, r).copy_(f->A);  // the rank dims (slot_bank.h)
+    t->B.select(0, slot).narrow(-1, 0, r).copy_(f->B);
   }
   return Status::Ok();
 }

@@ -7,6 +7,11 @@
 //   adapter_model.safetensors   base_model.model.<module>.lora_A.weight [r, d_in]
 //                               base_model.model.<module>.lora_B.weight [d_out, r]
 //                               fp32, trimmed to the slot's own rank r.
+//   MoE experts (slot_bank.h's expert targets) go as PEFT's target_parameters
+//   ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"): lora_A [E * r,
+//   d_in], lora_B [d_out, r * E] under the experts module's nested wrappers
+//   (gate_up_proj's key has ".base_layer"), with loom's shared factor written
+//   once per expert; reading one back requires those copies to be equal.
 // PEFT's scale is lora_alpha / r, the bank's too (rsLoRA and DoRA are refused).
 //
 // PeftAdapter is that content in memory. Every way in and out goes through
@@ -32,7 +37,7 @@ namespace loom::engine {
 
 // One adapter as a PEFT directory holds it: its config (rank, alpha, the
 // trained groups) and, for every target of a trained group in bank order,
-// A [r, d_in] and B [d_out, r], fp32 (B a strided view when CopyPeft took
+// A [r, d_in] and B [d_out, r] (expert targets: SlotBank's shapes at rank r), fp32 (B a strided view when CopyPeft took
 // it from a bank of max rank R > r).
 struct PeftAdapter {
   struct Factor {

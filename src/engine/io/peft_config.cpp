@@ -51,6 +51,20 @@ Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, co
       return bad("target_modules", "names '" + name + "', which loom does not adapt");
     out.modules.insert(name);
   }
+  if (j.contains("target_parameters") && !j["target_parameters"].is_null()) {
+    if (!j["target_parameters"].is_array()) return bad("target_parameters", "must be a list of parameter names");
+    for (const auto& p : j["target_parameters"]) {
+      if (!p.is_string()) return bad("target_parameters", "must hold strings");
+      const std::string name = p.get<std::string>();
+      if (name != "mlp.experts.gate_up_proj" && name != "mlp.experts.down_proj")
+        return bad("target_parameters", "names '" + name +
+                                            "'; loom adapts mlp.experts.gate_up_proj and mlp.experts.down_proj");
+      out.parameters.insert(name);
+    }
+    if (out.parameters.size() == 1)
+      return bad("target_parameters", "must name both mlp.experts.gate_up_proj and mlp.experts.down_proj");
+    if (!out.parameters.empty()) config.train_mlp = true;
+  }
   return out;
 }
 

@@ -16,14 +16,18 @@
 namespace loom::engine {
 
 struct PeftConfig {
-  LoraConfig lora;                // rank, alpha; train_* from target_modules; seed 0
+  LoraConfig lora;                // rank, alpha; train_* from target_modules and target_parameters; seed 0
   std::set<std::string> modules;  // target_modules, short names ("q_proj", "lm_head")
+  // target_parameters (PEFT's LoRA on fused expert tensors): "mlp.experts.gate_up_proj", "mlp.experts.down_proj".
+  std::set<std::string> parameters;
 };
 
 // Parses the text of an adapter_config.json; `path` names it in errors
 // ("<path>: r 40 must be in [1, 32]"). r must be in [1, max_rank]; every
 // target module must be one loom adapts (q/k/v/o_proj, gate/up/down_proj,
-// lm_head). Any malformed text or wrong type is Status::Invalid, never a throw.
+// lm_head), every target parameter an expert tensor loom adapts (both
+// mlp.experts.gate_up_proj and mlp.experts.down_proj, or neither: the MLP
+// group is trained as a whole). Any malformed text or wrong type is Status::Invalid, never a throw.
 Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, const std::string& path);
 
 }  // namespace loom::engine

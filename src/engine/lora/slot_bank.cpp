@@ -46,17 +46,13 @@ bool TrainsGroup(const LoraConfig& c, TargetGroup g) {
 
 }  // namespace
 
-SlotBank::SlotBank(int num_slots, int max_rank, at::Device device,
-                   const std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>>& targets)
+SlotBank::SlotBank(int num_slots, int max_rank, at::Device device, const std::vector<LoraTargetSpec>& targets)
     : num_slots_(num_slots), max_rank_(max_rank), device_(device), slots_(num_slots) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   targets_.reserve(targets.size());
-  for (const auto& [module, group, d_in, d_out] : targets) {
+  for (const LoraTargetSpec& spec : targets) {
     LoraTarget t;
-    t.module = module;
-    t.group = group;
-    t.d_in = d_in;
-    t.d_out = d_out;
+    static_cast<LoraTargetSpec&>(t) = spec;
     targets_.push_back(std::move(t));
   }
   // Columns by group, each target's A then B, in target order within a group.
@@ -66,26 +62,35 @@ SlotBank::SlotBank(int num_slots, int max_rank, at::Device device,
     for (LoraTarget& t : targets_) {
       if (static_cast<int>(t.group) != g) continue;
       t.a_col = cols;
-      cols += max_rank * t.d_in;
+      cols += t.AElems(max_rank);
       t.b_col = cols;
-      cols += t.d_out * max_rank;
+      cols += t.BElems(max_rank);
     }
     group_cols_[g] = {begin, cols - begin};
   }
   flat_ = at::zeros({num_slots, cols}, opts);
   flat_grad_ = at::zeros({num_slots, cols}, opts);
-  const auto view = [&](const at::Tensor& flat, int64_t col, int64_t rows, int64_t width) {
-    return flat.narrow(1, col, rows * width).view({num_slots, rows, width});
-  };
   for (LoraTarget& t : targets_) {
     // Leaves sharing the flat buffer's storage (at:: factories ignore
     // requires_grad in 1.13: set it on the result).
-    t.A = view(flat_, t.a_col, max_rank, t.d_in).detach().requires_grad_();
-    t.B = view(flat_, t.b_col, t.d_out, max_rank).detach().requires_grad_();
-    t.A.mutable_grad() = view(flat_grad_, t.a_col, max_rank, t.d_in);
-    t.B.mutable_grad() = view(flat_grad_, t.b_col, t.d_out, max_rank);
+    t.A = FactorView(flat_, t, true).detach().requires_grad_();
+    t.B = FactorView(flat_, t, false).detach().requires_grad_();
+    t.A.mutable_grad() = FactorView(flat_grad_, t, true);
+    t.B.mutable_grad() = FactorView(flat_grad_, t, false);
   }
   scales_ = at::zeros({num_slots}, opts);
+}
+
+std::vector<int64_t> LoraTargetSpec::FactorShape(bool a, int64_t r) const {
+  std::vector<int64_t> shape = a ? std::vector<int64_t>{r, d_in} : std::vector<int64_t>{d_out, r};
+  if (per_expert == (a ? ExpertFactor::kA : ExpertFactor::kB)) shape.insert(shape.begin(), experts);
+  return shape;
+}
+
+at::Tensor SlotBank::FactorView(const at::Tensor& buffer, const LoraTarget& t, bool a) const {
+  std::vector<int64_t> shape = t.FactorShape(a, max_rank_);
+  shape.insert(shape.begin(), num_slots_);
+  return buffer.narrow(1, a ? t.a_col : t.b_col, a ? t.AElems(max_rank_) : t.BElems(max_rank_)).view(shape);
 }
 
 const LoraTarget* SlotBank::find(const std::string& module) const {
@@ -117,6 +122,12 @@ Status SlotBank::Bind(int s, const LoraConfig& config) {
   c10::NoGradGuard no_grad;
   for (auto& t : targets_) {
     if (!TrainsGroup(config, t.group)) continue;
+    if (t.per_expert == ExpertFactor::kA) {
+      for (int64_t e = 0; e < t.experts; ++e)
+        t.A.select(0, s).select(0, e).narrow(0, 0, config.rank)
+            .copy_(KaimingRows(config.seed, t.module + "." + std::to_string(e), config.rank, t.d_in));
+      continue;
+    }
     at::Tensor rows = KaimingRows(config.seed, t.module, config.rank, t.d_in);
     t.A.select(0, s).narrow(0, 0, config.rank).copy_(rows);
   }

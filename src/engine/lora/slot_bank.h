@@ -13,6 +13,14 @@
 // zero. scale[slot] = alpha / r. Targets a slot does not train (by group:
 // attn, mlp, unembed) have zero A and B and are masked out of the optimizer.
 //
+// Expert targets (a mixture-of-experts layer's fused gate_up and down
+// projections, one linear per expert) keep one factor per expert and share
+// the other across the layer's experts: gate_up has A [N, R, d_in] shared and
+// B [N, E, d_out, R] per expert; down has A [N, E, R, d_in] per expert and B
+// [N, d_out, R] shared (miles' shared outer factors: the per-slot bytes grow
+// with E only through the experts' narrow side). Either way the rank is
+// A's dim -2 and B's dim -1, for plain and expert targets alike.
+//
 // Threading: engine thread only.
 #pragma once
 #include <ATen/ATen.h>
@@ -26,15 +34,31 @@ namespace loom::engine {
 
 enum class TargetGroup { kAttn, kMlp, kUnembed };
 
-// One adapted linear layer of the base model.
-struct LoraTarget {
-  std::string module;   // HF module path, e.g. "model.layers.0.self_attn.q_proj", "lm_head"
-  TargetGroup group;
+// Which factor of an expert target is kept per expert (the other is shared).
+enum class ExpertFactor { kNone, kA, kB };
+
+// What the bank is built from: one adaptable linear (or per-expert linears)
+// of the base model.
+struct LoraTargetSpec {
+  std::string module;  // HF module path; expert targets name the parameter: "model.layers.0.mlp.experts.gate_up_proj"
+  TargetGroup group = TargetGroup::kAttn;
   int64_t d_in = 0;
   int64_t d_out = 0;
-  at::Tensor A;         // [N, R, d_in] fp32 leaf, requires_grad (a view of the bank's flat buffer)
-  at::Tensor B;         // [N, d_out, R] fp32 leaf, requires_grad (likewise)
-  int64_t a_col = 0, b_col = 0;  // where A's and B's R * d_in and d_out * R columns start in the flat row
+  int64_t experts = 0;  // 0: a plain linear; E: one linear per expert
+  ExpertFactor per_expert = ExpertFactor::kNone;
+  // Elements of A and of B at rank R.
+  int64_t AElems(int64_t R) const { return (per_expert == ExpertFactor::kA ? experts : 1) * R * d_in; }
+  int64_t BElems(int64_t R) const { return (per_expert == ExpertFactor::kB ? experts : 1) * d_out * R; }
+  // One slot's A (a) or B at rank r: [r, d_in] or [E, r, d_in]; [d_out, r] or [E, d_out, r].
+  std::vector<int64_t> FactorShape(bool a, int64_t r) const;
+};
+
+// One adapted linear layer of the base model.
+struct LoraTarget : LoraTargetSpec {
+  at::Tensor A;         // [N, R, d_in] (per-expert A: [N, E, R, d_in]) fp32 leaf, requires_grad (a view of the bank's flat buffer)
+  at::Tensor B;         // [N, d_out, R] (per-expert B: [N, E, d_out, R]) fp32 leaf, requires_grad (likewise)
+  int64_t a_col = 0, b_col = 0;  // where A's and B's AElems(R) and BElems(R) columns start in the flat row
+  bool is_expert() const { return experts > 0; }
 };
 
 // How a packed batch's tokens reach the slots of one target group, built
@@ -98,9 +122,8 @@ struct SlotState {
 
 class SlotBank {
  public:
-  // targets: (module, group, d_in, d_out) for every adaptable linear.
-  SlotBank(int num_slots, int max_rank, at::Device device,
-           const std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>>& targets);
+  // targets: every adaptable linear (Transformer::LoraTargets()).
+  SlotBank(int num_slots, int max_rank, at::Device device, const std::vector<LoraTargetSpec>& targets);
 
   int num_slots() const { return num_slots_; }
   int max_rank() const { return max_rank_; }
@@ -123,9 +146,13 @@ class SlotBank {
   const at::Tensor& flat_grad() const { return flat_grad_; }
   // The columns [begin, begin + len) of group g's targets in a flat row.
   std::pair<int64_t, int64_t> GroupColumns(TargetGroup g) const { return group_cols_[static_cast<int>(g)]; }
+  // Target t's A (a) or B as a view of a buffer laid out as flat() ([N, P]):
+  // [N] + t.FactorShape(a, max_rank).
+  at::Tensor FactorView(const at::Tensor& buffer, const LoraTarget& t, bool a) const;
 
   // Binds slot s: A[s,:r,:] ~ kaiming-uniform from config.seed (as PEFT does:
-  // U(-1/sqrt(d_in), 1/sqrt(d_in))), B[s] = 0; untrained groups and rows >= r
+  // U(-1/sqrt(d_in), 1/sqrt(d_in)); each expert its own rows where A is per
+  // expert), B[s] = 0; untrained groups and rows >= r
   // are zero; gradients and step are reset. The values depend only on (seed,
   // module name, r, d_in), not on libtorch's RNG. Rebinding a bound slot
   // starts it afresh. Invalid slot, rank outside [1, R] or alpha <= 0 →

@@ -16,6 +16,23 @@ namespace loom::engine::compat {
 // (2.0+). On 1.13 the private prototype is a plain composite of the same math.
 constexpr bool kHasFusedSdpa = LOOM_TORCH_AT_LEAST(2, 0);
 
+// True when this libtorch has the grouped GEMM at::_grouped_mm (2.8+: bf16
+// on sm90, widths aligned to 16 bytes), differentiable into both operands.
+constexpr bool kHasGroupedMm = LOOM_TORCH_AT_LEAST(2, 8);
+
+// x [P, K] times mat2[g] [K, N] for the rows of group g, groups given by
+// offs [G] int32 (each group's end row). Only where kHasGroupedMm.
+inline at::Tensor GroupedMm(const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& offs) {
+#if LOOM_TORCH_AT_LEAST(2, 8)
+  return at::_grouped_mm(x, mat2, offs);
+#else
+  (void)mat2;
+  (void)offs;
+  TORCH_CHECK(false, "grouped GEMM needs libtorch 2.8+");
+  return x;
+#endif
+}
+
 // Causal SDPA over one sequence. q [1, H, L, hd]; k, v [1, KVH, L, hd] with
 // H a multiple of KVH (grouped-query attention). Scale is 1/sqrt(hd).
 inline at::Tensor CausalSdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

@@ -54,7 +54,82 @@ Status Positive(const char* field, int64_t v) {
   return Status::Ok();
 }
 
+// qwen3_moe's expert fields. HF aliases num_experts as num_local_experts;
+// norm_topk_prob defaults to false as in HF's class (Qwen3-30B-A3B states true).
+Status ParseMoe(const json& j, ModelConfig* c) {
+  for (const char* field : {"num_experts", "num_local_experts"})
+    if (Status s = GetInt(j, field, false, &c->num_experts); !s.ok()) return s;
+  if (Status s = Positive("num_experts", c->num_experts); !s.ok()) return s;
+  if (Status s = GetInt(j, "num_experts_per_tok", true, &c->num_experts_per_tok); !s.ok()) return s;
+  if (Status s = Positive("num_experts_per_tok", c->num_experts_per_tok); !s.ok()) return s;
+  if (c->num_experts_per_tok > c->num_experts)
+    return Status::Invalid("config.json: 'num_experts_per_tok' (" + std::to_string(c->num_experts_per_tok) +
+                           ") must be at most 'num_experts' (" + std::to_string(c->num_experts) + ")");
+  if (Status s = GetInt(j, "moe_intermediate_size", true, &c->moe_intermediate_size); !s.ok()) return s;
+  if (Status s = Positive("moe_intermediate_size", c->moe_intermediate_size); !s.ok()) return s;
+  if (Status s = GetBool(j, "norm_topk_prob", &c->norm_topk_prob); !s.ok()) return s;
+  if (Status s = GetInt(j, "decoder_sparse_step", false, &c->decoder_sparse_step); !s.ok()) return s;
+  if (Status s = Positive("decoder_sparse_step", c->decoder_sparse_step); !s.ok()) return s;
+  if (auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+    if (!it->is_array()) return Status::Invalid("config.json: 'mlp_only_layers' must be a list of layer indices");
+    for (const json& v : *it) {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= c->num_hidden_layers)
+        return Status::Invalid("config.json: 'mlp_only_layers' entries must be layer indices in [0, " +
+                               std::to_string(c->num_hidden_layers) + ")");
+      c->mlp_only_layers.push_back(v.get<int64_t>());
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+bool ModelConfig::IsMoeLayer(int64_t layer) const {
+  if (num_experts <= 0) return false;
+  for (int64_t l : mlp_only_layers)
+    if (l == layer) return false;
+  return (layer + 1) % decoder_sparse_step == 0;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const ModelConfig& c) {
+  const int64_t hd = c.head_dim > 0 ? c.head_dim : (c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> w;
+  w.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    w.push_back({p + "input_layernorm.weight", {h}});
+    for (auto [name, rows] : {std::pair{"q_proj", q}, std::pair{"k_proj", kv}, std::pair{"v_proj", kv}}) {
+      w.push_back({p + "self_attn." + name + ".weight", {rows, h}});
+      if (c.attention_bias) w.push_back({p + "self_attn." + name + ".bias", {rows}});
+    }
+    w.push_back({p + "self_attn.o_proj.weight", {h, q}});
+    if (c.attention_bias && c.model_type != "qwen2")  // qwen2's o_proj never has a bias
+      w.push_back({p + "self_attn.o_proj.bias", {h}});
+    if (c.qk_norm) {
+      w.push_back({p + "self_attn.q_norm.weight", {hd}});
+      w.push_back({p + "self_attn.k_norm.weight", {hd}});
+    }
+    w.push_back({p + "post_attention_layernorm.weight", {h}});
+    if (c.IsMoeLayer(i)) {
+      const int64_t inter = c.moe_intermediate_size;
+      w.push_back({p + "mlp.gate.weight", {c.num_experts, h}});
+      for (int64_t e = 0; e < c.num_experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        w.push_back({x + "gate_proj.weight", {inter, h}});
+        w.push_back({x + "up_proj.weight", {inter, h}});
+        w.push_back({x + "down_proj.weight", {h, inter}});
+      }
+    } else {
+      w.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, h}});
+      w.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, h}});
+      w.push_back({p + "mlp.down_proj.weight", {h, c.intermediate_size}});
+    }
+  }
+  w.push_back({"model.norm.weight", {h}});
+  if (!c.tie_word_embeddings) w.push_back({"lm_head.weight", {c.vocab_size, h}});
+  return w;
+}
 
 Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   json j;
@@ -69,8 +144,8 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   auto mt = j.find("model_type");
   if (mt == j.end() || !mt->is_string()) return Status::Invalid("config.json: missing required field 'model_type'");
   c.model_type = mt->get<std::string>();
-  if (c.model_type != "qwen2" && c.model_type != "qwen3") {
-    return Status::Invalid("config.json: model_type '" + c.model_type + "' is not supported (qwen2, qwen3)");
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe") {
+    return Status::Invalid("config.json: model_type '" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe)");
   }
 
   for (auto [field, dst] : {std::pair{"vocab_size", &c.vocab_size}, std::pair{"hidden_size", &c.hidden_size},
@@ -139,10 +214,14 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   if (c.model_type == "qwen2") {
     c.attention_bias = true;  // Qwen2's q/k/v projections always carry a bias
     c.qk_norm = false;
-  } else {
+  } else {  // qwen3, qwen3_moe
     c.attention_bias = false;
     if (Status s = GetBool(j, "attention_bias", &c.attention_bias); !s.ok()) return s;
     c.qk_norm = true;
+  }
+
+  if (c.model_type == "qwen3_moe") {
+    if (Status s = ParseMoe(j, &c); !s.ok()) return s;
   }
 
   for (const char* field : {"torch_dtype", "dtype"}) {
@@ -169,8 +248,10 @@ Result<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
 
 std::string ModelConfig::ToJson() const {
   nlohmann::ordered_json j;
-  const bool qwen3 = model_type == "qwen3";
-  j["architectures"] = {qwen3 ? "Qwen3ForCausalLM" : "Qwen2ForCausalLM"};
+  const bool qwen3 = model_type == "qwen3" || model_type == "qwen3_moe";
+  j["architectures"] = {model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+                        : qwen3                    ? "Qwen3ForCausalLM"
+                                                   : "Qwen2ForCausalLM"};
   j["model_type"] = model_type;
   j["vocab_size"] = vocab_size;
   j["hidden_size"] = hidden_size;
@@ -187,6 +268,16 @@ std::string ModelConfig::ToJson() const {
   j["tie_word_embeddings"] = tie_word_embeddings;
   if (qwen3) j["attention_bias"] = attention_bias;
   j["attention_dropout"] = 0.0;
+  if (model_type == "qwen3_moe") {
+    j["num_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["decoder_sparse_step"] = decoder_sparse_step;
+    j["mlp_only_layers"] = mlp_only_layers;
+    j["output_router_logits"] = false;
+    j["router_aux_loss_coef"] = 0.001;
+  }
   j["initializer_range"] = initializer_range;
   j["use_cache"] = true;
   j["use_sliding_window"] = false;

@@ -4,13 +4,15 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/status.h"
 
 namespace loom::engine {
 
 struct ModelConfig {
-  std::string model_type;          // "qwen2" | "qwen3"
+  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -29,6 +31,17 @@ struct ModelConfig {
   int64_t eos_token_id = -1;       // -1 = not stated
   double initializer_range = 0.02; // std of the normal init (make-model)
 
+  // Mixture of experts (qwen3_moe; num_experts 0 = dense). Layer i is MoE iff
+  // i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the
+  // others are dense SwiGLU MLPs of width intermediate_size.
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;    // top-k
+  int64_t moe_intermediate_size = 0;  // each expert's SwiGLU width
+  bool norm_topk_prob = false;        // renormalise the top-k probabilities to sum to 1
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  bool IsMoeLayer(int64_t layer) const;
+
   // Parse rejects (naming the field): unsupported model_type, a rope_scaling
   // (or non-default rope_parameters), use_sliding_window true, hidden_act
   // other than silu, a missing or non-positive size, heads not divisible by
@@ -39,5 +52,11 @@ struct ModelConfig {
   static Result<ModelConfig> Load(const std::string& model_dir);
   std::string ToJson() const;      // HF-compatible config.json text (transformers 4.x and 5.x load it)
 };
+
+// Hugging Face names and shapes of the base weights a config needs, in the
+// checkpoint's own layout (lm_head.weight only when embeddings are untied;
+// qwen3_moe experts one tensor per expert and projection, as the hub ships
+// them). The loader and make-model both follow this list.
+std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const ModelConfig& config);
 
 }  // namespace loom::engine

@@ -39,8 +39,13 @@ Status ConfigError(const std::string& field, const std::string& why) {
 }
 
 Status CheckConfig(const ModelConfig& c) {
-  if (c.model_type != "qwen2" && c.model_type != "qwen3")
-    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3)");
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe")
+    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe)");
+  if (c.model_type == "qwen3_moe" &&
+      (c.num_experts <= 0 || c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts ||
+       c.moe_intermediate_size <= 0 || c.decoder_sparse_step <= 0))
+    return ConfigError("num_experts", "and num_experts_per_tok (<= num_experts), moe_intermediate_size and "
+                                      "decoder_sparse_step must be > 0 for qwen3_moe");
   if (c.vocab_size <= 0) return ConfigError("vocab_size", "must be > 0");
   if (c.hidden_size <= 0) return ConfigError("hidden_size", "must be > 0");
   if (c.intermediate_size <= 0) return ConfigError("intermediate_size", "must be > 0");
@@ -83,54 +88,31 @@ PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, con
 }
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> Transformer::ExpectedWeights(const ModelConfig& c) {
-  const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
-                kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> w;
-  w.push_back({"model.embed_tokens.weight", {c.vocab_size, h}});
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const std::string p = LayerPrefix(i);
-    w.push_back({p + "input_layernorm.weight", {h}});
-    w.push_back({p + "self_attn.q_proj.weight", {q, h}});
-    w.push_back({p + "self_attn.k_proj.weight", {kv, h}});
-    w.push_back({p + "self_attn.v_proj.weight", {kv, h}});
-    if (c.attention_bias) {
-      w.push_back({p + "self_attn.q_proj.bias", {q}});
-      w.push_back({p + "self_attn.k_proj.bias", {kv}});
-      w.push_back({p + "self_attn.v_proj.bias", {kv}});
-    }
-    w.push_back({p + "self_attn.o_proj.weight", {h, q}});
-    if (c.attention_bias && c.model_type == "qwen3")  // qwen2's o_proj never has a bias
-      w.push_back({p + "self_attn.o_proj.bias", {h}});
-    if (c.qk_norm) {
-      w.push_back({p + "self_attn.q_norm.weight", {hd}});
-      w.push_back({p + "self_attn.k_norm.weight", {hd}});
-    }
-    w.push_back({p + "post_attention_layernorm.weight", {h}});
-    w.push_back({p + "mlp.gate_proj.weight", {inter, h}});
-    w.push_back({p + "mlp.up_proj.weight", {inter, h}});
-    w.push_back({p + "mlp.down_proj.weight", {h, inter}});
-  }
-  w.push_back({"model.norm.weight", {h}});
-  if (!c.tie_word_embeddings) w.push_back({"lm_head.weight", {c.vocab_size, h}});
-  return w;
+  return BaseWeightShapes(c);
 }
 
-std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> Transformer::LoraTargets() const {
+std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
   const ModelConfig& c = config_;
   const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
                 kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
-  std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> t;
+  std::vector<LoraTargetSpec> t;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = LayerPrefix(i);
-    t.emplace_back(p + "self_attn.q_proj", TargetGroup::kAttn, h, q);
-    t.emplace_back(p + "self_attn.k_proj", TargetGroup::kAttn, h, kv);
-    t.emplace_back(p + "self_attn.v_proj", TargetGroup::kAttn, h, kv);
-    t.emplace_back(p + "self_attn.o_proj", TargetGroup::kAttn, q, h);
-    t.emplace_back(p + "mlp.gate_proj", TargetGroup::kMlp, h, inter);
-    t.emplace_back(p + "mlp.up_proj", TargetGroup::kMlp, h, inter);
-    t.emplace_back(p + "mlp.down_proj", TargetGroup::kMlp, inter, h);
+    t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, q});
+    t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kv});
+    t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kv});
+    t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, q, h});
+    if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
+      const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
+      t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB});
+      t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
+      continue;
+    }
+    t.push_back({p + "mlp.gate_proj", TargetGroup::kMlp, h, inter});
+    t.push_back({p + "mlp.up_proj", TargetGroup::kMlp, h, inter});
+    t.push_back({p + "mlp.down_proj", TargetGroup::kMlp, inter, h});
   }
-  t.emplace_back("lm_head", TargetGroup::kUnembed, h, c.vocab_size);
+  t.push_back({"lm_head", TargetGroup::kUnembed, h, c.vocab_size});
   return t;
 }
 
@@ -191,9 +173,27 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
       l.k_norm = get(p + "self_attn.k_norm.weight");
     }
     l.o_w = get(p + "self_attn.o_proj.weight");
-    if (config.attention_bias && config.model_type == "qwen3") l.o_b = get(p + "self_attn.o_proj.bias");
-    l.gate_up_w = at::cat({get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")}, 0);
-    l.down_w = get(p + "mlp.down_proj.weight");
+    if (config.attention_bias && config.model_type != "qwen2") l.o_b = get(p + "self_attn.o_proj.bias");
+    if (config.IsMoeLayer(i)) {
+      // Experts stacked as HF's fused parameters: gate_up [E, 2I, H] (gate
+      // rows first), down [E, H, I].
+      MoeWeights& w = l.moe;
+      w.router = get(p + "mlp.gate.weight");
+      std::vector<at::Tensor> gate_up, down;
+      for (int64_t e = 0; e < config.num_experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        gate_up.push_back(at::cat({get(x + "gate_proj.weight"), get(x + "up_proj.weight")}, 0));
+        down.push_back(get(x + "down_proj.weight"));
+      }
+      w.gate_up = at::stack(gate_up, 0);
+      gate_up.clear();
+      w.down = at::stack(down, 0);
+      w.top_k = config.num_experts_per_tok;
+      w.norm_topk = config.norm_topk_prob;
+    } else {
+      l.gate_up_w = at::cat({get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")}, 0);
+      l.down_w = get(p + "mlp.down_proj.weight");
+    }
     impl->layers.push_back(std::move(l));
   }
   std::unique_ptr<Transformer> t(new Transformer());
@@ -237,7 +237,8 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
   std::vector<at::Tensor> w{m.embed, m.norm, m.lm_head};
   for (const Impl::Layer& l : m.layers)
     for (const at::Tensor& t :
-         {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.gate_up_w, l.down_w})
+         {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.gate_up_w, l.down_w,
+          l.moe.router, l.moe.gate_up, l.moe.down})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -255,18 +256,26 @@ struct PassState {
   BatchLora delta;
   PaddedLayout padded;
   Rope rope;
+  ExpertLoraRouting experts;  // MoE models whose batch trains the mlp group
 };
 
 // The LoRA leaves layer i's graph reaches for the groups this pass trains.
 std::vector<at::Tensor> LayerLeaves(const SlotBank& bank, size_t layer, bool attn, bool mlp) {
   std::vector<at::Tensor> leaves;
-  for (int k = 0; k < 7; ++k) {
+  const auto [gate_up, down] = ExpertTargets(bank, layer);
+  const bool experts = gate_up != nullptr;
+  for (int k = 0; k < (experts ? 4 : 7); ++k) {
     if (!(k < 4 ? attn : mlp)) continue;
     const LoraTarget* t = LayerTarget(bank, layer, k);
     if (!t) continue;
     leaves.push_back(t->A);
     leaves.push_back(t->B);
   }
+  if (experts && mlp)
+    for (const LoraTarget* t : {gate_up, down}) {
+      leaves.push_back(t->A);
+      leaves.push_back(t->B);
+    }
   return leaves;
 }
 
@@ -282,6 +291,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   // batched attention per layer replaces one per sequence where cheaper.
   auto state = std::make_shared<PassState>(bank, batch, attn_lora, mlp_lora);
   state->rope = Rope::Make(m, batch.positions, dtype_);
+  if (mlp_lora && config_.num_experts > 0)
+    state->experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());
   const AttentionKernel kernel = attention_kernel_;
   const std::vector<int64_t>& seq_begin = batch.seq_begin;
   // One layer of this pass. It reads only the pass state, the frozen weights
@@ -292,7 +303,11 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
     auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get());
     };
-    return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend);
+    auto moe = [&](size_t l, const at::Tensor& h) {
+      const auto [gate_up, down] = ExpertTargets(bank, l);
+      return MoeForward(m.layers[l].moe, h, bank, gate_up, down, &state->experts);
+    };
+    return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend, moe);
   };
   at::Tensor x = at::embedding(m.embed, batch.tokens);
   const bool recompute = c10::GradMode::is_enabled() && (attn_lora || mlp_lora);

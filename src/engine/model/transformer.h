@@ -1,4 +1,4 @@
-// Transformer: a Hugging Face decoder-only model (qwen2, qwen3) with frozen
+// Transformer: a Hugging Face decoder-only model (qwen2, qwen3, qwen3_moe) with frozen
 // base weights, run over a packed batch with per-sequence LoRA slots.
 //
 // A packed batch is one token axis across all sequences: no padding,
@@ -75,8 +75,10 @@ class Transformer {
   // type is private, so callers hold it as `const auto&`.
   const Impl& weights() const { return *impl_; }
 
-  // (module, group, d_in, d_out) of every adaptable linear, for SlotBank.
-  std::vector<std::tuple<std::string, TargetGroup, int64_t, int64_t>> LoraTargets() const;
+  // Every adaptable linear, for SlotBank: per layer q, k, v, o, then
+  // gate, up, down (dense MLP) or the experts' gate_up and down (MoE layer,
+  // engine/model/moe.h); lm_head last.
+  std::vector<LoraTargetSpec> LoraTargets() const;
 
   // Final-normed hidden states [T, hidden] (fp32 for the loss), differentiable
   // into the bank's A/B of the slots the batch uses. Layers [0,

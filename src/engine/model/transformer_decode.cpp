@@ -93,8 +93,15 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
                                                  padded.get())
                          : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask);
   };
+  ExpertLoraRouting experts;
+  if (mlp_lora && config_.num_experts > 0)
+    experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());
+  auto moe = [&](size_t i, const at::Tensor& h) {
+    const auto [gate_up, down] = ExpertTargets(bank, i);
+    return MoeForward(m.layers[i].moe, h, bank, gate_up, down, &experts);
+  };
   return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
-                      lora, attend);
+                      lora, attend, moe);
 }
 
 }  // namespace loom::engine

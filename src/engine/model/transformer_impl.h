@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/model/lean_ops.h"
+#include "engine/model/moe.h"
 #include "engine/model/transformer.h"
 
 namespace loom::engine {
@@ -24,8 +25,9 @@ struct Transformer::Impl {
     at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
     at::Tensor o_w;             // [hidden, H * hd]
     at::Tensor o_b;             // [hidden] (qwen3 with attention_bias) or undefined
-    at::Tensor gate_up_w;       // [2 * inter, hidden]
+    at::Tensor gate_up_w;       // [2 * inter, hidden] (dense MLP; undefined in an MoE layer)
     at::Tensor down_w;          // [hidden, inter]
+    MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
   };
   at::Tensor embed;    // [vocab, hidden]
   at::Tensor norm;     // [hidden]
@@ -48,14 +50,21 @@ inline constexpr const char* kLayerTargets[7] = {"self_attn.q_proj", "self_attn.
                                                  "mlp.down_proj"};
 
 // The bank's target for the layer's k-th LoRA target (kLayerTargets). Bank
-// targets are expected in LoraTargets() order (7 per layer); lookup by name
-// is the fallback.
+// targets are expected in LoraTargets() order (7 per dense layer); lookup by
+// name is the fallback (models with MoE layers, whose MLP targets are the
+// experts': ExpertTargets).
 inline const LoraTarget* LayerTarget(const SlotBank& bank, size_t layer, int k) {
   const std::string module = "model.layers." + std::to_string(layer) + "." + kLayerTargets[k];
   const size_t index = layer * 7 + static_cast<size_t>(k);
   const auto& ts = bank.targets();
   if (index < ts.size() && ts[index].module == module) return &ts[index];
   return bank.find(module);
+}
+
+// The bank's expert targets of MoE layer `layer` (gate_up, down), or nulls.
+inline std::pair<const LoraTarget*, const LoraTarget*> ExpertTargets(const SlotBank& bank, size_t layer) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+  return {bank.find(p + "gate_up_proj"), bank.find(p + "down_proj")};
 }
 
 // Whether any of the slots trains group g (else its LoRA is skipped entirely).
@@ -132,13 +141,16 @@ struct Rope {
 //   lora(layer, k, in)        the delta of the layer's k-th target
 //                             (kLayerTargets) for input rows `in`;
 //   attend(layer, q, k, v)    attention [T, H * hd] for post-RoPE q [T, H, hd]
-//                             and k, v [T, KVH, hd].
+//                             and k, v [T, KVH, hd];
+//   moe(layer, h)             an MoE layer's block output [T, hidden] for its
+//                             normed rows h (MoeForward with the batch's
+//                             expert LoRA).
 // Invariant: the op order and dtypes are the same for every caller, so a token
 // gets the same hidden state from either forward (to float rounding).
 // (Model is Transformer::Impl, deduced: the type is private to Transformer.)
-template <typename Model, typename Lora, typename Attend>
+template <typename Model, typename Lora, typename Attend, typename Moe>
 at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope, double eps, bool attn_lora,
-                        bool mlp_lora, Lora&& lora, Attend&& attend) {
+                        bool mlp_lora, Lora&& lora, Attend&& attend, Moe&& moe) {
   const int64_t T = x.size(0), hd = m.head_dim;
   const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
   const auto& l = m.layers[i];
@@ -168,8 +180,9 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   if (attn_lora) o = o + lora(i, 3, attn);
   x = x + o;
 
-  // MLP block (SwiGLU).
+  // MLP block (SwiGLU, or the experts').
   h = RmsNorm(x, l.post_norm, eps);
+  if (l.moe.defined()) return x + moe(i, h);
   at::Tensor gate_up = at::linear(h, l.gate_up_w);
   if (mlp_lora) gate_up = gate_up + at::cat({lora(i, 4, h), lora(i, 5, h)}, 1);
   const at::Tensor act = SwiGluLean(gate_up);
@@ -186,13 +199,13 @@ at::Tensor FinalNorm(const Model& m, const at::Tensor& x, double eps) {
 
 // The whole stack: embeddings x [T, hidden] at `positions` [T] in,
 // final-normed hidden states (fp32) out.
-template <typename Model, typename Lora, typename Attend>
+template <typename Model, typename Lora, typename Attend, typename Moe>
 at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& positions,
                         at::ScalarType dtype, double eps, bool attn_lora, bool mlp_lora, Lora&& lora,
-                        Attend&& attend) {
+                        Attend&& attend, Moe&& moe) {
   const Rope rope = Rope::Make(m, positions, dtype);
   for (size_t i = 0; i < m.layers.size(); ++i)
-    x = DecoderLayer(m, i, std::move(x), rope, eps, attn_lora, mlp_lora, lora, attend);
+    x = DecoderLayer(m, i, std::move(x), rope, eps, attn_lora, mlp_lora, lora, attend, moe);
   return FinalNorm(m, x, eps);
 }
 

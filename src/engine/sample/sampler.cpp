@@ -64,8 +64,7 @@ std::vector<int32_t> EosTokens(const std::string& model_dir, const ModelConfig& 
 // mirror for the fused decode kernels.
 int AutoAdapters(const Transformer& model, const SamplerOptions& options) {
   int64_t per_slot = 0;
-  for (const auto& [module, group, d_in, d_out] : model.LoraTargets())
-    per_slot += static_cast<int64_t>(options.max_rank) * (d_in + d_out);
+  for (const LoraTargetSpec& t : model.LoraTargets()) per_slot += t.AElems(options.max_rank) + t.BElems(options.max_rank);
   const bool cuda = model.device().is_cuda();
   per_slot *= cuda ? 4 + 2 : 4;
   double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));

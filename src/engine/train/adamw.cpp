@@ -163,13 +163,9 @@ SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
   if (!bank.targets().empty() && bank.targets()[0].A.device().is_cuda()) path_ = Path::kForeach;
   exp_avg_ = at::zeros_like(bank.flat());
   exp_avg_sq_ = at::zeros_like(bank.flat());
-  const int64_t n = bank.num_slots(), r = bank.max_rank();
-  const auto view = [&](const at::Tensor& flat, int64_t col, int64_t rows, int64_t width) {
-    return flat.narrow(1, col, rows * width).view({n, rows, width});
-  };
   for (const LoraTarget& t : bank.targets()) {
-    a_.push_back({view(exp_avg_, t.a_col, r, t.d_in), view(exp_avg_sq_, t.a_col, r, t.d_in)});
-    b_.push_back({view(exp_avg_, t.b_col, t.d_out, r), view(exp_avg_sq_, t.b_col, t.d_out, r)});
+    a_.push_back({bank.FactorView(exp_avg_, t, true), bank.FactorView(exp_avg_sq_, t, true)});
+    b_.push_back({bank.FactorView(exp_avg_, t, false), bank.FactorView(exp_avg_sq_, t, false)});
   }
 }
 

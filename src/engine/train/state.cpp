@@ -28,7 +28,7 @@ json ConfigJson(const LoraConfig& c) {
 // (B-like), trimmed to rank r.
 at::Tensor Trim(const at::Tensor& t, int s, int64_t r, bool is_a) {
   at::Tensor row = t.detach().select(0, s);
-  return is_a ? row.narrow(0, 0, r) : row.narrow(1, 0, r);
+  return is_a ? row.narrow(-2, 0, r) : row.narrow(-1, 0, r);  // the rank dims (slot_bank.h)
 }
 
 }  // namespace
@@ -139,7 +139,7 @@ Status LoadSlotState(SlotBank& bank, SlotOptimizer& optimizer, int s, const std:
       const bool is_a = suffix.rfind(".lora_A", 0) == 0;
       const TensorView* view = (*file)->find(name);
       if (!view) return Status::Invalid(Cat(dir, ": tensor ", name, " is missing"));
-      const std::vector<int64_t> shape = is_a ? std::vector<int64_t>{r, t.d_in} : std::vector<int64_t>{t.d_out, r};
+      const std::vector<int64_t> shape = t.FactorShape(is_a, r);
       if (view->shape != shape)
         return Status::Invalid(Cat(dir, ": tensor ", name, " has shape [", JoinInts(view->shape), "], expected [", JoinInts(shape), "]"));
       auto src = LoadTensor(*view, at::kFloat, t.A.device());

@@ -1,0 +1,121 @@
+#include "engine/model/moe.h"
+
+#include <algorithm>
+
+#include "engine/model/compat.h"
+#include "engine/model/lean_ops.h"
+
+namespace loom::engine {
+namespace {
+
+const auto kLong = at::TensorOptions().dtype(at::kLong);
+
+// The LoRA delta of one expert target over the sorted pairs' rows x [P, d_in]
+// (counts: rows per (expert, slot group) segment, G = E * (U + 1)): each
+// segment times its own slot's factors for its expert, scaled by the slot's
+// alpha/r; the rows of tokens without a slot (group U) come out exactly 0.
+at::Tensor ExpertDelta(const SlotBank& bank, const LoraTarget& t, const at::Tensor& x, const at::Tensor& counts,
+                       const ExpertLoraRouting& lora, const at::Tensor& row_group) {
+  const int64_t U = lora.num_slots(), sub = U + 1, G = counts.size(0);
+  const at::Device dev = x.device();
+  // Segment g = e * sub + u uses expert e and slot u (group U: slot 0's
+  // factors, whose rows are then selected away, never multiplied by 0).
+  const at::Tensor g = at::arange(G, kLong.device(dev));
+  const at::Tensor ids = at::cat({lora.slot_ids, lora.slot_ids.narrow(0, 0, 1)});
+  const at::Tensor seg_slot = ids.index_select(0, at::remainder(g, sub));
+  const at::Tensor seg_expert = at::div(g, sub, "floor");
+  const auto factor = [&](const at::Tensor& f, bool per_expert) {
+    return per_expert ? f.index({seg_slot, seg_expert}) : f.index_select(0, seg_slot);
+  };
+  const at::ScalarType ct = bank.ComputeType(x);
+  const at::Tensor a = factor(t.A, t.per_expert == ExpertFactor::kA).to(ct);  // [G, R, d_in]
+  const at::Tensor b = factor(t.B, t.per_expert == ExpertFactor::kB).to(ct);  // [G, d_out, R]
+  const at::Tensor mid = GroupedLinear(x.to(ct), a, counts);                  // [P, R]
+  const at::Tensor out = GroupedLinear(mid, b, counts);                       // [P, d_out]
+  const at::Tensor scale = lora.scale.index_select(0, row_group).unsqueeze(1).to(ct);
+  return at::where((row_group < U).unsqueeze(1), out * scale, at::zeros_like(out)).to(x.scalar_type());
+}
+
+}  // namespace
+
+ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
+                                          const std::vector<int>& seq_slot, at::Device device) {
+  ExpertLoraRouting r;
+  const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
+  std::vector<int64_t> seq_group(seq_slot.size());
+  for (size_t i = 0; i < seq_slot.size(); ++i) {
+    const int s = seq_slot[i];
+    if (!bank.trains(s, TargetGroup::kMlp)) {
+      seq_group[i] = -1;
+      continue;
+    }
+    auto it = std::find(r.slots.begin(), r.slots.end(), s);
+    seq_group[i] = it - r.slots.begin();
+    if (it == r.slots.end()) r.slots.push_back(s);
+  }
+  const int64_t U = r.num_slots();
+  if (U == 0) return r;
+  at::Tensor group = at::empty({T}, kLong);
+  int64_t* gp = group.data_ptr<int64_t>();
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i)
+    std::fill(gp + seq_begin[i], gp + seq_begin[i + 1], seq_group[i] < 0 ? U : seq_group[i]);
+  r.token_group = group.to(device);
+  r.slot_ids = at::tensor(r.slots, kLong).to(device);
+  r.scale = at::cat({bank.scales().index_select(0, r.slot_ids), at::zeros({1}, bank.scales().options())});
+  return r;
+}
+
+at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
+  const int64_t out = w.size(1);
+  if (compat::kHasGroupedMm && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+      w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && out % 8 == 0) {
+    return compat::GroupedMm(x.contiguous(), w.transpose(1, 2), counts.cumsum(0).to(at::kInt));
+  }
+  const at::Tensor host = counts.cpu();
+  const int64_t* n = host.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  int64_t begin = 0;
+  for (int64_t g = 0; g < host.size(0); ++g) {
+    if (n[g] == 0) continue;
+    parts.push_back(at::mm(x.narrow(0, begin, n[g]), w.select(0, g).t()));
+    begin += n[g];
+  }
+  if (parts.empty()) return at::zeros({x.size(0), out}, x.options());
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+}
+
+at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                      const LoraTarget* down, const ExpertLoraRouting* lora) {
+  const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
+  // Route: fp32 softmax over all experts, top-k, optional renormalisation,
+  // then the model dtype (HF's order).
+  const at::Tensor probs = at::softmax(at::linear(h, w.router).to(at::kFloat), -1);
+  auto [top_p, top_e] = probs.topk(K, -1);
+  if (w.norm_topk) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+  top_p = top_p.to(h.scalar_type());
+
+  // The T * K (token, choice) pairs sorted by segment: expert, then the
+  // token's LoRA group within the expert (stable: token order within).
+  const bool with_lora = lora && lora->num_slots() > 0 && gate_up && down;
+  const int64_t sub = with_lora ? lora->num_slots() + 1 : 1;
+  const at::Tensor pair_token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
+  at::Tensor key = top_e.reshape({-1});
+  if (with_lora) key = key * sub + lora->token_group.index_select(0, pair_token);
+  const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
+  const at::Tensor expert_counts = with_lora ? counts.view({E, sub}).sum(1) : counts;
+  const at::Tensor token = pair_token.index_select(0, order);
+  const at::Tensor x = h.index_select(0, token);  // [P, H]
+  at::Tensor row_group;
+  if (with_lora) row_group = lora->token_group.index_select(0, token);
+
+  at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
+  if (with_lora) gu = gu + ExpertDelta(bank, *gate_up, x, counts, *lora, row_group);
+  const at::Tensor act = SwiGluLean(gu);  // [P, I]
+  at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
+  if (with_lora) y = y + ExpertDelta(bank, *down, act, counts, *lora, row_group);
+  y = y * top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
+  return at::zeros_like(h).index_add(0, token, y);
+}
+
+}  // namespace loom::engine

@@ -1,0 +1,68 @@
+// MoE: the mixture-of-experts MLP block (qwen3_moe) with each slot's expert
+// LoRA, as one of the decoder layer's shared blocks.
+//
+// Routing (as Hugging Face computes it): router logits h W_r^T in the model
+// dtype; softmax over all E experts in fp32; the top-k probabilities,
+// renormalised to sum 1 when norm_topk, cast back to the model dtype. Each
+// token's output is the routing-weighted sum of its k experts' SwiGLU MLPs
+// (gate_up [2I, H] with the gate rows first, down [H, I]). The router is
+// frozen; its input still gets the gradient through the routing weights. A
+// token's route depends only on its own hidden state, so packing never
+// changes it.
+//
+// Expert matmuls are grouped: the (token, choice) pairs are sorted by
+// expert, and then by the token's LoRA slot within an expert, and every
+// projection is one grouped GEMM over those segments (GroupedLinear). The
+// expert LoRA (slot_bank.h: gate_up shares A across experts and keeps B per
+// expert, down keeps A per expert and shares B) runs over the (expert, slot)
+// segments with each segment's own factors, two grouped GEMMs per target.
+//
+// Threading: pure functions of their arguments; the engine or sampler thread.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/lora/slot_bank.h"
+
+namespace loom::engine {
+
+// One MoE layer's frozen weights (undefined router: a dense layer).
+struct MoeWeights {
+  at::Tensor router;   // [E, H]
+  at::Tensor gate_up;  // [E, 2I, H]
+  at::Tensor down;     // [E, H, I]
+  int64_t top_k = 0;
+  bool norm_topk = false;
+  bool defined() const { return router.defined(); }
+};
+
+// Which slot's expert LoRA each token of a batch uses, built once per batch
+// and shared by every MoE layer. Tokens whose sequence's slot does not train
+// the mlp group use none.
+struct ExpertLoraRouting {
+  std::vector<int64_t> slots;  // U distinct slots that train the mlp group, in first-use order
+  at::Tensor token_group;      // [T] int64 on the device: the token's index into slots, U for none
+  at::Tensor slot_ids;         // [U] int64 on the device
+  at::Tensor scale;            // [U + 1] fp32 on the device: each slot's alpha/r, then 0
+  int64_t num_slots() const { return static_cast<int64_t>(slots.size()); }
+  // Rows [seq_begin[i], seq_begin[i+1]) use seq_slot[i].
+  static ExpertLoraRouting Make(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
+                                const std::vector<int>& seq_slot, at::Device device);
+};
+
+// The block's output [T, H] for normed hidden rows h [T, H], with the expert
+// LoRA of lora's slots when lora has any and the targets are given (both or
+// neither). Differentiable into h and into the bank's expert factors of the
+// routed slots (their gradients land in the bank's gradient buffer).
+at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                      const LoraTarget* down, const ExpertLoraRouting* lora);
+
+// y[rows of g] = x[rows of g] w[g]^T for groups g of consecutive rows:
+// x [P, in], w [G, out, in], counts [G] int64 on x's device (summing to P).
+// One grouped GEMM on CUDA for bf16 with 8-aligned widths (libtorch 2.8+);
+// otherwise one matmul per non-empty group (the reference path).
+at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts);
+
+}  // namespace loom::engine
