@@ -6,7 +6,13 @@
 #   python3 bench/hf_peft_train.py MODEL_DIR BATCH SEQLEN RANK [--compile] [--steps N]
 #
 # MFU convention (the same as `loom bench train`): 4 N FLOPs per trained token, N = the base
-# model's parameters (a tied embedding counted once), against 989 TFLOP/s (dense bf16, H100/H200).
+# model's parameters a token runs through (a tied embedding counted once; for MoE the active
+# parameters: k of E experts), against 989 TFLOP/s (dense bf16, H100/H200).
+#
+# MoE models (config num_experts > 0, e.g. qwen3_moe): the experts are fused 3-D tensors in
+# transformers 5, so their LoRA is PEFT's target_parameters (mlp.experts.gate_up_proj and
+# down_proj, rank r each), with attention and lm_head as modules; naming gate_proj/up_proj in
+# target_modules would make PEFT's v5 shim retarget them at rank 2r.
 # A frozen base does no weight-gradient matmuls, so forward (2N) + input gradients (2N); attention
 # and the LoRA factors are left out.
 import argparse, json, sys, time
@@ -35,9 +41,20 @@ def main():
     try:
         model = AutoModelForCausalLM.from_pretrained(a.model_dir, torch_dtype=torch.bfloat16,
                                                      attn_implementation="sdpa").cuda()
-        n_base = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        model = get_peft_model(model, LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0,
-                                                 target_modules=TARGETS))
+        params_by_name = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+        n_base = sum(p.numel() for _, p in params_by_name)
+        experts = getattr(model.config, "num_experts", 0) or 0
+        if experts:
+            k = model.config.num_experts_per_tok
+            n_expert = sum(p.numel() for n, p in params_by_name if ".mlp.experts." in n)
+            n_base = n_base - n_expert + n_expert * k // experts
+            lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0,
+                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        else:
+            lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=TARGETS)
+        out["moe_experts"] = experts
+        model = get_peft_model(model, lora)
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4, fused=True)

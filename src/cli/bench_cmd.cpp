@@ -3,7 +3,8 @@
 // step), on the same engine code the service runs. Prints tokens/s for both
 // and their ratio (the payoff of multi-tenant packing), the MFU and the
 // device allocator's peak. MFU convention (bench/hf_peft_train.py's): 4 N
-// FLOPs per trained token, N = the base parameters (a tied embedding once):
+// FLOPs per trained token, N = the base parameters a token runs through (a
+// tied embedding once; an MoE layer's experts k of E, the active parameters):
 // forward 2N plus input gradients 2N, a frozen base has no weight-gradient
 // matmuls; attention and the LoRA factors are left out; against 989 TFLOP/s
 // (dense bf16, H100/H200). Printed on the GPU only.
@@ -198,7 +199,7 @@ int BenchTrain(const TrainBenchOptions& o) {
     std::printf("%-20s %14.1f %14.1f %12.1f %12.0f", name.c_str(), t.forward_backward * 1e3, t.optim_step * 1e3,
                 t.total() * 1e3, tps);
     if (gpu)
-      std::printf(" %7.1f%% %10.2f", 100.0 * 4.0 * static_cast<double>(info.base_parameters) * tps / kPeakFlops,
+      std::printf(" %7.1f%% %10.2f", 100.0 * 4.0 * static_cast<double>(info.active_parameters) * tps / kPeakFlops,
                   static_cast<double>(t.peak_bytes) / (1 << 30));
     std::printf("\n");
   };

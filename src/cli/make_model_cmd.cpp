@@ -18,6 +18,8 @@ int MakeModel(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "PRNG seed")->default_val(0);
   app.add_option("--out", out, "output directory")->required();
   app.add_option("--dtype", opt.dtype, "bf16 | fp32 (default: fp32 for tiny/small, bf16 for real shapes)");
+  app.add_option("--layers", opt.layers, "decoder layers (0 = the preset's): real shapes, fewer layers")
+      ->default_val(0);
   app.add_option("--shard-bytes", opt.shard_bytes, "start a new shard when one would exceed this")
       ->default_val(opt.shard_bytes);
   try {

@@ -76,6 +76,7 @@ struct ModelInfo {
   int max_slots = 0;
   int max_rank = 0;
   int64_t base_parameters = 0;  // the frozen weights' element count (a tied embedding once)
+  int64_t active_parameters = 0;  // those one token runs through: an MoE layer's experts count k of E
 };
 
 // The device allocator's bytes (libtorch's caching allocator, not what the

@@ -401,6 +401,8 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
       info.base_parameters += n;
+      const bool expert = name.find(".mlp.experts.") != std::string::npos;
+      info.active_parameters += expert ? n * cfg.num_experts_per_tok / cfg.num_experts : n;
     }
     auto engine = std::make_unique<TrainingEngine>(std::move(*model), std::move(info), options, threads);
     if (options.recompute_layers < 0) engine->Calibrate();

@@ -284,6 +284,8 @@ std::string MakeTokenizerJson(int64_t vocab_size) {
 Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
   auto cfg = PresetConfig(options.arch, options.preset, options.dtype);
   if (!cfg.ok()) return cfg.status();
+  if (options.layers < 0) return Status::Invalid("layers must be >= 0 (0: the preset's)");
+  if (options.layers > 0) cfg->num_hidden_layers = options.layers;
   const ModelConfig& c = cfg.value();
   if (c.vocab_size < 258) return Status::Invalid("vocab_size must be at least 258 for a byte-level tokenizer");
   namespace fs = std::filesystem;
@@ -329,6 +331,7 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
     writer.SetMetadata("loom.preset", options.preset);
     writer.SetMetadata("loom.seed", std::to_string(options.seed));
     writer.SetMetadata("loom.dtype", bf16 ? "bf16" : "fp32");
+    writer.SetMetadata("loom.layers", std::to_string(c.num_hidden_layers));
     for (const WeightSpec* w : shards[si]) {
       const bool ones = EndsWith(w->name, "norm.weight");
       // Each tensor has its own stream, so values do not depend on order or sharding.

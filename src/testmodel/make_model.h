@@ -22,6 +22,7 @@ struct MakeModelOptions {
   uint64_t seed = 0;
   std::string dtype;              // bf16 | fp32; "" = preset default (fp32 for tiny/small, bf16 otherwise)
   uint64_t shard_bytes = 2000000000;  // a new shard starts when the next tensor would exceed this
+  int64_t layers = 0;  // > 0: this many decoder layers instead of the preset's (real shapes on a small disk)
 };
 
 // The config a preset stands for (torch_dtype set from dtype, "" = default).

@@ -14,6 +14,8 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -233,6 +235,59 @@ void RunGolden(const std::string& arch, at::Device dev, at::ScalarType dt, doubl
   for (const LoraTarget& t : bank.targets()) {
     if (t.A.grad().defined()) EXPECT_EQ(t.A.grad().select(0, 0).abs().max().item<double>(), 0.0) << t.module;
     if (t.B.grad().defined()) EXPECT_EQ(t.B.grad().select(0, 0).abs().max().item<double>(), 0.0) << t.module;
+  }
+}
+
+// loom's PEFT snapshot of each golden adapter is PEFT's own file for it: the
+// same keys, shapes and values (experts in ParamWrapper's layout, the shared
+// factor written once per expert), and the same targets in adapter_config.
+TEST_P(ParityTest, SnapshotOfAGoldenAdapterIsPeftsOwnFile) {
+  const fs::path golden_dir = SourceDir() / "tests" / "golden" / GetParam();
+  if (!fs::exists(golden_dir / "batch.json")) GTEST_SKIP() << "no golden files in " << golden_dir;
+  json batch_json;
+  {
+    std::ifstream in(golden_dir / "batch.json");
+    batch_json = json::parse(in);
+  }
+  const json& ident = batch_json["model"];
+  auto cfg = testmodel::PresetConfig(ident["arch"].get<std::string>(), ident["preset"].get<std::string>(),
+                                     ident["dtype"].get<std::string>());
+  ASSERT_TRUE(cfg.ok());
+  auto model = Transformer::FromTensors(cfg.value(), [&] {
+    std::map<std::string, at::Tensor> w;
+    for (const auto& [name, shape] : Transformer::ExpectedWeights(cfg.value())) w[name] = at::zeros(shape);
+    return w;
+  }(), at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  SlotBank bank(1, 64, at::kCPU, model.value()->LoraTargets());
+  const auto targets = [](const json& c, const char* field) {
+    std::set<std::string> s;
+    if (c.contains(field) && c[field].is_array())
+      for (const json& v : c[field]) s.insert(v.get<std::string>());
+    return s;
+  };
+  for (const auto& [name, a] : batch_json["adapters"].items()) {
+    const fs::path peft_dir = golden_dir / a["dir"].get<std::string>();
+    ASSERT_TRUE(LoadPeft(bank, 0, peft_dir.string()).ok()) << name;
+    TempDir ours;
+    ASSERT_TRUE(SavePeft(bank, 0, ours.path(), "golden").ok()) << name;
+    auto theirs_file = SafetensorsFile::Open((peft_dir / "adapter_model.safetensors").string());
+    auto ours_file = SafetensorsFile::Open(ours.path() + "/adapter_model.safetensors");
+    ASSERT_TRUE(theirs_file.ok() && ours_file.ok());
+    ASSERT_EQ((*ours_file)->tensors().size(), (*theirs_file)->tensors().size()) << name;
+    for (const auto& [key, view] : (*theirs_file)->tensors()) {
+      const TensorView* mine = (*ours_file)->find(key);
+      ASSERT_NE(mine, nullptr) << name << ": loom does not write " << key;
+      ASSERT_EQ(mine->shape, view.shape) << key;
+      EXPECT_TRUE(at::equal(LoadTensor(*mine, at::kFloat, at::kCPU).value(), LoadTensor(view, at::kFloat, at::kCPU).value()))
+          << key;
+    }
+    std::ifstream theirs_in(peft_dir / "adapter_config.json"), ours_in(ours.path() + "/adapter_config.json");
+    const json theirs = json::parse(theirs_in), mine = json::parse(ours_in);
+    for (const char* field : {"target_modules", "target_parameters"})
+      EXPECT_EQ(targets(mine, field), targets(theirs, field)) << name << " " << field;
+    EXPECT_EQ(mine["r"], theirs["r"]);
+    EXPECT_EQ(mine["lora_alpha"].get<double>(), theirs["lora_alpha"].get<double>());
   }
 }
 
