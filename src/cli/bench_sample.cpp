@@ -74,7 +74,8 @@ Status MakeAdapters(const engine::Transformer& model, int n, int rank, const std
     at::manual_seed(100 + i);
     {
       c10::NoGradGuard no_grad;
-      for (auto& t : bank.targets()) t.B.select(0, 0).narrow(1, 0, rank).copy_(0.01 * at::randn({t.d_out, rank}));
+      for (auto& t : bank.targets())
+        t.B.select(0, 0).narrow(-1, 0, rank).copy_(0.01 * at::randn(t.FactorShape(false, rank)));
     }
     const std::string d = dir + "/adapter" + std::to_string(i);
     if (Status s = engine::SavePeft(bank, 0, d, "bench"); !s.ok()) return s;

@@ -193,7 +193,7 @@ TEST(MoeCuda, GroupedGemmMatchesTheCpuPath) {
     SlotBank bank(2, R, dev, targets);
     BindRandom(bank, 0, 8, 16.0, 1, 0.3);
     BindRandom(bank, 1, 4, 8.0, 2, 0.3);
-    at::Tensor h = h0.to(dev, dt).requires_grad_();
+    at::Tensor h = h0.to(dev, dt).detach().clone().requires_grad_();
     const ExpertLoraRouting r = ExpertLoraRouting::Make(bank, seq_begin, seq_slot, dev);
     const at::Tensor y = MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], &r);
     (y.to(at::kFloat) * dy.to(dev)).sum().backward();
