@@ -66,13 +66,30 @@ ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vecto
 }
 
 at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts) {
-  const int64_t out = w.size(1);
-  if (compat::kHasGroupedMm && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
-      w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && out % 8 == 0) {
+  const int64_t out = w.size(1), G = w.size(0);
+  const bool grouped = compat::kHasGroupedMm && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
+                       w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && out % 8 == 0;
+  // at::_grouped_mm takes at most this many groups per call.
+  constexpr int64_t kMaxGroups = 1024;
+  if (grouped && G <= kMaxGroups)
     return compat::GroupedMm(x.contiguous(), w.transpose(1, 2), counts.cumsum(0).to(at::kInt));
-  }
   const at::Tensor host = counts.cpu();
   const int64_t* n = host.data_ptr<int64_t>();
+  if (grouped) {  // more (expert, slot) segments than one call takes: runs of kMaxGroups
+    std::vector<at::Tensor> parts;
+    int64_t begin = 0;
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxGroups) {
+      const int64_t g1 = std::min(G, g0 + kMaxGroups);
+      int64_t rows = 0;
+      for (int64_t g = g0; g < g1; ++g) rows += n[g];
+      if (rows == 0) continue;
+      parts.push_back(compat::GroupedMm(x.narrow(0, begin, rows).contiguous(), w.narrow(0, g0, g1 - g0).transpose(1, 2),
+                                        counts.narrow(0, g0, g1 - g0).cumsum(0).to(at::kInt)));
+      begin += rows;
+    }
+    if (parts.empty()) return at::zeros({x.size(0), out}, x.options());
+    return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
+  }
   std::vector<at::Tensor> parts;
   int64_t begin = 0;
   for (int64_t g = 0; g < host.size(0); ++g) {
