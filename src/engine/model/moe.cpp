@@ -69,8 +69,9 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t out = w.size(1), G = w.size(0);
   const bool grouped = compat::kHasGroupedMm && x.is_cuda() && x.scalar_type() == at::kBFloat16 &&
                        w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && out % 8 == 0;
-  // at::_grouped_mm takes at most this many groups per call.
-  constexpr int64_t kMaxGroups = 1024;
+  // at::_grouped_mm takes fewer than 1024 groups per call (its check is
+  // group_count < 1024: 1024 groups failed on the H200 as 1152 did).
+  constexpr int64_t kMaxGroups = 512;
   if (grouped && G <= kMaxGroups)
     return compat::GroupedMm(x.contiguous(), w.transpose(1, 2), counts.cumsum(0).to(at::kInt));
   const at::Tensor host = counts.cpu();

@@ -62,7 +62,7 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 // y[rows of g] = x[rows of g] w[g]^T for groups g of consecutive rows:
 // x [P, in], w [G, out, in], counts [G] int64 on x's device (summing to P).
 // One grouped GEMM on CUDA for bf16 with 8-aligned widths (libtorch 2.8+;
-// one per 1024 groups, its limit, after a host read of the counts);
+// one per 512 groups, under its limit, after a host read of the counts);
 // otherwise one matmul per non-empty group (the reference path).
 at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& counts);
 
