@@ -13,8 +13,8 @@ int MakeModel(int argc, char** argv) {
                "loom make-model"};
   testmodel::MakeModelOptions opt;
   std::string out;
-  app.add_option("--arch", opt.arch, "qwen2 | qwen3 | qwen3_moe (the Hugging Face model_type)")->required();
-  app.add_option("--preset", opt.preset, "tiny | small | qwen2.5-0.5b | qwen3-4b; qwen3_moe: tiny | qwen3-30b-a3b")->required();
+  app.add_option("--arch", opt.arch, "qwen2 | qwen3 | qwen3_moe | gpt_oss (the Hugging Face model_type)")->required();
+  app.add_option("--preset", opt.preset, "tiny | small | qwen2.5-0.5b | qwen3-4b; qwen3_moe: tiny | qwen3-30b-a3b; gpt_oss: tiny | gpt-oss-20b")->required();
   app.add_option("--seed", opt.seed, "PRNG seed")->default_val(0);
   app.add_option("--out", out, "output directory")->required();
   app.add_option("--dtype", opt.dtype, "bf16 | fp32 (default: fp32 for tiny/small, bf16 for real shapes)");

@@ -160,13 +160,77 @@ std::string Utf8(uint32_t cp) {
 
 std::string Quote(const std::string& s) { return nlohmann::json(s).dump(); }
 
+Status SetDtype(const std::string& dtype, const std::string& default_dtype, ModelConfig* c) {
+  const std::string d = dtype.empty() ? default_dtype : dtype;
+  if (d == "bf16") {
+    c->torch_dtype = "bfloat16";
+  } else if (d == "fp32") {
+    c->torch_dtype = "float32";
+  } else {
+    return Status::Invalid("dtype '" + dtype + "' is not one of bf16, fp32");
+  }
+  return Status::Ok();
+}
+
+// gpt_oss presets. tiny: one sliding layer (window 4, under the test
+// sequences' lengths) and one full; 8 experts, top-2 (GptOssInitStd makes
+// the sinks, biases and expert pre-activations large enough to matter).
+// gpt-oss-20b: the real shapes (bf16 experts, no MXFP4).
+Result<ModelConfig> GptOssPreset(const std::string& preset, const std::string& dtype) {
+  ModelConfig c;
+  c.model_type = "gpt_oss";
+  c.initializer_range = 0.02;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 150000.0;
+  c.rope_type = "yarn";
+  c.rope_factor = 32.0;
+  c.yarn_beta_fast = 32.0, c.yarn_beta_slow = 1.0, c.yarn_truncate = false;
+  c.attention_bias = true, c.qk_norm = false, c.tie_word_embeddings = false;
+  std::string default_dtype = "bf16";
+  if (preset == "tiny") {
+    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 32, c.num_hidden_layers = 2;
+    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
+    c.num_experts = 8, c.num_experts_per_tok = 2, c.sliding_window = 4;
+    c.max_position_embeddings = 2048, c.rope_original_max_position = 64;
+    default_dtype = "fp32";
+  } else if (preset == "gpt-oss-20b") {
+    c.vocab_size = 201088, c.hidden_size = 2880, c.intermediate_size = 2880, c.num_hidden_layers = 24;
+    c.num_attention_heads = 64, c.num_key_value_heads = 8, c.head_dim = 64;
+    c.num_experts = 32, c.num_experts_per_tok = 4, c.sliding_window = 128;
+    c.max_position_embeddings = 131072, c.rope_original_max_position = 4096;
+  } else {
+    return Status::Invalid("preset '" + preset + "' is not one of tiny, gpt-oss-20b for arch gpt_oss");
+  }
+  c.moe_intermediate_size = c.intermediate_size;
+  c.norm_topk_prob = true;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    c.layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  if (Status s = SetDtype(dtype, default_dtype, &c); !s.ok()) return s;
+  c.bos_token_id = c.vocab_size - 1;
+  c.eos_token_id = c.vocab_size - 1;
+  return c;
+}
+
+// The normal init's std of one tensor: initializer_range, except in the
+// gpt_oss tiny preset, whose sinks (1.0), biases (0.5), router (0.5) and
+// gate_up experts (0.5: pre-activations of std about 4 on normed rows of
+// width 64, so the +-7 clamp bites) are large enough for tests to see them.
+double InitStd(const ModelConfig& c, const std::string& preset, const std::string& name) {
+  if (!c.IsGptOss() || preset != "tiny") return c.initializer_range;
+  if (EndsWith(name, "self_attn.sinks")) return 1.0;
+  if (EndsWith(name, "bias") || EndsWith(name, "mlp.router.weight") || EndsWith(name, "experts.gate_up_proj"))
+    return 0.5;
+  return c.initializer_range;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------ presets
 
 Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype) {
-  if (arch != "qwen2" && arch != "qwen3" && arch != "qwen3_moe")
-    return Status::Invalid("arch '" + arch + "' is not one of qwen2, qwen3, qwen3_moe");
+  if (arch != "qwen2" && arch != "qwen3" && arch != "qwen3_moe" && arch != "gpt_oss")
+    return Status::Invalid("arch '" + arch + "' is not one of qwen2, qwen3, qwen3_moe, gpt_oss");
+  if (arch == "gpt_oss") return GptOssPreset(preset, dtype);
   const bool moe = arch == "qwen3_moe";
   if (moe != (preset == "qwen3-30b-a3b") && preset != "tiny")
     return Status::Invalid("preset '" + preset + "' is not one of " +
@@ -211,14 +275,7 @@ Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& pre
   } else {
     return Status::Invalid("preset '" + preset + "' is not one of tiny, small, qwen2.5-0.5b, qwen3-4b");
   }
-  const std::string d = dtype.empty() ? default_dtype : dtype;
-  if (d == "bf16") {
-    c.torch_dtype = "bfloat16";
-  } else if (d == "fp32") {
-    c.torch_dtype = "float32";
-  } else {
-    return Status::Invalid("dtype '" + dtype + "' is not one of bf16, fp32");
-  }
+  if (Status s = SetDtype(dtype, default_dtype, &c); !s.ok()) return s;
   c.attention_bias = arch == "qwen2";
   c.qk_norm = arch != "qwen2";
   c.bos_token_id = c.vocab_size - 1;
@@ -285,7 +342,14 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
   auto cfg = PresetConfig(options.arch, options.preset, options.dtype);
   if (!cfg.ok()) return cfg.status();
   if (options.layers < 0) return Status::Invalid("layers must be >= 0 (0: the preset's)");
-  if (options.layers > 0) cfg->num_hidden_layers = options.layers;
+  if (options.layers > 0) {
+    cfg->num_hidden_layers = options.layers;
+    if (cfg->IsGptOss()) {  // keep the alternation over the new layer count
+      cfg->layer_types.clear();
+      for (int64_t i = 0; i < options.layers; ++i)
+        cfg->layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+    }
+  }
   const ModelConfig& c = cfg.value();
   if (c.vocab_size < 258) return Status::Invalid("vocab_size must be at least 258 for a byte-level tokenizer");
   namespace fs = std::filesystem;
@@ -336,7 +400,7 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
       const bool ones = EndsWith(w->name, "norm.weight");
       // Each tensor has its own stream, so values do not depend on order or sharding.
       const uint64_t tensor_seed = seed_base ^ Fnv1a64(w->name);
-      auto filler = std::make_shared<TensorFiller>(ones, c.initializer_range, bf16, tensor_seed);
+      auto filler = std::make_shared<TensorFiller>(ones, InitStd(c, options.preset, w->name), bf16, tensor_seed);
       Status s = writer.AddProduced(w->name, st_dtype, w->shape,
                                     [filler](uint8_t* dst, size_t n) { filler->Fill(dst, n); });
       if (!s.ok()) return s;

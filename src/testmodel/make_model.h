@@ -1,4 +1,4 @@
-// make_model: writes a randomly initialised Qwen-family model in Hugging Face
+// make_model: writes a randomly initialised Qwen-family or GPT-OSS model in Hugging Face
 // layout (config.json, generation_config.json, tokenizer.json, safetensors).
 //
 // Determinism: the bytes written depend only on (arch, preset, seed, dtype,
@@ -17,8 +17,9 @@
 namespace loom::testmodel {
 
 struct MakeModelOptions {
-  std::string arch = "qwen3";     // qwen2 | qwen3 | qwen3_moe (HF model_type)
-  std::string preset = "tiny";    // tiny | small | qwen2.5-0.5b | qwen3-4b (dense); tiny | qwen3-30b-a3b (qwen3_moe)
+  std::string arch = "qwen3";     // qwen2 | qwen3 | qwen3_moe | gpt_oss (HF model_type)
+  std::string preset = "tiny";    // tiny | small | qwen2.5-0.5b | qwen3-4b (dense); tiny | qwen3-30b-a3b (qwen3_moe);
+                                  // tiny | gpt-oss-20b (gpt_oss)
   uint64_t seed = 0;
   std::string dtype;              // bf16 | fp32; "" = preset default (fp32 for tiny/small, bf16 otherwise)
   uint64_t shard_bytes = 2000000000;  // a new shard starts when the next tensor would exceed this

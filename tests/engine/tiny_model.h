@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,9 +21,22 @@ namespace loom::engine {
 // arch: "qwen2", "qwen3", "qwen3-bias" (qwen3 with attention_bias: q/k/v/o
 // biases), "qwen3_moe" (both layers MoE: 4 experts, top-2, renormalised) or
 // "qwen3_moe-mixed" (decoder_sparse_step 2: layer 0 dense, layer 1 MoE; top-2
-// not renormalised).
+// not renormalised) or "gpt_oss" (layer 0 sliding with a window of 3, layer 1
+// full; 4 experts of width 12, top-2; YaRN with a ramp across the
+// frequencies: factor 4, original context 64).
 inline ModelConfig TinyConfig(const std::string& arch) {
   ModelConfig c;
+  if (arch == "gpt_oss") {
+    c.model_type = "gpt_oss";
+    c.vocab_size = 61, c.hidden_size = 32, c.intermediate_size = 12, c.moe_intermediate_size = 12;
+    c.num_hidden_layers = 2, c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 8;
+    c.rms_norm_eps = 1e-5, c.rope_theta = 1000.0, c.max_position_embeddings = 128;
+    c.rope_type = "yarn", c.rope_factor = 4.0, c.rope_original_max_position = 64, c.yarn_truncate = false;
+    c.attention_bias = true, c.qk_norm = false, c.tie_word_embeddings = false;
+    c.num_experts = 4, c.num_experts_per_tok = 2, c.norm_topk_prob = true;
+    c.sliding_window = 3, c.layer_types = {"sliding_attention", "full_attention"};
+    return c;
+  }
   const bool moe = arch.rfind("qwen3_moe", 0) == 0;
   c.model_type = moe ? "qwen3_moe" : arch.substr(0, 5);
   c.vocab_size = 61;
@@ -53,7 +67,11 @@ inline std::map<std::string, at::Tensor> RandomWeights(const ModelConfig& c, uin
   std::map<std::string, at::Tensor> w;
   for (const auto& [name, shape] : Transformer::ExpectedWeights(c)) {
     const bool norm = name.find("norm") != std::string::npos;
-    w[name] = norm ? 1.0 + 0.2 * at::randn(shape) : 0.3 * at::randn(shape);
+    // gpt_oss: sinks of O(1); gate/up pre-activations of std about 5 on
+    // normed rows of width 32, so the +-7 clamps bite; a small down.
+    const auto ends = [&](const char* s) { return name.size() >= strlen(s) && name.rfind(s) == name.size() - strlen(s); };
+    const double std_dev = ends("sinks") ? 1.0 : ends("experts.gate_up_proj") ? 1.0 : ends("experts.down_proj") ? 0.05 : 0.3;
+    w[name] = norm ? 1.0 + 0.2 * at::randn(shape) : std_dev * at::randn(shape);
   }
   return w;
 }

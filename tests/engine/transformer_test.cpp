@@ -14,6 +14,7 @@
 #include <map>
 
 #include "engine/model/attention.h"
+#include "gpt_oss_reference.h"
 #include "tiny_model.h"
 #include "testmodel/make_model.h"
 #include "engine/io/safetensors.h"
@@ -174,6 +175,7 @@ TEST_P(TransformerArch, GradientsReachOnlyUsedSlotsNeverTheBase) {
 // repeat of K/V heads, explicit [L, L] mask, RoPE from the formula), to catch
 // mistakes the packed path could share with itself.
 at::Tensor NaiveLogprobs(const ModelConfig& c, std::map<std::string, at::Tensor> w, const std::vector<int32_t>& seq) {
+  if (c.IsGptOss()) return GptOssReferenceLogprobs(c, w, seq).to(at::kFloat);  // sinks, windows, YaRN, its experts
   const int64_t L = seq.size(), hd = c.head_dim, H = c.num_attention_heads, KV = c.num_key_value_heads;
   auto rms = [&](const at::Tensor& x, const at::Tensor& g) {
     return g * (x / at::sqrt((x * x).mean(-1, true) + c.rms_norm_eps));
@@ -265,7 +267,9 @@ TEST_P(TransformerArch, Bf16EngineIsCloseToFp32) {
   auto f32 = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
   auto b16 = Transformer::FromTensors(c, weights, at::kCPU, at::kBFloat16);
   ASSERT_TRUE(f32.ok() && b16.ok());
-  for (const at::Tensor& w : (*b16)->BaseWeights()) EXPECT_EQ(w.scalar_type(), at::kBFloat16);
+  int fp32 = 0;  // gpt_oss keeps its RMSNorm weights fp32 (HF's _keep_in_fp32_modules)
+  for (const at::Tensor& w : (*b16)->BaseWeights()) fp32 += w.scalar_type() == at::kFloat;
+  EXPECT_EQ(fp32, c.IsGptOss() ? 2 * c.num_hidden_layers + 1 : 0);
   auto bank = Bank(**f32);
   BindRandom(*bank, 0, 4, 8.0, 1);
   c10::NoGradGuard no_grad;
@@ -276,7 +280,7 @@ TEST_P(TransformerArch, Bf16EngineIsCloseToFp32) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Qwen, TransformerArch,
-                         ::testing::Values("qwen2", "qwen3", "qwen3-bias", "qwen3_moe", "qwen3_moe-mixed"),
+                         ::testing::Values("qwen2", "qwen3", "qwen3-bias", "qwen3_moe", "qwen3_moe-mixed", "gpt_oss"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates tests/golden/{qwen2,qwen3,qwen3_moe} with HF transformers + PEFT.
+# Regenerates tests/golden/{qwen2,qwen3,qwen3_moe,gpt_oss} with HF transformers + PEFT.
 # Needs: a built `loom` (for make-model) and python3 with torch, transformers,
 # peft, safetensors, numpy. Usage, from the repository root:
 #   tools/reference/make_all_golden.sh [path/to/loom] [cpu|cuda]
@@ -9,7 +9,7 @@ loom=${1:-build/loom}
 device=${2:-cpu}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-for arch in qwen2 qwen3 qwen3_moe; do
+for arch in qwen2 qwen3 qwen3_moe gpt_oss; do
   "$loom" make-model --arch "$arch" --preset tiny --seed 1 --out "$tmp/$arch"
   rm -rf "tests/golden/$arch"
   python3 tools/reference/make_golden.py --model "$tmp/$arch" --out "tests/golden/$arch" --device "$device"

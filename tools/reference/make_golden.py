@@ -29,6 +29,17 @@ into every expert's slice. batch.json gains a "moe" block: the layers, the
 adapter config's targets, which parameter and layer each expert key belongs
 to, the saved key names, and HF's route (top-k experts) of every token.
 
+gpt_oss: the same, with HF's own layout checked instead: every layer MoE,
+router mlp.router (weight and bias), experts gate_up_proj [E, H, 2I] and
+down_proj [E, I, H] transposed ([E, in, out], is_transposed) with the gate/up
+columns interleaved (even = gate, odd = up), as make-model writes them under
+the same names. PEFT's ParamWrapper then has lora_A [E*r, in], lora_B
+[out, r*E] with gate_up's B rows in HF's interleaved order (loom's B rows are
+gate then up: the parity test de-interleaves). Attention is eager (HF has no
+SDPA for GPT-OSS), with the sinks; the run fails unless a sliding layer's
+window is shorter than the longest sequence and some gate/up pre-activation
+passes the +-7 clamp.
+
 Usage (see README.md):
   python3 tools/reference/make_golden.py --model DIR --out tests/golden/qwen3
 Self-checking: it fails (non-zero exit) if any LoRA weight is zero, any
@@ -66,7 +77,7 @@ MAX_BYTES = 1 << 20
 # layers' projections are targeted as parameters by full name: a ParamWrapper
 # on a 2-D [out, in] weight is plain LoRA (A [r, in], B [out, r], the same
 # saved keys as a module target).
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "gpt_oss")
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
@@ -186,6 +197,45 @@ def seq_logprobs(peft_model, seq, device):
 
 # ---- qwen3_moe -------------------------------------------------------------
 
+def gpt_oss_layout(model, ckpt, mlps):
+    """gpt_oss's layers as HF built them: every layer MoE, experts in the
+    transposed interleaved layout holding the checkpoint's tensors as stored."""
+    cfg = model.config
+    E, K, I, H = int(cfg.num_local_experts), int(cfg.num_experts_per_tok), int(cfg.intermediate_size), int(cfg.hidden_size)
+    moe = {"num_experts": E, "top_k": K, "moe_layers": [], "dense_layers": [], "mlp": {}, "experts": {},
+           "transposed": True}
+    for layer in sorted(mlps):
+        name, mlp = mlps[layer]
+        moe["mlp"][layer] = name
+        experts, router = getattr(mlp, "experts", None), getattr(mlp, "router", None)
+        params = {"gate_up_proj": (E, H, 2 * I), "gate_up_proj_bias": (E, 2 * I), "down_proj": (E, I, H),
+                  "down_proj_bias": (E, H)}
+        got = {k: tuple(getattr(experts, k).shape) for k in params if isinstance(getattr(experts, k, None), torch.nn.Parameter)}
+        if got != params or not getattr(experts, "is_transposed", False):
+            fail(f"{name}: experts {got}, is_transposed {getattr(experts, 'is_transposed', None)}; expected {params}")
+        if tuple(getattr(router, "weight").shape) != (E, H) or tuple(getattr(router, "bias").shape) != (E,):
+            fail(f"{name}: router is not weight [E, H] + bias [E]")
+        with torch.no_grad():
+            for k in params:
+                key = f"{name}.experts.{k}"
+                if key not in ckpt or not torch.equal(getattr(experts, k), ckpt[key].to(getattr(experts, k).dtype)):
+                    fail(f"{name}: experts.{k} differs from {key} in the checkpoint (make-model writes HF's bf16 names)")
+            for k in ("weight", "bias"):
+                if not torch.equal(getattr(router, k), ckpt[f"{name}.router.{k}"].to(getattr(router, k).dtype)):
+                    fail(f"{name}: router.{k} differs from the checkpoint")
+        moe["moe_layers"].append(layer)
+        moe["experts"][layer] = experts
+    window = getattr(cfg, "sliding_window", None)
+    sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+    if not sliding or not window or window >= max(MOE_SEQ_LENGTHS):
+        fail(f"layer_types {cfg.layer_types}, sliding_window {window}: no sliding layer whose window is "
+             f"shorter than the longest sequence ({max(MOE_SEQ_LENGTHS)})")
+    sinks = [m.sinks for n, m in model.named_modules() if hasattr(m, "sinks")]
+    if len(sinks) != cfg.num_hidden_layers or min(s.abs().max().item() for s in sinks) < 0.1:
+        fail("expected sinks of O(1) in every attention layer (make-model's tiny preset)")
+    return moe
+
+
 def moe_layout(model, model_dir):
     """qwen3_moe's layers as HF built them, checked against the config and the
     checkpoint: each MoE layer's fused experts must hold the hub's per-expert
@@ -193,8 +243,11 @@ def moe_layout(model, model_dir):
     cfg = model.config
     if cfg.model_type not in MOE_TYPES:
         return None
-    E, K = int(cfg.num_experts), int(cfg.num_experts_per_tok)
-    I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
+    if cfg.model_type == "gpt_oss":
+        E = K = I = H = 0
+    else:
+        E, K = int(cfg.num_experts), int(cfg.num_experts_per_tok)
+        I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
     step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
     dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
     mlps = {}
@@ -208,6 +261,14 @@ def moe_layout(model, model_dir):
     for path in safetensors_paths(model_dir):
         with safe_open(path, framework="pt") as f:
             ckpt.update({k: f.get_tensor(k) for k in f.keys()})
+
+    if cfg.model_type == "gpt_oss":
+        moe = gpt_oss_layout(model, ckpt, mlps)
+        moe["linear_targets"] = sorted(n for n, m in model.named_modules()
+                                       if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in MOE_TARGET_MODULES)
+        if len(moe["linear_targets"]) != 4 * len(mlps) + 1:
+            fail(f"expected q/k/v/o_proj in each of {len(mlps)} layers and one lm_head, found {moe['linear_targets']}")
+        return moe
 
     def stored(key, like):
         if key not in ckpt:
@@ -323,20 +384,24 @@ def check_wrapped(layers, moe, adapters):
              f"{sorted(set(want.items()) - set(got.items()), key=str)} (((module, parameter), experts))")
 
 
-def init_expert_lora(m, name, rng):
+def init_expert_lora(m, name, rng, transposed=False):
     """Draws loom's layout for one expert target and writes it in PEFT's.
     loom: gate_up has one A [r, H] for all experts and B_e [2I, r] per expert;
     down has A_e [r, I] per expert and one B [H, r]. PEFT (ParamWrapper): A
     [E*r, in] holds expert e in rows e*r+k, B [out, r*E] in columns k*E+e; so
-    the shared factor is replicated into every expert's slice. Checks that
-    PEFT's own delta (get_delta_weight) is scale * B_e A_e for every expert."""
+    the shared factor is replicated into every expert's slice. gpt_oss
+    (transposed: the parameter is [E, in, out]): gate_up's out rows are HF's
+    interleaved columns, so loom's B rows (gate j, then up j) go to rows 2j
+    and 2j+1. Checks that PEFT's own delta (get_delta_weight) is
+    scale * B_e A_e for every expert, in the parameter's layout."""
     E, r = m.num_experts, m.r[name]
     a, b = m.lora_A[name].weight, m.lora_B[name].weight
     d_in, d_out = a.shape[1], b.shape[0]
     param = tuple(m.get_param().shape)
-    if tuple(a.shape) != (E * r, d_in) or tuple(b.shape) != (d_out, r * E) or param != (E, d_out, d_in):
+    want_param = (E, d_in, d_out) if transposed else (E, d_out, d_in)
+    if tuple(a.shape) != (E * r, d_in) or tuple(b.shape) != (d_out, r * E) or param != want_param:
         fail(f"{m.parameter_name} {name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}, parameter {param}; "
-             f"expected [E*r, in], [out, r*E], [E, out, in] with E={E} r={r}")
+             f"expected [E*r, in], [out, r*E], {list(want_param)} with E={E} r={r}")
     a_std = A_STD_SCALE / np.sqrt(d_in)
     if m.parameter_name == "gate_up_proj":
         a_e = np.broadcast_to(rng.normal(0.0, a_std, size=(r, d_in)), (E, r, d_in))
@@ -345,13 +410,32 @@ def init_expert_lora(m, name, rng):
         a_e = rng.normal(0.0, a_std, size=(E, r, d_in))
         b_e = np.broadcast_to(rng.normal(0.0, B_STD, size=(d_out, r)), (E, d_out, r))
     a_e, b_e = a_e.astype(np.float32), b_e.astype(np.float32)
+    if transposed and m.parameter_name == "gate_up_proj":  # loom's [gate; up] rows -> HF's interleaved
+        half = d_out // 2
+        b_e = np.stack([b_e[:, :half], b_e[:, half:]], axis=2).reshape(E, d_out, r)
     a.copy_(torch.from_numpy(np.ascontiguousarray(a_e.reshape(E * r, d_in))))
     b.copy_(torch.from_numpy(np.ascontiguousarray(b_e.transpose(1, 2, 0).reshape(d_out, r * E))))
     want = m.scaling[name] * np.einsum("eok,eki->eoi", b_e.astype(np.float64), a_e.astype(np.float64))
+    if transposed:
+        want = want.transpose(0, 2, 1)
     got = m.get_delta_weight(name).detach().cpu().double().numpy()
     if got.shape != want.shape or np.abs(got - want).max() > 1e-5 * np.abs(want).max():
         fail(f"{m.parameter_name} {name}: PEFT's get_delta_weight is not scale * B_e A_e for the layout "
              f"written (rows e*r+k of A, columns k*E+e of B)")
+
+
+def watch_clamp(moe):
+    """gpt_oss: wraps each experts module's _apply_gate (the clamped SwiGLU)
+    to record the largest |gate/up pre-activation| it sees."""
+    seen = [0.0]
+    for experts in moe["experts"].values():
+        gate = experts._apply_gate
+
+        def wrapped(gate_up, gate=gate):
+            seen[0] = max(seen[0], gate_up.detach().abs().max().item())
+            return gate(gate_up)
+        experts._apply_gate = wrapped
+    return seen
 
 
 class RouteRecorder:
@@ -479,7 +563,10 @@ def moe_record(moe, layers, targets, saved_keys, seq_routes):
         "target_parameters": targets["target_parameters"],
         "expert_lora": "lora_A [E*r, in]: expert e in rows e*r+k; lora_B [out, r*E]: expert e in columns k*E+e; "
                        "the shared factor (gate_up_proj lora_A, down_proj lora_B) is replicated into every "
-                       "expert's slice, and its loom gradient is the sum of the slices' gradients",
+                       "expert's slice, and its loom gradient is the sum of the slices' gradients"
+                       + ("; gate_up_proj lora_B rows are HF's interleaved columns (2j gate j, 2j+1 up j)"
+                          if moe.get("transposed") else ""),
+        "gate_up_interleaved": bool(moe.get("transposed")),
         "expert_keys": expert_keys,
         "saved_keys": saved_keys["a0"],
         "routes": [{str(layer): routes[layer] for layer in moe["moe_layers"]} for routes in seq_routes],
@@ -541,7 +628,7 @@ def main():
                 b = m.lora_B[name].weight
                 d_in = a.shape[1]
                 if moe is not None and expert_parameter(m):
-                    init_expert_lora(m, name, rng)
+                    init_expert_lora(m, name, rng, transposed=moe.get("transposed", False))
                 else:
                     a.copy_(torch.from_numpy(rng.normal(0.0, A_STD_SCALE / np.sqrt(d_in), size=tuple(a.shape))
                                              .astype(np.float32)))
@@ -555,6 +642,7 @@ def main():
     # Forward each sequence alone under its adapter; backward right away so the
     # active adapter (the only one PEFT leaves trainable) accumulates its grad.
     recorder = RouteRecorder(moe) if moe is not None else None
+    clamp_seen = watch_clamp(moe) if moe is not None and moe.get("transposed") else None
     logprobs, seq_routes = [], []
     for seq in seqs:
         peft_model.set_adapter(seq["adapter"])
@@ -565,6 +653,8 @@ def main():
             seq_routes.append(recorder.stop())
         (-lp.sum()).backward()
         logprobs.append(lp.detach().cpu())
+    if clamp_seen is not None and clamp_seen[0] <= 7.0:
+        fail(f"the largest gate/up pre-activation is {clamp_seen[0]:.3g}: the +-7 clamp never bites")
     if moe is not None:
         check_routes(moe, seqs, seq_routes, recorder)
         check_expert_grads(layers, adapters, seqs, seq_routes)

@@ -47,13 +47,24 @@ std::string TensorName(const std::string& module, bool is_a) {
 // the other shared) and PEFT's (ParamWrapper: lora_A [E * r, d_in] with
 // expert e's rows e * r + k, lora_B [d_out, r * E] with its columns k * E + e;
 // every expert has its own of both). loom -> PEFT repeats the shared factor.
-std::pair<at::Tensor, at::Tensor> ExpertsToPeft(const at::Tensor& A, const at::Tensor& B) {
+// PEFT's lora_B rows [d_out, ..] from loom's halves (hf_interleaved), and back.
+at::Tensor InterleaveRows(const at::Tensor& b) {
+  const int64_t half = b.size(0) / 2;
+  return at::stack({b.narrow(0, 0, half), b.narrow(0, half, half)}, 1).flatten(0, 1);
+}
+at::Tensor DeinterleaveRows(const at::Tensor& b) {
+  return at::cat({b.slice(0, 0, b.size(0), 2), b.slice(0, 1, b.size(0), 2)}, 0);
+}
+
+std::pair<at::Tensor, at::Tensor> ExpertsToPeft(const at::Tensor& A, const at::Tensor& B, bool interleaved) {
   if (A.dim() == 2) {  // A [r, d_in] shared, B [E, d_out, r]
     const int64_t E = B.size(0);
-    return {A.repeat({E, 1}), B.permute({1, 2, 0}).reshape({B.size(1), -1})};
+    const at::Tensor b = B.permute({1, 2, 0}).reshape({B.size(1), -1});
+    return {A.repeat({E, 1}), interleaved ? InterleaveRows(b) : b};
   }
   const int64_t E = A.size(0), r = A.size(1), d_out = B.size(0);  // A [E, r, d_in], B [d_out, r] shared
-  return {A.reshape({E * r, A.size(2)}), B.unsqueeze(2).expand({d_out, r, E}).reshape({d_out, r * E})};
+  const at::Tensor b = B.unsqueeze(2).expand({d_out, r, E}).reshape({d_out, r * E});
+  return {A.reshape({E * r, A.size(2)}), interleaved ? InterleaveRows(b) : b};
 }
 
 // PEFT -> loom for target t at rank r; the factor loom shares must be the
@@ -61,7 +72,8 @@ std::pair<at::Tensor, at::Tensor> ExpertsToPeft(const at::Tensor& A, const at::T
 Result<std::pair<at::Tensor, at::Tensor>> ExpertsFromPeft(const LoraTarget& t, int64_t r, const at::Tensor& a,
                                                           const at::Tensor& b, const std::string& where) {
   const int64_t E = t.experts;
-  const at::Tensor pa = a.view({E, r, t.d_in}), pb = b.view({t.d_out, r, E});
+  const at::Tensor pa = a.view({E, r, t.d_in});
+  const at::Tensor pb = (t.hf_interleaved ? DeinterleaveRows(b) : b).reshape({t.d_out, r, E});
   const auto differs = [&](const std::string& factor) {
     return Status::Invalid(where + ": " + factor + " of " + PeftParameterName(t.module) +
                            " differs between experts; loom shares it across a layer's experts");
@@ -150,6 +162,7 @@ Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
     if (!bank.trains(slot, t.group)) continue;
     PeftAdapter::Factor f;
     f.module = t.module;
+    f.hf_interleaved = t.hf_interleaved;
     f.A = out.storage.narrow(0, t.a_col - begin, t.AElems(R)).view(t.FactorShape(true, R)).narrow(-2, 0, r);
     f.B = out.storage.narrow(0, t.b_col - begin, t.BElems(R)).view(t.FactorShape(false, R)).narrow(-1, 0, r);
     out.factors.push_back(std::move(f));
@@ -171,7 +184,7 @@ Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::
     const std::string name = expert ? PeftParameterName(f.module) : PeftShortName(f.module);
     std::vector<std::string>& list = expert ? parameters : modules;
     if (std::find(list.begin(), list.end(), name) == list.end()) list.push_back(name);
-    const auto [a, b] = expert ? ExpertsToPeft(f.A, f.B) : std::pair{f.A, f.B};
+    const auto [a, b] = expert ? ExpertsToPeft(f.A, f.B, f.hf_interleaved) : std::pair{f.A, f.B};
     if (Status s = AddTensor(writer, TensorName(f.module, true), a); !s.ok()) return s;
     if (Status s = AddTensor(writer, TensorName(f.module, false), b); !s.ok()) return s;
   }
@@ -268,7 +281,7 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
     }
     auto factors = ExpertsFromPeft(t, rank, *a, *b, weights_path);
     if (!factors.ok()) return factors.status();
-    out.factors.push_back({t.module, std::move(factors->first), std::move(factors->second)});
+    out.factors.push_back({t.module, std::move(factors->first), std::move(factors->second), t.hf_interleaved});
   }
   return out;
 }

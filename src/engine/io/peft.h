@@ -12,6 +12,10 @@
 //   d_in], lora_B [d_out, r * E] under the experts module's nested wrappers
 //   (gate_up_proj's key has ".base_layer"), with loom's shared factor written
 //   once per expert; reading one back requires those copies to be equal.
+//   A target whose HF parameter interleaves its out halves (gpt_oss's
+//   gate_up, [E, in, out] with gate/up columns alternating) has PEFT's
+//   lora_B rows interleaved the same way: row 2j is loom's gate row j,
+//   2j + 1 its up row j.
 // PEFT's scale is lora_alpha / r, the bank's too (rsLoRA and DoRA are refused).
 //
 // PeftAdapter is that content in memory. Every way in and out goes through
@@ -42,7 +46,8 @@ namespace loom::engine {
 struct PeftAdapter {
   struct Factor {
     std::string module;  // HF module path, e.g. "model.layers.0.self_attn.q_proj"
-    at::Tensor A, B;
+    at::Tensor A, B;     // loom's layout (for an expert target: B's rows gate then up)
+    bool hf_interleaved = false;  // the target's LoraTargetSpec::hf_interleaved (PEFT's B rows interleaved)
   };
   LoraConfig config;
   std::vector<Factor> factors;

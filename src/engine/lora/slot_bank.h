@@ -46,6 +46,9 @@ struct LoraTargetSpec {
   int64_t d_out = 0;
   int64_t experts = 0;  // 0: a plain linear; E: one linear per expert
   ExpertFactor per_expert = ExpertFactor::kNone;
+  // HF's parameter (and so PEFT's lora_B rows) interleaves the two halves of
+  // d_out: HF row 2j is loom's row j, 2j + 1 is row d_out / 2 + j (gpt_oss gate_up).
+  bool hf_interleaved = false;
   // Elements of A and of B at rank R.
   int64_t AElems(int64_t R) const { return (per_expert == ExpertFactor::kA ? experts : 1) * R * d_in; }
   int64_t BElems(int64_t R) const { return (per_expert == ExpertFactor::kB ? experts : 1) * d_out * R; }

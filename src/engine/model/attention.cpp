@@ -38,7 +38,36 @@ at::Tensor MathCausalBatched(const at::Tensor& q, const at::Tensor& k, const at:
   return at::matmul(probs, v.unsqueeze(2)).reshape({S, heads, len, hd});
 }
 
+// One sequence with a non-plain variant: q [n, H, hd] are the last n
+// positions of k, v [L, KVH, hd]; explicit causal (and window) mask, sinks.
+at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionVariant& var) {
+  const int64_t n = q.size(0), heads = q.size(1), hd = q.size(2), L = k.size(0), kv_heads = k.size(1);
+  const int64_t group = heads / kv_heads;
+  const at::Tensor qg = q.transpose(0, 1).reshape({kv_heads, group, n, hd});
+  const at::Tensor kt = k.permute({1, 2, 0}).unsqueeze(1);  // [KVH, 1, hd, L]
+  at::Tensor scores = at::matmul(qg, kt) * (1.0 / std::sqrt(double(hd)));  // [KVH, G, n, L]
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor i = (at::arange(n, longs) + (L - n)).unsqueeze(1), j = at::arange(L, longs).unsqueeze(0);
+  at::Tensor hidden = j > i;
+  if (var.window > 0) hidden = hidden.logical_or(j <= i - var.window);
+  scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor probs;
+  if (var.sinks.defined())
+    probs = SinkSoftmax(scores, var.sinks.to(scores.scalar_type()).view({kv_heads, group, 1, 1}));
+  else
+    probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  const at::Tensor o = at::matmul(probs, v.transpose(0, 1).unsqueeze(1));  // [KVH, G, n, hd]
+  return o.reshape({heads, n, hd}).transpose(0, 1).reshape({n, heads * hd});
+}
+
 }  // namespace
+
+at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks) {
+  std::vector<int64_t> shape = scores.sizes().vec();
+  shape.back() = 1;
+  const at::Tensor logits = at::cat({scores, sinks.expand(shape)}, -1);
+  return at::softmax(logits, -1, logits.scalar_type()).narrow(-1, 0, scores.size(-1));
+}
 
 AttentionKernel DefaultAttentionKernel() {
   return compat::kHasFusedSdpa ? AttentionKernel::kSdpa : AttentionKernel::kMath;
@@ -107,8 +136,9 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
-                                 const PaddedLayout* padded) {
-  if (padded) return PaddedCausalAttention(q, k, v, *padded, kernel);
+                                 const PaddedLayout* padded, const AttentionVariant* variant) {
+  if (variant && variant->plain()) variant = nullptr;
+  if (padded && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());
@@ -119,6 +149,10 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
     const at::Tensor qs = q.narrow(0, begin, len).transpose(0, 1);
     const at::Tensor ks = k.narrow(0, begin, len).transpose(0, 1);
     const at::Tensor vs = v.narrow(0, begin, len).transpose(0, 1);
+    if (variant) {
+      outs.push_back(VariantCausal(q.narrow(0, begin, len), k.narrow(0, begin, len), v.narrow(0, begin, len), *variant));
+      continue;
+    }
     at::Tensor o;
     if (kernel == AttentionKernel::kMath) {
       o = MathCausal(qs, ks, vs);
@@ -133,7 +167,8 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 }
 
 at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 AttentionKernel kernel) {
+                                 AttentionKernel kernel, const AttentionVariant* variant) {
+  if (variant && !variant->plain()) return VariantCausal(q, k, v, *variant);
   const int64_t n = q.size(0), heads = q.size(1), hd = q.size(2);
   // [n, H, hd] -> [H, n, hd]; [L, KVH, hd] -> [KVH, L, hd]
   const at::Tensor qs = q.transpose(0, 1), ks = k.transpose(0, 1), vs = v.transpose(0, 1);

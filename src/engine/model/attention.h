@@ -12,6 +12,25 @@
 
 namespace loom::engine {
 
+// A layer's attention beyond plain causal (gpt_oss, as HF's eager path):
+// per-head sink logits s_h, one extra softmax column per query row that has
+// no value and is dropped after the softmax (rows then sum to < 1), and a
+// sliding window: query i sees keys j with i - window < j <= i (window keys,
+// itself included). Such layers always take the explicit-mask math path,
+// one sequence at a time, whatever the kernel or padded layout asked for:
+// slower than SDPA or the batched padded path (a [n, L] score matrix per
+// sequence, no fused kernel), but one obviously-correct route.
+struct AttentionVariant {
+  at::Tensor sinks;    // [H] in the model dtype, or undefined
+  int64_t window = 0;  // 0 = every earlier key
+  bool plain() const { return !sinks.defined() && window == 0; }
+};
+
+// Softmax over the last dimension of scores [.., n, L] with the sink logits
+// (broadcastable to [.., n, 1]) as one extra column, dropped after: in the
+// scores' dtype, as HF's eager_attention_forward.
+at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks);
+
 enum class AttentionKernel {
   kMath,  // explicit q k^T, causal -inf mask, fp32 softmax (as HF's eager path)
   kSdpa,  // scaled_dot_product_attention (fused on libtorch 2.x)
@@ -54,16 +73,18 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 
 // q [T, H, hd]; k, v [T, KVH, hd], H a multiple of KVH (grouped-query).
 // seq_begin: S+1 cumulative offsets with seq_begin.back() == T.
-// Returns [T, H * hd] in q's dtype; differentiable into q, k, v.
+// Returns [T, H * hd] in q's dtype; differentiable into q, k, v. A
+// non-plain variant takes the per-sequence math path (kernel and padded unused).
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
-                                 const PaddedLayout* padded = nullptr);  // batched when given
+                                 const PaddedLayout* padded = nullptr,  // batched when given
+                                 const AttentionVariant* variant = nullptr);
 
 // One sequence's new tokens over its cached prefix plus themselves: q
 // [n, H, hd] holds the last n positions of k, v [L, KVH, hd], and query i
 // sees keys 0..L-n+i. SDPA with an explicit mask for kSdpa on libtorch 2.x,
-// else math. Returns [n, H * hd] in q's dtype.
+// else math (always math for a non-plain variant). Returns [n, H * hd] in q's dtype.
 at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 AttentionKernel kernel);
+                                 AttentionKernel kernel, const AttentionVariant* variant = nullptr);
 
 }  // namespace loom::engine

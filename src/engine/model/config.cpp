@@ -1,4 +1,4 @@
-// ModelConfig: parsing and writing Hugging Face config.json for qwen2/qwen3.
+// ModelConfig: parsing and writing Hugging Face config.json for qwen2/qwen3/qwen3_moe/gpt_oss.
 #include "engine/model/config.h"
 
 #include <filesystem>
@@ -82,7 +82,115 @@ Status ParseMoe(const json& j, ModelConfig* c) {
   return Status::Ok();
 }
 
+// gpt_oss's expert and attention fields (HF GptOssConfig): every layer is
+// MoE with experts of width intermediate_size; layer_types defaults to
+// sliding on even layers, full on odd ones.
+Status ParseGptOss(const json& j, ModelConfig* c) {
+  for (const char* field : {"num_experts", "num_local_experts"})
+    if (Status s = GetInt(j, field, false, &c->num_experts); !s.ok()) return s;
+  if (Status s = Positive("num_local_experts", c->num_experts); !s.ok()) return s;
+  if (Status s = GetInt(j, "num_experts_per_tok", true, &c->num_experts_per_tok); !s.ok()) return s;
+  if (Status s = Positive("num_experts_per_tok", c->num_experts_per_tok); !s.ok()) return s;
+  if (c->num_experts_per_tok > c->num_experts)
+    return Status::Invalid("config.json: 'num_experts_per_tok' (" + std::to_string(c->num_experts_per_tok) +
+                           ") must be at most 'num_local_experts' (" + std::to_string(c->num_experts) + ")");
+  c->moe_intermediate_size = c->intermediate_size;
+  c->norm_topk_prob = true;  // the softmax runs over the k chosen logits
+  c->attention_bias = true;
+  if (Status s = GetBool(j, "attention_bias", &c->attention_bias); !s.ok()) return s;
+  c->qk_norm = false;
+  c->sliding_window = 128;
+  if (auto it = j.find("sliding_window"); it != j.end() && it->is_null()) c->sliding_window = 0;
+  if (Status s = GetInt(j, "sliding_window", false, &c->sliding_window); !s.ok()) return s;
+  if (c->sliding_window < 0) return Status::Invalid("config.json: 'sliding_window' must be positive or null");
+  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
+    if (!it->is_array() || static_cast<int64_t>(it->size()) != c->num_hidden_layers)
+      return Status::Invalid("config.json: 'layer_types' must be a list of " + std::to_string(c->num_hidden_layers) +
+                             " entries");
+    for (const json& v : *it) {
+      if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
+        return Status::Invalid("config.json: 'layer_types' entries must be \"sliding_attention\" or "
+                               "\"full_attention\", got " + v.dump());
+      c->layer_types.push_back(v.get<std::string>());
+    }
+  } else {
+    for (int64_t i = 0; i < c->num_hidden_layers; ++i)
+      c->layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
+  }
+  // HF's bf16 experts clamp at 7.0 whatever the config says (only its MXFP4
+  // kernels read the field), so another value has no single meaning.
+  if (Status s = GetDouble(j, "swiglu_limit", &c->swiglu_limit); !s.ok()) return s;
+  if (c->swiglu_limit != 7.0)
+    return Status::Invalid("config.json: 'swiglu_limit' " + std::to_string(c->swiglu_limit) +
+                           " is not supported (7.0, the limit HF's bf16 experts use)");
+  if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null() && !act->is_string())
+    return Status::Invalid("config.json: 'hidden_act' must be a string");
+  return Status::Ok();
+}
+
+// RoPE settings: rope_theta, and rope_scaling (transformers 4.x) or
+// rope_parameters (5.x). Only gpt_oss's YaRN is implemented besides plain
+// RoPE; any other type or YaRN key is rejected by name.
+Status ParseRope(const json& j, ModelConfig* c) {
+  const bool gpt_oss = c->model_type == "gpt_oss";
+  if (gpt_oss) {  // GptOssConfig's defaults when config.json states none
+    c->rope_theta = 150000.0;
+    c->rope_type = "yarn";
+    c->rope_factor = 32.0;
+    c->yarn_beta_fast = 32.0;
+    c->yarn_beta_slow = 1.0;
+    c->yarn_truncate = false;
+    c->rope_original_max_position = 4096;
+  }
+  if (Status s = GetDouble(j, "rope_theta", &c->rope_theta); !s.ok()) return s;
+  for (const char* field : {"rope_scaling", "rope_parameters"}) {
+    auto rs = j.find(field);
+    if (rs == j.end() || rs->is_null()) continue;
+    const std::string f = field;
+    if (!rs->is_object()) return Status::Invalid("config.json: '" + f + "' must be an object");
+    std::string type = "default";
+    for (const char* key : {"rope_type", "type"})
+      if (auto t = rs->find(key); t != rs->end()) {
+        if (!t->is_string()) return Status::Invalid("config.json: '" + f + "." + key + "' must be a string");
+        type = t->get<std::string>();
+      }
+    if (Status s = GetDouble(*rs, "rope_theta", &c->rope_theta); !s.ok())
+      return Status::Invalid("config.json: '" + f + ".rope_theta' must be a number");
+    if (type == "default") {
+      if (f == "rope_scaling") return Status::Invalid("config.json: 'rope_scaling' is not supported (only null/absent): " + rs->dump());
+      c->rope_type = "default";
+      continue;
+    }
+    if (type != "yarn" || !gpt_oss)
+      return Status::Invalid("config.json: '" + f + ".rope_type' \"" + type + "\" is not supported (" +
+                             (gpt_oss ? "default, yarn" : "default") + ")");
+    c->rope_type = "yarn";
+    c->yarn_truncate = true;  // HF: truncate defaults to true when the key is absent
+    c->rope_original_max_position = 0;
+    for (const auto& [key, value] : rs->items()) {
+      if (key == "rope_type" || key == "type" || key == "rope_theta") continue;
+      Status s = Status::Ok();
+      if (key == "factor") s = GetDouble(*rs, "factor", &c->rope_factor);
+      else if (key == "beta_fast") s = GetDouble(*rs, "beta_fast", &c->yarn_beta_fast);
+      else if (key == "beta_slow") s = GetDouble(*rs, "beta_slow", &c->yarn_beta_slow);
+      else if (key == "truncate") s = GetBool(*rs, "truncate", &c->yarn_truncate);
+      else if (key == "original_max_position_embeddings")
+        s = GetInt(*rs, "original_max_position_embeddings", false, &c->rope_original_max_position);
+      else return Status::Invalid("config.json: '" + f + "." + key + "' is not supported for yarn");
+      if (!s.ok()) return Status::Invalid("config.json: '" + f + "." + key + "' has the wrong type");
+    }
+    if (!(c->rope_factor >= 1.0)) return Status::Invalid("config.json: '" + f + ".factor' must be at least 1");
+  }
+  if (!(c->rope_theta > 0)) return Status::Invalid("config.json: 'rope_theta' must be positive");
+  return Status::Ok();
+}
+
 }  // namespace
+
+bool ModelConfig::IsSlidingLayer(int64_t layer) const {
+  return sliding_window > 0 && layer >= 0 && layer < static_cast<int64_t>(layer_types.size()) &&
+         layer_types[layer] == "sliding_attention";
+}
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
   if (num_experts <= 0) return false;
@@ -106,6 +214,18 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const
     w.push_back({p + "self_attn.o_proj.weight", {h, q}});
     if (c.attention_bias && c.model_type != "qwen2")  // qwen2's o_proj never has a bias
       w.push_back({p + "self_attn.o_proj.bias", {h}});
+    if (c.IsGptOss()) {  // HF's bf16 GptOss params: experts fused and transposed ([E, in, out])
+      const int64_t e = c.num_experts, inter = c.intermediate_size;
+      w.push_back({p + "self_attn.sinks", {c.num_attention_heads}});
+      w.push_back({p + "post_attention_layernorm.weight", {h}});
+      w.push_back({p + "mlp.router.weight", {e, h}});
+      w.push_back({p + "mlp.router.bias", {e}});
+      w.push_back({p + "mlp.experts.gate_up_proj", {e, h, 2 * inter}});
+      w.push_back({p + "mlp.experts.gate_up_proj_bias", {e, 2 * inter}});
+      w.push_back({p + "mlp.experts.down_proj", {e, inter, h}});
+      w.push_back({p + "mlp.experts.down_proj_bias", {e, h}});
+      continue;
+    }
     if (c.qk_norm) {
       w.push_back({p + "self_attn.q_norm.weight", {hd}});
       w.push_back({p + "self_attn.k_norm.weight", {hd}});
@@ -144,8 +264,9 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   auto mt = j.find("model_type");
   if (mt == j.end() || !mt->is_string()) return Status::Invalid("config.json: missing required field 'model_type'");
   c.model_type = mt->get<std::string>();
-  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe") {
-    return Status::Invalid("config.json: model_type '" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe)");
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe" && c.model_type != "gpt_oss") {
+    return Status::Invalid("config.json: model_type '" + c.model_type +
+                           "' is not supported (qwen2, qwen3, qwen3_moe, gpt_oss)");
   }
 
   for (auto [field, dst] : {std::pair{"vocab_size", &c.vocab_size}, std::pair{"hidden_size", &c.hidden_size},
@@ -179,39 +300,25 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   if (Status s = Positive("max_position_embeddings", c.max_position_embeddings); !s.ok()) return s;
   if (Status s = GetDouble(j, "rms_norm_eps", &c.rms_norm_eps); !s.ok()) return s;
   if (!(c.rms_norm_eps > 0)) return Status::Invalid("config.json: 'rms_norm_eps' must be positive");
-  if (Status s = GetDouble(j, "rope_theta", &c.rope_theta); !s.ok()) return s;
   if (Status s = GetDouble(j, "initializer_range", &c.initializer_range); !s.ok()) return s;
   if (Status s = GetBool(j, "tie_word_embeddings", &c.tie_word_embeddings); !s.ok()) return s;
   if (Status s = GetTokenId(j, "bos_token_id", &c.bos_token_id); !s.ok()) return s;
   if (Status s = GetTokenId(j, "eos_token_id", &c.eos_token_id); !s.ok()) return s;
 
-  // Only plain RoPE is implemented.
-  if (auto rs = j.find("rope_scaling"); rs != j.end() && !rs->is_null()) {
-    return Status::Invalid("config.json: 'rope_scaling' is not supported (only null/absent): " + rs->dump());
-  }
-  // transformers 5.x writes rope settings as rope_parameters {rope_type, rope_theta}.
-  if (auto rp = j.find("rope_parameters"); rp != j.end() && !rp->is_null()) {
-    if (!rp->is_object()) return Status::Invalid("config.json: 'rope_parameters' must be an object");
-    auto type = rp->find("rope_type");
-    if (type != rp->end() && !(type->is_string() && type->get<std::string>() == "default")) {
-      return Status::Invalid("config.json: 'rope_parameters.rope_type' " + type->dump() + " is not supported (default)");
-    }
-    if (Status s = GetDouble(*rp, "rope_theta", &c.rope_theta); !s.ok()) {
-      return Status::Invalid("config.json: 'rope_parameters.rope_theta' must be a number");
-    }
-  }
-  if (!(c.rope_theta > 0)) return Status::Invalid("config.json: 'rope_theta' must be positive");
+  if (Status s = ParseRope(j, &c); !s.ok()) return s;
 
   bool sliding = false;
   if (Status s = GetBool(j, "use_sliding_window", &sliding); !s.ok()) return s;
   if (sliding) return Status::Invalid("config.json: 'use_sliding_window' true is not supported");
-  if (auto act = j.find("hidden_act"); act != j.end() && !act->is_null()) {
+  if (auto act = j.find("hidden_act"); c.model_type != "gpt_oss" && act != j.end() && !act->is_null()) {
     if (!act->is_string() || act->get<std::string>() != "silu") {
       return Status::Invalid("config.json: 'hidden_act' " + act->dump() + " is not supported (silu)");
     }
   }
 
-  if (c.model_type == "qwen2") {
+  if (c.model_type == "gpt_oss") {
+    if (Status s = ParseGptOss(j, &c); !s.ok()) return s;
+  } else if (c.model_type == "qwen2") {
     c.attention_bias = true;  // Qwen2's q/k/v projections always carry a bias
     c.qk_norm = false;
   } else {  // qwen3, qwen3_moe
@@ -249,7 +356,9 @@ Result<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
 std::string ModelConfig::ToJson() const {
   nlohmann::ordered_json j;
   const bool qwen3 = model_type == "qwen3" || model_type == "qwen3_moe";
-  j["architectures"] = {model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
+  const bool gpt_oss = model_type == "gpt_oss";
+  j["architectures"] = {gpt_oss                    ? "GptOssForCausalLM"
+                        : model_type == "qwen3_moe" ? "Qwen3MoeForCausalLM"
                         : qwen3                    ? "Qwen3ForCausalLM"
                                                    : "Qwen2ForCausalLM"};
   j["model_type"] = model_type;
@@ -264,9 +373,19 @@ std::string ModelConfig::ToJson() const {
   j["max_position_embeddings"] = max_position_embeddings;
   j["rms_norm_eps"] = rms_norm_eps;
   j["rope_theta"] = rope_theta;
-  j["rope_scaling"] = nullptr;
+  if (rope_type == "yarn") {  // as gpt-oss-20b's config.json writes it
+    j["rope_scaling"] = {{"rope_type", "yarn"},
+                         {"factor", rope_factor},
+                         {"beta_fast", yarn_beta_fast},
+                         {"beta_slow", yarn_beta_slow},
+                         {"truncate", yarn_truncate},
+                         {"original_max_position_embeddings",
+                          rope_original_max_position > 0 ? rope_original_max_position : max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
   j["tie_word_embeddings"] = tie_word_embeddings;
-  if (qwen3) j["attention_bias"] = attention_bias;
+  if (qwen3 || gpt_oss) j["attention_bias"] = attention_bias;
   j["attention_dropout"] = 0.0;
   if (model_type == "qwen3_moe") {
     j["num_experts"] = num_experts;
@@ -278,11 +397,22 @@ std::string ModelConfig::ToJson() const {
     j["output_router_logits"] = false;
     j["router_aux_loss_coef"] = 0.001;
   }
+  if (gpt_oss) {
+    j["num_local_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["sliding_window"] = sliding_window > 0 ? nlohmann::ordered_json(sliding_window) : nlohmann::ordered_json();
+    j["layer_types"] = layer_types;
+    j["swiglu_limit"] = swiglu_limit;
+    j["output_router_logits"] = false;
+    j["router_aux_loss_coef"] = 0.9;
+  }
   j["initializer_range"] = initializer_range;
   j["use_cache"] = true;
-  j["use_sliding_window"] = false;
-  j["sliding_window"] = nullptr;
-  j["max_window_layers"] = num_hidden_layers;
+  if (!gpt_oss) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = num_hidden_layers;
+  }
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
   if (eos_token_id >= 0) j["eos_token_id"] = eos_token_id;
   j["torch_dtype"] = torch_dtype.empty() ? "float32" : torch_dtype;

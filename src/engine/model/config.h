@@ -12,7 +12,7 @@
 namespace loom::engine {
 
 struct ModelConfig {
-  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe"
+  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe" | "gpt_oss"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -42,8 +42,26 @@ struct ModelConfig {
   std::vector<int64_t> mlp_only_layers;
   bool IsMoeLayer(int64_t layer) const;
 
+  // gpt_oss: every layer is MoE (moe_intermediate_size = intermediate_size,
+  // the HF field), with a biased top-k-then-softmax router, interleaved
+  // clamped-SwiGLU experts with biases, and attention with per-head sinks.
+  // layer_types[i] is "sliding_attention" (the last sliding_window keys,
+  // the query's own included) or "full_attention"; empty = all full.
+  int64_t sliding_window = 0;
+  std::vector<std::string> layer_types;
+  double swiglu_limit = 7.0;          // as config.json states it; HF's bf16 experts hard-code 7.0
+  bool IsSlidingLayer(int64_t layer) const;
+  bool IsGptOss() const { return model_type == "gpt_oss"; }
+
+  // RoPE scaling: "default" (none) or "yarn" (gpt_oss) with its parameters.
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  double yarn_beta_fast = 32.0, yarn_beta_slow = 1.0;
+  int64_t rope_original_max_position = 0;  // 0 = max_position_embeddings
+  bool yarn_truncate = true;               // HF's default when the key is absent
+
   // Parse rejects (naming the field): unsupported model_type, a rope_scaling
-  // (or non-default rope_parameters), use_sliding_window true, hidden_act
+  // (or non-default rope_parameters) other than gpt_oss's yarn, use_sliding_window true, hidden_act
   // other than silu, a missing or non-positive size, heads not divisible by
   // key/value heads. Defaults follow HF: num_key_value_heads = heads,
   // head_dim = hidden / heads when absent.
@@ -56,7 +74,8 @@ struct ModelConfig {
 // Hugging Face names and shapes of the base weights a config needs, in the
 // checkpoint's own layout (lm_head.weight only when embeddings are untied;
 // qwen3_moe experts one tensor per expert and projection, as the hub ships
-// them). The loader and make-model both follow this list.
+// them; gpt_oss experts as HF's bf16 fused params [E, in, out], gate/up
+// columns interleaved). The loader and make-model both follow this list.
 std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const ModelConfig& config);
 
 }  // namespace loom::engine

@@ -30,6 +30,15 @@ cudaStream_t Stream(const at::Tensor& x) { return at::cuda::getCurrentCUDAStream
 // 1/rms of each row, fp32 [.., 1]: the factor RmsNormPlain multiplies by.
 at::Tensor InverseRms(const at::Tensor& xf, double eps) { return at::rsqrt(xf.pow(2).mean(-1, true) + eps); }
 
+// The scaled output of normed fp32 rows n in dtype: a weight in the model
+// dtype scales the cast rows (Llama/Qwen); an fp32 weight of a lower-precision
+// model (gpt_oss keeps its norms fp32) scales in fp32, then casts (GptOssRMSNorm).
+// Either way the backward's dn = (g * weight) in fp32 is the same formula.
+at::Tensor ScaleNormed(const at::Tensor& weight, const at::Tensor& n, at::ScalarType dtype) {
+  if (weight.scalar_type() == at::kFloat && dtype != at::kFloat) return (weight * n).to(dtype);
+  return weight * n.to(dtype);
+}
+
 class RmsNormNode : public torch::autograd::Function<RmsNormNode> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -37,7 +46,7 @@ class RmsNormNode : public torch::autograd::Function<RmsNormNode> {
     const at::Tensor xf = x.to(at::kFloat);
     const at::Tensor inv = InverseRms(xf, eps);
     ctx->save_for_backward({x, weight, inv});
-    return weight * (xf * inv).to(x.scalar_type());
+    return ScaleNormed(weight, xf * inv, x.scalar_type());
   }
 
   // y = w * cast(n), n = x * inv, inv = (mean(x^2) + eps)^-1/2:
@@ -168,7 +177,7 @@ std::vector<at::Tensor> SplitLean(const at::Tensor& x, const std::vector<int64_t
 
 at::Tensor RmsNormPlain(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const at::Tensor xf = x.to(at::kFloat);
-  return weight * (xf * InverseRms(xf, eps)).to(x.scalar_type());
+  return ScaleNormed(weight, xf * InverseRms(xf, eps), x.scalar_type());
 }
 
 at::Tensor RmsNormLean(const at::Tensor& x, const at::Tensor& weight, double eps) {

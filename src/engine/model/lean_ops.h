@@ -31,7 +31,8 @@
 namespace loom::engine {
 
 // RMSNorm as Hugging Face computes it: normalise in fp32, cast back to the
-// input dtype, then scale by the weight. The plain op sequence.
+// input dtype, then scale by the weight; with an fp32 weight on lower-precision
+// x (gpt_oss), scale in fp32 and then cast. The plain op sequence.
 at::Tensor RmsNormPlain(const at::Tensor& x, const at::Tensor& weight, double eps);
 // The same values; differentiable into x only, keeping x and 1/rms.
 at::Tensor RmsNormLean(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -1,6 +1,7 @@
 #include "engine/model/moe.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "engine/model/compat.h"
 #include "engine/model/lean_ops.h"
@@ -34,6 +35,18 @@ at::Tensor ExpertDelta(const SlotBank& bank, const LoraTarget& t, const at::Tens
   const at::Tensor out = GroupedLinear(mid, b, counts);                       // [P, d_out]
   const at::Tensor scale = lora.scale.index_select(0, row_group).unsqueeze(1).to(ct);
   return at::where((row_group < U).unsqueeze(1), out * scale, at::zeros_like(out)).to(x.scalar_type());
+}
+
+// gpt_oss's clamped SwiGLU over gate_up [P, 2I] (gate then up), as HF's
+// GptOssExperts._apply_gate: plain ops, so autograd's clamp gradients (zero
+// outside the range, boundary inclusive) are torch's, as in HF. It keeps
+// more for the backward than SwiGluLean does.
+at::Tensor ClampedSwiGlu(const at::Tensor& gate_up) {
+  constexpr double kLimit = 7.0, kAlpha = 1.702;
+  const int64_t inter = gate_up.size(-1) / 2;
+  const at::Tensor gate = gate_up.narrow(-1, 0, inter).clamp_max(kLimit);
+  const at::Tensor up = gate_up.narrow(-1, inter, inter).clamp(-kLimit, kLimit);
+  return (up + 1) * (gate * at::sigmoid(gate * kAlpha));
 }
 
 }  // namespace
@@ -105,12 +118,17 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
                       const LoraTarget* down, const ExpertLoraRouting* lora) {
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
-  // Route: fp32 softmax over all experts, top-k, optional renormalisation,
-  // then the model dtype (HF's order).
-  const at::Tensor probs = at::softmax(at::linear(h, w.router).to(at::kFloat), -1);
-  auto [top_p, top_e] = probs.topk(K, -1);
-  if (w.norm_topk) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
-  top_p = top_p.to(h.scalar_type());
+  // Route (HF's order for each router kind; moe.h).
+  const at::Tensor logits = at::linear(h, w.router, w.router_bias);
+  at::Tensor top_p, top_e;
+  if (w.router_kind == MoeRouter::kTopKSoftmax) {
+    std::tie(top_p, top_e) = logits.topk(K, -1);
+    top_p = at::softmax(top_p, -1, top_p.scalar_type());
+  } else {
+    std::tie(top_p, top_e) = at::softmax(logits.to(at::kFloat), -1).topk(K, -1);
+    if (w.norm_topk) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+    top_p = top_p.to(h.scalar_type());
+  }
 
   // The T * K (token, choice) pairs sorted by segment: expert, then the
   // token's LoRA group within the expert (stable: token order within).
@@ -127,10 +145,15 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   at::Tensor row_group;
   if (with_lora) row_group = lora->token_group.index_select(0, token);
 
+  at::Tensor pair_expert;  // each sorted pair's expert, for the biases
+  if (w.gate_up_bias.defined() || w.down_bias.defined()) pair_expert = top_e.reshape({-1}).index_select(0, order);
+
   at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
+  if (w.gate_up_bias.defined()) gu = gu + w.gate_up_bias.index_select(0, pair_expert);
   if (with_lora) gu = gu + ExpertDelta(bank, *gate_up, x, counts, *lora, row_group);
-  const at::Tensor act = SwiGluLean(gu);  // [P, I]
+  const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
+  if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
   if (with_lora) y = y + ExpertDelta(bank, *down, act, counts, *lora, row_group);
   y = y * top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
   return at::zeros_like(h).index_add(0, token, y);

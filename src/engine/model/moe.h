@@ -1,11 +1,22 @@
-// MoE: the mixture-of-experts MLP block (qwen3_moe) with each slot's expert
-// LoRA, as one of the decoder layer's shared blocks.
+// MoE: the mixture-of-experts MLP block (qwen3_moe, gpt_oss) with each
+// slot's expert LoRA, as one of the decoder layer's shared blocks.
 //
-// Routing (as Hugging Face computes it): router logits h W_r^T in the model
-// dtype; softmax over all E experts in fp32; the top-k probabilities,
-// renormalised to sum 1 when norm_topk, cast back to the model dtype. Each
-// token's output is the routing-weighted sum of its k experts' SwiGLU MLPs
-// (gate_up [2I, H] with the gate rows first, down [H, I]). The router is
+// Routing (as Hugging Face computes it), by MoeRouter:
+//   kSoftmaxTopK (qwen3_moe): router logits h W_r^T in the model dtype;
+//     softmax over all E experts in fp32; the top-k probabilities,
+//     renormalised to sum 1 when norm_topk, cast back to the model dtype.
+//   kTopKSoftmax (gpt_oss): logits h W_r^T + b_r; top-k of the logits; a
+//     softmax over those k in the model dtype.
+// Each token's output is the routing-weighted sum of its k experts' MLPs
+// (gate_up [2I, H] with the gate rows first, down [H, I], each with an
+// optional per-expert bias added before the weighting, so the down bias is
+// scaled by the routing weight too), by MoeActivation:
+//   kSwiGlu: silu(gate) * up;
+//   kClampedSwiGlu (gpt_oss): g = min(gate, 7), u = clamp(up, -7, 7),
+//     g * sigmoid(1.702 g) * (u + 1).
+// gpt_oss checkpoints store the experts [E, in, out] with gate/up columns
+// interleaved; the loader permutes them into this layout, so the grouped
+// GEMMs and the expert LoRA are one code path for both families. The router is
 // frozen; its input still gets the gradient through the routing weights. A
 // token's route depends only on its own hidden state, so packing never
 // changes it.
@@ -28,13 +39,21 @@
 
 namespace loom::engine {
 
+enum class MoeRouter { kSoftmaxTopK, kTopKSoftmax };
+enum class MoeActivation { kSwiGlu, kClampedSwiGlu };
+
 // One MoE layer's frozen weights (undefined router: a dense layer).
 struct MoeWeights {
-  at::Tensor router;   // [E, H]
-  at::Tensor gate_up;  // [E, 2I, H]
-  at::Tensor down;     // [E, H, I]
+  at::Tensor router;        // [E, H]
+  at::Tensor router_bias;   // [E] or undefined
+  at::Tensor gate_up;       // [E, 2I, H]
+  at::Tensor gate_up_bias;  // [E, 2I] (gate then up) or undefined
+  at::Tensor down;          // [E, H, I]
+  at::Tensor down_bias;     // [E, H] or undefined
   int64_t top_k = 0;
-  bool norm_topk = false;
+  bool norm_topk = false;   // kSoftmaxTopK only
+  MoeRouter router_kind = MoeRouter::kSoftmaxTopK;
+  MoeActivation activation = MoeActivation::kSwiGlu;
   bool defined() const { return router.defined(); }
 };
 

@@ -9,7 +9,9 @@
 
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
+#include "engine/model/gpt_oss.h"
 #include "engine/model/recompute.h"
+#include "engine/model/rope.h"
 #include "engine/model/transformer_impl.h"
 #include "engine/model/unembed.h"
 
@@ -28,24 +30,37 @@ int64_t HeadDim(const ModelConfig& c) {
 
 std::string LayerPrefix(int64_t i) { return "model.layers." + std::to_string(i) + "."; }
 
-// Checkpoint entries that carry no weights (old rotary caches).
-bool IsIgnorable(const std::string& name) {
-  const std::string suffix = "rotary_emb.inv_freq";
-  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
+
+// gpt_oss keeps its RMSNorm weights in fp32 in any model dtype (HF's
+// _keep_in_fp32_modules); lean_ops.h then scales in fp32.
+bool KeepsNormFp32(const ModelConfig& c, const std::string& name) {
+  return c.IsGptOss() && EndsWith(name, "norm.weight");
+}
+
+// A gpt_oss checkpoint's MXFP4 experts: X_blocks and X_scales stand for the
+// bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
+bool IsMxfp4Part(const std::string& name) { return EndsWith(name, "_blocks") || EndsWith(name, "_scales"); }
+
+// Checkpoint entries that carry no weights (old rotary caches).
+bool IsIgnorable(const std::string& name) { return EndsWith(name, "rotary_emb.inv_freq"); }
 
 Status ConfigError(const std::string& field, const std::string& why) {
   return Status::Invalid("config." + field + " " + why);
 }
 
 Status CheckConfig(const ModelConfig& c) {
-  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe")
-    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe)");
-  if (c.model_type == "qwen3_moe" &&
+  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe" && c.model_type != "gpt_oss")
+    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe, gpt_oss)");
+  if ((c.model_type == "qwen3_moe" || c.IsGptOss()) &&
       (c.num_experts <= 0 || c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts ||
        c.moe_intermediate_size <= 0 || c.decoder_sparse_step <= 0))
     return ConfigError("num_experts", "and num_experts_per_tok (<= num_experts), moe_intermediate_size and "
-                                      "decoder_sparse_step must be > 0 for qwen3_moe");
+                                      "decoder_sparse_step must be > 0 for qwen3_moe and gpt_oss");
+  if (c.IsGptOss() && static_cast<int64_t>(c.layer_types.size()) != c.num_hidden_layers)
+    return ConfigError("layer_types", "must name every layer's attention for gpt_oss");
   if (c.vocab_size <= 0) return ConfigError("vocab_size", "must be > 0");
   if (c.hidden_size <= 0) return ConfigError("hidden_size", "must be > 0");
   if (c.intermediate_size <= 0) return ConfigError("intermediate_size", "must be > 0");
@@ -104,7 +119,8 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
     t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, q, h});
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
-      t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB});
+      t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB,
+                   /*hf_interleaved=*/c.IsGptOss()});
       t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
       continue;
     }
@@ -142,7 +158,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
 
   c10::NoGradGuard no_grad;
   auto get = [&](const std::string& name) {
-    return weights.at(name).detach().to(device, dtype).contiguous();
+    return weights.at(name).detach().to(device, KeepsNormFp32(config, name) ? at::kFloat : dtype).contiguous();
   };
   auto impl = std::make_shared<Impl>();
   impl->heads = config.num_attention_heads;
@@ -152,12 +168,9 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   impl->embed = get("model.embed_tokens.weight");
   impl->norm = get("model.norm.weight");
   impl->lm_head = config.tie_word_embeddings ? impl->embed : get("lm_head.weight");
-  // HF: inv_freq = 1 / theta^(arange(0, hd, 2) / hd), in fp32.
-  impl->inv_freq =
-      1.0 / at::pow(config.rope_theta,
-                    at::arange(0, impl->head_dim, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) /
-                        static_cast<double>(impl->head_dim));
-  impl->inv_freq = impl->inv_freq.to(device);
+  const RopeFrequencies rope = MakeRopeFrequencies(config, impl->head_dim);
+  impl->inv_freq = rope.inv_freq.to(device);
+  impl->rope_scale = rope.scale;
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     const std::string p = LayerPrefix(i);
     Impl::Layer l;
@@ -174,7 +187,11 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
     }
     l.o_w = get(p + "self_attn.o_proj.weight");
     if (config.attention_bias && config.model_type != "qwen2") l.o_b = get(p + "self_attn.o_proj.bias");
-    if (config.IsMoeLayer(i)) {
+    if (config.IsGptOss()) {
+      GptOssLayerWeights g = LoadGptOssLayer(config, i, get);
+      l.attn = std::move(g.attn);
+      l.moe = std::move(g.moe);
+    } else if (config.IsMoeLayer(i)) {
       // Experts stacked as HF's fused parameters: gate_up [E, 2I, H] (gate
       // rows first), down [E, H, I].
       MoeWeights& w = l.moe;
@@ -217,6 +234,8 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   std::map<std::string, at::Tensor> weights;
   for (const auto& [name, shape] : expected) {
     const TensorView* view = files->find(name);
+    if (!view && config->IsGptOss() && files->find(name + "_blocks") && files->find(name + "_scales"))
+      continue;  // MXFP4: its shape is checked once dequantized (FromTensors)
     if (!view) return Status::Invalid("weight '" + name + "' is missing from " + model_dir);
     if (view->shape != shape)
       return Status::Invalid("weight '" + name + "' has shape " + ShapeText(view->shape) + ", expected " +
@@ -225,9 +244,23 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   for (const auto& [name, view] : files->tensors()) {
     if (IsIgnorable(name)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
-    Result<at::Tensor> t = LoadTensor(view, dtype, device);
+    if (config->IsGptOss() && IsMxfp4Part(name)) continue;
+    Result<at::Tensor> t = LoadTensor(view, KeepsNormFp32(*config, name) ? at::kFloat : dtype, device);
     if (!t.ok()) return t.status();
     weights[name] = std::move(*t);
+  }
+  for (const auto& [name, shape] : expected) {
+    if (weights.count(name) || !config->IsGptOss()) continue;
+    const TensorView *blocks = files->find(name + "_blocks"), *scales = files->find(name + "_scales");
+    if (!blocks || !scales) continue;
+    if (blocks->dtype != "U8" || scales->dtype != "U8" || blocks->shape.size() != 4 || blocks->shape.back() != 16 ||
+        std::vector<int64_t>(blocks->shape.begin(), blocks->shape.end() - 1) != scales->shape)
+      return Status::Invalid("weight '" + name + "_blocks' / '_scales' are not MXFP4 ([E, R, G, 16] and [E, R, G] U8)");
+    Result<at::Tensor> b = LoadTensor(*blocks, device);
+    if (!b.ok()) return b.status();
+    Result<at::Tensor> sc = LoadTensor(*scales, device);
+    if (!sc.ok()) return sc.status();
+    weights[name] = DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
   }
   return FromTensors(*config, weights, device, dtype);
 }
@@ -237,8 +270,8 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
   std::vector<at::Tensor> w{m.embed, m.norm, m.lm_head};
   for (const Impl::Layer& l : m.layers)
     for (const at::Tensor& t :
-         {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.gate_up_w, l.down_w,
-          l.moe.router, l.moe.gate_up, l.moe.down})
+         {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.attn.sinks, l.gate_up_w,
+          l.down_w, l.moe.router, l.moe.router_bias, l.moe.gate_up, l.moe.gate_up_bias, l.moe.down, l.moe.down_bias})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -300,8 +333,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   // engine runs the backward inside its forward_backward call).
   auto layer = [&m, &bank, &seq_begin, state, kernel, eps, attn_lora, mlp_lora](size_t i, const at::Tensor& x) {
     auto lora = [&](size_t l, int k, const at::Tensor& in) { return state->delta(LayerTarget(bank, l, k), in); };
-    auto attend = [&](size_t, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-      return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get());
+    auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get(), &m.layers[l].attn);
     };
     auto moe = [&](size_t l, const at::Tensor& h) {
       const auto [gate_up, down] = ExpertTargets(bank, l);

@@ -19,9 +19,13 @@ namespace loom::engine {
 namespace {
 
 // One query token per row over its gathered context, as MathCausal computes
-// it: q [S, H, hd]; pools [rows, KVH, hd]; rows/mask [S, L]. Returns [S, H*hd].
+// it: q [S, H, hd]; pools [rows, KVH, hd]; rows/mask [S, L] (column j =
+// position j). A non-plain variant also hides the keys outside the window
+// of the query's position (positions [S]) and adds its sinks, as the
+// trainer's explicit-mask path (attention.h). Returns [S, H*hd].
 at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                           const at::Tensor& rows, const at::Tensor& mask) {
+                           const at::Tensor& rows, at::Tensor mask, const AttentionVariant& variant,
+                           const at::Tensor& positions) {
   const int64_t S = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_pool.size(1), L = rows.size(1);
   const int64_t group = H / KVH;
   const at::Tensor flat = rows.reshape({-1});
@@ -31,8 +35,15 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
   // [S, KVH, 1, hd, L]
   const at::Tensor kt = k.permute({0, 2, 3, 1}).unsqueeze(2);
   at::Tensor scores = at::matmul(qg, kt) * (1.0 / std::sqrt(static_cast<double>(hd)));  // [S, KVH, G, 1, L]
+  if (variant.window > 0) {
+    const at::Tensor j = at::arange(L, positions.options()).unsqueeze(0);
+    mask = mask.logical_and(j > positions.unsqueeze(1) - variant.window);
+  }
   scores = scores.masked_fill(mask.logical_not().view({S, 1, 1, 1, L}), -std::numeric_limits<double>::infinity());
-  const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  const at::Tensor probs =
+      variant.sinks.defined()
+          ? SinkSoftmax(scores, variant.sinks.to(scores.scalar_type()).view({1, KVH, group, 1, 1}))
+          : at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
   const at::Tensor vv = v.permute({0, 2, 1, 3}).unsqueeze(2);  // [S, KVH, 1, L, hd]
   return at::matmul(probs, vv).reshape({S, H * hd});
 }
@@ -42,7 +53,7 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // its own new keys; rows without one take the packed causal path.
 at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& k_pool, const at::Tensor& v_pool, const CachedBatch& batch,
-                                   AttentionKernel kernel) {
+                                   AttentionKernel kernel, const AttentionVariant& variant) {
   std::vector<at::Tensor> outs;
   int64_t rows_at = 0;
   for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
@@ -50,14 +61,14 @@ at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, con
     if (n == 0) continue;
     const at::Tensor qs = q.narrow(0, begin, n), ks = k.narrow(0, begin, n), vs = v.narrow(0, begin, n);
     if (c == 0) {
-      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel));
+      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel, nullptr, &variant));
       continue;
     }
     const at::Tensor rows = batch.cached_rows.narrow(0, rows_at, c);
     rows_at += c;
     const at::Tensor kc = at::cat({k_pool.index_select(0, rows).to(ks.scalar_type()), ks}, 0);
     const at::Tensor vc = at::cat({v_pool.index_select(0, rows).to(vs.scalar_type()), vs}, 0);
-    outs.push_back(PrefixCausalAttention(qs, kc, vc, kernel));
+    outs.push_back(PrefixCausalAttention(qs, kc, vc, kernel, &variant));
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
@@ -88,10 +99,12 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     cache.k[i].index_copy_(0, batch.write_rows, k.to(cache.k[i].scalar_type()));
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));
-    if (over_prefix) return PrefillOverCachedPrefix(q, k, v, cache.k[i], cache.v[i], batch, attention_kernel_);
-    return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_,
-                                                 padded.get())
-                         : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask);
+    const AttentionVariant& variant = m.layers[i].attn;
+    if (over_prefix)
+      return PrefillOverCachedPrefix(q, k, v, cache.k[i], cache.v[i], batch, attention_kernel_, variant);
+    return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get(), &variant)
+                         : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask,
+                                           variant, batch.positions);
   };
   ExpertLoraRouting experts;
   if (mlp_lora && config_.num_experts > 0)

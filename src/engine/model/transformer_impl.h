@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/model/attention.h"
 #include "engine/model/lean_ops.h"
 #include "engine/model/moe.h"
 #include "engine/model/transformer.h"
@@ -24,7 +25,8 @@ struct Transformer::Impl {
     at::Tensor qkv_w, qkv_b;  // [(H + 2 KVH) * hd, hidden]; bias may be undefined
     at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
     at::Tensor o_w;             // [hidden, H * hd]
-    at::Tensor o_b;             // [hidden] (qwen3 with attention_bias) or undefined
+    at::Tensor o_b;             // [hidden] (qwen3 with attention_bias, gpt_oss) or undefined
+    AttentionVariant attn;      // gpt_oss: sinks and the sliding window (attention.h); plain otherwise
     at::Tensor gate_up_w;       // [2 * inter, hidden] (dense MLP; undefined in an MoE layer)
     at::Tensor down_w;          // [hidden, inter]
     MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
@@ -33,6 +35,7 @@ struct Transformer::Impl {
   at::Tensor norm;     // [hidden]
   at::Tensor lm_head;  // [vocab, hidden]; aliases embed when tied
   at::Tensor inv_freq; // [hd / 2] fp32
+  double rope_scale = 1.0;  // YaRN's attention factor on cos and sin (1: plain RoPE)
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
 };
@@ -124,13 +127,16 @@ class BatchLora {
 };
 
 // RoPE tables for a batch's positions [T]: cos and sin [T, 1, hd] in the
-// model dtype (computed in fp32, then cast, as HF does).
+// model dtype (computed in fp32, scaled by rope_scale when YaRN's, then
+// cast, as HF does).
 struct Rope {
   at::Tensor cos, sin;
   template <typename Model>
   static Rope Make(const Model& m, const at::Tensor& positions, at::ScalarType dtype) {
     const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    if (m.rope_scale != 1.0)
+      return Rope{(emb.cos() * m.rope_scale).to(dtype).unsqueeze(1), (emb.sin() * m.rope_scale).to(dtype).unsqueeze(1)};
     return Rope{emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
   }
 };
