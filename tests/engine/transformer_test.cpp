@@ -263,7 +263,16 @@ TEST_P(TransformerArch, MatchesNaiveReference) {
 
 TEST_P(TransformerArch, Bf16EngineIsCloseToFp32) {
   const ModelConfig c = TinyConfig(GetParam());
-  const auto weights = RandomWeights(c, 2);
+  auto weights = RandomWeights(c, 2);
+  // gpt_oss's tiny experts are large (the clamp bites), so a near-tied
+  // route that bf16 flips moves a logprob by about 1 (measured: 1.16; with
+  // fixed routes 0.15). Fix its routes by the router's bias alone, so that
+  // this checks rounding; the fp32 routes are checked against the reference.
+  if (c.IsGptOss())
+    for (auto& [name, t] : weights) {
+      if (name.find("mlp.router.weight") != std::string::npos) t = at::zeros_like(t);
+      if (name.find("mlp.router.bias") != std::string::npos) t = at::arange(t.size(0)).to(at::kFloat);
+    }
   auto f32 = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
   auto b16 = Transformer::FromTensors(c, weights, at::kCPU, at::kBFloat16);
   ASSERT_TRUE(f32.ok() && b16.ok());
