@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "engine/io/peft.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
 #include "engine/model/cached_batch.h"
@@ -340,6 +341,41 @@ TEST(GptOssLoad, MakeModelCheckpointAndItsMxfp4TwinLoadAlike) {
   EXPECT_EQ(fp32, 2 * cfg->num_hidden_layers + 1);  // the norms stay fp32 (HF's _keep_in_fp32_modules)
   std::filesystem::remove_all(dir);
   std::filesystem::remove_all(mx);
+}
+
+// PEFT 0.21's ParamWrapper on gpt_oss's transposed gate_up_proj [E, H, 2I]
+// has in = H, out = 2I (is_transposed: no swap), and its out index is HF's
+// interleaved column: lora_B row 2j is loom's gate row j, 2j + 1 its up row
+// j (columns k * E + e as for qwen3_moe). down_proj is not interleaved.
+// Reading the file back gives the slot's factors exactly.
+TEST(GptOssPeft, GateUpRowsAreInterleavedInPeftsFileAndRoundTrip) {
+  auto model = Tiny("gpt_oss");
+  auto bank = Bank(*model, 2, 8);
+  BindRandom(*bank, 0, 4, 16.0, 31);
+  const std::string dir = TempDir("peft");
+  ASSERT_TRUE(SavePeft(*bank, 0, dir, "tiny").ok());
+  auto file = SafetensorsFile::Open(dir + "/adapter_model.safetensors");
+  ASSERT_TRUE(file.ok());
+  const int64_t E = 4, I = 12, H = 32, r = 4;
+  const std::string p = "base_model.model.model.layers.1.mlp.experts.";
+  const at::Tensor gu_b = *LoadTensor(*(*file)->find(p + "base_layer.lora_B.weight"), at::kCPU);  // [2I, r * E]
+  const at::Tensor dn_b = *LoadTensor(*(*file)->find(p + "lora_B.weight"), at::kCPU);             // [H, r * E]
+  ASSERT_EQ(gu_b.sizes(), at::IntArrayRef({2 * I, r * E}));
+  const LoraTarget* gu = bank->find("model.layers.1.mlp.experts.gate_up_proj");
+  const LoraTarget* dn = bank->find("model.layers.1.mlp.experts.down_proj");
+  ASSERT_TRUE(gu && dn && gu->hf_interleaved && !dn->hf_interleaved);
+  for (int64_t e : {0, 3})
+    for (int64_t j : {0, 5, 11})
+      for (int64_t k : {0, 3}) {
+        EXPECT_EQ(gu_b[2 * j][k * E + e].item<float>(), gu->B[0][e][j][k].item<float>());
+        EXPECT_EQ(gu_b[2 * j + 1][k * E + e].item<float>(), gu->B[0][e][I + j][k].item<float>());
+        EXPECT_EQ(dn_b[j][k * E + e].item<float>(), dn->B[0][j][k].item<float>());
+      }
+  file->reset();
+  auto other = Bank(*model, 2, 8);
+  ASSERT_TRUE(LoadPeft(*other, 1, dir).ok());
+  EXPECT_TRUE(at::equal(other->flat()[1], bank->flat()[0]));
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
