@@ -54,17 +54,24 @@ Status Positive(const char* field, int64_t v) {
   return Status::Ok();
 }
 
-// qwen3_moe's expert fields. HF aliases num_experts as num_local_experts;
-// norm_topk_prob defaults to false as in HF's class (Qwen3-30B-A3B states true).
-Status ParseMoe(const json& j, ModelConfig* c) {
+// The expert count (num_experts, or its alias num_local_experts, named in
+// messages as `count_field`) and the top-k, both positive, k <= E.
+Status ParseExpertCounts(const json& j, const char* count_field, ModelConfig* c) {
   for (const char* field : {"num_experts", "num_local_experts"})
     if (Status s = GetInt(j, field, false, &c->num_experts); !s.ok()) return s;
-  if (Status s = Positive("num_experts", c->num_experts); !s.ok()) return s;
+  if (Status s = Positive(count_field, c->num_experts); !s.ok()) return s;
   if (Status s = GetInt(j, "num_experts_per_tok", true, &c->num_experts_per_tok); !s.ok()) return s;
   if (Status s = Positive("num_experts_per_tok", c->num_experts_per_tok); !s.ok()) return s;
   if (c->num_experts_per_tok > c->num_experts)
     return Status::Invalid("config.json: 'num_experts_per_tok' (" + std::to_string(c->num_experts_per_tok) +
-                           ") must be at most 'num_experts' (" + std::to_string(c->num_experts) + ")");
+                           ") must be at most '" + count_field + "' (" + std::to_string(c->num_experts) + ")");
+  return Status::Ok();
+}
+
+// qwen3_moe's expert fields. HF aliases num_experts as num_local_experts;
+// norm_topk_prob defaults to false as in HF's class (Qwen3-30B-A3B states true).
+Status ParseMoe(const json& j, ModelConfig* c) {
+  if (Status s = ParseExpertCounts(j, "num_experts", c); !s.ok()) return s;
   if (Status s = GetInt(j, "moe_intermediate_size", true, &c->moe_intermediate_size); !s.ok()) return s;
   if (Status s = Positive("moe_intermediate_size", c->moe_intermediate_size); !s.ok()) return s;
   if (Status s = GetBool(j, "norm_topk_prob", &c->norm_topk_prob); !s.ok()) return s;
@@ -86,14 +93,7 @@ Status ParseMoe(const json& j, ModelConfig* c) {
 // MoE with experts of width intermediate_size; layer_types defaults to
 // sliding on even layers, full on odd ones.
 Status ParseGptOss(const json& j, ModelConfig* c) {
-  for (const char* field : {"num_experts", "num_local_experts"})
-    if (Status s = GetInt(j, field, false, &c->num_experts); !s.ok()) return s;
-  if (Status s = Positive("num_local_experts", c->num_experts); !s.ok()) return s;
-  if (Status s = GetInt(j, "num_experts_per_tok", true, &c->num_experts_per_tok); !s.ok()) return s;
-  if (Status s = Positive("num_experts_per_tok", c->num_experts_per_tok); !s.ok()) return s;
-  if (c->num_experts_per_tok > c->num_experts)
-    return Status::Invalid("config.json: 'num_experts_per_tok' (" + std::to_string(c->num_experts_per_tok) +
-                           ") must be at most 'num_local_experts' (" + std::to_string(c->num_experts) + ")");
+  if (Status s = ParseExpertCounts(j, "num_local_experts", c); !s.ok()) return s;
   c->moe_intermediate_size = c->intermediate_size;
   c->norm_topk_prob = true;  // the softmax runs over the k chosen logits
   c->attention_bias = true;
