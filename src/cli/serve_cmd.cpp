@@ -215,9 +215,10 @@ int Serve(int argc, char** argv) {
 
   const auto& info = service.model_info();
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
-              "sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
+              "slot_mib=%lld sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
-              info.dtype.c_str(), info.max_slots, info.max_rank, sampler_slots,
+              info.dtype.c_str(), info.max_slots, info.max_rank,
+              static_cast<long long>(info.slot_bytes / (1024 * 1024)), sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
               data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
   std::fflush(stdout);

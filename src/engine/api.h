@@ -77,6 +77,7 @@ struct ModelInfo {
   int max_rank = 0;
   int64_t base_parameters = 0;  // the frozen weights' element count (a tied embedding once)
   int64_t active_parameters = 0;  // those one token runs through: an MoE layer's experts count k of E
+  int64_t slot_bytes = 0;  // one adapter slot at max_rank: fp32 weights, gradient and two AdamW moments
 };
 
 // The device allocator's bytes (libtorch's caching allocator, not what the

@@ -25,6 +25,8 @@
 #include <map>
 #include <thread>
 
+#include <unistd.h>
+
 #include "engine/api.h"
 #include "engine/io/peft_snapshot.h"
 #include "engine/lora/slot_bank.h"
@@ -352,6 +354,23 @@ class TrainingEngine final : public Engine {
   std::map<int, train::GradMark> marks_;  // MarkGrad's, by slot
 };
 
+// Memory the adapter slots may take: 80% of what the device has beside the
+// live tensors (the base weights) on CUDA, 80% of physical RAM on the CPU.
+// The rest is left to passes, the sampler and the allocator's slack.
+double RoomForSlots(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) {
+    const int index = device.index() < 0 ? 0 : device.index();
+    const auto* props = at::cuda::getDeviceProperties(index);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    constexpr size_t all = 0;  // StatType::AGGREGATE, as in Memory()
+    return 0.8 * (static_cast<double>(props->totalGlobalMem) - static_cast<double>(stats.allocated_bytes[all].current));
+  }
+#endif
+  (void)device;
+  return 0.8 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
@@ -403,6 +422,21 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
       info.base_parameters += n;
       const bool expert = name.find(".mlp.experts.") != std::string::npos;
       info.active_parameters += expert ? n * cfg.num_experts_per_tok / cfg.num_experts : n;
+    }
+    // The slots are checked against memory before they exist: an MoE slot
+    // at max rank is gigabytes (docs/architecture.md, expert LoRA layout).
+    int64_t slot_elems = 0;
+    for (const LoraTargetSpec& t : (*model)->LoraTargets()) slot_elems += t.AElems(options.max_rank) + t.BElems(options.max_rank);
+    info.slot_bytes = 16 * slot_elems;
+    const double want = static_cast<double>(info.slot_bytes) * options.max_slots, room = RoomForSlots(device);
+    if (want > room) {
+      constexpr double kMiB = 1024.0 * 1024.0;
+      return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
+                                 " need ", static_cast<int64_t>(want / kMiB), " MiB (",
+                                 static_cast<int64_t>(static_cast<double>(info.slot_bytes) / kMiB),
+                                 " MiB each: fp32 weights, gradient and two AdamW moments); this ", info.device,
+                                 " has room for ", static_cast<int64_t>(room / static_cast<double>(info.slot_bytes)),
+                                 " (80% of the memory beside the base weights); lower --max-adapters or --max-rank"));
     }
     auto engine = std::make_unique<TrainingEngine>(std::move(*model), std::move(info), options, threads);
     if (options.recompute_layers < 0) engine->Calibrate();

@@ -395,7 +395,8 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
     writer.SetMetadata("loom.preset", options.preset);
     writer.SetMetadata("loom.seed", std::to_string(options.seed));
     writer.SetMetadata("loom.dtype", bf16 ? "bf16" : "fp32");
-    writer.SetMetadata("loom.layers", std::to_string(c.num_hidden_layers));
+    // Only when overridden: the presets' files stay byte-identical (their fingerprints are pinned).
+    if (options.layers > 0) writer.SetMetadata("loom.layers", std::to_string(c.num_hidden_layers));
     for (const WeightSpec* w : shards[si]) {
       const bool ones = EndsWith(w->name, "norm.weight");
       // Each tensor has its own stream, so values do not depend on order or sharding.

@@ -432,6 +432,28 @@ TEST(Engine, OpenReportsTheModelAndLayout) {
   EXPECT_FALSE(Engine::Open(bad).ok());
 }
 
+// The adapter slots are checked against memory before any exists: more slots
+// than RAM holds is a 400-class error naming the flag and the per-slot bytes,
+// never an allocation failure.
+TEST(Engine, SlotsThatDoNotFitAreRefusedUpFront) {
+  auto e = Open(2, 8);
+  const int64_t slot = e->info().slot_bytes;
+  int64_t elems = 0;
+  auto model = Transformer::Load(ModelDir(), at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok());
+  for (const LoraTargetSpec& t : (*model)->LoraTargets()) elems += t.AElems(8) + t.BElems(8);
+  EXPECT_EQ(slot, 16 * elems);  // fp32 weights, gradient and two moments
+  EngineOptions o;
+  o.model_dir = ModelDir();
+  o.max_rank = 8;
+  o.max_slots = 1 << 30;  // about 2^30 * slot bytes: far beyond any machine's RAM
+  auto refused = Engine::Open(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("--max-adapters"), std::string::npos) << refused.status().message();
+  EXPECT_NE(refused.status().message().find("MiB each"), std::string::npos) << refused.status().message();
+}
+
 TEST(Engine, BindChecksRankSlotAndGroups) {
   auto e = Open(2, 8);
   Status s = e->BindSlot(0, Lora(9, 1));
