@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/io/peft.h"
+#include "engine/io/peft_snapshot.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
 #include "engine/model/cached_batch.h"
@@ -375,7 +376,17 @@ TEST(GptOssPeft, GateUpRowsAreInterleavedInPeftsFileAndRoundTrip) {
   auto other = Bank(*model, 2, 8);
   ASSERT_TRUE(LoadPeft(*other, 1, dir).ok());
   EXPECT_TRUE(at::equal(other->flat()[1], bank->flat()[0]));
+  // The trainer's published snapshots (PeftSnapshot: copied, then moved to
+  // the CPU and written) keep the interleaving too.
+  const std::string published = TempDir("published");
+  auto snapshot = PeftSnapshot::Take(*bank, 0);
+  ASSERT_TRUE(snapshot.ok());
+  ASSERT_TRUE((*snapshot)->WritePeft(published, "tiny").ok());
+  auto third = Bank(*model, 2, 8);
+  ASSERT_TRUE(LoadPeft(*third, 0, published).ok());
+  EXPECT_TRUE(at::equal(third->flat()[0], bank->flat()[0]));
   std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(published);
 }
 
 }  // namespace

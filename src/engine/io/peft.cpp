@@ -113,7 +113,7 @@ PeftAdapter PeftAdapter::To(at::Device device) const {
   PeftAdapter out;
   out.config = config;
   if (!storage.defined()) {
-    for (const Factor& f : factors) out.factors.push_back({f.module, f.A.to(device), f.B.to(device)});
+    for (const Factor& f : factors) out.factors.push_back({f.module, f.A.to(device), f.B.to(device), f.hf_interleaved});
     return out;
   }
   out.storage = storage.to(device);
@@ -125,7 +125,7 @@ PeftAdapter PeftAdapter::To(at::Device device) const {
     return out.storage.as_strided(t.sizes(), t.strides(),
                                   t.storage_offset() - storage.storage_offset() + out.storage.storage_offset());
   };
-  for (const Factor& f : factors) out.factors.push_back({f.module, moved(f.A), moved(f.B)});
+  for (const Factor& f : factors) out.factors.push_back({f.module, moved(f.A), moved(f.B), f.hf_interleaved});
   return out;
 }
 
