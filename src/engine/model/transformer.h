@@ -1,4 +1,4 @@
-// Transformer: a Hugging Face decoder-only model (qwen2, qwen3, qwen3_moe) with frozen
+// Transformer: a Hugging Face decoder-only model (qwen2, qwen3, qwen3_moe, gpt_oss) with frozen
 // base weights, run over a packed batch with per-sequence LoRA slots.
 //
 // A packed batch is one token axis across all sequences: no padding,
