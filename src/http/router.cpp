@@ -542,6 +542,13 @@ std::vector<Router::Route> Router::MakeRoutes() {
        [=, this](Context& ctx, const Args& a) {
          return empty_or_error(service_.checkpoints().DeleteCheckpoint(ctx.caller, a[0], checkpoint_id(a)));
        }},
+      // A bare checkpoint id (the hosted service's error for it: the kind is
+      // part of the id) is a 400 that says so, not "no such route".
+      {"*", "training_runs/{}/checkpoints/{}",
+       [](Context&, const Args& a) {
+         return Error(Status::Invalid("checkpoint id '" + a[1] + "' lacks its kind: use 'weights/" + a[1] +
+                                      "' or 'sampler_weights/" + a[1] + "' (as in its tinker:// path)"));
+       }},
       {"GET", "training_runs/{}/checkpoints/{}/{}/archive",
        [=, this](Context& ctx, const Args& a) {
          int64_t expires = 0;

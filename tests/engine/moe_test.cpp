@@ -25,9 +25,9 @@ namespace {
 
 constexpr int64_t kE = 4, kH = 16, kI = 6, kR = 4;
 
-std::vector<LoraTargetSpec> ExpertTargets() {
-  return {{"model.layers.0.mlp.experts.gate_up_proj", TargetGroup::kMlp, kH, 2 * kI, kE, ExpertFactor::kB},
-          {"model.layers.0.mlp.experts.down_proj", TargetGroup::kMlp, kI, kH, kE, ExpertFactor::kA}};
+std::vector<LoraTargetSpec> ExpertTargets(int64_t E = kE, int64_t H = kH, int64_t I = kI) {
+  return {{"model.layers.0.mlp.experts.gate_up_proj", TargetGroup::kMlp, H, 2 * I, E, ExpertFactor::kB},
+          {"model.layers.0.mlp.experts.down_proj", TargetGroup::kMlp, I, H, E, ExpertFactor::kA}};
 }
 
 MoeWeights RandomMoe(bool norm_topk) {
@@ -174,9 +174,7 @@ TEST(MoeModel, CachedForwardMatchesTheTrainer) {
 TEST(MoeCuda, GroupedGemmMatchesTheCpuPath) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const int64_t E = 8, H = 64, I = 32, R = 8;
-  const std::vector<LoraTargetSpec> targets = {
-      {"model.layers.0.mlp.experts.gate_up_proj", TargetGroup::kMlp, H, 2 * I, E, ExpertFactor::kB},
-      {"model.layers.0.mlp.experts.down_proj", TargetGroup::kMlp, I, H, E, ExpertFactor::kA}};
+  const std::vector<LoraTargetSpec> targets = ExpertTargets(E, H, I);
   at::manual_seed(9);
   MoeWeights cpu;
   cpu.router = at::randn({E, H});

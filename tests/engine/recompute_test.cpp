@@ -143,7 +143,7 @@ void BindBoth(SlotBank& bank, at::Device device) {
     at::manual_seed(50 + s);
     for (auto& t : bank.targets())
       if (s == 0 || t.group != TargetGroup::kAttn)
-        t.B.select(0, s).copy_(0.2 * at::randn({t.d_out, 4}).to(device));
+        t.B.select(0, s).copy_(0.2 * at::randn(t.FactorShape(false, 4)).to(device));
   }
 }
 
@@ -167,7 +167,7 @@ TEST_P(RecomputeArch, GivesTheSameValuesAndGradients) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Qwen, RecomputeArch, ::testing::Values("qwen2", "qwen3", "qwen3-bias"),
+INSTANTIATE_TEST_SUITE_P(Qwen, RecomputeArch, ::testing::Values("qwen2", "qwen3", "qwen3-bias", "qwen3_moe"),
                          [](const auto& info) { return std::string(info.param == "qwen3-bias" ? "qwen3_bias" : info.param); });
 
 // On CUDA: recomputation against keeping all (to rounding: CUDA's index_add

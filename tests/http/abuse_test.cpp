@@ -353,6 +353,9 @@ TEST_F(AbuseTest, AWrongMethodIs405WithAllow) {
     EXPECT_EQ(r.body.find("no such route"), std::string::npos) << method << " " << c.target << ": " << r.body;
   }
   ExpectJsonError(client_->Call("GET", "/api/v1/no_such_thing", "", {{"X-API-Key", kAlice}}), 404, "no such route");
+  // A bare checkpoint id names the missing kind prefix (issue 22, item 6).
+  ExpectJsonError(client_->Call("DELETE", "/api/v1/training_runs/r/checkpoints/ckpt-1", "", {{"X-API-Key", kAlice}}),
+                  400, "'weights/ckpt-1' or 'sampler_weights/ckpt-1'");
 }
 
 // Defect 14: Stop dropped a request it had begun reading.
