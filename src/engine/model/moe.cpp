@@ -87,29 +87,23 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   constexpr int64_t kMaxGroups = 512;
   if (grouped && G <= kMaxGroups)
     return compat::GroupedMm(x.contiguous(), w.transpose(1, 2), counts.cumsum(0).to(at::kInt));
+  // Runs of kMaxGroups segments per grouped GEMM, or one matmul per segment
+  // (the reference path); either way the row ranges come from the counts.
   const at::Tensor host = counts.cpu();
   const int64_t* n = host.data_ptr<int64_t>();
-  if (grouped) {  // more (expert, slot) segments than one call takes: runs of kMaxGroups
-    std::vector<at::Tensor> parts;
-    int64_t begin = 0;
-    for (int64_t g0 = 0; g0 < G; g0 += kMaxGroups) {
-      const int64_t g1 = std::min(G, g0 + kMaxGroups);
-      int64_t rows = 0;
-      for (int64_t g = g0; g < g1; ++g) rows += n[g];
-      if (rows == 0) continue;
-      parts.push_back(compat::GroupedMm(x.narrow(0, begin, rows).contiguous(), w.narrow(0, g0, g1 - g0).transpose(1, 2),
-                                        counts.narrow(0, g0, g1 - g0).cumsum(0).to(at::kInt)));
-      begin += rows;
-    }
-    if (parts.empty()) return at::zeros({x.size(0), out}, x.options());
-    return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
-  }
+  const int64_t run = grouped ? kMaxGroups : 1;
   std::vector<at::Tensor> parts;
   int64_t begin = 0;
-  for (int64_t g = 0; g < host.size(0); ++g) {
-    if (n[g] == 0) continue;
-    parts.push_back(at::mm(x.narrow(0, begin, n[g]), w.select(0, g).t()));
-    begin += n[g];
+  for (int64_t g0 = 0; g0 < G; g0 += run) {
+    const int64_t g1 = std::min(G, g0 + run);
+    int64_t rows = 0;
+    for (int64_t g = g0; g < g1; ++g) rows += n[g];
+    if (rows == 0) continue;
+    const at::Tensor xs = x.narrow(0, begin, rows);
+    parts.push_back(grouped ? compat::GroupedMm(xs.contiguous(), w.narrow(0, g0, g1 - g0).transpose(1, 2),
+                                                counts.narrow(0, g0, g1 - g0).cumsum(0).to(at::kInt))
+                            : at::mm(xs, w.select(0, g0).t()));
+    begin += rows;
   }
   if (parts.empty()) return at::zeros({x.size(0), out}, x.options());
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
