@@ -112,11 +112,7 @@ TEST_F(CapacityTest, AWaitPastTheBoundFailsNamingTheLimit) {
 TEST_F(CapacityTest, WithoutWaitingAFullServiceRefusesUpFront) {
   OpenSlots(1, /*capacity_wait=*/0ms);
   NewModel("alice");
-  tinker::CreateModelRequest req;
-  req.session_id = NewSession("bob");
-  req.base_model = "test/base";
-  req.lora.rank = 4;
-  auto refused = service_->CreateModel({"bob", ""}, req);
+  auto refused = service_->CreateModel({"bob", ""}, CreateRequest(NewSession("bob")));
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), Code::kUnavailable);
   EXPECT_NE(refused.status().message().find("--capacity-wait 0"), std::string::npos) << refused.status().message();
@@ -127,12 +123,7 @@ TEST_F(CapacityTest, TheQueueIsBoundedPerSlot) {
   NewModel("alice");
   const std::string s = NewSession("bob");
   for (int i = 0; i < TrainingModels::kWaitersPerSlot; ++i) SubmitModel("bob", s, i);
-  tinker::CreateModelRequest req;
-  req.session_id = s;
-  req.model_seq_id = TrainingModels::kWaitersPerSlot;
-  req.base_model = "test/base";
-  req.lora.rank = 4;
-  auto refused = service_->CreateModel({"bob", ""}, req);
+  auto refused = service_->CreateModel({"bob", ""}, CreateRequest(s, TrainingModels::kWaitersPerSlot));
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), Code::kUnavailable);
   EXPECT_NE(refused.status().message().find("queue for one is full"), std::string::npos) << refused.status().message();

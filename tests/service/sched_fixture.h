@@ -159,14 +159,17 @@ class SchedFixture : public ::testing::Test {
     EXPECT_TRUE(session.ok());
     return session.ok() ? *session : "";
   }
-  // A create_model submitted (not awaited).
-  service::Submitted SubmitModel(const std::string& tenant, const std::string& session, int64_t seq = 0) {
+  static tinker::CreateModelRequest CreateRequest(const std::string& session, int64_t seq = 0) {
     tinker::CreateModelRequest req;
     req.session_id = session;
     req.model_seq_id = seq;
     req.base_model = "test/base";
     req.lora.rank = 4;
-    auto sub = service_->CreateModel({tenant, ""}, req);
+    return req;
+  }
+  // A create_model submitted (not awaited).
+  service::Submitted SubmitModel(const std::string& tenant, const std::string& session, int64_t seq = 0) {
+    auto sub = service_->CreateModel({tenant, ""}, CreateRequest(session, seq));
     EXPECT_TRUE(sub.ok()) << sub.status().message();
     return sub.ok() ? *sub : service::Submitted{};
   }
