@@ -43,7 +43,7 @@ def main():
                                                      attn_implementation="sdpa").cuda()
         params_by_name = {id(p): (n, p) for n, p in model.named_parameters()}.values()
         n_base = sum(p.numel() for _, p in params_by_name)
-        experts = getattr(model.config, "num_experts", 0) or 0
+        experts = getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0) or 0
         if experts:
             k = model.config.num_experts_per_tok
             n_expert = sum(p.numel() for n, p in params_by_name if ".mlp.experts." in n)
