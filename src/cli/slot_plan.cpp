@@ -15,7 +15,7 @@ std::string SlotPlan::Describe() const {
   std::string line = fmt::format("slot plan: {} slots{} at max_rank {}{}", slots, auto_slots ? " (auto)" : "",
                                  max_rank, auto_rank ? " (auto)" : "");
   if (slot_bytes > 0) {
-    line += fmt::format(", {:.1f} MiB each (fp32 weights, gradient, two AdamW moments), {:.1f} MiB in all",
+    line += fmt::format(", {:.1f} MiB each on the device, {:.1f} MiB in all",
                         slot_bytes / kMiB, slot_bytes * static_cast<double>(slots) / kMiB);
   }
   if (room_bytes > 0) {

@@ -1,6 +1,8 @@
 #include "engine/model/moe.h"
 
 #include <algorithm>
+#include <optional>
+#include <stdexcept>
 #include <tuple>
 
 #include "engine/model/compat.h"
@@ -11,30 +13,72 @@ namespace {
 
 const auto kLong = at::TensorOptions().dtype(at::kLong);
 
-// The LoRA delta of one expert target over the sorted pairs' rows x [P, d_in]
-// (counts: rows per (expert, slot group) segment, G = E * (U + 1)): each
-// segment times its own slot's factors for its expert, scaled by the slot's
-// alpha/r; the rows of tokens without a slot (group U) come out exactly 0.
-at::Tensor ExpertDelta(const SlotBank& bank, const LoraTarget& t, const at::Tensor& x, const at::Tensor& counts,
-                       const ExpertLoraRouting& lora, const at::Tensor& row_group) {
-  const int64_t U = lora.num_slots(), sub = U + 1, G = counts.size(0);
-  const at::Device dev = x.device();
-  // Segment g = e * sub + u uses expert e and slot u (group U: slot 0's
-  // factors, whose rows are then selected away, never multiplied by 0).
-  const at::Tensor g = at::arange(G, kLong.device(dev));
-  const at::Tensor ids = at::cat({lora.slot_ids, lora.slot_ids.narrow(0, 0, 1)});
-  const at::Tensor seg_slot = ids.index_select(0, at::remainder(g, sub));
-  const at::Tensor seg_expert = at::div(g, sub, "floor");
-  const auto factor = [&](const at::Tensor& f, bool per_expert) {
-    return per_expert ? f.index({seg_slot, seg_expert}) : f.index_select(0, seg_slot);
-  };
-  const at::ScalarType ct = bank.ComputeType(x);
-  const at::Tensor a = factor(t.A, t.per_expert == ExpertFactor::kA).to(ct);  // [G, R, d_in]
-  const at::Tensor b = factor(t.B, t.per_expert == ExpertFactor::kB).to(ct);  // [G, d_out, R]
-  const at::Tensor mid = GroupedLinear(x.to(ct), a, counts);                  // [P, R]
-  const at::Tensor out = GroupedLinear(mid, b, counts);                       // [P, d_out]
-  const at::Tensor scale = lora.scale.index_select(0, row_group).unsqueeze(1).to(ct);
-  return at::where((row_group < U).unsqueeze(1), out * scale, at::zeros_like(out)).to(x.scalar_type());
+// The expert LoRA of one batch (moe.h): its slots' factors and the two
+// orders it runs in. The shared factors (gate_up's A, down's B) run per
+// token, over the tokens sorted by LoRA group (U + 1 segments, the last the
+// tokens without a slot); the per-expert factors run per (expert, group)
+// segment of the sorted pairs, over the non-empty segments only (a decode
+// step routes a few dozen of E * (U + 1)), so no factor is gathered for a
+// segment without rows, nor a shared one once per expert. A token meets only
+// its own slot's factors (group U: slot 0's, whose rows are selected away).
+struct ExpertLoraPlan {
+  const SlotBank* bank = nullptr;
+  const ExpertLoraRouting* lora = nullptr;
+  at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
+  at::Tensor tok_keep;                            // [T, 1] bool: the token has a slot
+  at::Tensor tok_scale;                           // [T, 1] fp32: its slot's alpha/r (0 without)
+  at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
+  at::Tensor group_ids;                           // [U + 1] slot per group (group U: slot 0)
+
+  ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
+    const int64_t U = r.num_slots(), sub = U + 1;
+    const at::Device dev = counts.device();
+    tok_order = std::get<1>(at::sort(r.token_group, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    tok_inverse = at::empty_like(tok_order).scatter_(0, tok_order, at::arange(T, kLong.device(dev)));
+    tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
+    tok_keep = (r.token_group < U).unsqueeze(1);
+    tok_scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
+    group_ids = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
+    const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
+    seg_counts = counts.index_select(0, nz);
+    seg_slot = group_ids.index_select(0, at::remainder(nz, sub));
+    seg_expert = at::div(nz, sub, "floor");
+  }
+  // y [T, out] = x [T, in] f[slot(token)]^T, f [N, out, in] a shared factor.
+  at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
+    const at::Tensor w = f.index_select(0, group_ids).to(x.scalar_type());  // [U + 1, out, in]
+    return GroupedLinear(x.index_select(0, tok_order), w, tok_counts).index_select(0, tok_inverse);
+  }
+  // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in].
+  at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
+    return GroupedLinear(x, f.index({seg_slot, seg_expert}).to(x.scalar_type()), seg_counts);
+  }
+  // Rows of tokens without a slot exactly 0, the others times alpha/r: y's
+  // rows are tokens, or (token given) the sorted pairs of those tokens.
+  at::Tensor Scaled(const at::Tensor& y, const at::Tensor& token = {}) const {
+    const auto rows = [&](const at::Tensor& v) { return token.defined() ? v.index_select(0, token) : v; };
+    return at::where(rows(tok_keep), y * rows(tok_scale).to(y.scalar_type()), at::zeros_like(y));
+  }
+};
+
+// gate_up's delta per sorted pair [P, 2I] (A shared, B per expert):
+// (h A_slot^T) per token, taken to the pairs, times the segment's B.
+at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& h, const at::Tensor& token,
+                       at::ScalarType out) {
+  const at::ScalarType ct = p.bank->ComputeType(h);
+  const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
+  return p.Scaled(p.PerSegment(mid.index_select(0, token), t.B), token).to(out);
+}
+
+// down's delta per token [T, H] (A per expert, B shared), already weighted
+// by the routes: B_slot (sum over the token's pairs of p * A_segment act),
+// which is the sum of the pairs' weighted deltas with one B product per token.
+at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& act, const at::Tensor& token,
+                     const at::Tensor& weight, int64_t T) {
+  const at::ScalarType ct = p.bank->ComputeType(act);
+  const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
+  const at::Tensor per_token = at::zeros({T, mid.size(1)}, mid.options()).index_add(0, token, mid);
+  return p.Scaled(p.PerToken(per_token, t.B)).to(act.scalar_type());
 }
 
 // gpt_oss's clamped SwiGLU over gate_up [P, 2I] (gate then up), as HF's
@@ -136,21 +180,27 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   const at::Tensor expert_counts = with_lora ? counts.view({E, sub}).sum(1) : counts;
   const at::Tensor token = pair_token.index_select(0, order);
   const at::Tensor x = h.index_select(0, token);  // [P, H]
-  at::Tensor row_group;
-  if (with_lora) row_group = lora->token_group.index_select(0, token);
 
   at::Tensor pair_expert;  // each sorted pair's expert, for the biases
   if (w.gate_up_bias.defined() || w.down_bias.defined()) pair_expert = top_e.reshape({-1}).index_select(0, order);
 
+  const at::Tensor weight = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);  // [P, 1]
+  std::optional<ExpertLoraPlan> plan;
+  if (with_lora) {
+    if (gate_up->per_expert != ExpertFactor::kB || down->per_expert != ExpertFactor::kA)
+      throw std::logic_error("MoeForward: the expert LoRA layout is gate_up B and down A per expert (slot_bank.h)");
+    plan.emplace(bank, *lora, counts, T);
+  }
+
   at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
   if (w.gate_up_bias.defined()) gu = gu + w.gate_up_bias.index_select(0, pair_expert);
-  if (with_lora) gu = gu + ExpertDelta(bank, *gate_up, x, counts, *lora, row_group);
+  if (plan) gu = gu + GateUpDelta(*plan, *gate_up, h, token, gu.scalar_type());
   const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
   if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
-  if (with_lora) y = y + ExpertDelta(bank, *down, act, counts, *lora, row_group);
-  y = y * top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
-  return at::zeros_like(h).index_add(0, token, y);
+  at::Tensor out = at::zeros_like(h).index_add(0, token, y * weight);
+  if (plan) out = out + DownDelta(*plan, *down, act, token, weight, T);
+  return out;
 }
 
 }  // namespace loom::engine
