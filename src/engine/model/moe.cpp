@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <tuple>
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "engine/model/compat.h"
 #include "engine/model/lean_ops.h"
 
@@ -12,6 +14,61 @@ namespace loom::engine {
 namespace {
 
 const auto kLong = at::TensorOptions().dtype(at::kLong);
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Row permutations whose backward is the inverse gather, not index_select's
+// index_add (atomic adds, in bf16 the slowest kernel of an MoE pass).
+// y = x[perm]; dx = dy[inverse].
+struct PermuteRowsNode : torch::autograd::Function<PermuteRowsNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& perm, const at::Tensor& inverse) {
+    ctx->saved_data["inverse"] = inverse;
+    return x.index_select(0, perm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].index_select(0, ctx->saved_data["inverse"].toTensor()), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The dispatch of T tokens to their P = T * K sorted pairs and back. pair
+// j's token is token[j]; token t's k-th pair sits at position[t * K + k].
+//   Dispatch: x [P, d] = h[token]; dh[t] = sum over k of dx[position[t K + k]].
+//   Combine:  out [T, d] = sum over k of y[position[t K + k]]; dy = dout[token].
+// Both sums are one reduction over K (fp32 accumulation), so no atomics.
+struct DispatchNode : torch::autograd::Function<DispatchNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& token, const at::Tensor& position,
+                            int64_t K) {
+    ctx->saved_data["position"] = position;
+    ctx->saved_data["K"] = K;
+    return h.index_select(0, token);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t K = ctx->saved_data["K"].toInt();
+    const at::Tensor g = grads[0].index_select(0, ctx->saved_data["position"].toTensor());
+    return {g.view({-1, K, g.size(1)}).sum(1), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct CombineNode : torch::autograd::Function<CombineNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& token, const at::Tensor& position,
+                            int64_t K) {
+    ctx->saved_data["token"] = token;
+    const at::Tensor g = y.index_select(0, position);
+    return g.view({-1, K, g.size(1)}).sum(1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].index_select(0, ctx->saved_data["token"].toTensor()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The T * K (token, choice) pairs in sorted order (see DispatchNode).
+struct Pairs {
+  at::Tensor token;     // [P] each sorted pair's token
+  at::Tensor position;  // [P] where pair (t, k) sits in the sorted order, at t * K + k
+  int64_t K = 0;
+  at::Tensor Dispatch(const at::Tensor& h) const { return DispatchNode::apply(h, token, position, K); }
+  at::Tensor Combine(const at::Tensor& y) const { return CombineNode::apply(y, token, position, K); }
+};
 
 // The expert LoRA of one batch (moe.h): its slots' factors and the two
 // orders it runs in. The shared factors (gate_up's A, down's B) run per
@@ -47,7 +104,8 @@ struct ExpertLoraPlan {
   // y [T, out] = x [T, in] f[slot(token)]^T, f [N, out, in] a shared factor.
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
     const at::Tensor w = f.index_select(0, group_ids).to(x.scalar_type());  // [U + 1, out, in]
-    return GroupedLinear(x.index_select(0, tok_order), w, tok_counts).index_select(0, tok_inverse);
+    const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
+    return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
   }
   // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in].
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
@@ -63,22 +121,21 @@ struct ExpertLoraPlan {
 
 // gate_up's delta per sorted pair [P, 2I] (A shared, B per expert):
 // (h A_slot^T) per token, taken to the pairs, times the segment's B.
-at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& h, const at::Tensor& token,
+at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& h, const Pairs& pairs,
                        at::ScalarType out) {
   const at::ScalarType ct = p.bank->ComputeType(h);
   const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
-  return p.Scaled(p.PerSegment(mid.index_select(0, token), t.B), token).to(out);
+  return p.Scaled(p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
 }
 
 // down's delta per token [T, H] (A per expert, B shared), already weighted
 // by the routes: B_slot (sum over the token's pairs of p * A_segment act),
 // which is the sum of the pairs' weighted deltas with one B product per token.
-at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& act, const at::Tensor& token,
-                     const at::Tensor& weight, int64_t T) {
+at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& act, const Pairs& pairs,
+                     const at::Tensor& weight) {
   const at::ScalarType ct = p.bank->ComputeType(act);
   const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
-  const at::Tensor per_token = at::zeros({T, mid.size(1)}, mid.options()).index_add(0, token, mid);
-  return p.Scaled(p.PerToken(per_token, t.B)).to(act.scalar_type());
+  return p.Scaled(p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
 }
 
 // gpt_oss's clamped SwiGLU over gate_up [P, 2I] (gate then up), as HF's
@@ -178,8 +235,11 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   const at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
   const at::Tensor expert_counts = with_lora ? counts.view({E, sub}).sum(1) : counts;
-  const at::Tensor token = pair_token.index_select(0, order);
-  const at::Tensor x = h.index_select(0, token);  // [P, H]
+  Pairs pairs;
+  pairs.token = pair_token.index_select(0, order);
+  pairs.position = at::empty_like(order).scatter_(0, order, at::arange(T * K, kLong.device(h.device())));
+  pairs.K = K;
+  const at::Tensor x = pairs.Dispatch(h);  // [P, H]
 
   at::Tensor pair_expert;  // each sorted pair's expert, for the biases
   if (w.gate_up_bias.defined() || w.down_bias.defined()) pair_expert = top_e.reshape({-1}).index_select(0, order);
@@ -194,12 +254,12 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 
   at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
   if (w.gate_up_bias.defined()) gu = gu + w.gate_up_bias.index_select(0, pair_expert);
-  if (plan) gu = gu + GateUpDelta(*plan, *gate_up, h, token, gu.scalar_type());
+  if (plan) gu = gu + GateUpDelta(*plan, *gate_up, h, pairs, gu.scalar_type());
   const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
   if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
-  at::Tensor out = at::zeros_like(h).index_add(0, token, y * weight);
-  if (plan) out = out + DownDelta(*plan, *down, act, token, weight, T);
+  at::Tensor out = pairs.Combine(y * weight);
+  if (plan) out = out + DownDelta(*plan, *down, act, pairs, weight);
   return out;
 }
 
