@@ -72,7 +72,7 @@ int Serve(int argc, char** argv) {
   app.add_option("--port", port, "port to bind (0 = any free port)")->default_val(port)->check(CLI::Range(0, 65535));
   app.add_option("--data-dir", data_dir, "registry, checkpoints and the default model live here")->default_val(data_dir);
   app.add_option("--device", device, "auto | cpu | cuda")->default_val(device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients); 0 = as many at --max-rank as fit in 40% of the memory, at most 32 (logged at start-up)")->default_val(max_adapters)->check(CLI::Range(0, 4096));
+  app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients); 0 = as many at --max-rank as fit in 40% of the memory (half of what slots may take, 80% of the device memory beside the base weights), at most 32 (logged at start-up)")->default_val(max_adapters)->check(CLI::Range(0, 4096));
   app.add_option("--max-rank", max_rank, "largest LoRA rank a client may ask for; 0 = 128 for dense models, 32 for mixture-of-experts models")->default_val(max_rank)->check(CLI::Range(0, 1024));
   app.add_option("--capacity-wait", capacity_wait, "seconds a create_model may wait for an adapter slot when all are in use (queue_state paused_capacity, first come first served); then it fails naming this flag. 0 = refuse at once (503)")->default_val(capacity_wait)->check(CLI::Range(0.0, 86400.0));
   app.add_option("--lora-alpha", lora_alpha, "LoRA alpha of every adapter (scale = alpha / rank)")->default_val(lora_alpha);
@@ -151,16 +151,13 @@ int Serve(int argc, char** argv) {
   eopt.context_window = context_window;
   eopt.graph_max_tokens = graph_tokens;
   eopt.moments = moments;
-  auto plan = PlanSlots(eopt, max_adapters, max_rank);
-  if (!plan.ok()) return Fail("--model: " + plan.status().message());
-  max_adapters = plan->slots;
-  max_rank = plan->max_rank;
-  eopt.max_slots = max_adapters;
+  eopt.max_slots = max_adapters;  // 0: planned by Engine::Open
   eopt.max_rank = max_rank;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return Fail("--model: " + engine.status().message());
-  plan->slot_bytes = (*engine)->info().slot_bytes;
-  std::fprintf(stderr, "loom serve: %s\n", plan->Describe().c_str());
+  max_adapters = (*engine)->info().max_slots;
+  max_rank = (*engine)->info().max_rank;
+  std::fprintf(stderr, "loom serve: %s\n", DescribeSlotPlan((*engine)->info()).c_str());
   auto registry = store::Registry::Open(data_dir);
   if (!registry.ok()) return Fail("--data-dir: " + registry.status().message());
 

@@ -45,8 +45,8 @@ struct EngineOptions {
   std::string model_dir;          // HF layout: config.json + safetensors
   std::string device = "auto";    // auto | cpu | cuda
   std::string dtype = "auto";     // auto (bf16 on cuda, fp32 on cpu) | bf16 | fp32
-  int max_slots = 8;              // N adapter slots
-  int max_rank = 32;              // R, the largest rank a slot may take
+  int max_slots = 8;              // N adapter slots; 0 = planned from memory (kAutoSlot*)
+  int max_rank = 32;              // R, the largest rank a slot may take; 0 = kAutoDenseRank or kAutoMoeRank
   int64_t context_window = 0;     // 0 = from the model config
   int threads = 0;                // CPU intra-op threads; 0 = all cores
   // LoRA arithmetic in fp32 (activations cast up, as PEFT does) instead of
@@ -71,6 +71,17 @@ struct EngineOptions {
   std::string moments = "auto";
 };
 
+// The plan when EngineOptions leaves max_rank or max_slots at 0: rank 128
+// for dense models (the cookbook's distillation recipes use it), 32 for
+// mixture-of-experts ones (a slot grows with the experts); as many slots at
+// that rank as fit in kAutoSlotShare of the memory Engine::Open admits for
+// slots (so passes, the sampler's KV cache and its adapters keep the rest),
+// at least 1, at most kAutoSlotCap.
+inline constexpr int kAutoDenseRank = 128;
+inline constexpr int kAutoMoeRank = 32;
+inline constexpr double kAutoSlotShare = 0.5;
+inline constexpr int kAutoSlotCap = 32;
+
 struct ModelInfo {
   std::string model_type;   // "qwen2", "qwen3", ...
   std::string device;       // "cpu" or "cuda"
@@ -89,6 +100,12 @@ struct ModelInfo {
   int64_t slot_bytes = 0;
   int64_t slot_host_bytes = 0;
   bool moments_on_host = false;
+  // What the slot plan saw: the device bytes Engine::Open admits for slots
+  // (80% of the memory beside the base weights), and which of max_slots /
+  // max_rank it chose itself (EngineOptions 0).
+  int64_t slot_room_bytes = 0;
+  bool auto_slots = false;
+  bool auto_rank = false;
 };
 
 // The device allocator's bytes (libtorch's caching allocator, not what the

@@ -391,12 +391,20 @@ double HostRoom() {
 // max_slots slots fit there, before any exists: an MoE slot at max rank is
 // gigabytes (docs/architecture.md, expert LoRA layout). Fills info's slot
 // bytes; Invalid naming the flag and the room when they do not fit.
+// A max_slots of 0 is planned here (kAutoSlotShare of the room, resident
+// moments); info->max_slots is the count used.
 Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t slot_elems, ModelInfo* info) {
   const std::string& where = options.moments;
   if (where != "auto" && where != "device" && where != "host")
     return Status::Invalid(Cat("moments: '", where, "' is not auto, device or host"));
-  const double slots = options.max_slots, room = RoomForSlots(device);
+  const double room = RoomForSlots(device);
   const double resident = 16.0 * static_cast<double>(slot_elems), split = 8.0 * static_cast<double>(slot_elems);
+  info->slot_room_bytes = static_cast<int64_t>(room);
+  if (info->auto_slots) {
+    const double per = where == "host" ? split : resident;
+    info->max_slots = static_cast<int>(std::clamp<double>(std::floor(kAutoSlotShare * room / per), 1, kAutoSlotCap));
+  }
+  const double slots = info->max_slots;
   // On the CPU the host is the device: "host" only changes the code path.
   const bool host = where == "host" || (where == "auto" && device.is_cuda() && resident * slots > room &&
                                         split * slots <= room && split * slots <= HostRoom());
@@ -406,7 +414,7 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
   constexpr double kMiB = 1024.0 * 1024.0;
   const auto mib = [&](double b) { return static_cast<int64_t>(b / kMiB); };
   if (static_cast<double>(info->slot_bytes) * slots > room) {
-    return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
+    return Status::Invalid(Cat("max_slots: ", info->max_slots, " adapter slots at max_rank ", info->max_rank,
                                " need ", mib(static_cast<double>(info->slot_bytes) * slots), " MiB on the ",
                                info->device, " (", mib(static_cast<double>(info->slot_bytes)), " MiB each: fp32 weights, gradient",
                                host ? "; the AdamW moments on the host" : " and two AdamW moments", "); it has room for ",
@@ -415,7 +423,7 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
                                host ? "" : ", or put the moments on the host (--moments host)"));
   }
   if (host && device.is_cuda() && split * slots > HostRoom()) {
-    return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
+    return Status::Invalid(Cat("max_slots: ", info->max_slots, " adapter slots at max_rank ", info->max_rank,
                                " need ", mib(split * slots), " MiB of host memory for their AdamW moments (",
                                mib(split), " MiB each); the host has room for ",
                                static_cast<int64_t>(HostRoom() / split),
@@ -427,8 +435,8 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
-  if (options.max_slots < 1) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1"));
-  if (options.max_rank < 1) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1"));
+  if (options.max_slots < 0) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1, or 0 (auto)"));
+  if (options.max_rank < 0) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1, or 0 (auto)"));
   if (options.recompute_layers < -1)
     return Status::Invalid(Cat("recompute_layers: ", options.recompute_layers, " must be >= 0, or -1 (auto)"));
   if (options.context_window < 0)
@@ -467,8 +475,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     info.context_window = options.context_window > 0 ? options.context_window : cfg.max_position_embeddings;
     info.num_layers = cfg.num_hidden_layers;
     info.hidden_size = cfg.hidden_size;
+    info.auto_slots = options.max_slots == 0;
+    info.auto_rank = options.max_rank == 0;
     info.max_slots = options.max_slots;
-    info.max_rank = options.max_rank;
+    info.max_rank = info.auto_rank ? (cfg.num_experts > 0 ? kAutoMoeRank : kAutoDenseRank) : options.max_rank;
     for (const auto& [name, shape] : Transformer::ExpectedWeights(cfg)) {
       int64_t n = 1;
       for (int64_t d : shape) n *= d;
@@ -479,7 +489,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     // The slots are checked against memory before they exist: an MoE slot
     // at max rank is gigabytes (docs/architecture.md, expert LoRA layout).
     int64_t slot_elems = 0;
-    for (const LoraTargetSpec& t : (*model)->LoraTargets()) slot_elems += t.AElems(options.max_rank) + t.BElems(options.max_rank);
+    for (const LoraTargetSpec& t : (*model)->LoraTargets()) slot_elems += t.AElems(info.max_rank) + t.BElems(info.max_rank);
     if (Status s = PlanSlotMemory(options, device, slot_elems, &info); !s.ok()) return s;
     auto engine = std::make_unique<TrainingEngine>(std::move(*model), std::move(info), options, threads);
     if (options.recompute_layers < 0) engine->Calibrate();
