@@ -33,6 +33,7 @@
 #include "cli/adapter_bank.h"
 #include "cli/commands.h"
 #include "engine/io/peft.h"
+#include "http/auth.h"
 #include "engine/train/adamw.h"
 #include "engine/train/state.h"
 #include "service/options.h"
@@ -69,6 +70,20 @@ Status CheckBaseModel(const std::string& adapter_dir, const std::string& served)
   return Status::Ok();
 }
 
+// The tenant id the server's store uses for --tenant: an API key is turned
+// into its tenant as the server authenticates it (open mode: a digest of the
+// key; --api-keys: the tenant its line names); anything else is taken as a
+// tenant id already.
+Result<std::string> TenantOf(const std::string& tenant, const std::string& api_keys_file) {
+  if (tenant.empty()) return Status::Invalid("--tenant must not be empty");
+  if (api_keys_file.empty())
+    return tenant.rfind("tml-", 0) == 0 ? http::ApiKeys().Authenticate(tenant) : Result<std::string>(tenant);
+  auto keys = http::ApiKeys::Load(api_keys_file);
+  if (!keys.ok()) return keys.status();
+  auto known = keys->Authenticate(tenant);
+  return known.ok() ? known : Result<std::string>(tenant);
+}
+
 // A fresh staging path that does not exist yet (the writers create it whole).
 Result<std::string> StagingTarget(store::Registry& registry) {
   auto dir = registry.NewStagingDir();
@@ -83,13 +98,13 @@ Result<std::string> StagingTarget(store::Registry& registry) {
 int ImportAdapter(int argc, char** argv) {
   CLI::App app{"Register a PEFT LoRA adapter directory as a tenant's checkpoints in a (stopped) server's store",
                "loom import-adapter"};
-  std::string store_dir, tenant, adapter_dir, name, model_dir, model_name;
+  std::string store_dir, tenant, api_keys_file, adapter_dir, name, model_dir, model_name;
   int max_rank = engine::EngineOptions{}.max_rank;
   double lora_alpha = service::ServiceOptions{}.lora_alpha;
   app.add_option("--store", store_dir, "the server's --data-dir (the server must not be running)")->required();
-  app.add_option("--tenant", tenant,
-                 "the owner: in open mode the API key itself (tml-...), with --api-keys the tenant its line names")
+  app.add_option("--tenant", tenant, "the owner: its API key (tml-...), or its tenant id as the store records it")
       ->required();
+  app.add_option("--api-keys", api_keys_file, "the server's --api-keys file, if it has one (maps --tenant's key)");
   app.add_option("--adapter", adapter_dir, "PEFT adapter directory (adapter_config.json + adapter_model.safetensors)")
       ->required();
   app.add_option("--name", name, "checkpoint name (default: the adapter directory's name)");
@@ -113,7 +128,8 @@ int ImportAdapter(int argc, char** argv) {
   }
   if (model_name.empty()) model_name = fs::path(model_dir).filename().string();
   if (name.empty()) name = fs::path(adapter_dir).lexically_normal().filename().string();
-  if (tenant.empty()) return Fail(Status::Invalid("--tenant must not be empty"));
+  auto owner = TenantOf(tenant, api_keys_file);
+  if (!owner.ok()) return Fail(Status::Invalid("--tenant: " + owner.status().message()));
   if (Status s = tinker::ValidateCheckpointName(name, "--name"); !s.ok()) return Fail(s);
   if (!(lora_alpha > 0)) return Fail(Status::Invalid("--lora-alpha must be > 0"));
 
@@ -146,7 +162,7 @@ int ImportAdapter(int argc, char** argv) {
   if (Status s = engine::WritePeft(*adapter, *peft_dir, model_name); !s.ok()) return Fail(s);
 
   store::CheckpointSpec spec;
-  spec.owner = tenant;
+  spec.owner = *owner;
   spec.model_id = model_id;
   spec.name = name;
   spec.created_ms = now;
@@ -160,7 +176,7 @@ int ImportAdapter(int argc, char** argv) {
     return Fail(sampler.status());
   }
   store::TrainingRun run;
-  run.owner = tenant;
+  run.owner = *owner;
   run.model_id = model_id;
   run.base_model = model_name;
   run.lora_rank = lora.rank;
@@ -175,7 +191,7 @@ int ImportAdapter(int argc, char** argv) {
     return Fail(s);
   }
   std::printf("%s\n", nlohmann::json{{"model_id", model_id},
-                                     {"tenant", tenant},
+                                     {"tenant", *owner},
                                      {"rank", lora.rank},
                                      {"sampler_path", sampler->path().ToString()},
                                      {"state_path", weights->path().ToString()}}
