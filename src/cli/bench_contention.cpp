@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "cli/trace_profile.h"
+
 namespace loom::cli {
 namespace {
 
@@ -126,12 +128,15 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   // The flood's tokens: every token the sampler generated meanwhile, less the light requests'.
   const int64_t generated_before = s.stats().tokens_generated;
   flood.Start();
+  Status traced = o.profile.empty() ? Status::Ok() : StartTrace();
   const auto t0 = Clock::now();
   int64_t light_tokens = 0;
-  auto busy = LightRequests(s, o, 1000, &light_tokens);
+  auto busy = traced.ok() ? LightRequests(s, o, 1000, &light_tokens) : Result<std::vector<double>>(traced);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   const int64_t flood_tokens = s.stats().tokens_generated - generated_before - light_tokens;
+  if (traced.ok() && !o.profile.empty()) traced = StopTrace(o.profile + ".contended.json");
   flood.Stop();
+  if (!traced.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", traced.message().c_str()), 1;
   if (!busy.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", busy.status().message().c_str()), 1;
   if (flood.failures() > 0)
     return std::fprintf(stderr, "loom bench sample: %lld flood requests failed\n",

@@ -19,6 +19,9 @@ struct ContentionOptions {
   // --arrival-order: both tenants' calls carry no names, so they share one
   // flow and the sampler admits them in arrival order (the yardstick).
   bool arrival_order = false;
+  // Non-empty: the phase beside the flood is traced (cli/trace_profile.h) to
+  // profile + ".contended.json"; its figures then include the tracing.
+  std::string profile;
 };
 
 // Runs both phases on s (which the caller opened with room for the flood's

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cli/bench_contention.h"
+#include "cli/trace_profile.h"
 
 namespace loom::cli {
 namespace {
@@ -38,14 +39,19 @@ struct Turn {
   int64_t prefilled = 0;
 };
 
-Result<Turn> RunTurn(engine::Sampler& s, SampleCall c) {
+// trace: a Kineto trace of the turn goes there (empty: none).
+Result<Turn> RunTurn(engine::Sampler& s, SampleCall c, const std::string& trace = "") {
+  if (!trace.empty())
+    if (Status st = StartTrace(); !st.ok()) return st;
   const engine::SamplerStats before = s.stats();
   auto p = std::make_shared<std::promise<Result<SampleOutput>>>();
   auto f = p->get_future();
   s.Submit(std::move(c), [p](Result<SampleOutput> r) { p->set_value(std::move(r)); });
   Result<SampleOutput> r = f.get();
-  if (!r.ok()) return r.status();
   const engine::SamplerStats after = s.stats();
+  if (!trace.empty())
+    if (Status st = StopTrace(trace); !st.ok()) return st;
+  if (!r.ok()) return r.status();
   Turn t;
   t.out = std::move(r.value());
   t.prefill_ms = (after.prefill_seconds - before.prefill_seconds) * 1e3;
@@ -85,9 +91,12 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
   for (int k = 0; k < o.turns; ++k) {
     const std::vector<int32_t> user = RandomPrompt(rng, vocab, o.user_tokens);
     history.insert(history.end(), user.begin(), user.end());
-    auto on = RunTurn(cached, call(history, 100 + k));
+    const auto trace = [&](const char* which) {
+      return o.profile.empty() ? o.profile : o.profile + ".turn" + std::to_string(k) + "." + which + ".json";
+    };
+    auto on = RunTurn(cached, call(history, 100 + k), trace("on"));
     if (!on.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", on.status().message().c_str()), 1;
-    auto off = RunTurn(uncached, call(history, 100 + k));
+    auto off = RunTurn(uncached, call(history, 100 + k), trace("off"));
     if (!off.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", off.status().message().c_str()), 1;
     const tinker::SampledSequence &a = on->out.sequences[0], &b = off->out.sequences[0];
     const std::vector<int32_t>& reply = a.tokens;

@@ -17,6 +17,9 @@ struct MultiTurnOptions {
   // The largest |logprob| difference of a turn's first sampled token, cache
   // on against off, that still counts as the same (the bench sets it by dtype).
   double logprob_tolerance = 1e-3;
+  // Non-empty: each turn on each sampler is traced (cli/trace_profile.h) to
+  // profile.turn<k>.on.json / .off.json; the figures then include the tracing.
+  std::string profile;
 };
 
 // The context window one conversation needs.

@@ -28,6 +28,7 @@
 #include "cli/bench_multiturn.h"
 #include "cli/decode_flags.h"
 #include "cli/step_flags.h"
+#include "cli/trace_profile.h"
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
@@ -59,6 +60,7 @@ struct Options {
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
   std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
+  std::string profile;  // --profile PATH: Kineto traces, PATH.<row>.json (the modes' own names)
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -192,9 +194,12 @@ int Run(const Options& o) {
         return std::fprintf(stderr, "loom bench sample: %s\n", uncached.status().message().c_str()), 1;
       MultiTurnOptions turns = o.turns;
       turns.logprob_tolerance = o.logprob_tolerance.value_or(bf16 ? 0.1 : 1e-3);
+      turns.profile = o.profile;
       rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", turns);
     } else {
-      rc = RunContention(s, o.contended);
+      ContentionOptions contended = o.contended;
+      contended.profile = o.profile;
+      rc = RunContention(s, contended);
     }
     sampler->reset();
     std::error_code ec;
@@ -222,6 +227,14 @@ int Run(const Options& o) {
         return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
       auto t = RunBatch(s, batch, use, o, 1000, o.new_tokens);
       if (!t.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", t.status().message().c_str()), 1;
+      if (!o.profile.empty()) {  // one more run, traced (the trace's overhead stays out of the row)
+        const std::string path = o.profile + "." + (n == 0 ? "base" : "a" + std::to_string(n)) + ".b" +
+                                 std::to_string(batch) + ".json";
+        Status st = StartTrace();
+        if (st.ok()) st = RunBatch(s, batch, use, o, 1000, o.new_tokens).status();
+        if (st.ok()) st = StopTrace(path);
+        if (!st.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", st.message().c_str()), 1;
+      }
       const double tps = t->tokens / t->seconds;
       const int64_t decode_tokens = std::max<int64_t>(0, t->tokens - batch);
       const double decode_tps = t->decode_seconds > 0 ? decode_tokens / t->decode_seconds : 0.0;
@@ -282,6 +295,11 @@ int BenchSample(int argc, char** argv) {
                  "0.1 in bf16, 1e-3 in fp32)");
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_option("--profile", o.profile,
+                 "Kineto traces (libtorch 2.x) for bench/trace_summary.py: the decode table traces one more run "
+                 "of each row to PATH.<base|aN>.b<batch>.json; --multi-turn traces every turn, "
+                 "PATH.turn<k>.on.json / .off.json (those turns' figures include the tracing); --contention "
+                 "traces the phase beside the flood, PATH.contended.json");
   const DecodeFlags decode_flags(app);
   try {
     app.parse(argc, argv);

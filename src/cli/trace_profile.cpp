@@ -25,7 +25,11 @@ const std::set<ActivityType>& Activities() {
 }  // namespace
 
 Status StartTrace() {
-  const ProfilerConfig config(ProfilerState::KINETO);
+  ProfilerConfig config(ProfilerState::KINETO);
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 7
+  // The sampler's work runs on its decode thread, not on the caller's.
+  config.experimental_config.profile_all_threads = true;
+#endif
   prof::prepareProfiler(config, Activities());
   prof::enableProfiler(config, Activities());
   return Status::Ok();

@@ -22,6 +22,8 @@
 
 #include <cmath>
 #include <exception>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -371,8 +373,17 @@ double RoomForSlots(at::Device device) {
   return 0.8 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 
-// 80% of the host memory free now.
+// 80% of the host memory available now: /proc/meminfo's MemAvailable (free
+// pages plus the page cache the kernel can drop, e.g. the base weights just
+// read), else the free pages.
 double HostRoom() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") return 0.8 * kib * 1024.0;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
   return 0.8 * static_cast<double>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 

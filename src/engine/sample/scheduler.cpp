@@ -1,5 +1,7 @@
 #include "engine/sample/scheduler.h"
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -276,9 +278,12 @@ void Scheduler::Step() {
     StepPlan plan = PlanStep(admitted_, limits_, history_);
     ++history_.step;
     const auto t0 = std::chrono::steady_clock::now();
+    // Named spans of a profiler trace (bench/trace_summary.py --within); free when none runs.
     if (plan.prefill) {
+      RECORD_USER_SCOPE("sampler prefill");
       PrefillStep(std::move(plan.chunks));
     } else {
+      RECORD_USER_SCOPE("sampler decode");
       DecodeStep(std::move(plan.rows));
     }
     history_.last_prefill = plan.prefill;
