@@ -25,13 +25,12 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 
 #include "cli/adapter_bank.h"
 #include "cli/commands.h"
+#include "engine/io/file_text.h"
 #include "engine/io/peft.h"
 #include "http/auth.h"
 #include "engine/train/adamw.h"
@@ -54,11 +53,9 @@ int Fail(const Status& s) {
 // base_model_name_or_path must name the served model when the file states one.
 Status CheckBaseModel(const std::string& adapter_dir, const std::string& served) {
   const std::string path = (fs::path(adapter_dir) / "adapter_config.json").string();
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("--adapter: cannot read " + path);
-  std::stringstream text;
-  text << in.rdbuf();
-  const nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  auto text = engine::ReadTextFile(path);
+  if (!text.ok()) return Status::NotFound("--adapter: " + text.status().message());
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + " is not a JSON object");
   const auto it = j.find("base_model_name_or_path");
   if (it == j.end() || it->is_null() || (it->is_string() && it->get<std::string>().empty())) return Status::Ok();
@@ -82,15 +79,6 @@ Result<std::string> TenantOf(const std::string& tenant, const std::string& api_k
   if (!keys.ok()) return keys.status();
   auto known = keys->Authenticate(tenant);
   return known.ok() ? known : Result<std::string>(tenant);
-}
-
-// A fresh staging path that does not exist yet (the writers create it whole).
-Result<std::string> StagingTarget(store::Registry& registry) {
-  auto dir = registry.NewStagingDir();
-  if (!dir.ok()) return dir.status();
-  std::error_code ec;
-  fs::remove_all(*dir, ec);
-  return *dir;
 }
 
 }  // namespace
@@ -154,10 +142,10 @@ int ImportAdapter(int argc, char** argv) {
   const std::string model_id = "import:" + service::RandomHex(8);
   const int64_t now = service::NowMs();
   const engine::LoraConfig& lora = adapter->config;
-  auto state_dir = StagingTarget(**registry);
+  auto state_dir = (*registry)->NewStagingPath();
   if (!state_dir.ok()) return Fail(state_dir.status());
   if (Status s = engine::train::SaveSlotState(**bank, fresh, 0, *state_dir); !s.ok()) return Fail(s);
-  auto peft_dir = StagingTarget(**registry);
+  auto peft_dir = (*registry)->NewStagingPath();
   if (!peft_dir.ok()) return Fail(peft_dir.status());
   if (Status s = engine::WritePeft(*adapter, *peft_dir, model_name); !s.ok()) return Fail(s);
 

@@ -31,7 +31,7 @@ import torch
 from peft import PeftModel
 from safetensors import safe_open
 
-from make_golden import config_drift, config_model_type, load_base
+from make_golden import add_precision_args, config_drift, config_model_type, load_base, precision
 
 MOE_TYPES = ("qwen3_moe", "gpt_oss")
 VLLM_KEY = re.compile(r"^base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
@@ -67,12 +67,9 @@ def main():
     ap.add_argument("--adapter", required=True)
     ap.add_argument("--merged", required=True)
     ap.add_argument("--vllm")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--tol", type=float, default=1e-4)
+    add_precision_args(ap)
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    dtype = precision(args)
     rng = np.random.default_rng(5)
 
     merged = load_base(args.merged, args.device, dtype)

@@ -10,9 +10,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "common/durable.h"
+#include "engine/io/file_text.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
 #include "engine/model/config.h"
@@ -27,22 +27,8 @@ const char kIndexFile[] = "model.safetensors.index.json";
 const char kEmbedding[] = "model.embed_tokens.weight";
 const char kHead[] = "lm_head.weight";
 
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-Result<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot read " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 Result<nlohmann::json> ReadJson(const std::string& path) {
-  Result<std::string> text = ReadText(path);
+  Result<std::string> text = ReadTextFile(path);
   if (!text.ok()) return text.status();
   nlohmann::json j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + " is not a JSON object");
