@@ -6,6 +6,8 @@
 //    (create_training_client_from_state: weights_info, create_model,
 //    load_weights with the optimizer) into a trainer that gives them too and
 //    trains on; a third tenant gets 404;
+//  - an adapter of alpha 64 imported into a server of alpha 32 samples as
+//    `loom forward --adapter` of the file (its B rescaled, the delta kept);
 //  - bad adapters (rank over --max-rank, an unknown module, a wrong shape,
 //    another base model) fail naming the field and the limit, and leave
 //    every file of the store as it was;
@@ -137,11 +139,21 @@ TEST(AdaptersIo, ImportedSnapshotSamplesAndTrainsAsTheOriginalAndExportsMerge) {
           "base_model_name_or_path 'Qwen/Qwen3-4B' is not the served model 'loom/tiny-qwen3'");
   EXPECT_EQ(Files(data_dir), before) << "a refused import must leave the store as it was";
 
+  // An adapter of another alpha is stored at the server's (32), its delta kept.
+  const std::string alpha64 = data_dir + "-alpha64";
+  fs::remove_all(alpha64);
+  fs::copy(snapshot, alpha64);
+  edit([](Json& j) { j["lora_alpha"] = 64; })(alpha64);
+  const Ran doubled = RunLoom(import + alpha64 + " --name doubled");
+  ASSERT_EQ(doubled.code, 0) << doubled.out;
+  const std::string doubled_path = Json::parse(doubled.out, nullptr, false).value("sampler_path", "");
+
   const Ran imported = RunLoom(import + snapshot + " --name imported");
   ASSERT_EQ(imported.code, 0) << imported.out;
   const Json paths = Json::parse(imported.out, nullptr, false);
   ASSERT_TRUE(paths.is_object()) << imported.out;
   const std::string sampler_path = paths.value("sampler_path", ""), state_path = paths.value("state_path", "");
+  std::vector<float> doubled_lp;  // the sampler's, of the alpha-64 import
   EXPECT_NE(sampler_path.find("/sampler_weights/imported"), std::string::npos) << imported.out;
   EXPECT_NE(state_path.find("/weights/imported"), std::string::npos) << imported.out;
   {
@@ -150,6 +162,7 @@ TEST(AdaptersIo, ImportedSnapshotSamplesAndTrainsAsTheOriginalAndExportsMerge) {
     test::TenantClient c(server.port(), "tml-importer");
     c.Start();
     ExpectNear(c.PromptLogprobs(c.SamplingOn(sampler_path), kProbe), original, 1e-5, "the imported sampler path");
+    doubled_lp = c.PromptLogprobs(c.SamplingOn(doubled_path), kProbe);
 
     // create_training_client_from_state_with_optimizer: weights_info, a model of that config, load_weights.
     const Json info = c.PostOk("weights_info", {{"tinker_path", state_path}});
@@ -186,6 +199,13 @@ TEST(AdaptersIo, ImportedSnapshotSamplesAndTrainsAsTheOriginalAndExportsMerge) {
   ASSERT_EQ(with_adapter.size(), kProbe.size() - 1);
   ExpectNear(ForwardLogprobs("--model " + merged + " --tokens " + tokens), with_adapter, 1e-4, "the merged model");
   ExpectNear(with_adapter, original, 1e-4, "loom forward --adapter against the sampler");
+  ExpectNear(doubled_lp, ForwardLogprobs("--model " + base + " --adapter " + alpha64 + " --tokens " + tokens), 1e-4,
+             "the alpha-64 adapter, imported at alpha 32");
+  ASSERT_EQ(doubled_lp.size(), original.size());
+  float apart = 0;
+  for (size_t i = 0; i < original.size(); ++i) apart = std::max(apart, std::abs(doubled_lp[i] - original[i]));
+  EXPECT_GT(apart, 1e-3f) << "doubling alpha must change the adapter";
+  fs::remove_all(alpha64);
 
   const Ran vllm_refused = RunLoom("export --model " + base + " --adapter " + snapshot + " --out " + data_dir +
                                    "/vllm --format vllm");
