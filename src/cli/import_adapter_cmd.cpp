@@ -19,7 +19,7 @@
 //
 // Everything is checked before the store is opened, so a refused adapter
 // leaves it unchanged: the base model (base_model_name_or_path, when the
-// file states one, must be --model-name), the rank (<= --max-rank), the
+// file states one, must be --model-name unless --ignore-base-name), the rank (<= --max-rank), the
 // target modules (ones loom adapts) and every tensor's shape against the
 // model's (ReadPeft), each error naming the field and the limit.
 #include <CLI/CLI.hpp>
@@ -30,8 +30,10 @@
 
 #include "cli/adapter_bank.h"
 #include "cli/commands.h"
+#include "cli/slot_plan.h"
 #include "engine/io/file_text.h"
 #include "engine/io/peft.h"
+#include "engine/model/config.h"
 #include "http/auth.h"
 #include "engine/train/adamw.h"
 #include "engine/train/state.h"
@@ -63,7 +65,8 @@ Status CheckBaseModel(const std::string& adapter_dir, const std::string& served)
   if (it->get<std::string>() != served)
     return Status::Invalid(path + ": base_model_name_or_path '" + it->get<std::string>() +
                            "' is not the served model '" + served +
-                           "' (--model-name); an adapter of another base cannot be served here");
+                           "' (--model-name); an adapter of another base cannot be served here (if it is the same "
+                           "model under another name or path, pass --ignore-base-name: the shapes are still checked)");
   return Status::Ok();
 }
 
@@ -87,7 +90,7 @@ int ImportAdapter(int argc, char** argv) {
   CLI::App app{"Register a PEFT LoRA adapter directory as a tenant's checkpoints in a (stopped) server's store",
                "loom import-adapter"};
   std::string store_dir, tenant, api_keys_file, adapter_dir, name, model_dir, model_name;
-  int max_rank = engine::EngineOptions{}.max_rank;
+  int max_rank = 0;
   double lora_alpha = service::ServiceOptions{}.lora_alpha;
   app.add_option("--store", store_dir, "the server's --data-dir (the server must not be running)")->required();
   app.add_option("--tenant", tenant, "the owner: its API key (tml-...), or its tenant id as the store records it")
@@ -98,8 +101,13 @@ int ImportAdapter(int argc, char** argv) {
   app.add_option("--name", name, "checkpoint name (default: the adapter directory's name)");
   app.add_option("--model", model_dir, "the server's --model directory (default: the store's embedded tiny qwen3)");
   app.add_option("--model-name", model_name, "the server's --model-name (default: as loom serve picks it)");
-  app.add_option("--max-rank", max_rank, "the server's --max-rank")->default_val(max_rank)->check(CLI::Range(1, 1024));
+  app.add_option("--max-rank", max_rank, "the server's --max-rank; 0 = loom serve's default (128 dense, 32 MoE)")
+      ->default_val(max_rank)
+      ->check(CLI::Range(0, 1024));
   app.add_option("--lora-alpha", lora_alpha, "the server's --lora-alpha")->default_val(lora_alpha);
+  bool ignore_base_name = false;
+  app.add_flag("--ignore-base-name", ignore_base_name,
+               "accept an adapter_config.json whose base_model_name_or_path names the model otherwise (a local path)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -115,6 +123,11 @@ int ImportAdapter(int argc, char** argv) {
     if (model_name.empty()) model_name = service::ServiceOptions{}.base_model_name;
   }
   if (model_name.empty()) model_name = fs::path(model_dir).filename().string();
+  if (max_rank == 0) {  // serve's default (cli/slot_plan.h): MoE slots grow with the experts
+    auto config = engine::ModelConfig::Load(model_dir);
+    if (!config.ok()) return Fail(Status(config.status().code(), "--model: " + config.status().message()));
+    max_rank = config->num_experts > 0 ? kMoeRank : kDenseRank;
+  }
   if (name.empty()) name = fs::path(adapter_dir).lexically_normal().filename().string();
   auto owner = TenantOf(tenant, api_keys_file);
   if (!owner.ok()) return Fail(Status::Invalid("--tenant: " + owner.status().message()));
@@ -122,7 +135,8 @@ int ImportAdapter(int argc, char** argv) {
   if (!(lora_alpha > 0)) return Fail(Status::Invalid("--lora-alpha must be > 0"));
 
   // ---- every check, before the store is touched ----
-  if (Status s = CheckBaseModel(adapter_dir, model_name); !s.ok()) return Fail(s);
+  if (!ignore_base_name)
+    if (Status s = CheckBaseModel(adapter_dir, model_name); !s.ok()) return Fail(s);
   auto bank = AdapterBank(model_dir, adapter_dir, max_rank);
   if (!bank.ok()) return Fail(bank.status());
   auto adapter = engine::ReadPeft(**bank, adapter_dir);
