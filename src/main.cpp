@@ -15,6 +15,8 @@ void Usage() {
                "  make-model  write a random-initialised model in Hugging Face layout\n"
                "  forward     run the engine once on a packed batch and print logprobs\n"
                "  bench       benchmarks: train | multi-tenant | sample\n"
+               "  import-adapter  register a PEFT adapter as a tenant's checkpoints in a stopped server's store\n"
+               "  export      write a LoRA snapshot as a merged HF model or a vLLM LoRA directory\n"
                "run `loom <command> --help` for its flags\n");
 }
 }  // namespace
@@ -31,6 +33,8 @@ int main(int argc, char** argv) {
   if (cmd == "demo") return loom::cli::Demo(argc - 1, argv + 1);
   if (cmd == "bench") return loom::cli::Bench(argc - 1, argv + 1);
   if (cmd == "forward") return loom::cli::Forward(argc - 1, argv + 1);
+  if (cmd == "import-adapter") return loom::cli::ImportAdapter(argc - 1, argv + 1);
+  if (cmd == "export") return loom::cli::Export(argc - 1, argv + 1);
   std::fprintf(stderr, "loom: unknown command '%s'\n", cmd.c_str());
   Usage();
   return 2;

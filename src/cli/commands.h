@@ -8,4 +8,6 @@ int Serve(int argc, char** argv);      // loom serve --model DIR --port P ...
 int Demo(int argc, char** argv);       // loom demo: the multi-tenant demo (README's main job)
 int Bench(int argc, char** argv);      // loom bench train|multi-tenant|sample
 int Forward(int argc, char** argv);    // loom forward: run the engine on a prompt (debugging aid)
+int ImportAdapter(int argc, char** argv);  // loom import-adapter --store DIR --tenant T --adapter PEFT_DIR
+int Export(int argc, char** argv);     // loom export --model DIR --adapter DIR --out DIR --format merged|vllm
 }  // namespace loom::cli

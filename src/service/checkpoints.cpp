@@ -4,26 +4,12 @@
 
 #include <fmt/format.h>
 
-#include <filesystem>
-
 #include "common/log.h"
 #include "service/util.h"
 
 namespace loom::service {
 
-namespace fs = std::filesystem;
-
 namespace {
-// A fresh path under the registry's staging folder that does not exist yet
-// (the engine writes its directory atomically and creates it itself).
-Result<std::string> StagingTarget(store::Registry& registry) {
-  auto dir = registry.NewStagingDir();
-  if (!dir.ok()) return dir.status();
-  std::error_code ec;
-  fs::remove_all(*dir, ec);
-  return *dir;
-}
-
 std::optional<int64_t> ExpiresMs(int64_t created_ms, const std::optional<int64_t>& ttl_seconds) {
   if (!ttl_seconds) return std::nullopt;
   return store::ExpiryMs(created_ms, *ttl_seconds);  // saturated: a huge TTL never wraps into the past
@@ -60,7 +46,7 @@ Status Checkpoints::Stage(Publication& pub) {
                                        Field(for_sampler), pub.path.name, pub.spec.model_id,
                                        for_sampler ? "" : " or pass overwrite=true"));
   }
-  auto staging = StagingTarget(registry_);
+  auto staging = registry_.NewStagingPath();  // the engine writes its directory whole
   if (!staging.ok()) return staging.status();
   pub.staging = std::move(*staging);
   return Status::Ok();

@@ -320,6 +320,15 @@ Result<std::string> Registry::NewStagingDir() {
   return dir.string();
 }
 
+Result<std::string> Registry::NewStagingPath() {
+  auto dir = NewStagingDir();
+  if (!dir.ok()) return dir.status();
+  std::error_code ec;
+  fs::remove(*dir, ec);
+  if (ec) return Status::Internal("registry: cannot clear staging path " + *dir + ": " + ec.message());
+  return dir;
+}
+
 // ---------------------------------------------------------------- runs
 
 Status Registry::UpsertRun(const TrainingRun& run) {

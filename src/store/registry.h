@@ -142,6 +142,10 @@ class Registry {
   // Creates and returns a fresh empty directory under <data_dir>/staging/
   // (same file system as runs/, so CommitCheckpoint's rename is atomic).
   Result<std::string> NewStagingDir();
+  // A fresh path under <data_dir>/staging/ that does not exist yet, for a
+  // writer that makes its directory appear whole (durable::PublishDirectory);
+  // CommitCheckpoint takes it like a NewStagingDir() folder.
+  Result<std::string> NewStagingPath();
 
   // ---- training runs ----
   // Inserts or replaces the run with this model_id (validated).

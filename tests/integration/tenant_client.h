@@ -134,6 +134,11 @@ class TenantClient {
     EXPECT_EQ(Retrieve(Json::parse(sub.body)["request_id"], true).status, 200);
     OptimStep();
   }
+  // load_state (optimizer false) or load_state_with_optimizer of a weights/ path into the model.
+  Json LoadState(const std::string& path, bool optimizer) {
+    return Result(PostOk("load_weights", {{"model_id", model_}, {"seq_id", ++seq_}, {"path", path},
+                                          {"optimizer", optimizer}, {"type", "load_weights"}}));
+  }
   // save_weights_and_get_sampling_client: an unnamed snapshot + its sampling session.
   std::string SaveForSampling() {
     Json r = Result(PostOk("save_weights_for_sampler", {{"model_id", model_}, {"seq_id", ++seq_},

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from peft import PeftModel
 
-from make_golden import config_drift, load_base
+from make_golden import add_precision_args, config_drift, load_base, precision
 
 
 def loom_logprobs(args, tokens):
@@ -45,12 +45,9 @@ def main():
     ap.add_argument("--loom", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--adapter", required=True)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="fp32")
-    ap.add_argument("--tol", type=float, default=1e-4)
+    add_precision_args(ap)
     args = ap.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    dtype = precision(args)
     rng = np.random.default_rng(3)
     base = load_base(args.model, args.device, dtype)
     vocab = base.config.vocab_size

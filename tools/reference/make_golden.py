@@ -93,6 +93,19 @@ GPT_OSS_SEQ_LENGTHS = MOE_SEQ_LENGTHS + [11, 16, 6, 14]
 RELOAD_TOL = 1e-5   # |logprob| after PeftModel.from_pretrained of the saved adapter
 
 
+def add_precision_args(ap):
+    """The check scripts' --device, --dtype and --tol."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--tol", type=float, default=1e-4)
+
+
+def precision(args):
+    """The torch dtype of --dtype, with TF32 off (exact fp32 matmuls on a GPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return torch.float32 if args.dtype == "fp32" else torch.bfloat16
+
+
 def fail(msg):
     print(f"{os.path.basename(sys.argv[0])}: FAILED: {msg}", file=sys.stderr)
     sys.exit(1)

@@ -6,12 +6,11 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "common/durable.h"
+#include "engine/io/file_text.h"
 #include "engine/io/peft_config.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
@@ -86,20 +85,6 @@ Result<std::pair<at::Tensor, at::Tensor>> ExpertsFromPeft(const LoraTarget& t, i
   const at::Tensor shared = pb.select(2, 0);
   if (!at::equal(pb, shared.unsqueeze(2).expand_as(pb))) return differs("lora_B");
   return std::pair{pa.contiguous(), shared.contiguous()};
-}
-
-std::string ShapeText(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-Result<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot read " + path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 }  // namespace
@@ -224,7 +209,7 @@ Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::
 Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
   const std::filesystem::path root(dir);
   const std::string config_path = (root / kConfigFile).string();
-  Result<std::string> text = ReadText(config_path);
+  Result<std::string> text = ReadTextFile(config_path);
   if (!text.ok()) return text.status();
   Result<PeftConfig> cfg = ParsePeftConfig(*text, bank.max_rank(), config_path);
   if (!cfg.ok()) return cfg.status();
