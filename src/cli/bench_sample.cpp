@@ -32,6 +32,7 @@
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
+#include "engine/sample/op_count.h"
 #include "engine/sample_api.h"
 #include "testmodel/make_model.h"
 
@@ -60,6 +61,7 @@ struct Options {
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
   std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
+  bool count_ops = false;  // --count-ops: the ATen ops of the prefill steps (engine/sample/op_count.h)
   std::string profile;  // --profile PATH: Kineto traces, PATH.<row>.json (the modes' own names)
 };
 
@@ -195,6 +197,7 @@ int Run(const Options& o) {
       MultiTurnOptions turns = o.turns;
       turns.logprob_tolerance = o.logprob_tolerance.value_or(bf16 ? 0.1 : 1e-3);
       turns.profile = o.profile;
+      turns.count_ops = o.count_ops;
       rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", turns);
     } else {
       ContentionOptions contended = o.contended;
@@ -234,6 +237,15 @@ int Run(const Options& o) {
         if (st.ok()) st = RunBatch(s, batch, use, o, 1000, o.new_tokens).status();
         if (st.ok()) st = StopTrace(path);
         if (!st.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", st.message().c_str()), 1;
+      }
+      if (o.count_ops) {  // one more run, counted (the counting's overhead stays out of the row)
+        engine::sample::OpCount counter(engine::sample::kPrefillScope);
+        if (auto c = RunBatch(s, batch, use, o, 1000, o.new_tokens); !c.ok())
+          return std::fprintf(stderr, "loom bench sample: %s\n", c.status().message().c_str()), 1;
+        const engine::sample::OpCounts ops = counter.Take();
+        std::printf("%-10s ops of the prefill: %lld calls (%lld with nested) in %lld steps\n", "",
+                    static_cast<long long>(ops.calls), static_cast<long long>(ops.ops),
+                    static_cast<long long>(ops.scopes));
       }
       const double tps = t->tokens / t->seconds;
       const int64_t decode_tokens = std::max<int64_t>(0, t->tokens - batch);
@@ -295,6 +307,9 @@ int BenchSample(int argc, char** argv) {
                  "0.1 in bf16, 1e-3 in fp32)");
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--count-ops", o.count_ops,
+               "count the ATen ops of the prefill steps (any build): one more run of each decode row, or each "
+               "--multi-turn turn (then with the counting's overhead in its figures)");
   app.add_option("--profile", o.profile,
                  "Kineto traces (libtorch 2.x) for bench/trace_summary.py: the decode table traces one more run "
                  "of each row to PATH.<base|aN>.b<batch>.json; --multi-turn traces every turn, "
