@@ -45,16 +45,6 @@ struct Turn {
   engine::sample::OpCounts ops;  // of its prefill steps, when counted
 };
 
-// The top n outermost ops of c by count, on one line.
-std::string TopOps(const engine::sample::OpCounts& c, size_t n) {
-  std::vector<std::pair<int64_t, std::string>> v;
-  for (const auto& [name, k] : c.by_name) v.emplace_back(-k, name);
-  std::sort(v.begin(), v.end());
-  std::string out;
-  for (size_t i = 0; i < std::min(n, v.size()); ++i)
-    out += (i ? ", " : "") + v[i].second + " " + std::to_string(-v[i].first);
-  return out;
-}
 
 // trace: a Kineto trace of the turn goes there (empty: none); count_ops:
 // Turn::ops counts its prefill steps' ops.
@@ -147,7 +137,7 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
                   "in %lld\n      on: %s\n", "", static_cast<long long>(on->ops.calls),
                   static_cast<long long>(on->ops.ops), static_cast<long long>(on->ops.scopes),
                   static_cast<long long>(off->ops.calls), static_cast<long long>(off->ops.ops),
-                  static_cast<long long>(off->ops.scopes), TopOps(on->ops, 12).c_str());
+                  static_cast<long long>(off->ops.scopes), on->ops.Top(12).c_str());
     std::fflush(stdout);
     on_total += on->prefill_ms;
     off_total += off->prefill_ms;
@@ -155,6 +145,11 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
   }
   std::printf("prefill over the conversation: %.1f ms with the prefix cache, %.1f ms without (%.2fx)\n", on_total,
               off_total, on_total > 0 ? off_total / on_total : 0.0);
+  std::printf("prefill steps on the decode graphs (--fast-prefill): %lld of %lld with the cache, %lld of %lld without\n",
+              static_cast<long long>(cached.stats().fast_prefill_steps),
+              static_cast<long long>(cached.stats().prefill_steps),
+              static_cast<long long>(uncached.stats().fast_prefill_steps),
+              static_cast<long long>(uncached.stats().prefill_steps));
   std::printf("first-token logprobs within tolerance in %d of %d turns (|dlogprob| at most %.2e, tolerance %.0e)\n",
               firsts_same, o.turns, worst, o.logprob_tolerance);
   return firsts_same == o.turns ? 0 : 1;

@@ -192,7 +192,7 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
     ModelRunner fast(model, &bank, 128, kBlock, {});
     if (!fast.fast_decode()) GTEST_SKIP() << "no fast decode path in this build";
     for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
-    const std::vector<int64_t> lens = {40, 300, 150, 9, 260};  // second step: 647 new rows, two replays
+    const std::vector<int64_t> lens = {40, 300, 150, 9, 260};  // second step: 647 new rows, three replays
     const std::vector<int64_t> heads = {32, 0, 64, 0, 16};     // prefilled by the first step
     const std::vector<int> slots = {0, 0, 1, -1, 2};
     const int64_t vocab = model->config().vocab_size;

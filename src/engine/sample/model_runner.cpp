@@ -22,6 +22,11 @@ at::Tensor LongTensor(const std::vector<int64_t>& v, at::Device d) {
 // prefill's fused attention does better (e.g. 1,024 new tokens over a
 // 4,096-token prefix).
 constexpr int64_t kFastPrefillContext = int64_t{1} << 19;
+// Rows per fast-prefill replay: the largest batch bucket of decode steps at
+// the default 256 rows (SamplerOptions::max_batch_rows), so prefill needs no
+// graph of a size decode does not (each graph keeps [rows, vocab] fp32
+// logits: 155 MB at 256 rows of qwen3-4b's vocabulary).
+constexpr int64_t kFastPrefillSlice = std::min<int64_t>(256, kFastDecodeMaxRows);
 
 // A PackedBatch that only routes rows to slots (Logits / TargetLogprobs use
 // seq_begin and seq_slot, not the tokens).
@@ -80,8 +85,8 @@ at::Tensor ModelRunner::FastPrefill(const std::vector<PrefillChunk>& chunks) {
   const auto part = [](const auto& v, int64_t b, int64_t n) { return std::decay_t<decltype(v)>(v.begin() + b, v.begin() + b + n); };
   std::vector<at::Tensor> picked;
   size_t next = 0;
-  for (int64_t b = 0; b < rows; b += kFastDecodeMaxRows) {
-    const int64_t n = std::min(kFastDecodeMaxRows, rows - b);
+  for (int64_t b = 0; b < rows; b += kFastPrefillSlice) {
+    const int64_t n = std::min(kFastPrefillSlice, rows - b);
     DecodeStep step;
     step.tokens = part(all.tokens, b, n);
     step.positions = part(all.positions, b, n);

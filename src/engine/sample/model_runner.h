@@ -68,8 +68,8 @@ class ModelRunner {
   // position whose context (the cached prefix and the step's earlier tokens
   // of its sequence) is read through the sequence's block table. In each
   // layer the graph writes all rows' K/V before any row attends, so a row
-  // sees what a causal prefill shows it; rows go kFastDecodeMaxRows per
-  // replay, in order, so a later replay's rows read what earlier ones wrote.
+  // sees what a causal prefill shows it; rows go up to 256 per replay
+  // (kFastPrefillSlice), in order, so a later replay's rows read what earlier ones wrote.
   // Same logits as Prefill to the fast decode path's rounding; no
   // paged-context gather, no per-sequence loop, and adapters applied per row
   // (BGMV) at the launches of one. Undefined when the step does not qualify

@@ -2,8 +2,11 @@
 
 #include <ATen/record_function.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 namespace loom::engine::sample {
 namespace {
@@ -42,6 +45,16 @@ void OnEnd(const at::RecordFunction& fn, at::ObserverContext*) {
 }
 
 }  // namespace
+
+std::string OpCounts::Top(size_t n) const {
+  std::vector<std::pair<int64_t, std::string>> v;
+  for (const auto& [name, k] : by_name) v.emplace_back(-k, name);
+  std::sort(v.begin(), v.end());
+  std::string out;
+  for (size_t i = 0; i < std::min(n, v.size()); ++i)
+    out += (i ? ", " : "") + v[i].second + " " + std::to_string(-v[i].first);
+  return out;
+}
 
 OpCount::OpCount(const char* scope) {
   {

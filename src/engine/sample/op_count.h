@@ -23,6 +23,8 @@ struct OpCounts {
   int64_t calls = 0;   // outermost ops inside them
   int64_t ops = 0;     // every op inside them, nested ones included
   std::map<std::string, int64_t> by_name;  // outermost ops by name
+  // The n most frequent outermost ops, "name count, ...".
+  std::string Top(size_t n) const;
 };
 
 class OpCount {
