@@ -39,11 +39,15 @@ def main():
     out = {"system": "hf+peft", "compile": a.compile, "batch": a.batch, "seqlen": a.seqlen, "rank": a.rank,
            "flop_convention": "4*N per token, N = base parameters (tied embedding once), peak 989 TFLOP/s"}
     try:
+        # transformers 5.17 has no SDPA path for gpt_oss (its sinks): eager attention there.
+        with open(f"{a.model_dir}/config.json") as f:
+            attn = "eager" if json.load(f).get("model_type") == "gpt_oss" else "sdpa"
+        out["attn_implementation"] = attn
         model = AutoModelForCausalLM.from_pretrained(a.model_dir, torch_dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa").cuda()
+                                                     attn_implementation=attn).cuda()
         params_by_name = {id(p): (n, p) for n, p in model.named_parameters()}.values()
         n_base = sum(p.numel() for _, p in params_by_name)
-        experts = getattr(model.config, "num_experts", 0) or 0
+        experts = getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0) or 0
         if experts:
             k = model.config.num_experts_per_tok
             n_expert = sum(p.numel() for n, p in params_by_name if ".mlp.experts." in n)

@@ -44,6 +44,7 @@ struct TrainBenchOptions {
   bool lora_fp32 = false;
   int recompute_layers = -1;
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
+  std::string moments = engine::EngineOptions{}.moments;
   std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
 };
 
@@ -142,6 +143,7 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.lora_fp32 = o.lora_fp32;
   eo.recompute_layers = o.recompute_layers;
   eo.graph_max_tokens = o.graph_tokens;
+  eo.moments = o.moments;
   auto opened = engine::Engine::Open(eo);
   if (!opened.ok()) {
     std::fprintf(stderr, "loom bench train: %s\n", opened.status().message().c_str());
@@ -169,6 +171,12 @@ int BenchTrain(const TrainBenchOptions& o) {
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
               info.dtype.c_str(), o.rank, o.steps);
+  std::printf("slots: %d at rank %d, %.1f MiB each on the %s", info.max_slots, info.max_rank,
+              static_cast<double>(info.slot_bytes) / (1 << 20), info.device.c_str());
+  if (info.moments_on_host)
+    std::printf(" + %.1f MiB of AdamW moments on the host\n", static_cast<double>(info.slot_host_bytes) / (1 << 20));
+  else
+    std::printf(" (AdamW moments included)\n");
   if (const std::string plan = e.MemoryPlanReport(); !plan.empty())
     std::printf("memory plan: %s; at most %lld tokens per pass\n", plan.c_str(),
                 static_cast<long long>(e.MaxPassTokens()));
@@ -244,6 +252,10 @@ int Bench(int argc, char** argv) {
                     "on a GPU, passes of at most this many tokens (padded: power-of-two lengths of at least 64 "
                     "and counts) run as CUDA graphs; 0 = never")
       ->default_val(t.graph_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  train->add_option("--moments", t.moments,
+                    "where the AdamW moments live: device, host (pinned, staged per optim_step) or auto (the host "
+                    "only when the slots do not fit on the device otherwise)")
+      ->default_val(t.moments)->check(CLI::IsMember({"auto", "device", "host"}));
   train->add_option("--profile", t.profile,
                     "after timing, trace one more step of each row (Kineto, libtorch 2.x) to PATH.one.json and "
                     "PATH.packed.json (bench/trace_summary.py reads them)");

@@ -81,8 +81,10 @@ int Serve(int argc, char** argv) {
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
   int64_t token_budget = 0;
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
+  std::string moments = engine::EngineOptions{}.moments;
   int batch_window_ms = 2;
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
+  app.add_option("--moments", moments, "where the adapters' AdamW moments live: device, host (pinned host memory, staged through the GPU at each optim_step: half the slot's device bytes) or auto (the host only when --max-adapters slots do not fit on the device otherwise)")->default_val(moments)->check(CLI::IsMember({"auto", "device", "host"}));
   app.add_option("--graph-tokens", graph_tokens, "on a GPU, forward_backward passes of at most this many tokens (padded to power-of-two lengths of at least 64 and counts) run as CUDA graphs, captured on first use (0 = never)")->default_val(graph_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
   app.add_option("--io-threads", io_threads, "HTTP I/O threads")->default_val(io_threads)->check(CLI::Range(1, 64));
@@ -148,6 +150,7 @@ int Serve(int argc, char** argv) {
   eopt.max_rank = max_rank;
   eopt.context_window = context_window;
   eopt.graph_max_tokens = graph_tokens;
+  eopt.moments = moments;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return Fail("--model: " + engine.status().message());
   auto registry = store::Registry::Open(data_dir);
@@ -215,10 +218,10 @@ int Serve(int argc, char** argv) {
 
   const auto& info = service.model_info();
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
-              "slot_mib=%lld sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
+              "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
-              static_cast<long long>(info.slot_bytes / (1024 * 1024)), sampler_slots,
+              static_cast<long long>(info.slot_bytes / (1024 * 1024)), info.moments_on_host ? "host" : "device", sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
               data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
   std::fflush(stdout);

@@ -63,6 +63,12 @@ struct EngineOptions {
   // (train/pass_graphs.h): a small step costs its GPU time, not its ~10,000
   // launches. 0 = never. No effect on the CPU.
   int64_t graph_max_tokens = 2048;
+  // Where the slots' AdamW moments live: "device" (beside the weights: 16
+  // bytes per LoRA parameter on the device), "host" (pinned host memory,
+  // staged through a bounded device buffer at each optim_step: 8 bytes per
+  // parameter on the device, 8 on the host), or "auto": the device when
+  // max_slots fit there, else the host when they fit that way.
+  std::string moments = "auto";
 };
 
 struct ModelInfo {
@@ -77,7 +83,12 @@ struct ModelInfo {
   int max_rank = 0;
   int64_t base_parameters = 0;  // the frozen weights' element count (a tied embedding once)
   int64_t active_parameters = 0;  // those one token runs through: an MoE layer's experts count k of E
-  int64_t slot_bytes = 0;  // one adapter slot at max_rank: fp32 weights, gradient and two AdamW moments
+  // One adapter slot at max_rank: fp32 weights, gradient and two AdamW
+  // moments, of which slot_host_bytes (the moments, when moments_on_host)
+  // are in host memory and the rest, slot_bytes, on the model's device.
+  int64_t slot_bytes = 0;
+  int64_t slot_host_bytes = 0;
+  bool moments_on_host = false;
 };
 
 // The device allocator's bytes (libtorch's caching allocator, not what the

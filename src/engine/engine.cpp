@@ -22,6 +22,8 @@
 
 #include <cmath>
 #include <exception>
+#include <fstream>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -56,7 +58,7 @@ class TrainingEngine final : public Engine {
         model_(std::move(model)),
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
-        optimizer_(bank_),
+        optimizer_(bank_, info_.moments_on_host),
         graphs_(train::PassGraphs::Options{model_->device().is_cuda() ? options.graph_max_tokens : 0,
                                            /*capture=*/true,
                                            [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
@@ -371,6 +373,57 @@ double RoomForSlots(at::Device device) {
   return 0.8 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 
+// 80% of the host memory available now: /proc/meminfo's MemAvailable (free
+// pages plus the page cache the kernel can drop, e.g. the base weights just
+// read), else the free pages.
+double HostRoom() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") return 0.8 * kib * 1024.0;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0.8 * static_cast<double>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
+// Where the slots' moments go (EngineOptions::moments) and whether
+// max_slots slots fit there, before any exists: an MoE slot at max rank is
+// gigabytes (docs/architecture.md, expert LoRA layout). Fills info's slot
+// bytes; Invalid naming the flag and the room when they do not fit.
+Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t slot_elems, ModelInfo* info) {
+  const std::string& where = options.moments;
+  if (where != "auto" && where != "device" && where != "host")
+    return Status::Invalid(Cat("moments: '", where, "' is not auto, device or host"));
+  const double slots = options.max_slots, room = RoomForSlots(device);
+  const double resident = 16.0 * static_cast<double>(slot_elems), split = 8.0 * static_cast<double>(slot_elems);
+  // On the CPU the host is the device: "host" only changes the code path.
+  const bool host = where == "host" || (where == "auto" && device.is_cuda() && resident * slots > room &&
+                                        split * slots <= room && split * slots <= HostRoom());
+  info->moments_on_host = host;
+  info->slot_bytes = static_cast<int64_t>(host ? split : resident);
+  info->slot_host_bytes = host ? static_cast<int64_t>(split) : 0;
+  constexpr double kMiB = 1024.0 * 1024.0;
+  const auto mib = [&](double b) { return static_cast<int64_t>(b / kMiB); };
+  if (static_cast<double>(info->slot_bytes) * slots > room) {
+    return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
+                               " need ", mib(static_cast<double>(info->slot_bytes) * slots), " MiB on the ",
+                               info->device, " (", mib(static_cast<double>(info->slot_bytes)), " MiB each: fp32 weights, gradient",
+                               host ? "; the AdamW moments on the host" : " and two AdamW moments", "); it has room for ",
+                               static_cast<int64_t>(room / static_cast<double>(info->slot_bytes)),
+                               " (80% of the memory beside the base weights); lower --max-adapters or --max-rank",
+                               host ? "" : ", or put the moments on the host (--moments host)"));
+  }
+  if (host && device.is_cuda() && split * slots > HostRoom()) {
+    return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
+                               " need ", mib(split * slots), " MiB of host memory for their AdamW moments (",
+                               mib(split), " MiB each); the host has room for ",
+                               static_cast<int64_t>(HostRoom() / split),
+                               " (80% of its free memory); lower --max-adapters or --max-rank"));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
@@ -427,17 +480,7 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     // at max rank is gigabytes (docs/architecture.md, expert LoRA layout).
     int64_t slot_elems = 0;
     for (const LoraTargetSpec& t : (*model)->LoraTargets()) slot_elems += t.AElems(options.max_rank) + t.BElems(options.max_rank);
-    info.slot_bytes = 16 * slot_elems;
-    const double want = static_cast<double>(info.slot_bytes) * options.max_slots, room = RoomForSlots(device);
-    if (want > room) {
-      constexpr double kMiB = 1024.0 * 1024.0;
-      return Status::Invalid(Cat("max_slots: ", options.max_slots, " adapter slots at max_rank ", options.max_rank,
-                                 " need ", static_cast<int64_t>(want / kMiB), " MiB (",
-                                 static_cast<int64_t>(static_cast<double>(info.slot_bytes) / kMiB),
-                                 " MiB each: fp32 weights, gradient and two AdamW moments); this ", info.device,
-                                 " has room for ", static_cast<int64_t>(room / static_cast<double>(info.slot_bytes)),
-                                 " (80% of the memory beside the base weights); lower --max-adapters or --max-rank"));
-    }
+    if (Status s = PlanSlotMemory(options, device, slot_elems, &info); !s.ok()) return s;
     auto engine = std::make_unique<TrainingEngine>(std::move(*model), std::move(info), options, threads);
     if (options.recompute_layers < 0) engine->Calibrate();
     return std::unique_ptr<Engine>(std::move(engine));

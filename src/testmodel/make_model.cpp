@@ -215,9 +215,13 @@ Result<ModelConfig> GptOssPreset(const std::string& preset, const std::string& d
 // gpt_oss tiny preset, whose sinks (1.0), biases (0.5), router (0.5) and
 // gate_up experts (0.5: pre-activations of std about 4 on normed rows of
 // width 64, so the +-7 clamp bites) are large enough for tests to see them.
+// Except v_proj's and o_proj's biases: the same for every token, at 0.5 they
+// would outweigh the embeddings (0.02) in the residual, so every token's
+// normed row, and its route, would be nearly the same.
 double InitStd(const ModelConfig& c, const std::string& preset, const std::string& name) {
   if (!c.IsGptOss() || preset != "tiny") return c.initializer_range;
   if (EndsWith(name, "self_attn.sinks")) return 1.0;
+  if (EndsWith(name, "v_proj.bias") || EndsWith(name, "o_proj.bias")) return c.initializer_range;
   if (EndsWith(name, "bias") || EndsWith(name, "mlp.router.weight") || EndsWith(name, "experts.gate_up_proj"))
     return 0.5;
   return c.initializer_range;

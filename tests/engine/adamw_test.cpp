@@ -400,3 +400,77 @@ TEST_F(SlotOptimizerTest, ForeachRefusesOnlyTheUnstableNeighbourSlot) {
 
 }  // namespace
 }  // namespace loom::engine::train
+
+namespace loom::engine::train {
+namespace {
+
+// Moments on the host, staged through a device buffer one slot at a time:
+// the same numbers as the resident multi-tensor path, bit for bit, over
+// repeated, refused and out-of-range calls, and the moments a checkpoint
+// reads (the a()/b() views) are the host's, up to date after each Step.
+TEST_F(SlotOptimizerTest, HostMomentsMatchResidentMomentsBitForBit) {
+  SlotBank twin{3, 4, at::kCPU,
+                {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7}, {"lm_head", TargetGroup::kUnembed, 6, 9}}};
+  for (int s = 0; s < 3; ++s) ASSERT_TRUE(twin.Bind(s, bank.slot(s).config).ok());
+  SlotOptimizer host{twin, /*moments_on_host=*/true, /*stage_bytes=*/1};
+  ASSERT_TRUE(host.moments_on_host());
+  ASSERT_EQ(host.stage_rows(), 1);  // every chunk is one slot
+  ASSERT_EQ(host.path(), SlotOptimizer::Path::kForeach);
+  EXPECT_THROW(host.set_path(SlotOptimizer::Path::kRows), std::invalid_argument);
+  opt.set_path(SlotOptimizer::Path::kForeach);
+  AdamParams p0{1e-2, 0.9, 0.95, 1e-12, 0.05, 0.05};
+  AdamParams p1{2e-2, 0.85, 0.9, 1e-8, 0.0, 0.0};
+  AdamParams blowup{1e38, 0.9, 0.95, 1e-30, 0.0, 0.0};  // refused: the weights would overflow
+  for (int round = 0; round < 3; ++round) {
+    {
+      c10::NoGradGuard ng;
+      at::manual_seed(200 + round);
+      for (size_t i = 0; i < 3; ++i) {
+        auto& t = bank.targets()[i];
+        if (round > 0) {
+          t.A.mutable_grad().copy_(at::randn_like(t.A) * 0.1);
+          t.B.mutable_grad().copy_(at::randn_like(t.B) * 0.1);
+        }
+        if (round == 0) {
+          twin.targets()[i].A.copy_(t.A);
+          twin.targets()[i].B.copy_(t.B);
+        }
+        twin.targets()[i].A.mutable_grad().copy_(t.A.grad().clone());
+        twin.targets()[i].B.mutable_grad().copy_(t.B.grad().clone());
+      }
+    }
+    const std::vector<OptimStepCall> calls{{0, p0}, {1, p1}, {7, p0}, {2, round == 1 ? blowup : p1}, {0, p0}};
+    auto want = opt.Step(bank, calls);
+    auto got = host.Step(twin, calls);
+    for (size_t c = 0; c < calls.size(); ++c) {
+      ASSERT_EQ(got[c].ok(), want[c].ok()) << "call " << c;
+      if (!want[c].ok()) {
+        EXPECT_EQ(got[c].status().message(), want[c].status().message());
+        continue;
+      }
+      EXPECT_EQ(got[c]->metrics["grad_norm"], want[c]->metrics["grad_norm"]);
+      EXPECT_EQ(got[c]->metrics["step"], want[c]->metrics["step"]);
+    }
+    EXPECT_FALSE(want[2].ok());                 // slot 7 is out of range
+    EXPECT_EQ(want[3].ok(), round != 1);        // the blow-up is refused
+    for (size_t i = 0; i < 3; ++i) {
+      const auto& w = bank.targets()[i];
+      const auto& g = twin.targets()[i];
+      EXPECT_TRUE(at::equal(g.A, w.A));
+      EXPECT_TRUE(at::equal(g.B, w.B));
+      for (const auto& [h, r] : {std::pair{&host.a(i), &opt.a(i)}, std::pair{&host.b(i), &opt.b(i)}}) {
+        EXPECT_TRUE(h->exp_avg.device().is_cpu());
+        EXPECT_TRUE(at::equal(h->exp_avg, r->exp_avg));
+        EXPECT_TRUE(at::equal(h->exp_avg_sq, r->exp_avg_sq));
+      }
+    }
+  }
+  EXPECT_GT(bank.slot(0).step, 3);
+  EXPECT_GT(at::count_nonzero(host.a(0).exp_avg_sq).item<int64_t>(), 0);  // not vacuous
+  host.Reset(0);
+  opt.Reset(0);
+  EXPECT_TRUE(at::equal(host.a(0).exp_avg, opt.a(0).exp_avg));
+}
+
+}  // namespace
+}  // namespace loom::engine::train

@@ -454,6 +454,53 @@ TEST(Engine, SlotsThatDoNotFitAreRefusedUpFront) {
   EXPECT_NE(refused.status().message().find("MiB each"), std::string::npos) << refused.status().message();
 }
 
+// Moments on the host (EngineOptions::moments): half the slot's bytes on the
+// device, the same training numbers as resident moments (up to the float
+// rounding of the multi-tensor path the CPU reference does not use), and a
+// checkpoint saved from one placement resumes in the other.
+TEST(Engine, MomentsOnTheHostTrainAndResumeLikeResidentOnes) {
+  TempDir tmp;
+  const auto open = [](const std::string& moments) {
+    EngineOptions o;
+    o.model_dir = ModelDir();
+    o.device = "cpu";
+    o.max_slots = 2;
+    o.max_rank = 8;
+    o.threads = 2;
+    o.moments = moments;
+    return Engine::Open(o);
+  };
+  auto host = open("host");
+  ASSERT_TRUE(host.ok()) << host.status().message();
+  auto resident = open("auto");
+  ASSERT_TRUE(resident.ok());
+  const ModelInfo& h = (*host)->info();
+  EXPECT_TRUE(h.moments_on_host);
+  EXPECT_FALSE((*resident)->info().moments_on_host);  // auto keeps them on the device when they fit
+  EXPECT_EQ(2 * h.slot_bytes, (*resident)->info().slot_bytes);
+  EXPECT_EQ(h.slot_host_bytes, h.slot_bytes);
+  auto bad = open("gpu");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("moments"), std::string::npos) << bad.status().message();
+
+  Engine& a = **host;
+  Engine& b = **resident;
+  ASSERT_TRUE(a.BindSlot(1, Lora(4, 3)).ok());
+  ASSERT_TRUE(b.BindSlot(1, Lora(4, 3)).ok());
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(TrainStep(a, 1, Batch(300 + i)), TrainStep(b, 1, Batch(300 + i)), 1e-4);
+  ASSERT_TRUE(a.SaveState(1, tmp.path + "/from_host").ok());
+  auto c = open("device");
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->BindSlot(0, Lora(4, 3)).ok());
+  const Status loaded = (*c)->LoadState(0, tmp.path + "/from_host", /*with_optimizer=*/true);
+  ASSERT_TRUE(loaded.ok()) << loaded.message();
+  for (int i = 3; i < 5; ++i) {
+    const double want = TrainStep(b, 1, Batch(300 + i));
+    EXPECT_NEAR(TrainStep(**c, 0, Batch(300 + i)), want, 1e-4);
+    EXPECT_NEAR(TrainStep(a, 1, Batch(300 + i)), want, 1e-4);
+  }
+}
+
 TEST(Engine, BindChecksRankSlotAndGroups) {
   auto e = Open(2, 8);
   Status s = e->BindSlot(0, Lora(9, 1));

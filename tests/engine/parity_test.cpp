@@ -312,7 +312,7 @@ TEST_P(ParityTest, CudaPassMatchesHuggingFacePeft) {
   RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kBFloat16, 0.1, moe ? 0.0 : 0.1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, ParityTest, ::testing::Values("qwen2", "qwen3", "qwen3_moe"));
+INSTANTIATE_TEST_SUITE_P(Arch, ParityTest, ::testing::Values("qwen2", "qwen3", "qwen3_moe", "gpt_oss"));
 
 }  // namespace
 }  // namespace loom::engine

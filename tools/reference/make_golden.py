@@ -87,6 +87,9 @@ MOE_ADAPTERS = [("a0", 2, 16), ("a1", 4, 8), ("a2", 4, 16)]
 # Longer than SEQ_LENGTHS so that every expert of every MoE layer gets a token
 # (checked); change these, not SEED, which would move the dense goldens too.
 MOE_SEQ_LENGTHS = [9, 15, 7, 13]
+# gpt_oss's tiny router (biased, top-2 of 8) needs more tokens to reach all
+# eight experts: [9, 15, 7, 13] hit 7 of them in layer 0.
+GPT_OSS_SEQ_LENGTHS = MOE_SEQ_LENGTHS + [11, 16, 6, 14]
 RELOAD_TOL = 1e-5   # |logprob| after PeftModel.from_pretrained of the saved adapter
 
 
@@ -227,9 +230,9 @@ def gpt_oss_layout(model, ckpt, mlps):
         moe["experts"][layer] = experts
     window = getattr(cfg, "sliding_window", None)
     sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
-    if not sliding or not window or window >= max(MOE_SEQ_LENGTHS):
+    if not sliding or not window or window >= max(GPT_OSS_SEQ_LENGTHS):
         fail(f"layer_types {cfg.layer_types}, sliding_window {window}: no sliding layer whose window is "
-             f"shorter than the longest sequence ({max(MOE_SEQ_LENGTHS)})")
+             f"shorter than the longest sequence ({max(GPT_OSS_SEQ_LENGTHS)})")
     sinks = [m.sinks for n, m in model.named_modules() if hasattr(m, "sinks")]
     if len(sinks) != cfg.num_hidden_layers or min(s.abs().max().item() for s in sinks) < 0.1:
         fail("expected sinks of O(1) in every attention layer (make-model's tiny preset)")
@@ -495,7 +498,7 @@ def check_routes(moe, seqs, seq_routes, recorder):
         hit = expert_hits(seqs, seq_routes, layer)
         if hit != set(range(moe["num_experts"])):
             fail(f"layer {layer}: the batch hits experts {sorted(hit)} of {moe['num_experts']}; "
-                 f"lengthen MOE_SEQ_LENGTHS so that every expert gets a token")
+                 f"lengthen MOE_SEQ_LENGTHS (GPT_OSS_SEQ_LENGTHS for gpt_oss) so that every expert gets a token")
     if recorder.weights_without_grad:
         fail(f"layers {sorted(recorder.weights_without_grad)}: the routing weights have no gradient")
 
@@ -597,7 +600,9 @@ def main():
     targets = {"target_modules": target_modules, "target_parameters": target_parameters}
     vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(SEED)
-    seqs = make_batch(rng, vocab, SEQ_LENGTHS if moe is None else MOE_SEQ_LENGTHS)
+    lengths = (SEQ_LENGTHS if moe is None else
+               GPT_OSS_SEQ_LENGTHS if config_model_type(args.model) == "gpt_oss" else MOE_SEQ_LENGTHS)
+    seqs = make_batch(rng, vocab, lengths)
 
     # Base-only logprobs, to prove later that the adapters matter.
     with torch.no_grad():

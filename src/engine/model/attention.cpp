@@ -175,7 +175,10 @@ at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const
   at::Tensor o;
   (void)kernel;  // math only before libtorch 2.0
 #if LOOM_TORCH_AT_LEAST(2, 0)
-  if (kernel == AttentionKernel::kSdpa) {
+  if (kernel == AttentionKernel::kSdpa) o = compat::FlashCausalInference(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0));
+  if (o.defined()) {
+    o = o.squeeze(0);
+  } else if (kernel == AttentionKernel::kSdpa) {
     const int64_t L = k.size(0), group = heads / k.size(1);
     const at::Tensor visible = at::ones({n, L}, q.options().dtype(at::kBool)).tril(L - n);  // true = attend
     const at::Tensor kk = group == 1 ? ks : ks.repeat_interleave(group, 0);

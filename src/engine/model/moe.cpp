@@ -1,7 +1,11 @@
 #include "engine/model/moe.h"
 
 #include <algorithm>
+#include <optional>
+#include <stdexcept>
 #include <tuple>
+
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "engine/model/compat.h"
 #include "engine/model/lean_ops.h"
@@ -10,31 +14,128 @@ namespace loom::engine {
 namespace {
 
 const auto kLong = at::TensorOptions().dtype(at::kLong);
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
-// The LoRA delta of one expert target over the sorted pairs' rows x [P, d_in]
-// (counts: rows per (expert, slot group) segment, G = E * (U + 1)): each
-// segment times its own slot's factors for its expert, scaled by the slot's
-// alpha/r; the rows of tokens without a slot (group U) come out exactly 0.
-at::Tensor ExpertDelta(const SlotBank& bank, const LoraTarget& t, const at::Tensor& x, const at::Tensor& counts,
-                       const ExpertLoraRouting& lora, const at::Tensor& row_group) {
-  const int64_t U = lora.num_slots(), sub = U + 1, G = counts.size(0);
-  const at::Device dev = x.device();
-  // Segment g = e * sub + u uses expert e and slot u (group U: slot 0's
-  // factors, whose rows are then selected away, never multiplied by 0).
-  const at::Tensor g = at::arange(G, kLong.device(dev));
-  const at::Tensor ids = at::cat({lora.slot_ids, lora.slot_ids.narrow(0, 0, 1)});
-  const at::Tensor seg_slot = ids.index_select(0, at::remainder(g, sub));
-  const at::Tensor seg_expert = at::div(g, sub, "floor");
-  const auto factor = [&](const at::Tensor& f, bool per_expert) {
-    return per_expert ? f.index({seg_slot, seg_expert}) : f.index_select(0, seg_slot);
-  };
-  const at::ScalarType ct = bank.ComputeType(x);
-  const at::Tensor a = factor(t.A, t.per_expert == ExpertFactor::kA).to(ct);  // [G, R, d_in]
-  const at::Tensor b = factor(t.B, t.per_expert == ExpertFactor::kB).to(ct);  // [G, d_out, R]
-  const at::Tensor mid = GroupedLinear(x.to(ct), a, counts);                  // [P, R]
-  const at::Tensor out = GroupedLinear(mid, b, counts);                       // [P, d_out]
-  const at::Tensor scale = lora.scale.index_select(0, row_group).unsqueeze(1).to(ct);
-  return at::where((row_group < U).unsqueeze(1), out * scale, at::zeros_like(out)).to(x.scalar_type());
+// Row permutations whose backward is the inverse gather, not index_select's
+// index_add (atomic adds, in bf16 the slowest kernel of an MoE pass).
+// y = x[perm]; dx = dy[inverse].
+struct PermuteRowsNode : torch::autograd::Function<PermuteRowsNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& perm, const at::Tensor& inverse) {
+    ctx->saved_data["inverse"] = inverse;
+    return x.index_select(0, perm);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].index_select(0, ctx->saved_data["inverse"].toTensor()), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The dispatch of T tokens to their P = T * K sorted pairs and back. pair
+// j's token is token[j]; token t's k-th pair sits at position[t * K + k].
+//   Dispatch: x [P, d] = h[token]; dh[t] = sum over k of dx[position[t K + k]].
+//   Combine:  out [T, d] = sum over k of y[position[t K + k]]; dy = dout[token].
+// Both sums are one reduction over K (fp32 accumulation), so no atomics.
+struct DispatchNode : torch::autograd::Function<DispatchNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& token, const at::Tensor& position,
+                            int64_t K) {
+    ctx->saved_data["position"] = position;
+    ctx->saved_data["K"] = K;
+    return h.index_select(0, token);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t K = ctx->saved_data["K"].toInt();
+    const at::Tensor g = grads[0].index_select(0, ctx->saved_data["position"].toTensor());
+    return {g.view({-1, K, g.size(1)}).sum(1), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct CombineNode : torch::autograd::Function<CombineNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& token, const at::Tensor& position,
+                            int64_t K) {
+    ctx->saved_data["token"] = token;
+    const at::Tensor g = y.index_select(0, position);
+    return g.view({-1, K, g.size(1)}).sum(1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0].index_select(0, ctx->saved_data["token"].toTensor()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The T * K (token, choice) pairs in sorted order (see DispatchNode).
+struct Pairs {
+  at::Tensor token;     // [P] each sorted pair's token
+  at::Tensor position;  // [P] where pair (t, k) sits in the sorted order, at t * K + k
+  int64_t K = 0;
+  at::Tensor Dispatch(const at::Tensor& h) const { return DispatchNode::apply(h, token, position, K); }
+  at::Tensor Combine(const at::Tensor& y) const { return CombineNode::apply(y, token, position, K); }
+};
+
+// The expert LoRA of one batch (moe.h): its slots' factors and the two
+// orders it runs in. The shared factors (gate_up's A, down's B) run per
+// token, over the tokens sorted by LoRA group (U + 1 segments, the last the
+// tokens without a slot); the per-expert factors run per (expert, group)
+// segment of the sorted pairs, over the non-empty segments only (a decode
+// step routes a few dozen of E * (U + 1)), so no factor is gathered for a
+// segment without rows, nor a shared one once per expert. A token meets only
+// its own slot's factors (group U: slot 0's, whose rows are selected away).
+struct ExpertLoraPlan {
+  const SlotBank* bank = nullptr;
+  const ExpertLoraRouting* lora = nullptr;
+  at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
+  at::Tensor tok_keep;                            // [T, 1] bool: the token has a slot
+  at::Tensor tok_scale;                           // [T, 1] fp32: its slot's alpha/r (0 without)
+  at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
+  at::Tensor group_ids;                           // [U + 1] slot per group (group U: slot 0)
+
+  ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
+    const int64_t U = r.num_slots(), sub = U + 1;
+    const at::Device dev = counts.device();
+    tok_order = std::get<1>(at::sort(r.token_group, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+    tok_inverse = at::empty_like(tok_order).scatter_(0, tok_order, at::arange(T, kLong.device(dev)));
+    tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
+    tok_keep = (r.token_group < U).unsqueeze(1);
+    tok_scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
+    group_ids = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
+    const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
+    seg_counts = counts.index_select(0, nz);
+    seg_slot = group_ids.index_select(0, at::remainder(nz, sub));
+    seg_expert = at::div(nz, sub, "floor");
+  }
+  // y [T, out] = x [T, in] f[slot(token)]^T, f [N, out, in] a shared factor.
+  at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
+    const at::Tensor w = f.index_select(0, group_ids).to(x.scalar_type());  // [U + 1, out, in]
+    const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
+    return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
+  }
+  // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in].
+  at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
+    return GroupedLinear(x, f.index({seg_slot, seg_expert}).to(x.scalar_type()), seg_counts);
+  }
+  // Rows of tokens without a slot exactly 0, the others times alpha/r: y's
+  // rows are tokens, or (token given) the sorted pairs of those tokens.
+  at::Tensor Scaled(const at::Tensor& y, const at::Tensor& token = {}) const {
+    const auto rows = [&](const at::Tensor& v) { return token.defined() ? v.index_select(0, token) : v; };
+    return at::where(rows(tok_keep), y * rows(tok_scale).to(y.scalar_type()), at::zeros_like(y));
+  }
+};
+
+// gate_up's delta per sorted pair [P, 2I] (A shared, B per expert):
+// (h A_slot^T) per token, taken to the pairs, times the segment's B.
+at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& h, const Pairs& pairs,
+                       at::ScalarType out) {
+  const at::ScalarType ct = p.bank->ComputeType(h);
+  const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
+  return p.Scaled(p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
+}
+
+// down's delta per token [T, H] (A per expert, B shared), already weighted
+// by the routes: B_slot (sum over the token's pairs of p * A_segment act),
+// which is the sum of the pairs' weighted deltas with one B product per token.
+at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& act, const Pairs& pairs,
+                     const at::Tensor& weight) {
+  const at::ScalarType ct = p.bank->ComputeType(act);
+  const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
+  return p.Scaled(p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
 }
 
 // gpt_oss's clamped SwiGLU over gate_up [P, 2I] (gate then up), as HF's
@@ -134,23 +235,32 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   const at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
   const at::Tensor expert_counts = with_lora ? counts.view({E, sub}).sum(1) : counts;
-  const at::Tensor token = pair_token.index_select(0, order);
-  const at::Tensor x = h.index_select(0, token);  // [P, H]
-  at::Tensor row_group;
-  if (with_lora) row_group = lora->token_group.index_select(0, token);
+  Pairs pairs;
+  pairs.token = pair_token.index_select(0, order);
+  pairs.position = at::empty_like(order).scatter_(0, order, at::arange(T * K, kLong.device(h.device())));
+  pairs.K = K;
+  const at::Tensor x = pairs.Dispatch(h);  // [P, H]
 
   at::Tensor pair_expert;  // each sorted pair's expert, for the biases
   if (w.gate_up_bias.defined() || w.down_bias.defined()) pair_expert = top_e.reshape({-1}).index_select(0, order);
 
+  const at::Tensor weight = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);  // [P, 1]
+  std::optional<ExpertLoraPlan> plan;
+  if (with_lora) {
+    if (gate_up->per_expert != ExpertFactor::kB || down->per_expert != ExpertFactor::kA)
+      throw std::logic_error("MoeForward: the expert LoRA layout is gate_up B and down A per expert (slot_bank.h)");
+    plan.emplace(bank, *lora, counts, T);
+  }
+
   at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
   if (w.gate_up_bias.defined()) gu = gu + w.gate_up_bias.index_select(0, pair_expert);
-  if (with_lora) gu = gu + ExpertDelta(bank, *gate_up, x, counts, *lora, row_group);
+  if (plan) gu = gu + GateUpDelta(*plan, *gate_up, h, pairs, gu.scalar_type());
   const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
   if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
-  if (with_lora) y = y + ExpertDelta(bank, *down, act, counts, *lora, row_group);
-  y = y * top_p.reshape({-1}).index_select(0, order).unsqueeze(1);
-  return at::zeros_like(h).index_add(0, token, y);
+  at::Tensor out = pairs.Combine(y * weight);
+  if (plan) out = out + DownDelta(*plan, *down, act, pairs, weight);
+  return out;
 }
 
 }  // namespace loom::engine

@@ -2,10 +2,14 @@
 
 #include <c10/core/GradMode.h>
 #include "engine/train/text.h"
+#if LOOM_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <stdexcept>
 
 namespace loom::engine::train {
 namespace {
@@ -159,14 +163,39 @@ Status ValidateAdamParams(const AdamParams& p) {
   return Status::Ok();
 }
 
-SlotOptimizer::SlotOptimizer(const SlotBank& bank) {
-  if (!bank.targets().empty() && bank.targets()[0].A.device().is_cuda()) path_ = Path::kForeach;
-  exp_avg_ = at::zeros_like(bank.flat());
-  exp_avg_sq_ = at::zeros_like(bank.flat());
+SlotOptimizer::SlotOptimizer(const SlotBank& bank, bool moments_on_host, int64_t stage_bytes) : on_host_(moments_on_host) {
+  const at::Tensor& flat = bank.flat();
+  if (flat.is_cuda() || on_host_) path_ = Path::kForeach;
+  if (on_host_) {
+    const auto host = flat.options().device(at::kCPU).pinned_memory(flat.is_cuda());
+    exp_avg_ = at::zeros(flat.sizes(), host);
+    exp_avg_sq_ = at::zeros(flat.sizes(), host);
+    const int64_t row_bytes = 2 * 4 * std::max<int64_t>(1, flat.size(1));
+    stage_rows_ = std::clamp<int64_t>(stage_bytes / row_bytes, 1, std::max<int64_t>(1, flat.size(0)));
+    stage_m_ = at::zeros({stage_rows_, flat.size(1)}, flat.options());
+    stage_v_ = at::zeros({stage_rows_, flat.size(1)}, flat.options());
+    staged_row_.assign(static_cast<size_t>(flat.size(0)), -1);
+  } else {
+    exp_avg_ = at::zeros_like(flat);
+    exp_avg_sq_ = at::zeros_like(flat);
+  }
   for (const LoraTarget& t : bank.targets()) {
     a_.push_back({bank.FactorView(exp_avg_, t, true), bank.FactorView(exp_avg_sq_, t, true)});
     b_.push_back({bank.FactorView(exp_avg_, t, false), bank.FactorView(exp_avg_sq_, t, false)});
   }
+}
+
+void SlotOptimizer::set_path(Path p) {
+  if (on_host_ && p == Path::kRows)
+    throw std::invalid_argument("SlotOptimizer: the rows path needs the moments beside the bank, not on the host");
+  path_ = p;
+}
+
+at::Tensor SlotOptimizer::MomentRow(bool first, int64_t s) const {
+  if (!on_host_) return (first ? exp_avg_ : exp_avg_sq_).select(0, s);
+  const int64_t row = staged_row_.at(static_cast<size_t>(s));
+  if (row < 0) throw std::logic_error(Cat("SlotOptimizer: slot ", s, "'s moments are not staged"));
+  return (first ? stage_m_ : stage_v_).select(0, row);
 }
 
 void SlotOptimizer::Reset(int s) {
@@ -190,7 +219,40 @@ std::vector<Result<OptimStepOutput>> SlotOptimizer::Step(SlotBank& bank, const s
     in_round.insert(calls[i].slot);
   }
   if (!round.empty()) StepRound(bank, calls, round, results);
+  // The staged-out host rows are current before anyone reads them (a
+  // checkpoint save, Reset, the next stage-in of the same slot is ordered anyway).
+#if LOOM_CUDA_KERNELS
+  if (on_host_ && bank.flat().is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();
+#endif
   return results;
+}
+
+void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
+                              const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
+  if (!on_host_) return StepResident(bank, calls, which, results);
+  c10::NoGradGuard no_grad;
+  for (size_t begin = 0; begin < which.size(); begin += static_cast<size_t>(stage_rows_)) {
+    const size_t end = std::min(which.size(), begin + static_cast<size_t>(stage_rows_));
+    const std::vector<size_t> chunk(which.begin() + static_cast<std::ptrdiff_t>(begin),
+                                    which.begin() + static_cast<std::ptrdiff_t>(end));
+    std::vector<int64_t> staged;  // slots in range, in staging-row order (a round's slots are distinct)
+    for (size_t i : chunk) {
+      const int s = calls[i].slot;
+      if (s < 0 || s >= bank.num_slots()) continue;
+      const int64_t row = static_cast<int64_t>(staged.size());
+      staged_row_[static_cast<size_t>(s)] = row;
+      stage_m_.select(0, row).copy_(exp_avg_.select(0, s), /*non_blocking=*/true);
+      stage_v_.select(0, row).copy_(exp_avg_sq_.select(0, s), /*non_blocking=*/true);
+      staged.push_back(s);
+    }
+    StepResident(bank, calls, chunk, results);
+    for (size_t row = 0; row < staged.size(); ++row) {
+      const int64_t s = staged[row];
+      exp_avg_.select(0, s).copy_(stage_m_.select(0, static_cast<int64_t>(row)), /*non_blocking=*/true);
+      exp_avg_sq_.select(0, s).copy_(stage_v_.select(0, static_cast<int64_t>(row)), /*non_blocking=*/true);
+      staged_row_[static_cast<size_t>(s)] = -1;
+    }
+  }
 }
 
 at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots,
@@ -244,7 +306,6 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
   const auto [begin, len] = bank.GroupColumns(group);
   if (len == 0) return l;
   const at::Tensor p = bank.flat().narrow(1, begin, len), g = bank.flat_grad().narrow(1, begin, len);
-  const at::Tensor m = exp_avg_.narrow(1, begin, len), v = exp_avg_sq_.narrow(1, begin, len);
   for (size_t k = 0; k < slots.size(); ++k) {
     const AdamParams& a = params[k];
     const double step = static_cast<double>(steps[k]);
@@ -261,8 +322,8 @@ SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& ban
     const int64_t s = slots[k];
     l.p.push_back(p.select(0, s));
     l.g.push_back(g.select(0, s));
-    l.m.push_back(m.select(0, s));
-    l.v.push_back(v.select(0, s));
+    l.m.push_back(MomentRow(true, s).narrow(0, begin, len));
+    l.v.push_back(MomentRow(false, s).narrow(0, begin, len));
     l.owners.push_back(static_cast<int64_t>(k));
     for (int i = 0; i < 9; ++i) l.f[i].push_back(f[i]);
   }
@@ -416,8 +477,8 @@ std::vector<bool> SlotOptimizer::Stable(const SlotBank& bank, const std::vector<
   return stable;
 }
 
-void SlotOptimizer::StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls,
-                              const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
+void SlotOptimizer::StepResident(SlotBank& bank, const std::vector<OptimStepCall>& calls,
+                                 const std::vector<size_t>& which, std::vector<Result<OptimStepOutput>>& results) {
   c10::NoGradGuard no_grad;
   std::vector<size_t> live;  // indices into calls that passed the checks
   for (size_t i : which) {

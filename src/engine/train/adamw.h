@@ -69,10 +69,20 @@ class SlotOptimizer {
   // kRows). Default: kForeach on CUDA, kRows on CPU.
   enum class Path { kRows, kForeach };
 
-  explicit SlotOptimizer(const SlotBank& bank);
+  static constexpr int64_t kStageBytes = int64_t{4} << 30;
+  // moments_on_host: the moments live in host memory (pinned when the bank
+  // is on a GPU) instead of beside the bank, halving a slot's device bytes
+  // (fp32 weights and gradient stay). Each step stages the stepped slots'
+  // moment rows into a device buffer of at most stage_bytes (at least one
+  // slot), updates them there, and copies them back; the numbers are the
+  // resident path's. Host moments use the kForeach path on any device.
+  explicit SlotOptimizer(const SlotBank& bank, bool moments_on_host = false, int64_t stage_bytes = kStageBytes);
 
-  void set_path(Path p) { path_ = p; }
+  // Throws std::invalid_argument for kRows when the moments are on the host.
+  void set_path(Path p);
   Path path() const { return path_; }
+  bool moments_on_host() const { return on_host_; }
+  int64_t stage_rows() const { return stage_rows_; }
 
   Moments& a(size_t target) { return a_[target]; }
   Moments& b(size_t target) { return b_[target]; }
@@ -92,8 +102,15 @@ class SlotOptimizer {
   std::vector<Result<OptimStepOutput>> Step(SlotBank& bank, const std::vector<OptimStepCall>& calls);
 
  private:
+  // One round of distinct slots; with host moments, in chunks of at most
+  // stage_rows_ slots, each staged in, stepped by StepResident and staged out.
   void StepRound(SlotBank& bank, const std::vector<OptimStepCall>& calls, const std::vector<size_t>& which,
                  std::vector<Result<OptimStepOutput>>& results);
+  void StepResident(SlotBank& bank, const std::vector<OptimStepCall>& calls, const std::vector<size_t>& which,
+                    std::vector<Result<OptimStepOutput>>& results);
+  // Slot s's row of exp_avg_ (first) or exp_avg_sq_: the resident row, or
+  // with host moments its staged row (s must be staged).
+  at::Tensor MomentRow(bool first, int64_t s) const;
   // Per live slot (calls[live[k]]): false when its step, with the grad
   // clip scale[k], would leave a weight or moment non-finite (true for slots
   // whose gradient is not finite: they are skipped, not stepped).
@@ -136,6 +153,12 @@ class SlotOptimizer {
   at::Tensor exp_avg_, exp_avg_sq_;  // [N, P] like SlotBank::flat(); a_ and b_ are views of them
   std::vector<Moments> a_, b_;
   Path path_ = Path::kRows;
+  bool on_host_ = false;
+  // Host moments only: [stage_rows_, P] device buffers, and per slot its
+  // staging row during a chunk (-1 = not staged).
+  at::Tensor stage_m_, stage_v_;
+  int64_t stage_rows_ = 0;
+  std::vector<int64_t> staged_row_;
 };
 
 }  // namespace loom::engine::train
