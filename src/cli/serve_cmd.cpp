@@ -13,6 +13,7 @@
 
 #include "cli/commands.h"
 #include "cli/decode_flags.h"
+#include "cli/slot_plan.h"
 #include "cli/step_flags.h"
 #include "common/log.h"
 #include "engine/api.h"
@@ -57,10 +58,10 @@ Result<std::string> DefaultModel(const std::string& data_dir) {
 int Serve(int argc, char** argv) {
   CLI::App app{"Serve the Tinker API (default model: an embedded tiny qwen3)", "loom serve"};
   std::string model_dir, model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
-  int port = 8080, max_adapters = 8, max_rank = 32, io_threads = 2;
+  int port = 8080, max_adapters = 0, max_rank = 0, io_threads = 2;
   int decode_threads = 2, decode_queue = 16, max_connections = 1024;
   std::string admin_key;
-  double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30;
+  double lora_alpha = 32.0, session_ttl = 300, seq_gap_timeout = 120, poll_hold = 30, capacity_wait = 600;
   size_t max_body_bytes = size_t{512} << 20;
   int sampler_adapters = 0, sample_queue = 256, publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t kv_budget_tokens = 0, context_window = 0;
@@ -71,11 +72,12 @@ int Serve(int argc, char** argv) {
   app.add_option("--port", port, "port to bind (0 = any free port)")->default_val(port)->check(CLI::Range(0, 65535));
   app.add_option("--data-dir", data_dir, "registry, checkpoints and the default model live here")->default_val(data_dir);
   app.add_option("--device", device, "auto | cpu | cuda")->default_val(device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients)")->default_val(max_adapters)->check(CLI::Range(1, 4096));
-  app.add_option("--max-rank", max_rank, "largest LoRA rank a client may ask for")->default_val(max_rank)->check(CLI::Range(1, 1024));
+  app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients); 0 = as many at --max-rank as fit in 40% of the memory, at most 32 (logged at start-up)")->default_val(max_adapters)->check(CLI::Range(0, 4096));
+  app.add_option("--max-rank", max_rank, "largest LoRA rank a client may ask for; 0 = 128 for dense models, 32 for mixture-of-experts models")->default_val(max_rank)->check(CLI::Range(0, 1024));
+  app.add_option("--capacity-wait", capacity_wait, "seconds a create_model may wait for an adapter slot when all are in use (queue_state paused_capacity, first come first served); then it fails naming this flag. 0 = refuse at once (503)")->default_val(capacity_wait)->check(CLI::Range(0.0, 86400.0));
   app.add_option("--lora-alpha", lora_alpha, "LoRA alpha of every adapter (scale = alpha / rank)")->default_val(lora_alpha);
   app.add_option("--api-keys", api_keys_file, "file of 'key tenant' lines; without it any tml- key is its own tenant (loopback only)");
-  app.add_option("--session-ttl", session_ttl, "seconds without heartbeat before a session's slots are released")->default_val(session_ttl);
+  app.add_option("--session-ttl", session_ttl, "seconds without a heartbeat (the SDK sends one every 10 s) before a session expires: its models' adapter slots are released and its samples cancelled")->default_val(session_ttl);
   app.add_option("--seq-gap-timeout", seq_gap_timeout, "seconds a missing seq_id may hold up later requests")->default_val(seq_gap_timeout);
   app.add_option("--max-body-bytes", max_body_bytes, "largest request body (also after zstd decoding)")->default_val(max_body_bytes);
   app.add_option("--poll-hold", poll_hold, "seconds a retrieve_future long-poll is held (< 45)")->default_val(poll_hold);
@@ -91,7 +93,7 @@ int Serve(int argc, char** argv) {
   app.add_option("--decode-threads", decode_threads, "threads that decode heavy bodies (zstd, protobuf, large JSON) off the I/O threads")->default_val(decode_threads)->check(CLI::Range(1, 64));
   app.add_option("--decode-queue", decode_queue, "heavy requests queued or decoding at once (beyond: 503, retryable); one tenant may hold half")->default_val(decode_queue)->check(CLI::Range(1, 4096));
   app.add_option("--max-connections", max_connections, "open HTTP connections (beyond: 503 and close); kept below the open-files limit minus a reserve for the store")->default_val(max_connections)->check(CLI::Range(1, 1 << 20));
-  app.add_option("--admin-key", admin_key, "X-API-Key that sees every tenant's series in /metrics (default: none; tenants see their own)");
+  app.add_option("--admin-key", admin_key, "X-API-Key of the operator: only it may read /metrics (with every tenant's usage series) and every tenant's GET /api/v1/usage (default: none; /metrics is then public for the aggregates, a tenant's key adds its own models' series)");
   app.add_option("--sample-queue", sample_queue, "asample calls the sampler holds at once, queued or running (beyond: 429, the SDK backs off and resubmits); one tenant may hold half")->default_val(sample_queue)->check(CLI::Range(1, 1 << 20));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk); 0 = one per --max-adapters (at least 4), at most what fits in a tenth of the device's memory")->default_val(sampler_adapters)->check(CLI::Range(0, 4096));
   app.add_option("--publish-threads", publish_threads, "threads that write and commit save_weights_for_sampler snapshots off the engine thread")->default_val(publish_threads)->check(CLI::Range(1, 64));
@@ -146,13 +148,19 @@ int Serve(int argc, char** argv) {
   engine::EngineOptions eopt;
   eopt.model_dir = model_dir;
   eopt.device = device;
-  eopt.max_slots = max_adapters;
-  eopt.max_rank = max_rank;
   eopt.context_window = context_window;
   eopt.graph_max_tokens = graph_tokens;
   eopt.moments = moments;
+  auto plan = PlanSlots(eopt, max_adapters, max_rank);
+  if (!plan.ok()) return Fail("--model: " + plan.status().message());
+  max_adapters = plan->slots;
+  max_rank = plan->max_rank;
+  eopt.max_slots = max_adapters;
+  eopt.max_rank = max_rank;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return Fail("--model: " + engine.status().message());
+  plan->slot_bytes = (*engine)->info().slot_bytes;
+  std::fprintf(stderr, "loom serve: %s\n", plan->Describe().c_str());
   auto registry = store::Registry::Open(data_dir);
   if (!registry.ok()) return Fail("--data-dir: " + registry.status().message());
 
@@ -162,6 +170,7 @@ int Serve(int argc, char** argv) {
   sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
   sopt.seq_gap_timeout = std::chrono::milliseconds(static_cast<int64_t>(seq_gap_timeout * 1000));
+  sopt.capacity_wait = std::chrono::milliseconds(static_cast<int64_t>(capacity_wait * 1000));
   sopt.sample_queue = sample_queue;
   sopt.publish_threads = publish_threads;
   // Keyed tenants share the slots; in open mode (loopback, one developer) a
@@ -218,12 +227,13 @@ int Serve(int argc, char** argv) {
 
   const auto& info = service.model_info();
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
-              "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s data_dir=%s%s max_connections=%d\n",
+              "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s capacity_wait_s=%g session_ttl_s=%g "
+              "data_dir=%s%s max_connections=%d\n",
               host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
               static_cast<long long>(info.slot_bytes / (1024 * 1024)), info.moments_on_host ? "host" : "device", sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
-              data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
+              capacity_wait, session_ttl, data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
   std::fflush(stdout);
 
   int sig = 0;

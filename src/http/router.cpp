@@ -223,6 +223,11 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
     return out;
   }
 
+  // The admin key reads every tenant's usage (it is no tenant's key).
+  if (ctx.route == "usage" && request.method == "GET" && IsAdmin(request)) {
+    out.response = JsonAnswer(wire::UsageListJson(service_.AllUsage()));
+    return out;
+  }
   auto tenant = keys_.Authenticate(request.header("x-api-key"));
   if (!tenant.ok()) {
     out.response = Error(tenant.status());
@@ -261,12 +266,33 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   return out;
 }
 
+bool Router::IsAdmin(const HttpRequest& request) const {
+  return !options_.admin_key.empty() && SameKey(request.header("x-api-key"), options_.admin_key);
+}
+
 HttpResponse Router::Scrape(const HttpRequest& request) {
   HttpResponse r;
   r.content_type = "text/plain; version=0.0.4; charset=utf-8";
-  r.body = service_.MetricsText();
+  if (IsAdmin(request)) {
+    r.body = service_.MetricsText(/*with_usage=*/true);
+    return r;
+  }
   const std::string key = request.header("x-api-key");
-  if (!options_.admin_key.empty() && SameKey(key, options_.admin_key)) return r;
+  // With an admin key configured, /metrics is the operator's: tenants read
+  // their own figures at /api/v1/usage.
+  if (!options_.admin_key.empty()) {
+    if (key.empty()) {
+      return Error(Status(Code::kUnauthenticated, "/metrics: needs the admin key (--admin-key) in X-API-Key"));
+    }
+    auto t = keys_.Authenticate(key);
+    if (!t.ok()) return Error(t.status());
+    HttpResponse denied = Error(Status(Code::kUnauthenticated,
+                                       "/metrics: only the admin key (--admin-key) may read it; a tenant's key reads "
+                                       "its own usage at GET /api/v1/usage"));
+    denied.status = 403;
+    return denied;
+  }
+  r.body = service_.MetricsText();
   // Without a key: the aggregates only. With one: also that tenant's models.
   std::string tenant;
   if (!key.empty()) {
@@ -324,7 +350,11 @@ HttpResponse Router::RetrieveFuture(Context& ctx, const std::string& request_id,
         park.status = 0;
         return park;
       }
-      return JsonAnswer(wire::TryAgainJson(request_id));
+      return JsonAnswer(wire::TryAgainJson(request_id,
+                                           view->queue_state == service::QueueState::kPausedCapacity
+                                               ? wire::QueueState::kPausedCapacity
+                                               : wire::QueueState::kActive,
+                                           view->queue_reason));
     case service::FutureState::kFailed:
       return JsonAnswer(wire::FutureErrorJson(view->error));
     case service::FutureState::kDone:
@@ -587,6 +617,10 @@ std::vector<Router::Route> Router::MakeRoutes() {
        [=, this](Context& ctx, const Args& a) {
          return encoded(service_.GetSession(ctx.caller, a[0]), wire::SessionJson);
        }},
+      // loom's own (docs/usage.md): the caller's usage; the admin key's
+      // view of every tenant is answered before authentication (Handle).
+      {"GET", "usage",
+       [=, this](Context& ctx, const Args&) { return JsonAnswer(wire::UsageJson(service_.UsageOf(ctx.caller.tenant))); }},
       {"PUT", "sessions/{}/project",
        [=, this](Context& ctx, const Args& a) {
          auto s = service_.GetSession(ctx.caller, a[0]);

@@ -12,9 +12,12 @@
 // body (zstd, protobuf, a large JSON body); the server runs those on a
 // decode pool so that the I/O threads only ever do bounded work.
 //
-// GET /metrics: the aggregate series are public; series labelled with a
-// model_id are shown only to that model's tenant (its X-API-Key), and all of
-// them to RouterOptions::admin_key.
+// GET /metrics: without RouterOptions::admin_key, the aggregate series are
+// public and series labelled with a model_id are shown only to that model's
+// tenant (its X-API-Key). With an admin key it answers only that key (401
+// without a key or with an unknown one, 403 for a tenant's key), with every
+// series and every tenant's usage (loom_tenant_*). GET /api/v1/usage answers
+// a tenant its own usage, and the admin key every tenant's.
 //
 // Thread-safe: any I/O thread may call any method concurrently.
 #pragma once
@@ -59,7 +62,7 @@ struct RouteOutcome {
 
 struct RouterOptions {
   size_t max_body_bytes = size_t{512} << 20;  // after zstd decoding too
-  std::string admin_key;                      // --admin-key: sees every series of /metrics; "" = none
+  std::string admin_key;                      // --admin-key: /metrics and every tenant's usage; "" = none
 };
 
 // Bodies up to this size without a Content-Encoding decode in microseconds:
@@ -107,6 +110,7 @@ class Router {
   std::string AllowedMethods(const std::string& route) const;
   HttpResponse RetrieveFuture(Context& ctx, const std::string& request_id, bool final_answer);
   HttpResponse Scrape(const HttpRequest& request);  // GET /metrics
+  bool IsAdmin(const HttpRequest& request) const;   // X-API-Key is RouterOptions::admin_key
 
   service::Service& service_;
   const ApiKeys& keys_;

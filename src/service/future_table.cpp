@@ -37,6 +37,14 @@ void FutureTable::Complete(const std::string& request_id, FutureResult result) {
   Finish(request_id, FutureState::kDone, Status::Ok(), std::make_shared<const FutureResult>(std::move(result)));
 }
 
+void FutureTable::SetQueueState(const std::string& request_id, QueueState state, std::string reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = entries_.find(request_id);
+  if (it == entries_.end() || it->second.view.state != FutureState::kPending) return;
+  it->second.view.queue_state = state;
+  it->second.view.queue_reason = std::move(reason);
+}
+
 void FutureTable::Fail(const std::string& request_id, Status error) {
   if (error.ok()) error = Status::Internal("request failed without a reason");
   Finish(request_id, FutureState::kFailed, std::move(error), nullptr);

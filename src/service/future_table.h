@@ -3,7 +3,9 @@
 // bound to the tenant that submitted it.
 //
 // Invariants: a Future goes pending -> done | failed exactly once; its result
-// never changes after that. Another tenant's id answers exactly like an
+// never changes after that. While pending it carries a queue state (active,
+// or paused for capacity with a reason) that polls report (spec §6.3); it is
+// only meaningful while pending. Another tenant's id answers exactly like an
 // unknown one (NotFound), so ids leak nothing. Completed futures stay
 // retrievable for `retention` after completion (the SDK may re-poll after a
 // lost answer), then Sweep() drops them.
@@ -32,6 +34,9 @@ namespace loom::service {
 using FutureResult = tinker::FutureResult;
 
 enum class FutureState { kPending, kDone, kFailed };
+// What a pending future waits for: its turn (active) or a free adapter slot
+// (paused_capacity: a create_model queued for a slot, TrainingModels).
+enum class QueueState { kActive, kPausedCapacity };
 
 // A snapshot of one future, safe to read after the lock is gone.
 struct FutureView {
@@ -39,6 +44,8 @@ struct FutureView {
   std::string kind;  // "CreateModel", "ForwardBackward", ... (Tinker's request types)
   FutureState state = FutureState::kPending;
   Status error;                                // when kFailed
+  QueueState queue_state = QueueState::kActive;  // when kPending
+  std::string queue_reason;                      // when paused: why, for the client's log
   std::shared_ptr<const FutureResult> result;  // when kDone
 };
 
@@ -54,6 +61,8 @@ class FutureTable {
   std::string Create(const std::string& owner, const std::string& kind);
 
   void Complete(const std::string& request_id, FutureResult result);
+  // Sets a pending future's queue state (no effect once it is finished).
+  void SetQueueState(const std::string& request_id, QueueState state, std::string reason = "");
   void Fail(const std::string& request_id, Status error);
 
   // NotFound for unknown ids and for other tenants' ids (same message).

@@ -15,6 +15,11 @@ void Janitor::SweepIfDueLocked(Clock::time_point now) {
 void Janitor::SweepLocked(Clock::time_point now) {
   for (Sessions::Session* session : sessions_.ExpireIdleLocked(now)) ExpireSessionLocked(*session);
   models_.ExpireGapsLocked(now);
+  for (TrainingModels::TrainingModel* waiter : models_.OverdueWaitersLocked(now)) {
+    const Status why = models_.CapacityWaitExpired(*waiter);
+    if (auto create = waiter->sequencer.Lookup(0)) futures_.Fail(*create, why);
+    loop_.FailModelLocked(*waiter, TrainingModels::ModelState::kFailed, why.message());
+  }
   futures_.Sweep(now);
   idempotency_.ExpireLocked(now);
   catalog_.ExpireGrants(now);

@@ -2,7 +2,8 @@
 // train loop's chores, wired by Service); every janitor_period it asks each
 // part to expire its own things, in this order: idle sessions (their models
 // fail and give back their slots, their samples are cancelled), seq_id gaps
-// that waited too long, finished futures past retention, idempotency keys
+// that waited too long, create_model calls that waited --capacity-wait for a
+// slot, finished futures past retention, idempotency keys
 // older than an hour, archive grants past their TTL, and (every minute)
 // checkpoints past their TTL.
 //

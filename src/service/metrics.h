@@ -9,7 +9,9 @@
 //
 // Who sees what: series with a model_id label belong to that model's tenant;
 // KeepModelSeries() drops the ones a viewer may not see (http/ decides who),
-// the aggregates (no model_id) are for everyone.
+// the aggregates (no model_id) are for everyone. The per-tenant usage series
+// (loom_tenant_*, labelled tenant) are rendered only when the snapshot
+// carries usage, which http/ asks for only for the admin key.
 //
 // Threading: every method may be called from any thread (one internal mutex).
 #pragma once
@@ -20,6 +22,9 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
+
+#include "tinker/results.h"
 
 namespace loom::service {
 
@@ -32,10 +37,12 @@ struct QueueSnapshot {
   std::map<std::string, Model> models;
   int slots_in_use = 0;
   int slots_total = 0;
+  int capacity_waiters = 0;         // create_model calls waiting for a slot
   int64_t token_budget = 0;
   size_t publishes_pending = 0;     // save_weights_for_sampler snapshots queued or being written
   int64_t adapter_loads = 0;        // the sampler's snapshot loads from disk
   int64_t adapter_installs = 0;     // the sampler's snapshots installed from memory
+  std::vector<tinker::TenantUsage> usage;  // per tenant; empty: no loom_tenant_* series
 };
 
 class Metrics {
@@ -79,6 +86,7 @@ class Metrics {
     int64_t tokens;
   };
   double RateLocked(const std::deque<Sample>& samples, Clock::time_point now) const;
+  static void RenderUsage(std::string& out, const std::vector<tinker::TenantUsage>& usage);
   void TrimLocked(std::deque<Sample>& samples, Clock::time_point now) const;
 
   const Clock::duration window_;

@@ -26,6 +26,11 @@ struct ServiceOptions {
   // --max-models-per-tenant: live models (adapter slots, held or being bound)
   // one tenant may have at once; 0 = no per-tenant limit (only the slots).
   int max_models_per_tenant = 0;
+  // --capacity-wait: how long a create_model may wait for an adapter slot
+  // when all are bound (its future reports queue_state paused_capacity
+  // meanwhile); past it, the future fails naming the limit. 0 = no waiting:
+  // create_model on a full service is refused at once (503, retryable).
+  std::chrono::milliseconds capacity_wait{std::chrono::minutes(10)};
   // --sample-queue: asample calls the sampler holds at once, queued or
   // running; one tenant may hold half. Beyond either, asample answers 429.
   int sample_queue = 256;

@@ -158,14 +158,17 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   FutureTable* futures = &futures_;
   const std::string request_id = out.request_id;
   Metrics* metrics = &metrics_;  // declared before sampling_, so it outlives the sampler
+  Usage* usage = &usage_;        // likewise
   TenantGate* queue = &sampling_.queue;  // declared before the sampler, so it outlives it
-  sampler->Submit(std::move(call), [futures, metrics, queue, request_id, tenant = caller.tenant](
+  const auto prompt_tokens = static_cast<int64_t>(call.prompt.size());
+  sampler->Submit(std::move(call), [futures, metrics, usage, queue, request_id, prompt_tokens, tenant = caller.tenant](
                                        Result<engine::SampleOutput> result) {
     queue->Leave(tenant);
     if (!result.ok()) return futures->Fail(request_id, result.status());
     int64_t generated = 0;
     for (const auto& seq : result->sequences) generated += static_cast<int64_t>(seq.tokens.size());
     metrics->AddSamplingTokens(generated);
+    usage->AddSample(tenant, prompt_tokens, result->prompt_cache_hit_tokens, generated);
     futures->Complete(request_id, std::move(*result));
   });
   return out;

@@ -18,15 +18,16 @@ Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
       engine_(std::move(engine)),
       registry_(std::move(registry)),
       futures_(options_.instance_tag.empty() ? RandomTag() : options_.instance_tag, options_.future_retention),
+      usage_(NowMs()),
       sessions_(options_, lock_, idempotency_, *registry_),
-      models_(options_, engine_->info(), *registry_, futures_, lock_, sessions_, idempotency_),
+      models_(options_, engine_->info(), *registry_, futures_, lock_, sessions_, idempotency_, usage_),
       checkpoints_(options_, *engine_, *registry_),
       catalog_(options_, *registry_),
       sampling_(options_.sample_queue),
       // Room for two publications per slot: every model's newest save and one more.
       publisher_(options_.publish_threads, std::max<size_t>(4, 2 * static_cast<size_t>(engine_->info().max_slots)),
                  checkpoints_, futures_, metrics_, lock_, sessions_, sampling_),
-      loop_(options_, *engine_, futures_, metrics_, lock_, sessions_, models_, checkpoints_, publisher_),
+      loop_(options_, *engine_, futures_, metrics_, usage_, lock_, sessions_, models_, checkpoints_, publisher_),
       janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_, sampling_) {}
 
 Service::~Service() { Stop(); }
@@ -55,7 +56,7 @@ int Service::slots_in_use() const {
   return models_.SlotsInUseLocked();
 }
 
-std::string Service::MetricsText() const {
+std::string Service::MetricsText(bool with_usage) const {
   QueueSnapshot live;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
@@ -63,6 +64,7 @@ std::string Service::MetricsText() const {
     loop_.QueueDepthsLocked(&live);
     live.slots_total = engine_->info().max_slots;
     live.slots_in_use = models_.SlotsInUseLocked();
+    live.capacity_waiters = models_.WaitersLocked();
     if (sampling_.sampler) {
       const engine::SamplerStats stats = sampling_.sampler->stats();
       live.adapter_loads = stats.adapter_loads;
@@ -70,7 +72,44 @@ std::string Service::MetricsText() const {
     }
   }
   live.publishes_pending = publisher_.pending();
+  if (with_usage) live.usage = AllUsage();
   return metrics_.Render(live);
+}
+
+tinker::TenantUsage Service::UsageOf(const std::string& tenant) const {
+  tinker::TenantUsage u = usage_.Of(tenant);
+  {
+    std::lock_guard<std::mutex> lock(lock_.mu);
+    models_.TenantSlotsLocked(tenant, Clock::now(), &u);
+  }
+  if (auto stored = registry_->StoredByOwner(); stored.ok()) {
+    if (auto it = stored->find(tenant); it != stored->end()) {
+      u.checkpoints = it->second.checkpoints;
+      u.bytes_stored = it->second.bytes;
+    }
+  }
+  return u;
+}
+
+std::vector<tinker::TenantUsage> Service::AllUsage() const {
+  std::map<std::string, tinker::TenantUsage> all = usage_.All();
+  auto stored = registry_->StoredByOwner();
+  if (stored.ok()) {
+    for (const auto& [owner, s] : *stored) {
+      tinker::TenantUsage& u = all.try_emplace(owner, usage_.Of(owner)).first->second;
+      u.checkpoints = s.checkpoints;
+      u.bytes_stored = s.bytes;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(lock_.mu);
+    const auto now = Clock::now();
+    for (const std::string& tenant : models_.TenantsLocked()) all.try_emplace(tenant, usage_.Of(tenant));
+    for (auto& [tenant, u] : all) models_.TenantSlotsLocked(tenant, now, &u);
+  }
+  std::vector<tinker::TenantUsage> out;
+  for (auto& [tenant, u] : all) out.push_back(std::move(u));
+  return out;
 }
 
 // ---------------------------------------------------------------- sessions

@@ -10,6 +10,7 @@
 //    runs/checkpoints listings, archive grants;
 //  - Publisher (publisher.h): the writer threads of save_weights_for_sampler;
 //  - Janitor (janitor.h): the one periodic sweep over all of them;
+//  - Usage (usage.h): what each tenant used, for billing and caps;
 //  - FutureTable, Metrics, SamplingState (sampling.cpp: asample).
 // The Service translates each request into a part's terms and delegates.
 //
@@ -20,8 +21,10 @@
 //    for another route or body is a 400 naming the header, as in Stripe);
 //  - a tenant holds at most max_models_per_tenant live models (slots), and
 //    the live models of all tenants at most the slot count: create_model
-//    beyond either is refused up front with a retryable answer (429 for the
-//    tenant's quota, 503 for a full service), before a model is recorded;
+//    beyond the quota is refused up front (429), beyond the slots it waits
+//    for one in arrival order (queue_state paused_capacity) for at most
+//    capacity_wait (then its future fails naming the limit), or with
+//    capacity_wait 0 it is refused up front (503);
 //  - every model, future, checkpoint and session has an owner (tenant); any
 //    other tenant gets NotFound with the same text as for an unknown id;
 //  - a slot is bound to at most one live model; a session without heartbeat
@@ -56,6 +59,7 @@
 #include "service/sessions.h"
 #include "service/train_loop.h"
 #include "service/training_models.h"
+#include "service/usage.h"
 #include "store/registry.h"
 #include "tinker/path.h"
 #include "tinker/requests.h"
@@ -120,8 +124,16 @@ class Service {
   std::optional<engine::SamplerStats> sampler_stats() const;
   // Counters other layers feed (router: responses; sampler: tokens).
   Metrics& metrics() { return metrics_; }
-  // GET /metrics: Prometheus text with the live queue gauges.
-  std::string MetricsText() const;
+  // GET /metrics: Prometheus text with the live queue gauges; with_usage
+  // adds every tenant's usage series (the admin's view).
+  std::string MetricsText(bool with_usage = false) const;
+
+  // ---- usage (docs/usage.md) ----
+  // What the caller's tenant used: the counters since start, its live and
+  // waiting models and its stored checkpoints.
+  tinker::TenantUsage UsageOf(const std::string& tenant) const;
+  // The same for every tenant that used something or stores checkpoints.
+  std::vector<tinker::TenantUsage> AllUsage() const;
 
  private:
   // Declared in construction order: each part refers only to those above it.
@@ -130,6 +142,7 @@ class Service {
   std::unique_ptr<store::Registry> registry_;
   FutureTable futures_;
   Metrics metrics_;
+  Usage usage_;
   mutable ServiceLock lock_;
   IdempotencyMemory idempotency_;
   Sessions sessions_;

@@ -80,12 +80,13 @@ const char* PassKindName(const sched::Pass& pass) {
 }  // namespace
 
 TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, FutureTable& futures, Metrics& metrics,
-                     ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
+                     Usage& usage, ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
                      Publisher& publisher)
     : options_(options),
       engine_(engine),
       futures_(futures),
       metrics_(metrics),
+      usage_(usage),
       lock_(lock),
       sessions_(sessions),
       models_(models),
@@ -234,6 +235,7 @@ TrainLoop::PassWork TrainLoop::TakePassLocked(sched::Pass pass) {
     pw.plan_id = piece.request_id;
     pw.piece = piece;
     pw.slot = model->slot;
+    pw.owner = model->owner;
     if (pass.kind == sched::OpKind::kPackable && !piece.last) {
       // Copy the call's parameters; move only this piece's datums out.
       TrainingOp& src = planned.op;
@@ -295,8 +297,12 @@ void TrainLoop::RunPass(PassWork& work) {
 }
 
 void TrainLoop::FinishPass(const PassWork& work, double seconds) {
-  std::set<std::string> models;
-  for (const PieceWork& pw : work.pieces) models.insert(pw.piece.model_id);
+  std::set<std::string> models, owners;
+  for (const PieceWork& pw : work.pieces) {
+    models.insert(pw.piece.model_id);
+    owners.insert(pw.owner);
+  }
+  for (const std::string& owner : owners) usage_.AddPass(owner);
   const char* kind = PassKindName(work.pass);
   metrics_.RecordPass(kind, work.pass.tokens, work.pass.fill_ratio(), models.size(), seconds);
   if (work.pass.kind != sched::OpKind::kExclusive) {
@@ -337,6 +343,8 @@ void TrainLoop::RunForwardBackwardPass(PassWork& work) {
 
 void TrainLoop::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput> result) {
   const bool split = !(pw.piece.first && pw.piece.last);
+  // The engine ran the piece's tokens: charged even if a later piece fails.
+  if (result.ok()) usage_.AddTrainerTokens(pw.owner, pw.piece.tokens, pw.op.forward_backward.forward_only);
   if (!result.ok()) {
     Status st = result.status();
     if (split) {
@@ -396,15 +404,23 @@ void TrainLoop::RunCreateModel(TrainingOp& op) {
   int slot = -1;
   engine::LoraConfig lora;
   {
-    std::lock_guard<std::mutex> lock(lock_.mu);
+    std::unique_lock<std::mutex> lock(lock_.mu);
     TrainingModel* model = models_.FindLocked(op.model_id);
+    slot = model != nullptr && model->state == ModelState::kActive ? models_.TakeFreeSlotLocked() : -1;
+    if (slot < 0 && model != nullptr && model->state == ModelState::kActive && models_.HasSlotsToReleaseLocked()) {
+      // The place this model was granted is a slot given back since this
+      // turn released the last ones: release it now (the lock drops meanwhile).
+      ReleaseSlots(lock);
+      model = models_.FindLocked(op.model_id);
+      slot = model != nullptr && model->state == ModelState::kActive ? models_.TakeFreeSlotLocked() : -1;
+    }
     if (model == nullptr || model->state != ModelState::kActive) {
+      if (slot >= 0) models_.FreeSlotsLocked({slot});
       futures_.Fail(op.request_id, Status::Precondition(model == nullptr ? "model vanished" : model->state_reason));
       return;
     }
     TrainingModel& m = *model;
-    slot = models_.TakeFreeSlotLocked();
-    if (slot < 0) {
+    if (slot < 0) {  // only if more models were granted a place than there are slots (a bug)
       const std::string reason = fmt::format(
           "no free adapter slot: all {} are bound to live models (--max-adapters); unload a model or retry later",
           engine_.info().max_slots);
@@ -412,7 +428,7 @@ void TrainLoop::RunCreateModel(TrainingOp& op) {
       futures_.Fail(op.request_id, Status::Exhausted(reason));
       return;
     }
-    m.slot = slot;  // from now on expiry/unload hands it back via the slots to release
+    models_.BindLocked(m, slot);  // from now on expiry/unload hands it back via the slots to release
     lora = m.lora;
   }
   Status st = engine_.BindSlot(slot, lora);

@@ -45,6 +45,7 @@
 #include "service/sessions.h"
 #include "service/training_models.h"
 #include "service/training_op.h"
+#include "service/usage.h"
 
 namespace loom::service {
 
@@ -55,7 +56,7 @@ class TrainLoop {
   using ModelState = TrainingModels::ModelState;
 
   TrainLoop(const ServiceOptions& options, engine::Engine& engine, FutureTable& futures, Metrics& metrics,
-            ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
+            Usage& usage, ServiceLock& lock, Sessions& sessions, TrainingModels& models, Checkpoints& checkpoints,
             Publisher& publisher);
 
   bool StartedLocked() const { return started_; }
@@ -88,6 +89,7 @@ class TrainLoop {
     uint64_t plan_id = 0;
     sched::Piece piece;
     int slot = -1;
+    std::string owner;  // the model's tenant, charged for the piece (Usage)
     TrainingOp op;  // exclusive/optim: the whole op; packable: call params + this piece's datums
     std::optional<engine::ForwardBackwardOutput> partial;  // last piece: outputs of earlier pieces
   };
@@ -124,13 +126,14 @@ class TrainLoop {
   void RunLoadWeights(TrainingOp& op);
   // Ends a piece on the engine thread: keeps or joins its output, answers the request.
   void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
-  // finish: the pass's metrics and log line.
+  // finish: the pass's metrics, usage and log line.
   void FinishPass(const PassWork& work, double seconds);
 
   const ServiceOptions& options_;
   engine::Engine& engine_;
   FutureTable& futures_;
   Metrics& metrics_;
+  Usage& usage_;
   ServiceLock& lock_;
   Sessions& sessions_;          // [lock_.mu]
   TrainingModels& models_;      // [lock_.mu]

@@ -1,5 +1,6 @@
-// TrainingModels: create_model, admission onto a model, failing a model, and
-// what the engine thread and the janitor ask of the models.
+// TrainingModels: create_model, admission onto a model, the wait for a slot,
+// failing a model, and what the engine thread and the janitor ask of the
+// models.
 #include "service/training_models.h"
 
 #include <fmt/format.h>
@@ -14,27 +15,31 @@ namespace loom::service {
 
 TrainingModels::TrainingModels(const ServiceOptions& options, const engine::ModelInfo& info,
                                store::Registry& registry, FutureTable& futures, ServiceLock& lock,
-                               Sessions& sessions, IdempotencyMemory& idempotency)
+                               Sessions& sessions, IdempotencyMemory& idempotency, Usage& usage)
     : options_(options),
       info_(info),
       registry_(registry),
       futures_(futures),
       lock_(lock),
       sessions_(sessions),
-      idempotency_(idempotency) {
+      idempotency_(idempotency),
+      usage_(usage) {
   for (int s = 0; s < info_.max_slots; ++s) free_slots_.insert(s);
 }
 
 // -------------------------------------------------------------- admission
 
-Status TrainingModels::AdmitNewModelLocked(const std::string& tenant) const {
-  // A live model holds a slot or is queued to bind one; the others gave theirs back.
-  int live = 0, mine = 0;
-  for (const auto& [id, m] : models_) {
-    if (m->state != ModelState::kActive) continue;
-    ++live;
-    if (m->owner == tenant) ++mine;
-  }
+int TrainingModels::GrantedLocked() const {
+  int granted = 0;
+  for (const auto& [id, m] : models_) granted += m->state == ModelState::kActive && !m->waiting_for_slot;
+  return granted;
+}
+
+Status TrainingModels::AdmitNewModelLocked(const std::string& tenant, bool* wait) const {
+  // A live model holds a slot, is about to bind one or waits for one; the
+  // others gave theirs back.
+  int mine = 0;
+  for (const auto& [id, m] : models_) mine += m->state == ModelState::kActive && m->owner == tenant;
   const int quota = options_.max_models_per_tenant;
   if (quota > 0 && mine >= quota) {
     return Status::Exhausted(fmt::format(
@@ -43,9 +48,21 @@ Status TrainingModels::AdmitNewModelLocked(const std::string& tenant) const {
         mine, quota, quota));
   }
   const int slots = info_.max_slots;
-  if (live >= slots) {
+  // Behind earlier waiters even when a place is free: nobody overtakes them.
+  *wait = GrantedLocked() >= slots || !slot_waiters_.empty();
+  if (!*wait) return Status::Ok();
+  if (options_.capacity_wait.count() <= 0) {
     return Status::Unavailable(fmt::format(
-        "create_model: no free adapter slot: all {} are bound to live models (--max-adapters); retry later", slots));
+        "create_model: no free adapter slot: all {} are bound to live models (--max-adapters; --capacity-wait 0 "
+        "does not queue); retry later",
+        slots));
+  }
+  const int most = kWaitersPerSlot * slots;
+  if (static_cast<int>(slot_waiters_.size()) >= most) {
+    return Status::Unavailable(fmt::format(
+        "create_model: no free adapter slot and the queue for one is full: {} create_model calls wait already "
+        "({} per slot, --max-adapters {}); retry later",
+        slot_waiters_.size(), kWaitersPerSlot, slots));
   }
   return Status::Ok();
 }
@@ -141,8 +158,9 @@ Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const 
   if (auto it = models_.find(model_id); it != models_.end()) {
     if (auto first = it->second->sequencer.Lookup(0)) return Submitted{*first, model_id};
   }
-  // Limits up front: nothing is recorded for a model that cannot get a slot.
-  if (Status st = AdmitNewModelLocked(caller.tenant); !st.ok()) return st;
+  // Limits up front: nothing is recorded for a model that may not have or wait for a slot.
+  bool wait = false;
+  if (Status st = AdmitNewModelLocked(caller.tenant, &wait); !st.ok()) return st;
   auto model = std::make_unique<TrainingModel>();
   model->model_id = model_id;
   model->owner = caller.tenant;
@@ -174,24 +192,74 @@ Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const 
   op.seq_id = 0;
   op.load_path = std::move(load_path);
   op.with_optimizer = with_optimizer;
-  return AdmitLocked(caller, m, std::move(op));
+  if (wait) {  // before admission, so that the engine thread never sees it ready
+    m.waiting_for_slot = true;
+    m.waiting_since = Clock::now();
+  }
+  auto submitted = AdmitLocked(caller, m, std::move(op));
+  if (wait && submitted.ok()) {
+    slot_waiters_.push_back(&m);
+    log::Info("model_waiting_for_slot model={} tenant={} waiters={}", model_id, caller.tenant, slot_waiters_.size());
+    RefreshWaitersLocked();
+  }
+  return submitted;
+}
+
+void TrainingModels::RefreshWaitersLocked() {
+  const size_t n = slot_waiters_.size();
+  for (size_t i = 0; i < n; ++i) {
+    const TrainingModel& m = *slot_waiters_[i];
+    auto create = m.sequencer.Lookup(0);
+    if (!create) continue;
+    futures_.SetQueueState(
+        *create, QueueState::kPausedCapacity,
+        fmt::format("waiting for an adapter slot: all {} are in use (--max-adapters); {} of {} in the queue; "
+                    "create_model fails after {} s of waiting (--capacity-wait)",
+                    info_.max_slots, i + 1, n, options_.capacity_wait.count() / 1000.0));
+  }
+}
+
+void TrainingModels::GrantWaitersLocked() {
+  bool granted = false;
+  while (!slot_waiters_.empty() && GrantedLocked() < info_.max_slots) {
+    TrainingModel& m = *slot_waiters_.front();
+    slot_waiters_.pop_front();
+    m.waiting_for_slot = false;
+    if (auto create = m.sequencer.Lookup(0)) futures_.SetQueueState(*create, QueueState::kActive);
+    log::Info("model_granted_slot model={} tenant={} waited_s={:.3f}", m.model_id, m.owner,
+              std::chrono::duration<double>(Clock::now() - m.waiting_since).count());
+    granted = true;
+  }
+  if (!granted) return;
+  RefreshWaitersLocked();
+  lock_.work.notify_all();
 }
 
 void TrainingModels::FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason) {
+  const bool was_granted = model.state == ModelState::kActive && !model.waiting_for_slot;
   model.state = state;
   model.state_reason = reason;
   if (model.slot >= 0) {
     slots_to_release_.push_back(model.slot);
     model.slot = -1;
+    usage_.AddSlotSeconds(model.owner, std::chrono::duration<double>(Clock::now() - model.bound_at).count());
   }
   for (TrainingOp& op : model.sequencer.DrainAll()) futures_.Fail(op.request_id, Status::Precondition(reason));
+  if (model.waiting_for_slot) {
+    model.waiting_for_slot = false;
+    slot_waiters_.erase(std::find(slot_waiters_.begin(), slot_waiters_.end(), &model));
+    RefreshWaitersLocked();
+  }
+  // Its place goes to the oldest waiter; the slot itself is released on the
+  // engine thread before the waiter's create_model can run (TrainLoop).
+  if (was_granted) GrantWaitersLocked();
 }
 
 // ------------------------------------------------------- the engine thread
 
 bool TrainingModels::AnyReadyLocked() const {
   for (const auto& [id, m] : models_) {
-    if (m->sequencer.HasReady()) return true;
+    if (!m->waiting_for_slot && m->sequencer.HasReady()) return true;
   }
   return false;
 }
@@ -199,7 +267,7 @@ bool TrainingModels::AnyReadyLocked() const {
 std::vector<TrainingOp> TrainingModels::PopReadyLocked() {
   std::vector<TrainingModel*> feeding;
   for (auto& [id, m] : models_) {
-    if (m->sequencer.HasReady()) feeding.push_back(m.get());
+    if (!m->waiting_for_slot && m->sequencer.HasReady()) feeding.push_back(m.get());
   }
   std::stable_sort(feeding.begin(), feeding.end(), [](const TrainingModel* a, const TrainingModel* b) {
     return a->sequencer.FrontReady().ticket < b->sequencer.FrontReady().ticket;
@@ -230,6 +298,11 @@ int TrainingModels::TakeFreeSlotLocked() {
   const int slot = *free_slots_.begin();
   free_slots_.erase(free_slots_.begin());
   return slot;
+}
+
+void TrainingModels::BindLocked(TrainingModel& model, int slot) {
+  model.slot = slot;
+  model.bound_at = Clock::now();
 }
 
 std::vector<int> TrainingModels::TakeSlotsToReleaseLocked() {
@@ -266,9 +339,43 @@ void TrainingModels::ExpireGapsLocked(Clock::time_point now) {
   }
 }
 
+std::vector<TrainingModels::TrainingModel*> TrainingModels::OverdueWaitersLocked(Clock::time_point now) {
+  std::vector<TrainingModel*> overdue;
+  for (TrainingModel* m : slot_waiters_) {
+    if (now - m->waiting_since >= options_.capacity_wait) overdue.push_back(m);
+  }
+  return overdue;
+}
+
+Status TrainingModels::CapacityWaitExpired(const TrainingModel& model) const {
+  return Status::Unavailable(fmt::format(
+      "create_model: no adapter slot became free within {} s (--capacity-wait): all {} are bound to live models "
+      "(--max-adapters {}); model '{}' was not created, retry later",
+      options_.capacity_wait.count() / 1000.0, info_.max_slots, info_.max_slots, model.model_id));
+}
+
 // ----------------------------------------------------------------- gauges
 
 int TrainingModels::SlotsInUseLocked() const { return info_.max_slots - static_cast<int>(free_slots_.size()); }
+
+void TrainingModels::TenantSlotsLocked(const std::string& tenant, Clock::time_point now,
+                                       tinker::TenantUsage* into) const {
+  for (const auto& [id, m] : models_) {
+    if (m->owner != tenant || m->state != ModelState::kActive) continue;
+    if (m->waiting_for_slot) ++into->waiting_models;
+    if (m->slot < 0) continue;
+    ++into->live_models;
+    into->slot_seconds += std::chrono::duration<double>(now - m->bound_at).count();
+  }
+}
+
+std::set<std::string> TrainingModels::TenantsLocked() const {
+  std::set<std::string> tenants;
+  for (const auto& [id, m] : models_) {
+    if (m->state == ModelState::kActive) tenants.insert(m->owner);
+  }
+  return tenants;
+}
 
 void TrainingModels::QueueDepthsLocked(QueueSnapshot* live) const {
   for (const auto& [id, m] : models_) {

@@ -1,21 +1,33 @@
 // TrainingModels: the training models (owner, session, LoRA config, adapter
-// slot, state) with their sequencers, the free adapter slots, and the
-// admission of requests onto a model (ownership, dedup, ordering, quota).
+// slot, state) with their sequencers, the free adapter slots, the queue of
+// create_model calls waiting for a slot, and the admission of requests onto a
+// model (ownership, dedup, ordering, quota).
 //
 // Owns: models_ (model id -> TrainingModel, each with the Sequencer that puts
 // its requests into seq_id order), free_slots_, slots_to_release_ (slots of
 // failed/expired/unloaded models, released on the engine thread, then free
-// again), next_ticket_ (arrival order across models).
+// again), slot_waiters_ (models waiting for a slot, oldest first),
+// next_ticket_ (arrival order across models).
 //
 // Invariants:
 //  - a model's requests take effect in seq_id order; a repeated (model_id,
 //    seq_id) returns the first request's future, and so does a repeated
 //    X-Idempotency-Key on the same route with the same body
 //    (IdempotencyMemory);
-//  - a tenant holds at most max_models_per_tenant live models, and the live
-//    models of all tenants at most the slot count: create_model beyond either
-//    is refused up front with a retryable answer (429 for the tenant's quota,
-//    503 for a full service), before a model is recorded;
+//  - a tenant holds at most max_models_per_tenant live models (holding a
+//    slot, granted one, or waiting for one): create_model beyond it is
+//    refused up front (429) before a model is recorded;
+//  - at most max_slots models are granted a slot (bound, or about to bind
+//    one); a create_model beyond that waits in slot_waiters_ (its future
+//    reports paused_capacity) unless capacity_wait is 0 or the queue holds
+//    kWaitersPerSlot x max_slots already (then 503 up front);
+//  - waiters are granted in arrival order, whatever their tenant, as soon as
+//    a granted model goes away (unload, expiry, failure): a later
+//    create_model never overtakes an earlier waiter. A waiter that waited
+//    capacity_wait fails naming the limit; one that goes away (its session
+//    expires, it is unloaded) leaves the queue;
+//  - a waiting model's requests stay in its sequencer: none reaches the
+//    train loop before it is granted;
 //  - a model belongs to its creating tenant; another tenant gets NotFound
 //    with the text for an unknown id;
 //  - a slot is in exactly one of: free_slots_, bound to one active model,
@@ -29,6 +41,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <set>
@@ -45,6 +58,7 @@
 #include "service/sequencer.h"
 #include "service/service_lock.h"
 #include "service/sessions.h"
+#include "service/usage.h"
 #include "store/registry.h"
 #include "tinker/path.h"
 #include "tinker/requests.h"
@@ -68,10 +82,16 @@ class TrainingModels {
     ModelState state = ModelState::kActive;
     std::string state_reason;  // why it is not active
     Sequencer sequencer{0};    // create_model is seq 0
+    bool waiting_for_slot = false;     // in slot_waiters_: active, but nothing of it runs yet
+    Clock::time_point waiting_since{};
+    Clock::time_point bound_at{};      // when slot was bound (slot-seconds)
   };
+  // The wait queue holds at most this many models per slot.
+  static constexpr int kWaitersPerSlot = 4;
 
   TrainingModels(const ServiceOptions& options, const engine::ModelInfo& info, store::Registry& registry,
-                 FutureTable& futures, ServiceLock& lock, Sessions& sessions, IdempotencyMemory& idempotency);
+                 FutureTable& futures, ServiceLock& lock, Sessions& sessions, IdempotencyMemory& idempotency,
+                 Usage& usage);
 
   // ---- admission (I/O threads) ----
   // Checks and records a new model and admits its create_model as seq 0
@@ -86,7 +106,8 @@ class TrainingModels {
   // Finds a live model of this tenant (NotFound / expired / failed errors).
   Result<TrainingModel*> FindModelLocked(const std::string& tenant, const std::string& model_id,
                                          bool must_be_active);
-  // Marks model failed/expired/unloaded: its slot goes to be released, its
+  // Marks model failed/expired/unloaded: its slot goes to be released (and
+  // the oldest waiter is granted its place), or it leaves the wait queue; its
   // queued requests fail with `reason`. Its planned pieces are the train
   // loop's (TrainLoop::FailModelLocked does both).
   void FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason);
@@ -101,6 +122,8 @@ class TrainingModels {
   Result<ModelRef> ModelForRun(const std::string& model_id);
   // A free slot, taken; -1 when none.
   int TakeFreeSlotLocked();
+  // Records that model now holds `slot` (from TakeFreeSlotLocked).
+  void BindLocked(TrainingModel& model, int slot);
   std::vector<int> TakeSlotsToReleaseLocked();
   bool HasSlotsToReleaseLocked() const { return !slots_to_release_.empty(); }
   void FreeSlotsLocked(const std::vector<int>& released);
@@ -110,19 +133,37 @@ class TrainingModels {
   // ---- the janitor ----
   // Fails the requests that waited longer than seq_gap_timeout for a gap.
   void ExpireGapsLocked(Clock::time_point now);
+  // The waiters that waited capacity_wait: their create_model fails naming
+  // the limit. Returns them for the caller to fail (TrainLoop::FailModelLocked).
+  std::vector<TrainingModel*> OverdueWaitersLocked(Clock::time_point now);
+  // The error such a waiter's create_model fails with.
+  Status CapacityWaitExpired(const TrainingModel& model) const;
 
   // ---- gauges ----
   int SlotsInUseLocked() const;
+  int WaitersLocked() const { return static_cast<int>(slot_waiters_.size()); }
   void QueueDepthsLocked(QueueSnapshot* live) const;  // active models' queued requests
+  // The tenant's models holding a slot and waiting for one, and the seconds
+  // its live models have held theirs so far (not yet in Usage).
+  void TenantSlotsLocked(const std::string& tenant, Clock::time_point now, tinker::TenantUsage* into) const;
+  // The tenants with an active model (holding, granted or waiting for a slot).
+  std::set<std::string> TenantsLocked() const;
 
  private:
   Result<Submitted> CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
                                       std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
   // Admits op on its model: dedup, expiry check, ordering.
   Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
-  // Refuses a new model beyond the tenant's quota (Exhausted, 429) or the
-  // slot count (Unavailable, 503); both say to retry.
-  Status AdmitNewModelLocked(const std::string& tenant) const;
+  // Refuses a new model beyond the tenant's quota (Exhausted, 429), or the
+  // slot count when it may not wait (Unavailable, 503); both say to retry.
+  // *wait: it must wait for a slot.
+  Status AdmitNewModelLocked(const std::string& tenant, bool* wait) const;
+  // Models granted a slot (bound or about to bind): active and not waiting.
+  int GrantedLocked() const;
+  // Grants the oldest waiters the places granted models left.
+  void GrantWaitersLocked();
+  // Tells every waiter its place in the queue (its future's queue_state_reason).
+  void RefreshWaitersLocked();
 
   const ServiceOptions& options_;
   const engine::ModelInfo& info_;
@@ -131,10 +172,12 @@ class TrainingModels {
   ServiceLock& lock_;
   Sessions& sessions_;              // [lock_.mu]
   IdempotencyMemory& idempotency_;  // [lock_.mu]
+  Usage& usage_;
 
   std::map<std::string, std::unique_ptr<TrainingModel>> models_;  // [lock_.mu]
   std::set<int> free_slots_;                                      // [lock_.mu]
   std::vector<int> slots_to_release_;                             // [lock_.mu] released on the engine thread
+  std::deque<TrainingModel*> slot_waiters_;                       // [lock_.mu] oldest first
   uint64_t next_ticket_ = 1;                                      // [lock_.mu]
 };
 

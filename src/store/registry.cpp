@@ -544,6 +544,20 @@ Result<Page<Checkpoint>> Registry::ListOwnerCheckpoints(const std::string& owner
   });
 }
 
+Result<std::map<std::string, Registry::Stored>> Registry::StoredByOwner() const {
+  std::lock_guard lock(mu_);
+  auto st = db_->sql->Prepare("SELECT owner, COUNT(*), SUM(size_bytes) FROM checkpoints GROUP BY owner");
+  if (!st.ok()) return st.status();
+  std::map<std::string, Stored> out;
+  while (true) {
+    Result<bool> row = st.value()->Step();
+    if (!row.ok()) return row.status();
+    if (!*row) break;
+    out[st.value()->Text(0)] = Stored{st.value()->Int(1), st.value()->Int(2)};
+  }
+  return out;
+}
+
 Status Registry::DeleteLocked(const Checkpoint& c) {
   // Files first: renamed into trash (atomic), so the checkpoint stops being
   // loadable at once; then the row. A crash between the two leaves a row

@@ -34,6 +34,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -164,6 +165,13 @@ class Registry {
   Result<Page<Checkpoint>> ListCheckpoints(const std::string& model_id, PageRequest page) const;
   // All of an owner's checkpoints across runs, newest first.
   Result<Page<Checkpoint>> ListOwnerCheckpoints(const std::string& owner, PageRequest page) const;
+  // What each owner stores: checkpoints and their bytes (size_bytes), for
+  // usage; owners without checkpoints are absent.
+  struct Stored {
+    int64_t checkpoints = 0;
+    int64_t bytes = 0;
+  };
+  Result<std::map<std::string, Stored>> StoredByOwner() const;
   // Removes the files, then the row. NotFound if there is no such checkpoint.
   Status DeleteCheckpoint(const tinker::TinkerPath& path);
   Status SetPublic(const tinker::TinkerPath& path, bool is_public);

@@ -426,6 +426,28 @@ Json SessionJson(const tinker::SessionInfo& session) {
   return {{"training_run_ids", session.training_run_ids}, {"sampler_ids", session.sampler_ids}};
 }
 
+Json UsageJson(const tinker::TenantUsage& u) {
+  return {{"tenant", u.tenant},
+          {"since", FormatIsoTime(u.since_ms / 1000)},
+          {"tokens_trained", u.tokens_trained},
+          {"tokens_forward", u.tokens_forward},
+          {"tokens_sampled", u.tokens_sampled},
+          {"prompt_tokens", u.prompt_tokens},
+          {"prompt_tokens_cached", u.prompt_tokens_cached},
+          {"passes", u.passes},
+          {"slot_seconds", u.slot_seconds},
+          {"live_models", u.live_models},
+          {"waiting_models", u.waiting_models},
+          {"checkpoints", u.checkpoints},
+          {"bytes_stored", u.bytes_stored}};
+}
+
+Json UsageListJson(const std::vector<tinker::TenantUsage>& usage) {
+  Json tenants = Json::array();
+  for (const tinker::TenantUsage& u : usage) tenants.push_back(UsageJson(u));
+  return {{"tenants", std::move(tenants)}};
+}
+
 Result<tinker::PageParams> ParsePageParams(std::string_view limit_text, std::string_view offset_text, int64_t default_limit) {
   tinker::PageParams p;
   p.limit = default_limit;

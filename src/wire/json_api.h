@@ -144,6 +144,10 @@ Json TrainingRunsJson(const tinker::TrainingRunsPage& page);
 Json CheckpointArchiveUrlJson(const std::string& url, int64_t expires_unix);
 Json SessionsListJson(const tinker::SessionsPage& page);
 Json SessionJson(const tinker::SessionInfo& session);
+// loom's GET /api/v1/usage (docs/usage.md): one tenant's figures, or
+// {"tenants": [...]} for the admin key.
+Json UsageJson(const tinker::TenantUsage& usage);
+Json UsageListJson(const std::vector<tinker::TenantUsage>& usage);
 
 // Limit/offset query parameters with the SDK's defaults; bad values -> Invalid.
 // limit in [1, 10000], offset >= 0; `limit_text` / `offset_text` empty = default.

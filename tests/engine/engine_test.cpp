@@ -376,7 +376,7 @@ TEST(ForwardBackward, ModelGradientsMatchFiniteDifferencesForEveryLoss) {
 // ---------------------------------------------------------------------------
 // Through the Engine interface.
 
-std::unique_ptr<Engine> Open(int slots = 4, int rank = 8, int64_t context = 0) {
+EngineOptions Options(int slots = 4, int rank = 8, int64_t context = 0) {
   EngineOptions o;
   o.model_dir = ModelDir();
   o.device = "cpu";
@@ -385,7 +385,11 @@ std::unique_ptr<Engine> Open(int slots = 4, int rank = 8, int64_t context = 0) {
   o.max_rank = rank;
   o.context_window = context;
   o.threads = 2;
-  auto e = Engine::Open(o);
+  return o;
+}
+
+std::unique_ptr<Engine> Open(int slots = 4, int rank = 8, int64_t context = 0) {
+  auto e = Engine::Open(Options(slots, rank, context));
   EXPECT_TRUE(e.ok()) << e.status().message();
   return std::move(e.value());
 }
@@ -461,12 +465,7 @@ TEST(Engine, SlotsThatDoNotFitAreRefusedUpFront) {
 TEST(Engine, MomentsOnTheHostTrainAndResumeLikeResidentOnes) {
   TempDir tmp;
   const auto open = [](const std::string& moments) {
-    EngineOptions o;
-    o.model_dir = ModelDir();
-    o.device = "cpu";
-    o.max_slots = 2;
-    o.max_rank = 8;
-    o.threads = 2;
+    EngineOptions o = Options(2, 8);
     o.moments = moments;
     return Engine::Open(o);
   };

@@ -1,7 +1,8 @@
 // End to end through the real `loom serve`: with --api-keys, one tenant gets
-// at most max(1, slots/4) live models (429 naming the quota), a full service
-// answers create_model with a retryable 503, and an X-Idempotency-Key is bound
-// to its route and body (the router passes both to the service).
+// at most max(1, slots/4) live models (429 naming the quota), a create_model
+// on a full service waits (try_again, queue_state paused_capacity) and gets
+// the slot another tenant unloads, and an X-Idempotency-Key is bound to its
+// route and body (the router passes both to the service).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -21,6 +22,16 @@ using Json = nlohmann::json;
 class Tenant {
  public:
   Tenant(uint16_t port, std::string key) : client_("127.0.0.1", port), key_(std::move(key)) {}
+  // One retrieve_future (held for --poll-hold when pending).
+  Json PollOnce(const testing::Reply& submitted) {
+    auto r = Post("retrieve_future", {{"request_id", Json::parse(submitted.body)["request_id"]}});
+    return Json::parse(r.body, nullptr, false);
+  }
+  // The model id a create_model future ended with.
+  std::string ModelOf(const testing::Reply& submitted) {
+    auto done = testing::RetrieveFuture(client_, key_, Json::parse(submitted.body)["request_id"], false, 200);
+    return Json::parse(done.body, nullptr, false).value("model_id", "");
+  }
 
   testing::Reply Post(const std::string& route, const Json& body, const std::string& idempotency_key = "") {
     std::vector<std::pair<std::string, std::string>> headers{{"X-API-Key", key_}};
@@ -63,7 +74,7 @@ void ExpectJsonError(const testing::Reply& r, int status, const std::string& nee
   EXPECT_NE(j["error"].get<std::string>().find(needle), std::string::npos) << r.body;
 }
 
-TEST(Quota, DefaultTenantQuotaIs429AndAFullServiceIsARetryable503) {
+TEST(Quota, DefaultTenantQuotaIs429AndAFullServiceQueuesCreateModel) {
   const std::string data_dir =
       (std::filesystem::temp_directory_path() / ("loom_integration_quota_" + std::to_string(::getpid()))).string();
   std::filesystem::remove_all(data_dir);
@@ -82,8 +93,17 @@ TEST(Quota, DefaultTenantQuotaIs429AndAFullServiceIsARetryable503) {
 
   Tenant bob(server.port(), "tml-b"), carol(server.port(), "tml-c"), dave(server.port(), "tml-d");
   ASSERT_TRUE(bob.Created(bob.CreateModel(bob.Session(), 0)));
-  ASSERT_TRUE(carol.Created(carol.CreateModel(carol.Session(), 0)));
-  ExpectJsonError(dave.CreateModel(dave.Session(), 0), 503, "retry");
+  const std::string carols = carol.ModelOf(carol.CreateModel(carol.Session(), 0));
+  ASSERT_FALSE(carols.empty());
+  // All 3 slots are bound: dave's create_model waits, paused for capacity...
+  const testing::Reply daves = dave.CreateModel(dave.Session(), 0);
+  ASSERT_EQ(daves.status, 200) << daves.body;
+  const Json pending = dave.PollOnce(daves);
+  EXPECT_EQ(pending.value("type", ""), "try_again") << pending.dump();
+  EXPECT_EQ(pending.value("queue_state", ""), "paused_capacity") << pending.dump();
+  // ...until carol unloads hers.
+  ASSERT_EQ(carol.Post("unload_model", {{"model_id", carols}, {"type", "unload_model"}}).status, 200);
+  EXPECT_TRUE(dave.Created(daves));
 
   // Idempotency: the same key, route and body answer the first result...
   auto first = alice.Post("create_session", Tenant::SessionBody("x"), "key-1");
@@ -99,6 +119,21 @@ TEST(Quota, DefaultTenantQuotaIs429AndAFullServiceIsARetryable503) {
   ASSERT_EQ(theirs.status, 200) << theirs.body;
   EXPECT_NE(Json::parse(theirs.body)["session_id"], Json::parse(first.body)["session_id"]);
 
+  EXPECT_EQ(server.Terminate(), 0);
+  std::filesystem::remove_all(data_dir);
+}
+
+// Without --max-adapters and --max-rank: rank 128 (a dense model) and the
+// slots planned from memory (on the CPU, the host's RAM; at most 32).
+TEST(Quota, DefaultsAreRank128AndSlotsPlannedFromMemory) {
+  const std::string data_dir =
+      (std::filesystem::temp_directory_path() / ("loom_integration_defaults_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(data_dir);
+  test::ServeProcess server(data_dir, {});
+  ASSERT_NE(server.port(), 0) << server.banner();
+  EXPECT_NE(server.banner().find(" max_rank=128 "), std::string::npos) << server.banner();
+  EXPECT_NE(server.banner().find(" slots=32 "), std::string::npos) << server.banner();  // the tiny model's slots are small
+  EXPECT_NE(server.banner().find(" capacity_wait_s=600 "), std::string::npos) << server.banner();
   EXPECT_EQ(server.Terminate(), 0);
   std::filesystem::remove_all(data_dir);
 }

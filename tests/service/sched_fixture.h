@@ -109,10 +109,14 @@ class SchedFixture : public ::testing::Test {
   void Open(int64_t token_budget, int slots = 8,
             std::chrono::milliseconds batch_window = service::ServiceOptions{}.batch_window) {
     service::ServiceOptions options;
-    options.base_model_name = "test/base";
-    options.janitor_period = std::chrono::milliseconds(20);
     options.token_budget = token_budget;
     options.batch_window = batch_window;
+    OpenWith(options, slots);
+  }
+  // Any options; the base model and a 20 ms janitor period are the fixture's.
+  void OpenWith(service::ServiceOptions options, int slots) {
+    options.base_model_name = "test/base";
+    options.janitor_period = std::chrono::milliseconds(20);
     auto engine = std::make_unique<FaultEngine>(slots);
     engine_ = engine.get();
     auto registry = store::Registry::Open(dir_);
@@ -126,12 +130,18 @@ class SchedFixture : public ::testing::Test {
   }
 
   service::FutureView Wait(const std::string& tenant, const std::string& id) {
+    return WaitWhile(tenant, id, [] {});
+  }
+  // Wait, calling `meanwhile` on every look (e.g. to send heartbeats).
+  template <class Meanwhile>
+  service::FutureView WaitWhile(const std::string& tenant, const std::string& id, Meanwhile meanwhile) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (std::chrono::steady_clock::now() < deadline) {
       auto v = service_->futures().Get(tenant, id);
       EXPECT_TRUE(v.ok()) << v.status().message();
       if (!v.ok()) return {};
       if (v->state != service::FutureState::kPending) return *v;
+      meanwhile();
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
     ADD_FAILURE() << "future " << id << " still pending";
@@ -140,16 +150,33 @@ class SchedFixture : public ::testing::Test {
 
   // A session and a trained model for `tenant`; returns the model id.
   std::string NewModel(const std::string& tenant) {
+    auto sub = SubmitModel(tenant, NewSession(tenant));
+    EXPECT_EQ(Wait(tenant, sub.request_id).state, service::FutureState::kDone);
+    return sub.model_id;
+  }
+  std::string NewSession(const std::string& tenant) {
     auto session = service_->CreateSession({tenant, ""}, {});
     EXPECT_TRUE(session.ok());
+    return session.ok() ? *session : "";
+  }
+  static tinker::CreateModelRequest CreateRequest(const std::string& session, int64_t seq = 0) {
     tinker::CreateModelRequest req;
-    req.session_id = *session;
+    req.session_id = session;
+    req.model_seq_id = seq;
     req.base_model = "test/base";
     req.lora.rank = 4;
-    auto sub = service_->CreateModel({tenant, ""}, req);
+    return req;
+  }
+  // A create_model submitted (not awaited).
+  service::Submitted SubmitModel(const std::string& tenant, const std::string& session, int64_t seq = 0) {
+    auto sub = service_->CreateModel({tenant, ""}, CreateRequest(session, seq));
     EXPECT_TRUE(sub.ok()) << sub.status().message();
-    EXPECT_EQ(Wait(tenant, sub->request_id).state, service::FutureState::kDone);
-    return sub->model_id;
+    return sub.ok() ? *sub : service::Submitted{};
+  }
+  service::FutureState StateOf(const std::string& tenant, const std::string& id) const {
+    auto v = service_->futures().Get(tenant, id);
+    EXPECT_TRUE(v.ok()) << v.status().message();
+    return v.ok() ? v->state : service::FutureState::kFailed;
   }
 
   // A forward_backward whose datum i has lengths[i] tokens; the first token

@@ -246,8 +246,10 @@ TEST_F(ServiceTest, LeaseExpiryReleasesTheSlotAndLaterCallsSayExpired) {
   EXPECT_EQ(service_->slots_in_use(), 1);
 }
 
-TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableError) {
-  Open({}, /*slots=*/1);
+TEST_F(ServiceTest, NoFreeSlotFailsCreateWithRetryableErrorWhenItMayNotWait) {
+  ServiceOptions o;
+  o.capacity_wait = 0ms;  // capacity_test.cpp: the queue for a slot
+  Open(o, /*slots=*/1);
   std::string s = NewSession("alice");
   NewModel("alice", s, 0);
   const tinker::CreateModelRequest req = CreateRequest(s, 1);
