@@ -17,15 +17,20 @@
 // the first token and the whole reply were the same, for information.
 #include "cli/bench_multiturn.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <future>
 #include <memory>
+#include <optional>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cli/bench_contention.h"
 #include "cli/trace_profile.h"
+#include "engine/sample/op_count.h"
 
 namespace loom::cli {
 namespace {
@@ -37,12 +42,17 @@ struct Turn {
   SampleOutput out;
   double prefill_ms = 0;
   int64_t prefilled = 0;
+  engine::sample::OpCounts ops;  // of its prefill steps, when counted
 };
 
-// trace: a Kineto trace of the turn goes there (empty: none).
-Result<Turn> RunTurn(engine::Sampler& s, SampleCall c, const std::string& trace = "") {
+
+// trace: a Kineto trace of the turn goes there (empty: none); count_ops:
+// Turn::ops counts its prefill steps' ops.
+Result<Turn> RunTurn(engine::Sampler& s, SampleCall c, const std::string& trace = "", bool count_ops = false) {
   if (!trace.empty())
     if (Status st = StartTrace(); !st.ok()) return st;
+  std::optional<engine::sample::OpCount> counter;
+  if (count_ops) counter.emplace(engine::sample::kPrefillScope);
   const engine::SamplerStats before = s.stats();
   auto p = std::make_shared<std::promise<Result<SampleOutput>>>();
   auto f = p->get_future();
@@ -53,6 +63,7 @@ Result<Turn> RunTurn(engine::Sampler& s, SampleCall c, const std::string& trace 
     if (Status st = StopTrace(trace); !st.ok()) return st;
   if (!r.ok()) return r.status();
   Turn t;
+  if (counter) t.ops = counter->Take();
   t.out = std::move(r.value());
   t.prefill_ms = (after.prefill_seconds - before.prefill_seconds) * 1e3;
   t.prefilled = after.prefill_tokens - before.prefill_tokens;
@@ -94,9 +105,9 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
     const auto trace = [&](const char* which) {
       return o.profile.empty() ? o.profile : o.profile + ".turn" + std::to_string(k) + "." + which + ".json";
     };
-    auto on = RunTurn(cached, call(history, 100 + k), trace("on"));
+    auto on = RunTurn(cached, call(history, 100 + k), trace("on"), o.count_ops);
     if (!on.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", on.status().message().c_str()), 1;
-    auto off = RunTurn(uncached, call(history, 100 + k), trace("off"));
+    auto off = RunTurn(uncached, call(history, 100 + k), trace("off"), o.count_ops);
     if (!off.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", off.status().message().c_str()), 1;
     const tinker::SampledSequence &a = on->out.sequences[0], &b = off->out.sequences[0];
     const std::vector<int32_t>& reply = a.tokens;
@@ -121,6 +132,12 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
                 on->out.prompt_cache_hit_tokens, static_cast<long long>(on->prefilled), on->prefill_ms,
                 static_cast<long long>(off->prefilled), off->prefill_ms, first ? "yes" : "NO", d,
                 same_draw ? "same" : "other", reply == b.tokens ? "yes" : "no");
+    if (o.count_ops)
+      std::printf("%5s ops of the prefill: on %lld calls (%lld with nested) in %lld steps, off %lld calls (%lld) "
+                  "in %lld\n      on: %s\n", "", static_cast<long long>(on->ops.calls),
+                  static_cast<long long>(on->ops.ops), static_cast<long long>(on->ops.scopes),
+                  static_cast<long long>(off->ops.calls), static_cast<long long>(off->ops.ops),
+                  static_cast<long long>(off->ops.scopes), on->ops.Top(12).c_str());
     std::fflush(stdout);
     on_total += on->prefill_ms;
     off_total += off->prefill_ms;
@@ -128,6 +145,11 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
   }
   std::printf("prefill over the conversation: %.1f ms with the prefix cache, %.1f ms without (%.2fx)\n", on_total,
               off_total, on_total > 0 ? off_total / on_total : 0.0);
+  std::printf("prefill steps on the decode graphs (--fast-prefill): %lld of %lld with the cache, %lld of %lld without\n",
+              static_cast<long long>(cached.stats().fast_prefill_steps),
+              static_cast<long long>(cached.stats().prefill_steps),
+              static_cast<long long>(uncached.stats().fast_prefill_steps),
+              static_cast<long long>(uncached.stats().prefill_steps));
   std::printf("first-token logprobs within tolerance in %d of %d turns (|dlogprob| at most %.2e, tolerance %.0e)\n",
               firsts_same, o.turns, worst, o.logprob_tolerance);
   return firsts_same == o.turns ? 0 : 1;

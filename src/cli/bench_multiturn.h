@@ -20,6 +20,8 @@ struct MultiTurnOptions {
   // Non-empty: each turn on each sampler is traced (cli/trace_profile.h) to
   // profile.turn<k>.on.json / .off.json; the figures then include the tracing.
   std::string profile;
+  // Also count the ATen ops of each turn's prefill steps (engine/sample/op_count.h).
+  bool count_ops = false;
 };
 
 // The context window one conversation needs.

@@ -32,6 +32,7 @@
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
 #include "engine/model/transformer.h"
+#include "engine/sample/op_count.h"
 #include "engine/sample_api.h"
 #include "testmodel/make_model.h"
 
@@ -60,6 +61,7 @@ struct Options {
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
   std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
+  bool count_ops = false;  // --count-ops: the ATen ops of the prefill steps (engine/sample/op_count.h)
   std::string profile;  // --profile PATH: Kineto traces, PATH.<row>.json (the modes' own names)
 };
 
@@ -91,7 +93,7 @@ struct Timing {
   int64_t tokens = 0;
   int64_t steps = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // of the sampler's steps (SamplerStats)
-  int64_t prefills = 0;
+  int64_t prefills = 0, fast_prefills = 0;
 };
 
 Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::string>& adapters, const Options& o,
@@ -124,6 +126,7 @@ Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::st
   t.prefill_seconds = after.prefill_seconds - before.prefill_seconds;
   t.decode_seconds = after.decode_seconds - before.decode_seconds;
   t.prefills = after.prefill_steps - before.prefill_steps;
+  t.fast_prefills = after.fast_prefill_steps - before.fast_prefill_steps;
   return t;
 }
 
@@ -195,6 +198,7 @@ int Run(const Options& o) {
       MultiTurnOptions turns = o.turns;
       turns.logprob_tolerance = o.logprob_tolerance.value_or(bf16 ? 0.1 : 1e-3);
       turns.profile = o.profile;
+      turns.count_ops = o.count_ops;
       rc = RunMultiTurn(s, **uncached, o.adapter_counts.back() > 0 ? adapters[0] : "", turns);
     } else {
       ContentionOptions contended = o.contended;
@@ -215,37 +219,51 @@ int Run(const Options& o) {
   // prefill included; decode ms: one decode step alone (sampling included);
   // decode tok/s: the tokens of decode steps (each sequence's first token
   // comes from its prefill) over their time; prefill ms: the run's prefill
-  // steps together (prefills: how many). vs base: tokens/s, then decode
-  // tok/s, against the base model's at the same batch.
-  std::printf("%-10s %6s %12s %10s %10s %13s %11s %9s %9s %9s\n", "adapters", "batch", "tokens/s", "ms/step",
-              "decode ms", "decode tok/s", "prefill ms", "prefills", "vs base", "decode");
+  // steps together (prefills: how many; on graphs: how many of them ran on
+  // the decode graphs, --fast-prefill). vs base: tokens/s, decode tok/s,
+  // then prefill time, against the base model's at the same batch.
+  std::printf("%-10s %6s %12s %10s %10s %13s %11s %9s %9s %9s %9s %9s\n", "adapters", "batch", "tokens/s", "ms/step",
+              "decode ms", "decode tok/s", "prefill ms", "prefills", "on graphs", "vs base", "decode", "prefill");
   for (int batch : o.batches) {
-    double base_tps = 0, base_decode = 0;
+    double base_tps = 0, base_decode = 0, base_prefill = 0;
     for (int n : o.adapter_counts) {
       std::vector<std::string> use(adapters.begin(), adapters.begin() + n);
       if (auto warm = RunBatch(s, batch, use, o, 7, o.new_tokens); !warm.ok())
         return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
       auto t = RunBatch(s, batch, use, o, 1000, o.new_tokens);
       if (!t.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", t.status().message().c_str()), 1;
+      const double tps = t->tokens / t->seconds;
+      const int64_t decode_tokens = std::max<int64_t>(0, t->tokens - batch);
+      const double decode_tps = t->decode_seconds > 0 ? decode_tokens / t->decode_seconds : 0.0;
+      if (n == 0) base_tps = tps, base_decode = decode_tps, base_prefill = t->prefill_seconds;
+      std::printf("%-10s %6d %12.1f %10.3f %10.3f %13.1f %11.1f %9lld %9lld %8.2fx %8.2fx %8.2fx\n",
+                  n == 0 ? "base" : std::to_string(n).c_str(), batch, tps,
+                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0,
+                  t->steps > 0 ? t->decode_seconds * 1e3 / t->steps : 0.0, decode_tps, t->prefill_seconds * 1e3,
+                  static_cast<long long>(t->prefills), static_cast<long long>(t->fast_prefills),
+                  base_tps > 0 ? tps / base_tps : 0.0, base_decode > 0 ? decode_tps / base_decode : 0.0,
+                  base_prefill > 0 ? t->prefill_seconds / base_prefill : 0.0);
+      std::fflush(stdout);
+      // The extra runs below take prompts of their own (another seed): the
+      // timed run's would be prefix-cache hits, a different prefill.
       if (!o.profile.empty()) {  // one more run, traced (the trace's overhead stays out of the row)
         const std::string path = o.profile + "." + (n == 0 ? "base" : "a" + std::to_string(n)) + ".b" +
                                  std::to_string(batch) + ".json";
         Status st = StartTrace();
-        if (st.ok()) st = RunBatch(s, batch, use, o, 1000, o.new_tokens).status();
+        if (st.ok()) st = RunBatch(s, batch, use, o, 2000, o.new_tokens).status();
         if (st.ok()) st = StopTrace(path);
         if (!st.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", st.message().c_str()), 1;
+        std::printf("%-10s traced to %s\n", "", path.c_str());
       }
-      const double tps = t->tokens / t->seconds;
-      const int64_t decode_tokens = std::max<int64_t>(0, t->tokens - batch);
-      const double decode_tps = t->decode_seconds > 0 ? decode_tokens / t->decode_seconds : 0.0;
-      if (n == 0) base_tps = tps, base_decode = decode_tps;
-      std::printf("%-10s %6d %12.1f %10.3f %10.3f %13.1f %11.1f %9lld %8.2fx %8.2fx\n",
-                  n == 0 ? "base" : std::to_string(n).c_str(), batch, tps,
-                  t->steps > 0 ? t->seconds * 1e3 / t->steps : 0.0,
-                  t->steps > 0 ? t->decode_seconds * 1e3 / t->steps : 0.0, decode_tps, t->prefill_seconds * 1e3,
-                  static_cast<long long>(t->prefills), base_tps > 0 ? tps / base_tps : 0.0,
-                  base_decode > 0 ? decode_tps / base_decode : 0.0);
-      std::fflush(stdout);
+      if (o.count_ops) {  // one more run, counted (the counting's overhead stays out of the row)
+        engine::sample::OpCount counter(engine::sample::kPrefillScope);
+        if (auto c = RunBatch(s, batch, use, o, 3000, o.new_tokens); !c.ok())
+          return std::fprintf(stderr, "loom bench sample: %s\n", c.status().message().c_str()), 1;
+        const engine::sample::OpCounts ops = counter.Take();
+        std::printf("%-10s ops of the prefill: %lld calls (%lld with nested) in %lld steps\n%-10s %s\n", "",
+                    static_cast<long long>(ops.calls), static_cast<long long>(ops.ops),
+                    static_cast<long long>(ops.scopes), "", ops.Top(12).c_str());
+      }
     }
   }
   std::error_code ec;
@@ -295,6 +313,9 @@ int BenchSample(int argc, char** argv) {
                  "0.1 in bf16, 1e-3 in fp32)");
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--count-ops", o.count_ops,
+               "count the ATen ops of the prefill steps (any build): one more run of each decode row, or each "
+               "--multi-turn turn (then with the counting's overhead in its figures)");
   app.add_option("--profile", o.profile,
                  "Kineto traces (libtorch 2.x) for bench/trace_summary.py: the decode table traces one more run "
                  "of each row to PATH.<base|aN>.b<batch>.json; --multi-turn traces every turn, "

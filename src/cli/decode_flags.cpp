@@ -16,6 +16,11 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "on | off: split a long LoRA shrink input over several blocks per output tile")
       ->default_val(split_)
       ->check(on_off);
+  app.add_option("--fast-prefill", fast_prefill_,
+                 "prefill steps of at most this many new tokens (no prompt logprobs) run on the decode step's CUDA "
+                 "graphs, one row per token (0: eager prefill always; CUDA only)")
+      ->default_val(fast_prefill_)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -26,6 +31,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.gemv = gemv_ == "on";
   o.split_shrink = split_ == "on";
   o.profile = profile_;
+  o.fast_prefill_tokens = fast_prefill_;
   return o;
 }
 

@@ -12,7 +12,7 @@ namespace loom::cli {
 
 class DecodeFlags {
  public:
-  // Adds --cuda-graphs, --decode-gemv, --decode-split and --decode-profile to app.
+  // Adds --cuda-graphs, --decode-gemv, --decode-split, --fast-prefill and --decode-profile to app.
   explicit DecodeFlags(CLI::App& app);
   // The options the parsed flags stand for (call after app.parse).
   engine::DecodeOptions options() const;
@@ -20,6 +20,7 @@ class DecodeFlags {
  private:
   std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on";
   bool profile_ = false;
+  int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };
 
 }  // namespace loom::cli

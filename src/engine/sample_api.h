@@ -50,6 +50,10 @@ struct DecodeOptions {
   bool gemv = true;          // --decode-gemv off: cuBLAS for every projection, also of <= 4 rows
   bool split_shrink = true;  // --decode-split off: a LoRA shrink's long input on one block per output tile
   bool profile = false;      // --decode-profile: log each stage's GPU time (stages serialized, slower)
+  // --fast-prefill: a prefill step of at most this many new tokens (and no
+  // prompt logprobs) replays the decode graphs instead of the eager forward,
+  // each new token one row (engine/sample/model_runner.h); 0 = eager always.
+  int64_t fast_prefill_tokens = 2048;
 };
 
 struct SamplerOptions {
@@ -127,6 +131,7 @@ struct SamplerStats {
   int64_t kv_blocks_cached = 0;   // of those, kept by the prefix cache for reuse
   int64_t kv_cache_evictions = 0; // cached blocks taken back for new work
   int64_t prefill_tokens = 0;     // prompt tokens the prefill steps computed
+  int64_t fast_prefill_steps = 0; // of the prefill steps, those run on the decode graphs (DecodeOptions)
   int64_t prompt_cache_hit_tokens = 0;  // prompt tokens reused from the prefix cache instead
   int64_t contended_steps = 0;    // steps run under the contended rule (a tenant over its share capped)
   // Wall time of the prefill and decode steps, sampling included (each step

@@ -99,6 +99,37 @@ TEST(SamplerPrefixCache, NextTurnReusesTheGeneratedTokensAndPrefillsOnlyTheRest)
             plain->stats().prefill_tokens);
 }
 
+// Requests continuing cached prefixes (of the base and of two adapters) and
+// one with nothing cached, in one prefill step: each samples what it samples
+// without the cache.
+TEST(SamplerPrefixCache, SeveralCachedPrefixesInOnePrefillStepSampleTheSameTokensAsNoCache) {
+  SamplerOptions o = Opts(true);
+  o.admission_window = std::chrono::milliseconds(100);  // the calls below, sent together, share one prefill
+  auto cached = Open(o);
+  auto plain = Open(Opts(false));
+  const std::vector<std::string> adapters = {"", W().adapter1, W().adapter2, W().adapter1};
+  std::vector<std::vector<int32_t>> heads;
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    heads.push_back(Tokens(17 + 8 * static_cast<int>(i), 30 + static_cast<int32_t>(i)));  // 2 + i whole blocks
+    SampleNow(*cached, Call(heads[i], 2, 0.0, adapters[i]));
+  }
+  std::vector<SampleCall> calls;
+  for (size_t i = 0; i < adapters.size(); ++i)
+    calls.push_back(Call(Concat(heads[i], Tokens(5 + static_cast<int>(i), 50 + static_cast<int32_t>(i))), 8, 1.0,
+                         adapters[i], 60 + i));
+  calls.push_back(Call(Tokens(12, 70), 8, 1.0, W().adapter2, 70));  // nothing cached
+  const int64_t steps_before = cached->stats().prefill_steps;
+  std::vector<std::future<Result<SampleOutput>>> fs;
+  for (const SampleCall& c : calls) fs.push_back(Start(*cached, c));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    Result<SampleOutput> r = fs[i].get();
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    EXPECT_EQ(r->prompt_cache_hit_tokens, i < heads.size() ? (2 + static_cast<int>(i)) * 8 : 0) << "call " << i;
+    ExpectSame(*r, SampleNow(*plain, calls[i]));
+  }
+  EXPECT_EQ(cached->stats().prefill_steps - steps_before, 1);  // one step carried them all
+}
+
 TEST(SamplerPrefixCache, WholePromptCachedStillPrefillsItsLastToken) {
   auto s = Open(Opts(true));
   const std::vector<int32_t> a = Tokens(24, 4);  // exactly 3 blocks

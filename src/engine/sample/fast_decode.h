@@ -48,6 +48,9 @@
 
 namespace loom::engine {
 
+// The most rows one Decode takes (a larger step runs eager).
+inline constexpr int64_t kFastDecodeMaxRows = 512;
+
 // One decode step, host side: per row the new token, its position, the KV
 // row it is written to, the context length including it, its block table
 // and its sampler slot (-1 = base).

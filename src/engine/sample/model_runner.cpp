@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 namespace loom::engine::sample {
 namespace {
@@ -13,6 +14,19 @@ int64_t HeadDim(const ModelConfig& c) { return c.head_dim > 0 ? c.head_dim : c.h
 at::Tensor LongTensor(const std::vector<int64_t>& v, at::Device d) {
   return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(d);
 }
+
+// The most context reads (the sum over rows of their context lengths) a fast
+// prefill takes. The decode attention reads each row's context once per
+// head, with no tiling over queries as a prefill kernel has: 2^19 is ~two
+// 256-row decode steps over 1,024-token contexts, beyond which the eager
+// prefill's fused attention does better (e.g. 1,024 new tokens over a
+// 4,096-token prefix).
+constexpr int64_t kFastPrefillContext = int64_t{1} << 19;
+// Rows per fast-prefill replay: the largest batch bucket of decode steps at
+// the default 256 rows (SamplerOptions::max_batch_rows), so prefill needs no
+// graph of a size decode does not (each graph keeps [rows, vocab] fp32
+// logits: 155 MB at 256 rows of qwen3-4b's vocabulary).
+constexpr int64_t kFastPrefillSlice = std::min<int64_t>(256, kFastDecodeMaxRows);
 
 // A PackedBatch that only routes rows to slots (Logits / TargetLogprobs use
 // seq_begin and seq_slot, not the tokens).
@@ -27,7 +41,7 @@ PackedBatch Routing(std::vector<int64_t> seq_begin, std::vector<int> seq_slot) {
 
 ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* bank, int64_t num_blocks,
                          int64_t block_size, const DecodeOptions& decode)
-    : model_(std::move(model)), bank_(bank), block_size_(block_size) {
+    : model_(std::move(model)), bank_(bank), block_size_(block_size), fast_prefill_tokens_(decode.fast_prefill_tokens) {
   const ModelConfig& c = model_->config();
   cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, c.num_key_value_heads, HeadDim(c),
                              model_->device(), model_->dtype());
@@ -44,8 +58,55 @@ int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {
   return static_cast<int64_t>(s.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
 }
 
+at::Tensor ModelRunner::FastPrefill(const std::vector<PrefillChunk>& chunks) {
+  if (!fast_) return {};
+  int64_t rows = 0, reads = 0;
+  for (const PrefillChunk& c : chunks) {
+    if (c.request->call.prompt_logprobs || c.request->call.topk_prompt_logprobs > 0) return {};
+    rows += c.end - c.begin;
+    reads += (c.end * (c.end + 1) - c.begin * (c.begin + 1)) / 2;  // positions begin..end-1 read p + 1 each
+  }
+  if (rows == 0 || rows > fast_prefill_tokens_ || reads > kFastPrefillContext) return {};
+  DecodeStep all;
+  std::vector<int64_t> last;  // each chunk's last row: its logits are the step's
+  for (const PrefillChunk& c : chunks) {
+    const SampleRequest& r = *c.request;
+    const Sequence& s0 = *r.sequences[0];
+    for (int64_t p = c.begin; p < c.end; ++p) {
+      all.tokens.push_back(r.call.prompt[p]);
+      all.positions.push_back(p);
+      all.write_rows.push_back(Row(s0, p));
+      all.ctx_len.push_back(static_cast<int32_t>(p + 1));
+      all.tables.push_back(&s0.block_table);
+      all.slots.push_back(r.slot);
+    }
+    last.push_back(static_cast<int64_t>(all.tokens.size()) - 1);
+  }
+  const auto part = [](const auto& v, int64_t b, int64_t n) { return std::decay_t<decltype(v)>(v.begin() + b, v.begin() + b + n); };
+  std::vector<at::Tensor> picked;
+  size_t next = 0;
+  for (int64_t b = 0; b < rows; b += kFastPrefillSlice) {
+    const int64_t n = std::min(kFastPrefillSlice, rows - b);
+    DecodeStep step;
+    step.tokens = part(all.tokens, b, n);
+    step.positions = part(all.positions, b, n);
+    step.write_rows = part(all.write_rows, b, n);
+    step.ctx_len = part(all.ctx_len, b, n);
+    step.tables = part(all.tables, b, n);
+    step.slots = part(all.slots, b, n);
+    const at::Tensor logits = fast_->Decode(step);  // valid until the next Decode: picked rows are copies
+    if (!logits.defined()) return {};  // eager rewrites every new row's K/V
+    std::vector<int64_t> mine;
+    for (; next < last.size() && last[next] < b + n; ++next) mine.push_back(last[next] - b);
+    if (!mine.empty()) picked.push_back(logits.index_select(0, LongTensor(mine, logits.device())));
+  }
+  ++fast_prefills_;
+  return picked.size() == 1 ? picked[0] : at::cat(picked, 0);
+}
+
 at::Tensor ModelRunner::Prefill(const std::vector<PrefillChunk>& chunks) {
   c10::NoGradGuard no_grad;
+  if (at::Tensor logits = FastPrefill(chunks); logits.defined()) return logits;
   const at::Device dev = model_->device();
   std::vector<int64_t> tokens, positions, rows, seq_begin{0}, last, seq_cached, cached_rows;
   std::vector<int> slots;

@@ -5,7 +5,11 @@
 //
 // Rows of one adapter must be adjacent (the scheduler sorts them), so
 // SlotBank::Delta runs one matmul pair per adapter group per step. On CUDA,
-// decode steps go through FastDecode (one graph replay) when it is available.
+// decode steps go through FastDecode (one graph replay) when it is available,
+// and so do small prefill steps (FastPrefill): an eager prefill of a few
+// tokens costs ~190 ATen calls per layer with an adapter (counted on the CPU,
+// `loom bench sample --count-ops`), which on a GPU is host time that no
+// kernel fills (~90 ms for 80 tokens on qwen3-4b), with 8 adapters more.
 //
 // Threading: the decode thread only.
 #pragma once
@@ -33,7 +37,8 @@ class ModelRunner {
 
   using PrefillChunk = sample::PrefillChunk;
   // Runs every chunk (rows in order; the new tokens attend to their cached
-  // prefix too), writing its K/V into sequence 0's blocks (allocated by the
+  // prefix too), on FastPrefill's graphs where the step qualifies, else
+  // eager, writing its K/V into sequence 0's blocks (allocated by the
   // caller). Fills output.prompt_logprobs / topk when asked, which needs the
   // whole prompt in one chunk. Returns the logits of each chunk's last
   // token, [chunks, vocab] fp32.
@@ -54,9 +59,23 @@ class ModelRunner {
     if (fast_) fast_->SlotChanged(s);
   }
   bool fast_decode() const { return fast_ != nullptr; }
+  // Prefill steps that ran on FastPrefill's graphs so far.
+  int64_t fast_prefills() const { return fast_prefills_; }
 
  private:
   int64_t Row(const Sequence& s, int64_t pos) const;
+  // Prefill on the decode graphs: every new token is a decode row at its
+  // position whose context (the cached prefix and the step's earlier tokens
+  // of its sequence) is read through the sequence's block table. In each
+  // layer the graph writes all rows' K/V before any row attends, so a row
+  // sees what a causal prefill shows it; rows go up to 256 per replay
+  // (kFastPrefillSlice), in order, so a later replay's rows read what earlier ones wrote.
+  // Same logits as Prefill to the fast decode path's rounding; no
+  // paged-context gather, no per-sequence loop, and adapters applied per row
+  // (BGMV) at the launches of one. Undefined when the step does not qualify
+  // (no fast path, prompt logprobs asked, more than fast_prefill_tokens_ new
+  // tokens or kFastPrefillContext context reads): the caller runs eager.
+  at::Tensor FastPrefill(const std::vector<PrefillChunk>& chunks);
   void PromptLogprobs(SampleRequest& r, const at::Tensor& hidden, int64_t begin);
 
   std::shared_ptr<const Transformer> model_;
@@ -64,6 +83,8 @@ class ModelRunner {
   int64_t block_size_;
   KvCache cache_;  // num_blocks + 1 blocks: the last is the fast path's scratch
   std::unique_ptr<FastDecode> fast_;  // CUDA graphs of fused kernels, or null
+  int64_t fast_prefill_tokens_;       // DecodeOptions::fast_prefill_tokens
+  int64_t fast_prefills_ = 0;
 };
 
 }  // namespace loom::engine::sample

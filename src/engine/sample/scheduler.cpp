@@ -8,6 +8,7 @@
 #include <iterator>
 #include <map>
 
+#include "engine/sample/op_count.h"
 #include "engine/sample/sampling.h"
 
 namespace loom::engine::sample {
@@ -278,12 +279,13 @@ void Scheduler::Step() {
     StepPlan plan = PlanStep(admitted_, limits_, history_);
     ++history_.step;
     const auto t0 = std::chrono::steady_clock::now();
-    // Named spans of a profiler trace (bench/trace_summary.py --within); free when none runs.
+    // Named spans for a profiler trace (bench/trace_summary.py --within) and
+    // for OpCount (op_count.h); free when nothing observes them.
     if (plan.prefill) {
-      RECORD_USER_SCOPE("sampler prefill");
+      RECORD_USER_SCOPE(kPrefillScope);
       PrefillStep(std::move(plan.chunks));
     } else {
-      RECORD_USER_SCOPE("sampler decode");
+      RECORD_USER_SCOPE(kDecodeScope);
       DecodeStep(std::move(plan.rows));
     }
     history_.last_prefill = plan.prefill;
@@ -335,6 +337,7 @@ SamplerStats Scheduler::stats() const {
   s.kv_blocks_free = blocks_.free_count();
   s.kv_blocks_cached = blocks_.cached_count();
   s.kv_cache_evictions = blocks_.evictions();
+  s.fast_prefill_steps = runner_.fast_prefills();
   s.requests_waiting = static_cast<int64_t>(waiting_.size());
   return s;
 }

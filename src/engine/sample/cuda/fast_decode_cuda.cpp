@@ -26,7 +26,7 @@
 namespace loom::engine {
 namespace {
 
-constexpr int64_t kMaxRows = 512;   // larger steps run eager
+constexpr int64_t kMaxRows = kFastDecodeMaxRows;  // larger steps run eager
 constexpr int64_t kMinTable = 16;   // smallest block-table width bucket
 
 int64_t Pow2AtLeast(int64_t n, int64_t lo) {
