@@ -30,7 +30,6 @@
 
 #include "cli/adapter_bank.h"
 #include "cli/commands.h"
-#include "cli/slot_plan.h"
 #include "engine/io/file_text.h"
 #include "engine/io/peft.h"
 #include "engine/model/config.h"
@@ -123,10 +122,10 @@ int ImportAdapter(int argc, char** argv) {
     if (model_name.empty()) model_name = service::ServiceOptions{}.base_model_name;
   }
   if (model_name.empty()) model_name = fs::path(model_dir).filename().string();
-  if (max_rank == 0) {  // serve's default (cli/slot_plan.h): MoE slots grow with the experts
+  if (max_rank == 0) {  // serve's default (engine/api.h, kAuto*Rank): MoE slots grow with the experts
     auto config = engine::ModelConfig::Load(model_dir);
     if (!config.ok()) return Fail(Status(config.status().code(), "--model: " + config.status().message()));
-    max_rank = config->num_experts > 0 ? kMoeRank : kDenseRank;
+    max_rank = config->num_experts > 0 ? engine::kAutoMoeRank : engine::kAutoDenseRank;
   }
   if (name.empty()) name = fs::path(adapter_dir).lexically_normal().filename().string();
   auto owner = TenantOf(tenant, api_keys_file);

@@ -53,7 +53,9 @@ struct DecodeOptions {
   // --fast-prefill: a prefill step of at most this many new tokens (and no
   // prompt logprobs) replays the decode graphs instead of the eager forward,
   // each new token one row (engine/sample/model_runner.h); 0 = eager always.
-  int64_t fast_prefill_tokens = 2048;
+  // Off by default until it has run on a GPU (written without one; its CUDA
+  // test and bench lines are in docs/benchmarks.md, session 13).
+  int64_t fast_prefill_tokens = 0;
 };
 
 struct SamplerOptions {

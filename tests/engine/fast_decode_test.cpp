@@ -189,7 +189,9 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
       Randomize(bank, slot, c);
     }
     ModelRunner ref(model, &bank, 128, kBlock, Eager());
-    ModelRunner fast(model, &bank, 128, kBlock, {});
+    DecodeOptions with_fast_prefill;
+    with_fast_prefill.fast_prefill_tokens = 2048;  // off by default (sample_api.h)
+    ModelRunner fast(model, &bank, 128, kBlock, with_fast_prefill);
     if (!fast.fast_decode()) GTEST_SKIP() << "no fast decode path in this build";
     for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
     const std::vector<int64_t> lens = {40, 300, 150, 9, 260};  // second step: 647 new rows, three replays
