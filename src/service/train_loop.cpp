@@ -146,6 +146,9 @@ void TrainLoop::EngineLoop() {
     std::optional<PassWork> work = PlanLocked(lock);
     if (!work) continue;
     lock.unlock();
+    // Charged before the pass runs: its futures may be answered (and the
+    // tenant read its usage) before FinishPass.
+    for (const std::string& owner : PassOwners(*work)) usage_.AddPass(owner);
     const auto t0 = Clock::now();
     RunPass(*work);
     FinishPass(*work, std::chrono::duration<double>(Clock::now() - t0).count());
@@ -296,13 +299,15 @@ void TrainLoop::RunPass(PassWork& work) {
   }
 }
 
+std::set<std::string> TrainLoop::PassOwners(const PassWork& work) {
+  std::set<std::string> owners;
+  for (const PieceWork& pw : work.pieces) owners.insert(pw.owner);
+  return owners;
+}
+
 void TrainLoop::FinishPass(const PassWork& work, double seconds) {
-  std::set<std::string> models, owners;
-  for (const PieceWork& pw : work.pieces) {
-    models.insert(pw.piece.model_id);
-    owners.insert(pw.owner);
-  }
-  for (const std::string& owner : owners) usage_.AddPass(owner);
+  std::set<std::string> models;
+  for (const PieceWork& pw : work.pieces) models.insert(pw.piece.model_id);
   const char* kind = PassKindName(work.pass);
   metrics_.RecordPass(kind, work.pass.tokens, work.pass.fill_ratio(), models.size(), seconds);
   if (work.pass.kind != sched::OpKind::kExclusive) {

@@ -30,6 +30,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -126,8 +127,10 @@ class TrainLoop {
   void RunLoadWeights(TrainingOp& op);
   // Ends a piece on the engine thread: keeps or joins its output, answers the request.
   void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
-  // finish: the pass's metrics, usage and log line.
+  // finish: the pass's metrics and log line (its usage is charged before it runs).
   void FinishPass(const PassWork& work, double seconds);
+  // The tenants with a piece in the pass (each charged one pass).
+  static std::set<std::string> PassOwners(const PassWork& work);
 
   const ServiceOptions& options_;
   engine::Engine& engine_;
