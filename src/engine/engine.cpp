@@ -405,9 +405,11 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
     info->max_slots = static_cast<int>(std::clamp<double>(std::floor(kAutoSlotShare * room / per), 1, kAutoSlotCap));
   }
   const double slots = info->max_slots;
-  // On the CPU the host is the device: "host" only changes the code path.
+  // On the CPU the host is the device: "host" only changes the code path,
+  // and the host's room is the device's (checked above as room).
+  const double host_room = device.is_cuda() ? HostRoom() : HUGE_VAL;
   const bool host = where == "host" || (where == "auto" && device.is_cuda() && resident * slots > room &&
-                                        split * slots <= room && split * slots <= HostRoom());
+                                        split * slots <= room && split * slots <= host_room);
   info->moments_on_host = host;
   info->slot_bytes = static_cast<int64_t>(host ? split : resident);
   info->slot_host_bytes = host ? static_cast<int64_t>(split) : 0;
@@ -422,11 +424,11 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
                                " (80% of the memory beside the base weights); lower --max-adapters or --max-rank",
                                host ? "" : ", or put the moments on the host (--moments host)"));
   }
-  if (host && device.is_cuda() && split * slots > HostRoom()) {
+  if (host && split * slots > host_room) {
     return Status::Invalid(Cat("max_slots: ", info->max_slots, " adapter slots at max_rank ", info->max_rank,
                                " need ", mib(split * slots), " MiB of host memory for their AdamW moments (",
                                mib(split), " MiB each); the host has room for ",
-                               static_cast<int64_t>(HostRoom() / split),
+                               static_cast<int64_t>(host_room / split),
                                " (80% of its free memory); lower --max-adapters or --max-rank"));
   }
   return Status::Ok();
