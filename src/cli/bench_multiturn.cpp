@@ -87,11 +87,15 @@ int RunMultiTurn(engine::Sampler& cached, engine::Sampler& uncached, const std::
     c.params.seed = seed;
     return c;
   };
-  // Warm-up: one unrelated call on each, so turn 0 is not a first-use outlier.
-  const std::vector<int32_t> warm = RandomPrompt(rng, vocab, o.user_tokens);
+  // Warm-up: unrelated calls on each, so turn 0 is not a first-use outlier:
+  // a short prompt (a later turn's prefill, on the decode graphs by default)
+  // and one as long as turn 0's (the eager prefill's kernels).
+  const std::vector<int32_t> warm_short = RandomPrompt(rng, vocab, o.user_tokens);
+  const std::vector<int32_t> warm_long = RandomPrompt(rng, vocab, o.history_tokens + o.user_tokens);
   for (engine::Sampler* s : {&cached, &uncached})
-    if (auto w = RunTurn(*s, call(warm, 1)); !w.ok())
-      return std::fprintf(stderr, "loom bench sample: %s\n", w.status().message().c_str()), 1;
+    for (const auto* warm : {&warm_short, &warm_long})
+      if (auto w = RunTurn(*s, call(*warm, 1)); !w.ok())
+        return std::fprintf(stderr, "loom bench sample: %s\n", w.status().message().c_str()), 1;
 
   std::printf("%5s %8s | %9s %10s %11s | %9s %11s | %5s %10s %5s %5s\n", "turn", "prompt", "hit", "prefilled",
               "prefill ms", "prefilled", "prefill ms", "first", "|dlogprob|", "draw", "reply");

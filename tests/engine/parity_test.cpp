@@ -181,7 +181,11 @@ void RunGolden(const std::string& arch, at::Device dev, at::ScalarType dt, doubl
     worst_lp = std::max(worst_lp, diff);
   }
 
-  if (grad_tol <= 0) return;  // logprobs only
+  if (grad_tol <= 0) {  // logprobs only
+    std::printf("parity %s %s %s: max |logprob diff| %.3g (gradients not compared)\n", arch.c_str(), dev.str().c_str(),
+                c10::toString(dt), worst_lp);
+    return;
+  }
   // Gradient of the summed cross-entropy into every adapter's A and B.
   (-lp.sum()).backward();
   const std::string prefix = "base_model.model.";
@@ -310,11 +314,14 @@ TEST_P(ParityTest, CudaPassMatchesHuggingFacePeft) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::globalContext().setAllowTF32CuBLAS(false);
   RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kFloat, kLogprobAbsTol, kGradRelTol);
-  // In bf16 the tiny MoE router's logits (std-0.02 weights) fall within
-  // rounding of each other, so some tokens go to another expert than in HF's
-  // fp32 run: a real change of the gradient, not an error. MoE gradients are
-  // held to the fp32 runs; its bf16 logprobs still to the bound.
-  const bool moe = std::string(GetParam()).find("moe") != std::string::npos;
+  // In bf16 the tiny MoE routers' logits fall within rounding of each
+  // other, so some tokens go to another expert than in HF's fp32 run: a real
+  // change of the gradient, not an error (on the H200, gpt_oss's bf16
+  // gradients were 1.1-5.5x the dense families' bound, its fp32 ones 1.7e-6).
+  // MoE gradients are held to the fp32 runs; their bf16 logprobs still to
+  // the bound.
+  const std::string arch = GetParam();
+  const bool moe = arch == "qwen3_moe" || arch == "gpt_oss";
   RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kBFloat16, 0.1, moe ? 0.0 : 0.1);
 }
 
