@@ -190,7 +190,7 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
     }
     ModelRunner ref(model, &bank, 128, kBlock, Eager());
     DecodeOptions with_fast_prefill;
-    with_fast_prefill.fast_prefill_tokens = 2048;  // off by default (sample_api.h)
+    with_fast_prefill.fast_prefill_tokens = 2048;  // the default (sample_api.h), set here for the test
     ModelRunner fast(model, &bank, 128, kBlock, with_fast_prefill);
     if (!fast.fast_decode()) GTEST_SKIP() << "no fast decode path in this build";
     for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
