@@ -19,12 +19,18 @@ StepFlags::StepFlags(CLI::App& app) {
                  "while tenants contend, running rows of the tenants over their share per decode step (0 = all)")
       ->default_val(d.contended_decode_rows)
       ->check(CLI::Range(0, 1 << 20));
+  app.add_option("--mixed-steps", mixed_,
+                 "on | off: while tenants contend, a decode step also carries the capped prompt chunks of the "
+                 "tenants over their share, in one forward (CUDA decode graphs only)")
+      ->default_val(mixed_)
+      ->check(CLI::IsMember({"on", "off"}));
 }
 
 void StepFlags::Apply(engine::SamplerOptions* o) const {
   o->max_prefill_tokens = values_.max_prefill_tokens;
   o->contended_prefill_tokens = values_.contended_prefill_tokens;
   o->contended_decode_rows = values_.contended_decode_rows;
+  o->mixed_steps = mixed_ == "on";
 }
 
 }  // namespace loom::cli

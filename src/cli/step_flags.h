@@ -5,19 +5,22 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <string>
+
 #include "engine/sample_api.h"
 
 namespace loom::cli {
 
 class StepFlags {
  public:
-  // Adds --max-prefill-tokens, --contended-prefill-tokens and --contended-decode-rows to app.
+  // Adds --max-prefill-tokens, --contended-prefill-tokens, --contended-decode-rows and --mixed-steps to app.
   explicit StepFlags(CLI::App& app);
   // Sets the options the parsed flags stand for (call after app.parse).
   void Apply(engine::SamplerOptions* o) const;
 
  private:
   engine::SamplerOptions values_;  // only the step limits are read
+  std::string mixed_ = values_.mixed_steps ? "on" : "off";
 };
 
 }  // namespace loom::cli

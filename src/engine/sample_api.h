@@ -88,6 +88,10 @@ struct SamplerOptions {
   // every smaller cap slower for both tenants (the rule's order still holds).
   int64_t contended_prefill_tokens = 0;
   int contended_decode_rows = 0;
+  // While tenants contend, a decode step also carries the over-share
+  // tenants' capped prompt chunks in the same forward (StepLimits::
+  // mixed_steps; CUDA decode graphs with fast_prefill_tokens > 0 only).
+  bool mixed_steps = true;
   // Keep full KV blocks of finished work for later requests with the same
   // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
   // prompt is prefilled whole.
@@ -137,6 +141,7 @@ struct SamplerStats {
   int64_t fast_prefill_steps = 0; // of the prefill steps, those run on the decode graphs (DecodeOptions)
   int64_t prompt_cache_hit_tokens = 0;  // prompt tokens reused from the prefix cache instead
   int64_t contended_steps = 0;    // steps run under the contended rule (a tenant over its share capped)
+  int64_t mixed_steps = 0;        // decode steps that carried prompt chunks in the same forward (counted in both)
   // Wall time of the prefill and decode steps, sampling included (each step
   // ends by copying its chosen tokens to the host, so this is device time).
   double prefill_seconds = 0;

@@ -27,15 +27,17 @@ using testing_sampler::Tokens;
 
 constexpr int64_t kChunk = 128, kCap = 8;
 
-std::unique_ptr<Scheduler> Make(int contended_decode_rows = 0) {
+std::unique_ptr<Scheduler> Make(int contended_decode_rows = 0, bool mixed_steps = false) {
   SchedulerLimits limits;
   limits.max_prefill_tokens = kChunk;
   limits.contended_prefill_tokens = kCap;
   limits.contended_decode_rows = contended_decode_rows;
+  limits.mixed_steps = mixed_steps;
   return testing_sampler::MakeScheduler(limits, 512, 8);
 }
 
-// One step: 'P' or 'D', and the prompt tokens it prefilled.
+// One step: 'P', 'D' or 'M' (a decode step that also prefilled), and the
+// prompt tokens it prefilled.
 struct Stepped {
   char kind;
   int64_t prefilled;
@@ -46,7 +48,9 @@ Stepped StepOnce(Scheduler& s) {
   s.Step();
   RunCallbacks(s);
   const SamplerStats after = s.stats();
-  return {after.prefill_steps > before.prefill_steps ? 'P' : 'D', after.prefill_tokens - before.prefill_tokens,
+  const bool prefilled = after.prefill_steps > before.prefill_steps;
+  const bool decoded = after.decode_steps > before.decode_steps;
+  return {prefilled && decoded ? 'M' : prefilled ? 'P' : 'D', after.prefill_tokens - before.prefill_tokens,
           after.contended_steps > before.contended_steps};
 }
 
@@ -99,6 +103,35 @@ TEST(SamplerContention, LightRequestMidChunkingRunsInItsOwnStepsBesideCappedChun
   testing_sampler::Drain(*s);
   ASSERT_TRUE(flood1->ok() && flood2->ok());
   EXPECT_EQ((*flood2)->sequences[0].tokens.size(), 4u);
+}
+
+// StepLimits::mixed_steps: the light request's decode steps also carry a
+// capped chunk of the flood's prompts (on the CPU the runner has no graphs,
+// so each such step runs the decode and then the chunk: the same bookkeeping
+// as one forward). Every request samples the tokens it samples without it.
+TEST(SamplerContention, MixedDecodeStepsCarryTheCappedChunksAndSampleTheSameTokens) {
+  std::vector<std::vector<int32_t>> tokens[2];
+  for (const bool mixed : {false, true}) {
+    auto s = Make(0, mixed);
+    std::optional<Result<SampleOutput>> flood1, flood2, light;
+    AddRequest(*s, 1, Tokens(600, 1), 4, 1, &flood1, "", "flood");
+    AddRequest(*s, 2, Tokens(600, 2), 4, 1, &flood2, "", "flood");
+    EXPECT_EQ(StepOnce(*s).prefilled, kChunk);
+    AddRequest(*s, 3, Tokens(10, 3), 3, 1, &light, "", "light");
+    std::vector<Stepped> steps;
+    const std::string kinds = StepUntil(*s, light, &steps);
+    EXPECT_EQ(kinds, mixed ? "PMM" : "PDD");
+    EXPECT_EQ(steps[0].prefilled, 10 + kCap);
+    for (size_t i = 1; i < steps.size(); ++i) EXPECT_EQ(steps[i].prefilled, mixed ? kCap : 0) << i;
+    for (const Stepped& st : steps) EXPECT_TRUE(st.contended);
+    testing_sampler::Drain(*s);
+    for (auto* r : {&flood1, &flood2, &light}) {
+      ASSERT_TRUE(r->has_value() && (*r)->ok());
+      tokens[mixed].push_back((**r)->sequences[0].tokens);
+    }
+    EXPECT_EQ(s->stats().mixed_steps, 0);  // no graphs here: never one forward
+  }
+  EXPECT_EQ(tokens[0], tokens[1]);
 }
 
 TEST(SamplerContention, LongGenerationLeavesTheOtherTenantsPromptAStep) {

@@ -58,30 +58,44 @@ int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {
   return static_cast<int64_t>(s.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
 }
 
-at::Tensor ModelRunner::FastPrefill(const std::vector<PrefillChunk>& chunks) {
-  if (!fast_) return {};
+void ModelRunner::AddDecodeRows(const std::vector<Sequence*>& seqs, DecodeStep* step) const {
+  for (const Sequence* s : seqs) {
+    step->tokens.push_back(s->tokens.back());
+    step->positions.push_back(s->cached);
+    step->write_rows.push_back(Row(*s, s->cached));
+    step->ctx_len.push_back(static_cast<int32_t>(s->cached + 1));
+    step->tables.push_back(&s->block_table);
+    step->slots.push_back(s->request->slot);
+  }
+}
+
+bool ModelRunner::AddChunkRows(const std::vector<PrefillChunk>& chunks, DecodeStep* step,
+                               std::vector<int64_t>* last) const {
   int64_t rows = 0, reads = 0;
   for (const PrefillChunk& c : chunks) {
-    if (c.request->call.prompt_logprobs || c.request->call.topk_prompt_logprobs > 0) return {};
+    if (c.request->call.prompt_logprobs || c.request->call.topk_prompt_logprobs > 0) return false;
     rows += c.end - c.begin;
     reads += (c.end * (c.end + 1) - c.begin * (c.begin + 1)) / 2;  // positions begin..end-1 read p + 1 each
   }
-  if (rows == 0 || rows > fast_prefill_tokens_ || reads > kFastPrefillContext) return {};
-  DecodeStep all;
-  std::vector<int64_t> last;  // each chunk's last row: its logits are the step's
+  if (rows == 0 || rows > fast_prefill_tokens_ || reads > kFastPrefillContext) return false;
   for (const PrefillChunk& c : chunks) {
     const SampleRequest& r = *c.request;
     const Sequence& s0 = *r.sequences[0];
     for (int64_t p = c.begin; p < c.end; ++p) {
-      all.tokens.push_back(r.call.prompt[p]);
-      all.positions.push_back(p);
-      all.write_rows.push_back(Row(s0, p));
-      all.ctx_len.push_back(static_cast<int32_t>(p + 1));
-      all.tables.push_back(&s0.block_table);
-      all.slots.push_back(r.slot);
+      step->tokens.push_back(r.call.prompt[p]);
+      step->positions.push_back(p);
+      step->write_rows.push_back(Row(s0, p));
+      step->ctx_len.push_back(static_cast<int32_t>(p + 1));
+      step->tables.push_back(&s0.block_table);
+      step->slots.push_back(r.slot);
     }
-    last.push_back(static_cast<int64_t>(all.tokens.size()) - 1);
+    last->push_back(static_cast<int64_t>(step->tokens.size()) - 1);
   }
+  return true;
+}
+
+at::Tensor ModelRunner::Replay(const DecodeStep& all, const std::vector<int64_t>& picks) {
+  const int64_t rows = static_cast<int64_t>(all.tokens.size());
   const auto part = [](const auto& v, int64_t b, int64_t n) { return std::decay_t<decltype(v)>(v.begin() + b, v.begin() + b + n); };
   std::vector<at::Tensor> picked;
   size_t next = 0;
@@ -95,13 +109,35 @@ at::Tensor ModelRunner::FastPrefill(const std::vector<PrefillChunk>& chunks) {
     step.tables = part(all.tables, b, n);
     step.slots = part(all.slots, b, n);
     const at::Tensor logits = fast_->Decode(step);  // valid until the next Decode: picked rows are copies
-    if (!logits.defined()) return {};  // eager rewrites every new row's K/V
+    if (!logits.defined()) return {};  // the caller's eager fallback rewrites every new row's K/V
     std::vector<int64_t> mine;
-    for (; next < last.size() && last[next] < b + n; ++next) mine.push_back(last[next] - b);
+    for (; next < picks.size() && picks[next] < b + n; ++next) mine.push_back(picks[next] - b);
     if (!mine.empty()) picked.push_back(logits.index_select(0, LongTensor(mine, logits.device())));
   }
-  ++fast_prefills_;
   return picked.size() == 1 ? picked[0] : at::cat(picked, 0);
+}
+
+at::Tensor ModelRunner::FastPrefill(const std::vector<PrefillChunk>& chunks) {
+  if (!fast_) return {};
+  DecodeStep all;
+  std::vector<int64_t> last;  // each chunk's last row: its logits are the step's
+  if (!AddChunkRows(chunks, &all, &last)) return {};
+  at::Tensor logits = Replay(all, last);
+  if (logits.defined()) ++fast_prefills_;
+  return logits;
+}
+
+at::Tensor ModelRunner::Mixed(const std::vector<Sequence*>& seqs, const std::vector<PrefillChunk>& chunks) {
+  c10::NoGradGuard no_grad;
+  if (!fast_ || seqs.empty()) return {};
+  DecodeStep all;
+  AddDecodeRows(seqs, &all);
+  std::vector<int64_t> picks(seqs.size());
+  for (size_t i = 0; i < seqs.size(); ++i) picks[i] = static_cast<int64_t>(i);
+  if (!AddChunkRows(chunks, &all, &picks)) return {};
+  at::Tensor logits = Replay(all, picks);
+  if (logits.defined()) ++mixed_steps_;
+  return logits;
 }
 
 at::Tensor ModelRunner::Prefill(const std::vector<PrefillChunk>& chunks) {
@@ -192,14 +228,7 @@ at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
   const int64_t S = static_cast<int64_t>(seqs.size());
   if (fast_) {
     DecodeStep step;
-    for (const Sequence* s : seqs) {
-      step.tokens.push_back(s->tokens.back());
-      step.positions.push_back(s->cached);
-      step.write_rows.push_back(Row(*s, s->cached));
-      step.ctx_len.push_back(static_cast<int32_t>(s->cached + 1));
-      step.tables.push_back(&s->block_table);
-      step.slots.push_back(s->request->slot);
-    }
+    AddDecodeRows(seqs, &step);
     if (at::Tensor logits = fast_->Decode(step); logits.defined()) return logits;
   }
   int64_t L = 0;

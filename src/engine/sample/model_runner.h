@@ -48,6 +48,13 @@ class ModelRunner {
   // seq.cached, blocks allocated by the caller. Returns [rows, vocab] fp32.
   at::Tensor Decode(const std::vector<Sequence*>& seqs);
 
+  // A decode step and prefill chunks in one forward on the decode graphs
+  // (FastPrefill's rows after the decode rows): [seqs + chunks, vocab] fp32,
+  // each sequence's next-token logits then each chunk's last token's.
+  // Undefined when it does not qualify (no fast path, or the chunks would
+  // not run on FastPrefill): the caller runs Decode and Prefill instead.
+  at::Tensor Mixed(const std::vector<Sequence*>& seqs, const std::vector<PrefillChunk>& chunks);
+
   // Copies the first `rows` token rows of block src into block dst, in
   // every layer (a forked sample's own copy of the partial prompt block).
   void CopyBlock(int src, int dst, int64_t rows);
@@ -59,8 +66,9 @@ class ModelRunner {
     if (fast_) fast_->SlotChanged(s);
   }
   bool fast_decode() const { return fast_ != nullptr; }
-  // Prefill steps that ran on FastPrefill's graphs so far.
+  // Prefill steps that ran on FastPrefill's graphs so far, and Mixed steps.
   int64_t fast_prefills() const { return fast_prefills_; }
+  int64_t mixed_steps() const { return mixed_steps_; }
 
  private:
   int64_t Row(const Sequence& s, int64_t pos) const;
@@ -76,6 +84,14 @@ class ModelRunner {
   // (no fast path, prompt logprobs asked, more than fast_prefill_tokens_ new
   // tokens or kFastPrefillContext context reads): the caller runs eager.
   at::Tensor FastPrefill(const std::vector<PrefillChunk>& chunks);
+  // One decode row per sequence: its last token at position cached.
+  void AddDecodeRows(const std::vector<Sequence*>& seqs, DecodeStep* step) const;
+  // Every chunk's new tokens as rows, each chunk's last row appended to
+  // *last; false when the chunks do not qualify for the graphs (see above).
+  bool AddChunkRows(const std::vector<PrefillChunk>& chunks, DecodeStep* step, std::vector<int64_t>* last) const;
+  // Replays the rows on the graphs, kFastPrefillSlice at a time in order;
+  // the logits of rows `picks` (ascending), or undefined.
+  at::Tensor Replay(const DecodeStep& all, const std::vector<int64_t>& picks);
   void PromptLogprobs(SampleRequest& r, const at::Tensor& hidden, int64_t begin);
 
   std::shared_ptr<const Transformer> model_;
@@ -85,6 +101,7 @@ class ModelRunner {
   std::unique_ptr<FastDecode> fast_;  // CUDA graphs of fused kernels, or null
   int64_t fast_prefill_tokens_;       // DecodeOptions::fast_prefill_tokens
   int64_t fast_prefills_ = 0;
+  int64_t mixed_steps_ = 0;
 };
 
 }  // namespace loom::engine::sample

@@ -98,6 +98,9 @@ class SamplerImpl final : public Sampler {
                                       : model->device().is_cuda()         ? options.max_prefill_tokens
                                                                           : 32;
     limits.contended_decode_rows = options.contended_decode_rows;
+    // Decode steps with prompt chunks in one forward need the decode graphs.
+    limits.mixed_steps = options.mixed_steps && model->device().is_cuda() && options.decode.cuda_graphs &&
+                         options.decode.fast_prefill_tokens > 0;
     limits.prefix_cache = options.prefix_cache;
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);

@@ -135,6 +135,10 @@ void Scheduler::PrefillStep(std::vector<PrefillChunk> chunks) {
                    [](const auto& a, const auto& b) { return a.request->slot < b.request->slot; });
   const at::Tensor logits = runner_.Prefill(chunks);
   ++stats_.prefill_steps;
+  AfterPrefill(chunks, logits);
+}
+
+void Scheduler::AfterPrefill(const std::vector<PrefillChunk>& chunks, const at::Tensor& logits) {
   const int64_t bs = blocks_.block_size();
   std::vector<int64_t> from;
   std::vector<RowChoiceParams> params;
@@ -182,22 +186,49 @@ void Scheduler::PrefillStep(std::vector<PrefillChunk> chunks) {
 
 void Scheduler::DecodeStep(std::vector<Sequence*> rows) {
   if (rows.empty()) return;
+  std::vector<RowChoiceParams> params = BeforeDecode(rows);
+  AfterDecode(rows, params, runner_.Decode(rows));
+}
+
+void Scheduler::MixedStep(std::vector<Sequence*> rows, std::vector<PrefillChunk> chunks) {
+  if (rows.empty()) return PrefillStep(std::move(chunks));
+  if (chunks.empty()) return DecodeStep(std::move(rows));
+  std::vector<RowChoiceParams> params = BeforeDecode(rows);
+  const at::Tensor logits = runner_.Mixed(rows, chunks);
+  if (!logits.defined()) {  // not on the graphs: the two steps' work one after the other
+    AfterDecode(rows, params, runner_.Decode(rows));
+    PrefillStep(std::move(chunks));
+    return;
+  }
+  const int64_t R = static_cast<int64_t>(rows.size());
+  AfterDecode(rows, params, logits.narrow(0, 0, R));
+  ++stats_.prefill_steps;
+  ++stats_.mixed_steps;
+  AfterPrefill(chunks, logits.narrow(0, R, static_cast<int64_t>(chunks.size())));
+}
+
+std::vector<RowChoiceParams> Scheduler::BeforeDecode(std::vector<Sequence*>& rows) {
   std::stable_sort(rows.begin(), rows.end(), [](const Sequence* a, const Sequence* b) {
     if (a->request->slot != b->request->slot) return a->request->slot < b->request->slot;
     return a->request->id < b->request->id;
   });
   std::vector<RowChoiceParams> params;
-  int64_t adapters = 0;
-  int last_slot = -2;
   for (Sequence* s : rows) {
     EnsureBlock(*s, s->cached);
     const SampleRequest& r = *s->request;
     const SamplingParams& p = r.call.params;
     const uint64_t step = r.output.sequences[s->index].tokens.size();
     params.push_back({p.temperature, p.top_k, p.top_p, UniformDraw(r.seed, s->index, step)});
-    if (r.slot != last_slot) ++adapters, last_slot = r.slot;
   }
-  const at::Tensor logits = runner_.Decode(rows);
+  return params;
+}
+
+void Scheduler::AfterDecode(const std::vector<Sequence*>& rows, const std::vector<RowChoiceParams>& params,
+                            const at::Tensor& logits) {
+  int64_t adapters = 0;
+  int last_slot = -2;
+  for (const Sequence* s : rows)
+    if (s->request->slot != last_slot) ++adapters, last_slot = s->request->slot;
   const Choices c = ChooseTokens(logits, params);
   ++stats_.decode_steps;
   stats_.max_rows_in_step = std::max<int64_t>(stats_.max_rows_in_step, static_cast<int64_t>(rows.size()));
@@ -284,6 +315,9 @@ void Scheduler::Step() {
     if (plan.prefill) {
       RECORD_USER_SCOPE(kPrefillScope);
       PrefillStep(std::move(plan.chunks));
+    } else if (!plan.chunks.empty()) {  // a decode step with prompt chunks riding along (StepLimits::mixed_steps)
+      RECORD_USER_SCOPE(kDecodeScope);
+      MixedStep(std::move(plan.rows), std::move(plan.chunks));
     } else {
       RECORD_USER_SCOPE(kDecodeScope);
       DecodeStep(std::move(plan.rows));

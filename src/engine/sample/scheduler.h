@@ -35,6 +35,7 @@
 #include "engine/sample/detokenizer.h"
 #include "engine/sample/fair_queue.h"
 #include "engine/sample/model_runner.h"
+#include "engine/sample/sampling.h"
 #include "engine/sample/sequence.h"
 #include "engine/sample/step_plan.h"
 
@@ -83,6 +84,17 @@ class Scheduler {
   void Admit();
   void PrefillStep(std::vector<PrefillChunk> chunks);
   void DecodeStep(std::vector<Sequence*> rows);
+  // Decode rows and prompt chunks in one forward (ModelRunner::Mixed), or
+  // one after the other where that does not qualify.
+  void MixedStep(std::vector<Sequence*> rows, std::vector<PrefillChunk> chunks);
+  // The halves of the steps around the runner's forward: rows sorted by
+  // slot, their blocks and sampling parameters; then the chosen tokens.
+  std::vector<RowChoiceParams> BeforeDecode(std::vector<Sequence*>& rows);
+  void AfterDecode(const std::vector<Sequence*>& rows, const std::vector<RowChoiceParams>& params,
+                   const at::Tensor& logits);
+  // Each chunk's bookkeeping, and each finished prompt's first token from
+  // its chunk's row of logits.
+  void AfterPrefill(const std::vector<PrefillChunk>& chunks, const at::Tensor& logits);
   // Appends a chosen token; true when the sequence is done.
   bool Append(Sequence& s, int32_t token, float logprob);
   void Finish(Sequence& s, SampleStopReason why);

@@ -98,11 +98,14 @@ StepPlan PlanStep(const Admitted& admitted, const StepLimits& limits, const Step
     }
     plan.rows = std::move(within_rows);
     plan.rows.insert(plan.rows.end(), over_rows.begin(), over_rows.end());
+    if (limits.mixed_steps) AddChunks(admitted, is_over, limits.contended_prefill_tokens, &plan.chunks);
     return plan;
   } else {  // 3: the over-share tenants' turn
     plan.prefill = over_waits && (!h.last_prefill || !any_rows);
     if (!plan.prefill) {
       plan.rows = Rows(admitted, all);
+      if (limits.mixed_steps && !plan.rows.empty())
+        AddChunks(admitted, is_over, limits.contended_prefill_tokens, &plan.chunks);
       return plan;
     }
   }

@@ -33,6 +33,8 @@
 //   3. Else the over-share tenants' turn: a capped prefill step when their
 //      prompts wait and the last step was not a prefill (or no row runs),
 //      else a decode step of every running row.
+//   With mixed_steps (see StepLimits), the decode steps of 2 and 3 carry a
+//   capped over-share prefill too (StepPlan: rows and chunks both set).
 //  Effect: a within-share request waits for at most one capped step at
 //  arrival, then runs its prefill and, back to back, its decode steps, each
 //  carrying a capped part of the others' work: its latency stays within a
@@ -63,6 +65,12 @@ struct StepLimits {
   int64_t max_prefill_tokens = 8192;
   int64_t contended_prefill_tokens = 512;
   int64_t contended_decode_rows = 0;  // 0 = every running row
+  // MIXED: a contended decode step (rules 2 and 3) also carries up to
+  // contended_prefill_tokens of the over-share tenants' prompts in the same
+  // forward (ModelRunner::Mixed, on the CUDA decode graphs). Their prompts
+  // then advance in every step, not only in prefill steps, at little cost to
+  // the step (the graph's rows are padded to a bucket anyway).
+  bool mixed_steps = false;
 };
 
 // The steps before this one, as the rule reads them.
@@ -79,7 +87,7 @@ struct StepPlan {
   bool contended = false;
   bool within_prefill = false;        // a prefill carrying a within-share tenant's chunk (rule 1)
   bool within_decode = false;         // a decode step of rule 2
-  std::vector<PrefillChunk> chunks;   // prefill: admission order
+  std::vector<PrefillChunk> chunks;   // prefill: admission order (a mixed decode step: its riding chunks)
   std::vector<Sequence*> rows;        // decode: within-share rows, then over-share ones
 };
 
