@@ -21,7 +21,8 @@ StepFlags::StepFlags(CLI::App& app) {
       ->check(CLI::Range(0, 1 << 20));
   app.add_option("--mixed-steps", mixed_,
                  "on | off: while tenants contend, a decode step also carries the capped prompt chunks of the "
-                 "tenants over their share, in one forward (CUDA decode graphs only)")
+                 "tenants over their share, in one forward (CUDA decode graphs only; for use with a small "
+                 "--contended-prefill-tokens)")
       ->default_val(mixed_)
       ->check(CLI::IsMember({"on", "off"}));
 }

@@ -90,8 +90,12 @@ struct SamplerOptions {
   int contended_decode_rows = 0;
   // While tenants contend, a decode step also carries the over-share
   // tenants' capped prompt chunks in the same forward (StepLimits::
-  // mixed_steps; CUDA decode graphs with fast_prefill_tokens > 0 only).
-  bool mixed_steps = true;
+  // mixed_steps; CUDA decode graphs with fast_prefill_tokens > 0 only). Off
+  // by default: on the H200 it moved the flood only a little at a small cap
+  // (cap 64: 75 against 42-78 tokens/s) and, with the GPU's default cap
+  // (max_prefill_tokens), put whole chunks behind every light decode step
+  // (docs/benchmarks.md, session 14).
+  bool mixed_steps = false;
   // Keep full KV blocks of finished work for later requests with the same
   // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
   // prompt is prefilled whole.
