@@ -1,15 +1,18 @@
-// `loom serve`: the Tinker-compatible service. Opens the engine on one model,
-// the registry in --data-dir, and serves HTTP until SIGTERM/SIGINT; then it
+// `loom serve`: the Tinker-compatible service. Opens one engine and sampler
+// per base model (--model, repeatable as NAME=DIR), the registry in --data-dir, and serves HTTP until SIGTERM/SIGINT; then it
 // stops accepting, lets the batch in flight finish (queued requests fail
 // cleanly with "shutting down"), answers every request it has read (503
 // "shutting down" for those read after the signal), and exits 0.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <pthread.h>
 #include <string>
+#include <vector>
 
 #include "cli/commands.h"
 #include "cli/decode_flags.h"
@@ -29,6 +32,10 @@
 namespace loom::cli {
 
 namespace {
+
+// With several models, the fewest tokens per training pass each one's share
+// of the device memory must hold, or `loom serve` refuses to start.
+constexpr int64_t kMinPassTokens = 512;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "loom serve: %s\n", message.c_str());
@@ -53,11 +60,50 @@ Result<std::string> DefaultModel(const std::string& data_dir) {
   return dir;
 }
 
+struct ModelDir {
+  std::string name;
+  std::string dir;
+};
+
+// --model values: one DIR, named by --model-name (or its folder's name), or
+// NAME=DIR once per base model.
+Result<std::vector<ModelDir>> ParseModels(const std::vector<std::string>& values, const std::string& model_name) {
+  std::vector<ModelDir> out;
+  if (values.size() == 1 && values[0].find('=') == std::string::npos) {
+    out.push_back({model_name.empty() ? std::filesystem::path(values[0]).filename().string() : model_name, values[0]});
+    return out;
+  }
+  if (!model_name.empty()) {
+    return Status::Invalid("--model-name: names the one --model DIR; with --model NAME=DIR each model is named there");
+  }
+  for (const std::string& value : values) {
+    const size_t eq = value.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == value.size()) {
+      return Status::Invalid("--model '" + value + "': with several models each must be NAME=DIR");
+    }
+    ModelDir m{value.substr(0, eq), value.substr(eq + 1)};
+    for (const ModelDir& other : out) {
+      if (other.name == m.name) return Status::Invalid("--model: the name '" + m.name + "' is given twice");
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+// A base model opened for serving: its engine, sampler and tokens per pass.
+struct OpenedModel {
+  std::string name;
+  std::unique_ptr<engine::Engine> engine;
+  std::unique_ptr<engine::Sampler> sampler;
+  int64_t token_budget = 0;
+};
+
 }  // namespace
 
 int Serve(int argc, char** argv) {
   CLI::App app{"Serve the Tinker API (default model: an embedded tiny qwen3)", "loom serve"};
-  std::string model_dir, model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
+  std::vector<std::string> model_dirs;
+  std::string model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
   int port = 8080, max_adapters = 0, max_rank = 0, io_threads = 2;
   int decode_threads = 2, decode_queue = 16, max_connections = 1024;
   std::string admin_key;
@@ -66,8 +112,8 @@ int Serve(int argc, char** argv) {
   int sampler_adapters = 0, sample_queue = 256, publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t kv_budget_tokens = 0, context_window = 0;
   int max_batch_rows = engine::SamplerOptions{}.max_batch_rows;
-  app.add_option("--model", model_dir, "model directory in Hugging Face layout (default: embedded tiny qwen3)");
-  app.add_option("--model-name", model_name, "the base_model name clients use (default: loom/tiny-qwen3 or the dir name)");
+  app.add_option("--model", model_dirs, "model directory in Hugging Face layout (default: embedded tiny qwen3); or NAME=DIR, once per base model to serve several (each with its own adapter slots, sampler and share of the memory)");
+  app.add_option("--model-name", model_name, "the base_model name clients use for the one --model DIR (default: loom/tiny-qwen3 or the dir name)");
   app.add_option("--host", host, "address to bind")->default_val(host);
   app.add_option("--port", port, "port to bind (0 = any free port)")->default_val(port)->check(CLI::Range(0, 65535));
   app.add_option("--data-dir", data_dir, "registry, checkpoints and the default model live here")->default_val(data_dir);
@@ -130,13 +176,14 @@ int Serve(int argc, char** argv) {
   std::filesystem::create_directories(data_dir, ec);
   if (ec) return Fail("--data-dir: cannot create '" + data_dir + "': " + ec.message());
   data_dir = std::filesystem::absolute(data_dir).string();
-  if (model_dir.empty()) {
+  if (model_dirs.empty()) {
     auto dir = DefaultModel(data_dir);
     if (!dir.ok()) return Fail("default model: " + dir.status().message());
-    model_dir = *dir;
+    model_dirs.push_back(*dir);
     if (model_name.empty()) model_name = "loom/tiny-qwen3";
   }
-  if (model_name.empty()) model_name = std::filesystem::path(model_dir).filename().string();
+  auto models = ParseModels(model_dirs, model_name);
+  if (!models.ok()) return Fail(models.status().message());
 
   // Signals go to the waiting main thread only: block them before any thread starts.
   sigset_t signals;
@@ -145,24 +192,70 @@ int Serve(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Opened one after another, so each plans its slots from the memory the
+  // earlier ones left (Engine::Open refuses --max-adapters that do not fit).
   engine::EngineOptions eopt;
-  eopt.model_dir = model_dir;
   eopt.device = device;
   eopt.context_window = context_window;
   eopt.graph_max_tokens = graph_tokens;
   eopt.moments = moments;
   eopt.max_slots = max_adapters;  // 0: planned by Engine::Open
   eopt.max_rank = max_rank;
-  auto engine = engine::Engine::Open(eopt);
-  if (!engine.ok()) return Fail("--model: " + engine.status().message());
-  max_adapters = (*engine)->info().max_slots;
-  max_rank = (*engine)->info().max_rank;
-  std::fprintf(stderr, "loom serve: %s\n", DescribeSlotPlan((*engine)->info()).c_str());
+  std::vector<OpenedModel> opened;
+  for (const ModelDir& m : *models) {
+    const std::string flag = models->size() == 1 ? "--model" : "--model " + m.name;
+    const std::string tag = models->size() == 1 ? "" : "model " + m.name + ": ";
+    eopt.model_dir = m.dir;
+    auto engine = engine::Engine::Open(eopt);
+    if (!engine.ok()) return Fail(flag + ": " + engine.status().message());
+    std::fprintf(stderr, "loom serve: %s%s\n", tag.c_str(), DescribeSlotPlan((*engine)->info()).c_str());
+    // The sampler shares the trainer's frozen base (held once).
+    engine::SamplerOptions samp;
+    samp.model_dir = m.dir;
+    samp.sampler_adapters = sampler_adapters;
+    samp.trainer_slots = (*engine)->info().max_slots;
+    samp.max_rank = (*engine)->info().max_rank;
+    samp.kv_budget_tokens = kv_budget_tokens;
+    samp.max_batch_rows = max_batch_rows;
+    step_flags.Apply(&samp);
+    samp.prefix_cache = prefix_cache == "on";
+    samp.context_window = (*engine)->info().context_window;
+    samp.admission_window = std::chrono::milliseconds(batch_window_ms);
+    samp.decode = decode_flags.options();
+    auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
+    if (!sampler.ok()) return Fail(flag + ": sampler: " + sampler.status().message());
+    std::fprintf(stderr, "loom serve: %ssampler: %d adapter slots\n", tag.c_str(), (*sampler)->info().sampler_adapters);
+    opened.push_back({m.name, std::move(*engine), std::move(*sampler), 0});
+  }
+  // After every sampler's KV cache is allocated: the pass limit is what is
+  // left, and the models' passes may run at once, so each gets an equal share.
+  const int64_t n = static_cast<int64_t>(opened.size());
+  for (OpenedModel& m : opened) {
+    const std::string tag = n == 1 ? "" : "model " + m.name + ": ";
+    const int64_t free_limit = m.engine->MaxPassTokens();
+    const int64_t pass_limit = free_limit / n;
+    m.token_budget = token_budget > 0 ? token_budget : pass_limit > 0 ? pass_limit : 8192;
+    if (free_limit <= 0) continue;  // the CPU: memory sets no limit the engine knows of
+    if (n > 1 && pass_limit < kMinPassTokens) {
+      return Fail(fmt::format("{}the {} models together leave room for {} tokens per training pass of '{}' ({}), "
+                              "fewer than {}; serve fewer models or lower --max-adapters, --kv-budget-tokens or "
+                              "--sampler-adapters",
+                              tag, n, pass_limit, m.name, m.engine->MemoryPlanReport(), kMinPassTokens));
+    }
+    std::fprintf(stderr, "loom serve: %stoken budget %lld tokens per pass (%s; at most %lld fit%s)\n", tag.c_str(),
+                 static_cast<long long>(m.token_budget), m.engine->MemoryPlanReport().c_str(),
+                 static_cast<long long>(pass_limit), n == 1 ? "" : fmt::format(", 1/{} of the room", n).c_str());
+    if (m.token_budget > pass_limit)
+      std::fprintf(stderr, "loom serve: %s--token-budget %lld is above what fits: passes past %lld tokens are refused\n",
+                   tag.c_str(), static_cast<long long>(m.token_budget), static_cast<long long>(pass_limit));
+  }
+  int fewest_slots = opened.front().engine->info().max_slots;
+  for (const OpenedModel& m : opened) fewest_slots = std::min(fewest_slots, m.engine->info().max_slots);
   auto registry = store::Registry::Open(data_dir);
   if (!registry.ok()) return Fail("--data-dir: " + registry.status().message());
 
   service::ServiceOptions sopt;
-  sopt.base_model_name = model_name;
+  sopt.base_model_name = opened.front().name;
   sopt.lora_alpha = lora_alpha;
   sopt.batch_window = std::chrono::milliseconds(batch_window_ms);
   sopt.session_ttl = std::chrono::milliseconds(static_cast<int64_t>(session_ttl * 1000));
@@ -170,40 +263,19 @@ int Serve(int argc, char** argv) {
   sopt.capacity_wait = std::chrono::milliseconds(static_cast<int64_t>(capacity_wait * 1000));
   sopt.sample_queue = sample_queue;
   sopt.publish_threads = publish_threads;
-  // Keyed tenants share the slots; in open mode (loopback, one developer) a
-  // tenant may take them all unless told otherwise.
+  // Keyed tenants share the slots (per base model; a quarter of the fewest);
+  // in open mode (loopback, one developer) a tenant may take them all unless
+  // told otherwise.
   sopt.max_models_per_tenant =
-      max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, max_adapters / 4);
-  // The sampler shares the trainer's frozen base (held once).
-  engine::SamplerOptions samp;
-  samp.model_dir = model_dir;
-  samp.sampler_adapters = sampler_adapters;
-  samp.trainer_slots = max_adapters;
-  samp.max_rank = max_rank;
-  samp.kv_budget_tokens = kv_budget_tokens;
-  samp.max_batch_rows = max_batch_rows;
-  step_flags.Apply(&samp);
-  samp.prefix_cache = prefix_cache == "on";
-  samp.context_window = (*engine)->info().context_window;
-  samp.admission_window = std::chrono::milliseconds(batch_window_ms);
-  samp.decode = decode_flags.options();
-  auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
-  if (!sampler.ok()) return Fail("sampler: " + sampler.status().message());
-  // After the sampler's KV cache is allocated: the pass limit is what is left.
-  const int64_t pass_limit = (*engine)->MaxPassTokens();
-  if (token_budget == 0) token_budget = pass_limit > 0 ? pass_limit : 8192;
-  if (pass_limit > 0) {
-    std::fprintf(stderr, "loom serve: token budget %lld tokens per pass (%s; at most %lld fit)\n",
-                 static_cast<long long>(token_budget), (*engine)->MemoryPlanReport().c_str(),
-                 static_cast<long long>(pass_limit));
-    if (token_budget > pass_limit)
-      std::fprintf(stderr, "loom serve: --token-budget %lld is above what fits: passes past %lld tokens are refused\n",
-                   static_cast<long long>(token_budget), static_cast<long long>(pass_limit));
+      max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, fewest_slots / 4);
+  sopt.token_budget = opened.front().token_budget;
+  const int sampler_slots = opened.front().sampler->info().sampler_adapters;
+  std::vector<service::BaseModelSpec> bases;
+  for (OpenedModel& m : opened) bases.push_back({m.name, std::move(m.engine), m.token_budget});
+  service::Service service(sopt, std::move(bases), std::move(*registry));
+  for (OpenedModel& m : opened) {
+    if (Status st = service.AttachSampler(std::move(m.sampler), m.name); !st.ok()) return Fail(st.message());
   }
-  sopt.token_budget = token_budget;
-  const int sampler_slots = (*sampler)->info().sampler_adapters;
-  service::Service service(sopt, std::move(*engine), std::move(*registry));
-  service.AttachSampler(std::move(*sampler));
   service.Start();
 
   http::RouterOptions ropt;
@@ -223,10 +295,12 @@ int Serve(int argc, char** argv) {
   if (Status st = server.Start(); !st.ok()) return Fail(st.message());
 
   const auto& info = service.model_info();
+  std::string names;
+  for (const auto& base : service.bases()) names += (names.empty() ? "" : ",") + base->name;
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
               "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s capacity_wait_s=%g session_ttl_s=%g "
               "data_dir=%s%s max_connections=%d\n",
-              host.c_str(), server.port(), model_name.c_str(), info.model_type.c_str(), info.device.c_str(),
+              host.c_str(), server.port(), names.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
               static_cast<long long>(info.slot_bytes / (1024 * 1024)), info.moments_on_host ? "host" : "device", sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",

@@ -550,8 +550,9 @@ std::vector<Router::Route> Router::MakeRoutes() {
        }},
       {"GET", "get_server_capabilities",
        [=, this](Context&, const Args&) {
-         wire::SupportedModel model{service_.options().base_model_name, service_.model_info().context_window};
-         return JsonAnswer(wire::ServerCapabilitiesJson({model}));
+         std::vector<wire::SupportedModel> models;
+         for (const auto& base : service_.bases()) models.push_back({base->name, base->engine->info().context_window});
+         return JsonAnswer(wire::ServerCapabilitiesJson(models));
        }},
       // ---- REST (§8.8)
       {"GET", "training_runs",

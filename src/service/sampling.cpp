@@ -13,9 +13,12 @@ namespace loom::service {
 
 // ------------------------------------------------------------ the service
 
-void Service::AttachSampler(std::unique_ptr<engine::Sampler> sampler) {
+Status Service::AttachSampler(std::unique_ptr<engine::Sampler> sampler, const std::string& base) {
+  BaseModel* into = base.empty() ? bases_.front().get() : FindBase(base);
+  if (into == nullptr) return NotServed("sampler", base);
   std::lock_guard<std::mutex> lock(lock_.mu);
-  sampling_.sampler = std::move(sampler);
+  into->sampling.sampler = std::move(sampler);
+  return Status::Ok();
 }
 
 Result<std::string> Service::CreateSamplingSession(const Caller& caller,
@@ -39,11 +42,10 @@ Result<std::string> Service::CreateSamplingSession(const Caller& caller,
     sessions_.TouchSessionLocked(request.session_id);
     return id;  // a retried create answers the same session
   }
-  if (request.base_model && *request.base_model != options_.base_model_name) {
-    return Status::Invalid(fmt::format("create_sampling_session.base_model: '{}' is not served here; this server "
-                                       "serves '{}'", *request.base_model, options_.base_model_name));
+  if (request.base_model && FindBase(*request.base_model) == nullptr) {
+    return NotServed("create_sampling_session.base_model", *request.base_model);
   }
-  Sessions::SamplingSession s{id, caller.tenant, options_.base_model_name, std::nullopt};
+  Sessions::SamplingSession s{id, caller.tenant, request.base_model.value_or(bases_.front()->name), std::nullopt};
   if (request.model_path) {
     const std::string& path = *request.model_path;
     auto parsed = tinker::ParseTinkerPath(path);
@@ -58,7 +60,12 @@ Result<std::string> Service::CreateSamplingSession(const Caller& caller,
       return Status::NotFound("create_sampling_session.model_path: checkpoint '" + path + "' not found");
     }
     s.model_path = ckpt->path();
+    // The snapshot is sampled on the base model its run trained on.
     if (auto run = registry_->GetRun(ckpt->model_id); run.ok()) s.base_model = run->base_model;
+    if (FindBase(s.base_model) == nullptr) {
+      return NotServed("create_sampling_session.model_path: checkpoint '" + path + "' is an adapter of base model",
+                       s.base_model);
+    }
   } else if (!request.base_model) {
     return Status::Invalid("create_sampling_session: one of base_model / model_path is required");
   }
@@ -89,6 +96,7 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   call.tenant = caller.tenant;  // the sampler shares its batch fairly by tenant, then by session
   call.session = request.sampling_session_id;
   engine::Sampler* sampler = nullptr;
+  TenantGate* queue = nullptr;  // declared before its sampler, so it outlives it
   SampleSubmitted out;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
@@ -101,15 +109,22 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
     const Sessions::SamplingSession& session = *found;
     const auto key = std::make_pair(request.sampling_session_id, request.seq_id);
     const auto now = Clock::now();
-    if (auto prior = sampling_.admitted.find(key); prior != sampling_.admitted.end()) return prior->second.first;
+    if (BaseModel* base = FindBase(session.base_model); base != nullptr) {
+      if (auto prior = base->sampling.admitted.find(key); prior != base->sampling.admitted.end()) {
+        return prior->second.first;
+      }
+    }
     const std::string session_id = session.sampler_id.substr(0, session.sampler_id.rfind(":sample:"));
     if (const Sessions::Session* owner = sessions_.FindLocked(session_id); owner != nullptr && owner->expired) {
       return Status::Precondition("asample.sampling_session_id: session '" + session_id +
                                   "' expired (no heartbeat), so its samples were cancelled; create a new ServiceClient");
     }
-    if (!sampling_.sampler) {
-      return Status::Unavailable("asample: sampling is not served by this server (no sampler was started)");
+    BaseModel* base = FindBase(session.base_model);
+    if (base == nullptr || !base->sampling.sampler) {
+      return Status::Unavailable("asample: sampling of '" + session.base_model +
+                                 "' is not served by this server (no sampler was started)");
     }
+    SamplingState& sampling = base->sampling;
     if (request.base_model && *request.base_model != session.base_model) {
       return Status::Invalid(fmt::format("asample.base_model: '{}' differs from the sampling session's '{}'",
                                          *request.base_model, session.base_model));
@@ -124,32 +139,33 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
       }
       call.adapter_dir = ckpt->dir;
     }
-    sampler = sampling_.sampler.get();
+    sampler = sampling.sampler.get();
     if (Status st = sampler->Validate(call); !st.ok()) {
       return Status(st.code(), "asample." + st.message());
     }
     int held = 0;
-    switch (sampling_.queue.Enter(caller.tenant, &held)) {
+    switch (sampling.queue.Enter(caller.tenant, &held)) {
       case TenantGate::Verdict::kEntered:
         break;
       case TenantGate::Verdict::kFull:
         return Status::Exhausted(fmt::format("asample: the sampler already holds {} samples queued or running, the "
                                              "most it takes (--sample-queue {}); retry shortly",
-                                             held, sampling_.queue.capacity()));
+                                             held, sampling.queue.capacity()));
       case TenantGate::Verdict::kTenantFull:
         return Status::Exhausted(fmt::format("asample: this key already has {} samples queued or running, the most "
                                              "one tenant may (half of --sample-queue {}); retry when one is answered",
-                                             held, sampling_.queue.capacity()));
+                                             held, sampling.queue.capacity()));
     }
     out.request_id = futures_.Create(caller.tenant, "Sample");
     for (int32_t i = 0; i < call.num_samples; ++i) out.sample_sequence_ids.push_back(fmt::format("{}:{}", out.request_id, i));
-    if (now - sampling_.last_prune > std::chrono::minutes(1)) {
-      for (auto a = sampling_.admitted.begin(); a != sampling_.admitted.end();) {
-        a = now - a->second.second > std::chrono::hours(1) ? sampling_.admitted.erase(a) : std::next(a);
+    if (now - sampling.last_prune > std::chrono::minutes(1)) {
+      for (auto a = sampling.admitted.begin(); a != sampling.admitted.end();) {
+        a = now - a->second.second > std::chrono::hours(1) ? sampling.admitted.erase(a) : std::next(a);
       }
-      sampling_.last_prune = now;
+      sampling.last_prune = now;
     }
-    sampling_.admitted[key] = {out, now};
+    sampling.admitted[key] = {out, now};
+    queue = &sampling.queue;  // the bundle outlives its sampler's callbacks
     sessions_.TouchSessionLocked(session_id);
   }
   // The sampler lives until ~Service (after Stop), so the pointer stays valid.
@@ -157,9 +173,8 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
   // wakes parked polls from there, as the engine thread's completions do.
   FutureTable* futures = &futures_;
   const std::string request_id = out.request_id;
-  Metrics* metrics = &metrics_;  // declared before sampling_, so it outlives the sampler
+  Metrics* metrics = &metrics_;  // declared before bases_, so it outlives the sampler
   Usage* usage = &usage_;        // likewise
-  TenantGate* queue = &sampling_.queue;  // declared before the sampler, so it outlives it
   const auto prompt_tokens = static_cast<int64_t>(call.prompt.size());
   sampler->Submit(std::move(call), [futures, metrics, usage, queue, request_id, prompt_tokens, tenant = caller.tenant](
                                        Result<engine::SampleOutput> result) {

@@ -12,66 +12,109 @@ namespace {
 std::string RandomTag() { return RandomHex(6); }
 }  // namespace
 
+namespace {
+std::vector<BaseModelSpec> OneBase(const ServiceOptions& options, std::unique_ptr<engine::Engine> engine) {
+  std::vector<BaseModelSpec> bases;
+  bases.push_back(BaseModelSpec{options.base_model_name, std::move(engine), 0});
+  return bases;
+}
+}  // namespace
+
 Service::Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
                  std::unique_ptr<store::Registry> registry)
+    : Service(options, OneBase(options, std::move(engine)), std::move(registry)) {}
+
+Service::Service(ServiceOptions options, std::vector<BaseModelSpec> bases, std::unique_ptr<store::Registry> registry)
     : options_(std::move(options)),
-      engine_(std::move(engine)),
       registry_(std::move(registry)),
       futures_(options_.instance_tag.empty() ? RandomTag() : options_.instance_tag, options_.future_retention),
       usage_(NowMs()),
       sessions_(options_, lock_, idempotency_, *registry_),
-      models_(options_, engine_->info(), *registry_, futures_, lock_, sessions_, idempotency_, usage_),
-      checkpoints_(options_, *engine_, *registry_),
       catalog_(options_, *registry_),
-      sampling_(options_.sample_queue),
-      // Room for two publications per slot: every model's newest save and one more.
-      publisher_(options_.publish_threads, std::max<size_t>(4, 2 * static_cast<size_t>(engine_->info().max_slots)),
-                 checkpoints_, futures_, metrics_, lock_, sessions_, sampling_),
-      loop_(options_, *engine_, futures_, metrics_, usage_, lock_, sessions_, models_, checkpoints_, publisher_),
-      janitor_(options_, futures_, sessions_, models_, loop_, idempotency_, catalog_, sampling_) {}
+      janitor_(options_, futures_, sessions_, bases_, idempotency_, catalog_) {
+  const SharedParts shared{*registry_, futures_, metrics_, usage_, lock_, sessions_, idempotency_};
+  for (BaseModelSpec& spec : bases) bases_.push_back(std::make_unique<BaseModel>(options_, std::move(spec), shared));
+}
 
 Service::~Service() { Stop(); }
 
 void Service::Start() {
   std::lock_guard<std::mutex> lock(lock_.mu);
-  if (loop_.StartedLocked()) return;
+  if (bases_.front()->loop.StartedLocked()) return;
   catalog_.SweepExpired();
-  publisher_.Start();
-  loop_.StartLocked([this](Clock::time_point now) { janitor_.SweepIfDueLocked(now); });
+  for (const auto& base : bases_) {
+    base->publisher.Start();
+    // The first engine thread runs the one janitor, which sweeps every base model.
+    if (base == bases_.front()) {
+      base->loop.StartLocked([this](Clock::time_point now) { janitor_.SweepIfDueLocked(now); });
+    } else {
+      base->loop.StartLocked([](Clock::time_point) {});
+    }
+  }
 }
 
 void Service::Stop() {
-  loop_.Stop();       // no more saves are submitted
-  publisher_.Stop();  // the ones submitted are written and answered
+  for (const auto& base : bases_) base->loop.Stop();       // no more saves are submitted
+  for (const auto& base : bases_) base->publisher.Stop();  // the ones submitted are written and answered
+}
+
+BaseModel* Service::FindBase(const std::string& name) const {
+  for (const auto& base : bases_) {
+    if (base->name == name) return base.get();
+  }
+  return nullptr;
+}
+
+Status Service::NotServed(const std::string& field, const std::string& name) const {
+  std::string served;
+  for (const auto& base : bases_) served += (served.empty() ? "'" : ", '") + base->name + "'";
+  return Status::Invalid(fmt::format("{}: '{}' is not served here; this server serves {}", field, name, served));
+}
+
+BaseModel& Service::BaseOfModelLocked(const std::string& model_id) const {
+  for (const auto& base : bases_) {
+    if (base->models.FindLocked(model_id) != nullptr) return *base;
+  }
+  return *bases_.front();
+}
+
+BaseModel& Service::BaseOfModel(const std::string& model_id) const {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  return BaseOfModelLocked(model_id);
 }
 
 std::optional<engine::SamplerStats> Service::sampler_stats() const {
   std::lock_guard<std::mutex> lock(lock_.mu);
-  if (!sampling_.sampler) return std::nullopt;
-  return sampling_.sampler->stats();
+  const SamplingState& sampling = bases_.front()->sampling;
+  if (!sampling.sampler) return std::nullopt;
+  return sampling.sampler->stats();
 }
 
 int Service::slots_in_use() const {
   std::lock_guard<std::mutex> lock(lock_.mu);
-  return models_.SlotsInUseLocked();
+  int in_use = 0;
+  for (const auto& base : bases_) in_use += base->models.SlotsInUseLocked();
+  return in_use;
 }
 
 std::string Service::MetricsText(bool with_usage) const {
   QueueSnapshot live;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
-    models_.QueueDepthsLocked(&live);
-    loop_.QueueDepthsLocked(&live);
-    live.slots_total = engine_->info().max_slots;
-    live.slots_in_use = models_.SlotsInUseLocked();
-    live.capacity_waiters = models_.WaitersLocked();
-    if (sampling_.sampler) {
-      const engine::SamplerStats stats = sampling_.sampler->stats();
-      live.adapter_loads = stats.adapter_loads;
-      live.adapter_installs = stats.adapter_installs;
+    for (const auto& base : bases_) {
+      base->models.QueueDepthsLocked(&live);
+      base->loop.QueueDepthsLocked(&live);
+      live.slots_total += base->engine->info().max_slots;
+      live.slots_in_use += base->models.SlotsInUseLocked();
+      live.capacity_waiters += base->models.WaitersLocked();
+      if (base->sampling.sampler) {
+        const engine::SamplerStats stats = base->sampling.sampler->stats();
+        live.adapter_loads += stats.adapter_loads;
+        live.adapter_installs += stats.adapter_installs;
+      }
     }
   }
-  live.publishes_pending = publisher_.pending();
+  for (const auto& base : bases_) live.publishes_pending += base->publisher.pending();
   if (with_usage) live.usage = AllUsage();
   return metrics_.Render(live);
 }
@@ -80,7 +123,7 @@ tinker::TenantUsage Service::UsageOf(const std::string& tenant) const {
   tinker::TenantUsage u = usage_.Of(tenant);
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
-    models_.TenantSlotsLocked(tenant, Clock::now(), &u);
+    for (const auto& base : bases_) base->models.TenantSlotsLocked(tenant, Clock::now(), &u);
   }
   if (auto stored = registry_->StoredByOwner(); stored.ok()) {
     if (auto it = stored->find(tenant); it != stored->end()) {
@@ -104,8 +147,12 @@ std::vector<tinker::TenantUsage> Service::AllUsage() const {
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
     const auto now = Clock::now();
-    for (const std::string& tenant : models_.TenantsLocked()) all.try_emplace(tenant, usage_.Of(tenant));
-    for (auto& [tenant, u] : all) models_.TenantSlotsLocked(tenant, now, &u);
+    for (const auto& base : bases_) {
+      for (const std::string& tenant : base->models.TenantsLocked()) all.try_emplace(tenant, usage_.Of(tenant));
+    }
+    for (auto& [tenant, u] : all) {
+      for (const auto& base : bases_) base->models.TenantSlotsLocked(tenant, now, &u);
+    }
   }
   std::vector<tinker::TenantUsage> out;
   for (auto& [tenant, u] : all) out.push_back(std::move(u));
@@ -125,7 +172,24 @@ Status Service::Heartbeat(const Caller& caller, const std::string& session_id) {
 // ------------------------------------------------------------------ models
 
 Result<Submitted> Service::CreateModel(const Caller& caller, const tinker::CreateModelRequest& request) {
-  return models_.CreateModel(caller, request, std::nullopt, false);
+  return CreateModelOnBase(caller, request, std::nullopt, false);
+}
+
+Result<Submitted> Service::CreateModelOnBase(const Caller& caller, const tinker::CreateModelRequest& request,
+                                             std::optional<tinker::TinkerPath> load_path, bool with_optimizer) {
+  BaseModel* base = FindBase(request.base_model);
+  if (base == nullptr) return NotServed("create_model.base_model", request.base_model);
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  // Model ids are unique across base models: the same model_seq_id on
+  // another base model is a client error, not a repeat.
+  const std::string model_id = fmt::format("{}:train:{}", request.session_id, request.model_seq_id);
+  // (A session is its tenant's, so the id names nobody else's model.)
+  if (BaseModel& holder = BaseOfModelLocked(model_id);
+      &holder != base && holder.models.FindLocked(model_id) != nullptr) {
+    return Status::Invalid(fmt::format("create_model.model_seq_id: {} already names model '{}' on base model '{}'",
+                                       request.model_seq_id, model_id, holder.name));
+  }
+  return base->models.CreateModelLocked(caller, request, std::move(load_path), with_optimizer);
 }
 
 Result<Submitted> Service::ForwardBackward(const Caller& caller, tinker::ForwardBackwardRequest request) {
@@ -136,9 +200,10 @@ Result<Submitted> Service::ForwardBackward(const Caller& caller, tinker::Forward
   op.seq_id = request.seq_id;
   static_cast<tinker::ForwardBackwardInput&>(op.forward_backward) = std::move(request.call);
   op.forward_backward.slot = 0;
-  Status valid = engine_->ValidateForwardBackward(op.forward_backward);
+  BaseModel& base = BaseOfModel(request.model_id);
+  Status valid = base.engine->ValidateForwardBackward(op.forward_backward);
   op.forward_backward.slot = -1;
-  return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
+  return base.models.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::OptimStep(const Caller& caller, const tinker::OptimStepRequest& request) {
@@ -146,7 +211,7 @@ Result<Submitted> Service::OptimStep(const Caller& caller, const tinker::OptimSt
   op.kind = OpKind::kOptimStep;
   op.seq_id = request.seq_id;
   op.adam = request.adam_params;
-  return models_.SubmitOnModel(caller, request.model_id, std::move(op));
+  return BaseOfModel(request.model_id).models.SubmitOnModel(caller, request.model_id, std::move(op));
 }
 
 Result<Submitted> Service::SaveWeights(const Caller& caller, const tinker::SaveWeightsRequest& request) {
@@ -157,7 +222,7 @@ Result<Submitted> Service::SaveWeights(const Caller& caller, const tinker::SaveW
   Status valid = tinker::ValidateCheckpointName(op.name, "save_weights.path");
   op.ttl_seconds = request.ttl_seconds;
   op.overwrite = request.overwrite;
-  return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
+  return BaseOfModel(request.model_id).models.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::LoadWeights(const Caller& caller, const tinker::LoadWeightsRequest& request) {
@@ -173,7 +238,7 @@ Result<Submitted> Service::LoadWeights(const Caller& caller, const tinker::LoadW
   op.with_optimizer = request.optimizer;
   if (request.mode == tinker::LoadWeightsRequest::Mode::kTrainingClient) {
     op.seq_id = request.seq_id;
-    return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
+    return BaseOfModel(request.model_id).models.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
   }
   // create_model_via_load_weights: a new model whose LoRA config is the
   // checkpoint's, created and loaded as its seq 0.
@@ -193,7 +258,7 @@ Result<Submitted> Service::LoadWeights(const Caller& caller, const tinker::LoadW
   create.lora.train_attn = run->train_attn;
   create.lora.train_mlp = run->train_mlp;
   create.lora.train_unembed = run->train_unembed;
-  return models_.CreateModel(caller, create, op.load_path, op.with_optimizer);
+  return CreateModelOnBase(caller, create, op.load_path, op.with_optimizer);
 }
 
 Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
@@ -209,7 +274,7 @@ Result<Submitted> Service::SaveWeightsForSampler(const Caller& caller,
   } else {
     op.sampling_session_seq_id = request.sampling_session_seq_id;
   }
-  return models_.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
+  return BaseOfModel(request.model_id).models.SubmitOnModel(caller, request.model_id, std::move(op), std::move(valid));
 }
 
 Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& model_id) {
@@ -218,11 +283,12 @@ Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& 
   std::optional<Submitted> prior;
   if (Status st = idempotency_.IdempotentLocked(caller, op, &prior); !st.ok()) return st;
   if (prior) return *prior;
-  auto model = models_.FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
+  BaseModel& base = BaseOfModelLocked(model_id);
+  auto model = base.models.FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
   TrainingModels::TrainingModel& m = **model;
   if (m.state == TrainingModels::ModelState::kActive) {
-    loop_.FailModelLocked(m, TrainingModels::ModelState::kUnloaded, "model '" + model_id + "' was unloaded");
+    base.loop.FailModelLocked(m, TrainingModels::ModelState::kUnloaded, "model '" + model_id + "' was unloaded");
     lock_.work.notify_all();
   }
   Submitted out{futures_.Create(caller.tenant, op), model_id};
@@ -233,13 +299,14 @@ Result<Submitted> Service::UnloadModel(const Caller& caller, const std::string& 
 
 Result<tinker::GetInfoResult> Service::GetInfo(const Caller& caller, const std::string& model_id) {
   std::lock_guard<std::mutex> lock(lock_.mu);
-  auto model = models_.FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
+  BaseModel& base = BaseOfModelLocked(model_id);
+  auto model = base.models.FindModelLocked(caller.tenant, model_id, /*must_be_active=*/false);
   if (!model.ok()) return model.status();
   tinker::GetInfoResult info;
   info.model_id = model_id;
-  info.model_data.arch = engine_->info().model_type;
+  info.model_data.arch = base.engine->info().model_type;
   info.model_data.model_name = (*model)->base_model;
-  info.model_data.tokenizer_id = options_.tokenizer_id.empty() ? options_.base_model_name : options_.tokenizer_id;
+  info.model_data.tokenizer_id = base.options.tokenizer_id.empty() ? base.name : base.options.tokenizer_id;
   info.lora_rank = (*model)->lora.rank;
   return info;
 }

@@ -1,17 +1,23 @@
-// Service: Tinker's training semantics on top of one Engine, as a facade
-// over parts that each own their state (each part's header says what it
-// owns, its invariants and which lock guards what):
+// Service: Tinker's training semantics on top of one Engine per served base
+// model, as a facade over parts that each own their state (each part's
+// header says what it owns, its invariants and which lock guards what).
+// Per base model (BaseModel, base_model.h: engine, training models, saves,
+// sampler, publisher, train loop), looked up by base_model name or by the
+// model a request names; shared by all of them:
 //  - Sessions (sessions.h): sessions, heartbeat leases, sampling sessions;
 //  - IdempotencyMemory (idempotency.h): X-Idempotency-Key answers;
-//  - TrainingModels (training_models.h): the models, their sequencers and
-//    adapter slots, admission (ownership, dedup, seq_id order, quota);
-//  - TrainLoop (train_loop.h): the planner and the engine thread;
-//  - Checkpoints (checkpoints.h): saves/loads through the registry, the REST
-//    runs/checkpoints listings, archive grants;
-//  - Publisher (publisher.h): the writer threads of save_weights_for_sampler;
+//  - CheckpointCatalog (checkpoint_catalog.h): the REST runs/checkpoints
+//    listings, archive grants;
 //  - Janitor (janitor.h): the one periodic sweep over all of them;
 //  - Usage (usage.h): what each tenant used, for billing and caps;
-//  - FutureTable, Metrics, SamplingState (sampling.cpp: asample).
+//  - FutureTable, Metrics.
+// In each BaseModel:
+//  - TrainingModels (training_models.h): the models, their sequencers and
+//    adapter slots, admission (ownership, dedup, seq_id order, quota);
+//  - TrainLoop (train_loop.h): the planner and that engine's thread;
+//  - Checkpoints (checkpoints.h): saves/loads through the registry;
+//  - Publisher (publisher.h): the writer threads of save_weights_for_sampler;
+//  - SamplingState (sampling.cpp: asample): that base model's Sampler.
 // The Service translates each request into a part's terms and delegates.
 //
 // Invariants (kept by the parts named):
@@ -19,8 +25,11 @@
 //    seq_id) returns the first request's future, and so does a repeated
 //    X-Idempotency-Key on the same route with the same body (the key reused
 //    for another route or body is a 400 naming the header, as in Stripe);
-//  - a tenant holds at most max_models_per_tenant live models (slots), and
-//    the live models of all tenants at most the slot count: create_model
+//  - a model lives on one base model (its create_model's base_model) and
+//    model ids are unique across them; a base_model that is not served is a
+//    400 naming the field and listing the served names;
+//  - per base model, a tenant holds at most max_models_per_tenant live
+//    models (slots), and the live models of all tenants at most its slot count: create_model
 //    beyond the quota is refused up front (429), beyond the slots it waits
 //    for one in arrival order (queue_state paused_capacity) for at most
 //    capacity_wait (then its future fails naming the limit), or with
@@ -30,7 +39,8 @@
 //  - a slot is bound to at most one live model; a session without heartbeat
 //    for session_ttl loses its models' slots, and later calls on them fail
 //    with a FailedPrecondition that says "expired";
-//  - only the engine thread calls the Engine (except the pure Validate*()).
+//  - only a base model's engine thread calls its Engine (except the pure
+//    Validate*()).
 //
 // Threading: every public method may be called from any thread (I/O threads).
 // The parts share one lock, ServiceLock (service_lock.h says why), never held
@@ -42,9 +52,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "engine/api.h"
+#include "service/base_model.h"
 #include "service/caller.h"
 #include "service/checkpoint_catalog.h"
 #include "service/checkpoints.h"
@@ -71,8 +83,12 @@ class Service {
  public:
   using Clock = std::chrono::steady_clock;
 
+  // One base model, named options.base_model_name.
   Service(ServiceOptions options, std::unique_ptr<engine::Engine> engine,
           std::unique_ptr<store::Registry> registry);
+  // Several (at least one, distinct names); the first is the default one
+  // (model_info(), sampler_stats()).
+  Service(ServiceOptions options, std::vector<BaseModelSpec> bases, std::unique_ptr<store::Registry> registry);
   ~Service();
   Service(const Service&) = delete;
   Service& operator=(const Service&) = delete;
@@ -84,7 +100,10 @@ class Service {
   void Stop();
 
   FutureTable& futures() { return futures_; }
-  const engine::ModelInfo& model_info() const { return engine_->info(); }
+  // The first base model's engine.
+  const engine::ModelInfo& model_info() const { return bases_.front()->engine->info(); }
+  // Every served base model, in the order given (get_server_capabilities).
+  const std::vector<std::unique_ptr<BaseModel>>& bases() const { return bases_; }
   const ServiceOptions& options() const { return options_; }
 
   // ---- sessions ----
@@ -101,9 +120,10 @@ class Service {
   Result<Submitted> UnloadModel(const Caller& caller, const std::string& model_id);
 
   // ---- sampling (sampling.cpp) ----
-  // Serves sampling with this Sampler (built on engine's SharedModel()); call
-  // before Start(). Without one, asample answers Unavailable.
-  void AttachSampler(std::unique_ptr<engine::Sampler> sampler);
+  // Serves sampling of base model `base` ("" = the first) with this Sampler
+  // (built on that engine's SharedModel()); call before Start(). Without
+  // one, asample answers Unavailable. An unknown name is refused.
+  Status AttachSampler(std::unique_ptr<engine::Sampler> sampler, const std::string& base = "");
   Result<std::string> CreateSamplingSession(const Caller& caller, const tinker::CreateSamplingSessionRequest& request);
   Result<SampleSubmitted> Sample(const Caller& caller, const tinker::SampleRequest& request);
   Result<tinker::SamplingSessionInfo> GetSampler(const Caller& caller, const std::string& sampler_id);
@@ -120,7 +140,7 @@ class Service {
 
   // For tests and /metrics: slots currently bound to live models.
   int slots_in_use() const;
-  // The sampler's counters (nullopt: no sampler is attached).
+  // The first base model's sampler's counters (nullopt: none is attached).
   std::optional<engine::SamplerStats> sampler_stats() const;
   // Counters other layers feed (router: responses; sampler: tokens).
   Metrics& metrics() { return metrics_; }
@@ -136,9 +156,20 @@ class Service {
   std::vector<tinker::TenantUsage> AllUsage() const;
 
  private:
+  // create_model (load_path: via load_weights) on the base model it names.
+  Result<Submitted> CreateModelOnBase(const Caller& caller, const tinker::CreateModelRequest& request,
+                                      std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
+  // The bundle serving this base_model name, or null.
+  BaseModel* FindBase(const std::string& name) const;
+  // The 400 for a base_model that is not served: names the field and the served names.
+  Status NotServed(const std::string& field, const std::string& name) const;
+  // The bundle holding model_id (any tenant), or the first one (whose
+  // lookups then answer NotFound).
+  BaseModel& BaseOfModelLocked(const std::string& model_id) const;
+  BaseModel& BaseOfModel(const std::string& model_id) const;
+
   // Declared in construction order: each part refers only to those above it.
   const ServiceOptions options_;
-  std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<store::Registry> registry_;
   FutureTable futures_;
   Metrics metrics_;
@@ -146,17 +177,10 @@ class Service {
   mutable ServiceLock lock_;
   IdempotencyMemory idempotency_;
   Sessions sessions_;
-  TrainingModels models_;
-  Checkpoints checkpoints_;
   CheckpointCatalog catalog_;
-  // Below futures_ and metrics_, which its Sampler's callbacks use, so the
-  // Sampler stops before them; above the publisher, which offers it
-  // snapshots, and the janitor, which cancels the samples of expired
-  // sessions.
-  SamplingState sampling_;
-  // Stopped after the train loop (whose saves it writes), before the sampler.
-  Publisher publisher_;
-  TrainLoop loop_;
+  // Below futures_, metrics_ and usage_, which their Samplers' callbacks use,
+  // so the Samplers stop before them; above the janitor, which sweeps them.
+  std::vector<std::unique_ptr<BaseModel>> bases_;
   Janitor janitor_;
 };
 

@@ -122,12 +122,6 @@ Result<Submitted> TrainingModels::SubmitOnModel(const Caller& caller, const std:
   return AdmitLocked(caller, **model, std::move(op));
 }
 
-Result<Submitted> TrainingModels::CreateModel(const Caller& caller, const tinker::CreateModelRequest& request,
-                                              std::optional<tinker::TinkerPath> load_path, bool with_optimizer) {
-  std::lock_guard<std::mutex> lock(lock_.mu);
-  return CreateModelLocked(caller, request, std::move(load_path), with_optimizer);
-}
-
 Result<Submitted> TrainingModels::CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
                                                     std::optional<tinker::TinkerPath> load_path,
                                                     bool with_optimizer) {

@@ -95,9 +95,10 @@ class TrainingModels {
 
   // ---- admission (I/O threads) ----
   // Checks and records a new model and admits its create_model as seq 0
-  // (load_path: created from that checkpoint, already parsed).
-  Result<Submitted> CreateModel(const Caller& caller, const tinker::CreateModelRequest& request,
-                                std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
+  // (load_path: created from that checkpoint, already parsed). The Service
+  // calls it with the lock held, after checking model ids across base models.
+  Result<Submitted> CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
+                                      std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
   // Locks and admits op on its model. A failed precheck (bad input found
   // before admission) is returned as is, and op.seq_id is skipped in the
   // model's sequencer: the SDK never resends a rejected seq_id.
@@ -150,8 +151,6 @@ class TrainingModels {
   std::set<std::string> TenantsLocked() const;
 
  private:
-  Result<Submitted> CreateModelLocked(const Caller& caller, const tinker::CreateModelRequest& request,
-                                      std::optional<tinker::TinkerPath> load_path, bool with_optimizer);
   // Admits op on its model: dedup, expiry check, ordering.
   Result<Submitted> AdmitLocked(const Caller& caller, TrainingModel& model, TrainingOp op);
   // Refuses a new model beyond the tenant's quota (Exhausted, 429), or the
