@@ -53,7 +53,15 @@ class TenantClient {
   void Start(const std::string& base_model = "loom/tiny-qwen3") {
     session_ = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
                                          {"sdk_version", "0.26.2"}, {"type", "create_session"}})["session_id"];
-    Json m = Result(PostOk("create_model", {{"session_id", session_}, {"model_seq_id", 0},
+    StartIn(session_, base_model, 0);
+  }
+  // One model of base_model in an existing session of this tenant (as a
+  // second TrainingClient of one ServiceClient); its sampling sessions are
+  // numbered from 1000 x model_seq_id, so two such clients never share one.
+  void StartIn(const std::string& session, const std::string& base_model, int model_seq_id) {
+    session_ = session;
+    sampling_seq_ = 1000 * static_cast<int64_t>(model_seq_id);
+    Json m = Result(PostOk("create_model", {{"session_id", session_}, {"model_seq_id", model_seq_id},
                                             {"base_model", base_model},
                                             {"lora_config", {{"rank", 4}, {"train_unembed", true},
                                                              {"train_mlp", true}, {"train_attn", true}}},

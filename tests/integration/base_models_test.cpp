@@ -1,0 +1,123 @@
+// Several base models in one real `loom serve` (CPU): make-model's tiny qwen3
+// as "teacher" and tiny qwen2 (another family, another seed) as "student",
+// each with its own slots and sampler. One tenant trains on both from one
+// session, samples from each (every sampled token's logprob equals that
+// base model's trainer logprob: the request reached the right engine), and
+// runs a distillation-shaped flow: the teacher's samples train the student,
+// whose logprob of them rises. Capabilities list both; an unknown base_model
+// is a 400 listing them; another tenant's student is "not found".
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "serve_process.h"
+#include "tenant_client.h"
+
+namespace loom {
+namespace {
+
+using Json = nlohmann::json;
+
+// The student's summed logprob of each completion of group after prompt.
+double LogprobOf(test::TenantClient& student, const std::vector<int32_t>& prompt, const wire::SampleResult& group) {
+  double total = 0;
+  for (const auto& s : group.sequences) {
+    std::vector<int32_t> tokens = prompt;
+    tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end() - 1);
+    std::vector<int64_t> targets(prompt.begin() + 1, prompt.end());
+    targets.insert(targets.end(), s.tokens.begin(), s.tokens.end());
+    const std::vector<float> lp = student.Forward(tokens, targets, /*forward_only=*/true);
+    total += std::accumulate(lp.begin() + static_cast<long>(prompt.size()) - 1, lp.end(), 0.0);
+  }
+  return total;
+}
+
+TEST(BaseModels, TeacherAndStudentInOneServer) {
+  const std::string data_dir =
+      (std::filesystem::temp_directory_path() / ("loom_base_models_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(data_dir);
+  std::filesystem::create_directories(data_dir);
+  for (const auto& [arch, seed] : {std::pair<std::string, int>{"qwen3", 3}, {"qwen2", 4}}) {
+    const std::string make = std::string(LOOM_BINARY) + " make-model --arch " + arch + " --preset tiny --seed " +
+                             std::to_string(seed) + " --out " + data_dir + "/" + arch + " > /dev/null";
+    ASSERT_EQ(std::system(make.c_str()), 0) << make;
+  }
+  test::ServeProcess server(data_dir, {"--model", "teacher=" + data_dir + "/qwen3", "--model",
+                                       "student=" + data_dir + "/qwen2", "--max-adapters", "2", "--max-rank", "8",
+                                       "--sampler-adapters", "2"});
+  ASSERT_NE(server.port(), 0) << "no listening banner: " << server.banner();
+  EXPECT_NE(server.banner().find("model=teacher,student"), std::string::npos) << server.banner();
+
+  test::TenantClient teacher(server.port(), "tml-alice"), student(server.port(), "tml-alice");
+  Json caps = Json::parse(teacher.Get("/api/v1/get_server_capabilities").body, nullptr, false);
+  ASSERT_EQ(caps["supported_models"].size(), 2u) << caps.dump();
+  EXPECT_EQ(caps["supported_models"][0]["model_name"], "teacher");
+  EXPECT_EQ(caps["supported_models"][1]["model_name"], "student");
+
+  teacher.Start("teacher");
+  student.StartIn(teacher.session(), "student", 1);
+  for (int step = 0; step < 2; ++step) {
+    teacher.TrainStep(step);
+    student.TrainStep(step + 10);
+  }
+
+  // The teacher samples; its tokens' logprobs are the teacher's trainer's.
+  const std::vector<int32_t> prompt = {5, 17, 29, 41, 53, 65};
+  const wire::SampleResult group = teacher.Sample(teacher.SaveForSampling(), prompt, 6, 3, 7);
+  ASSERT_EQ(group.sequences.size(), 3u);
+  teacher.ExpectConsistent(prompt, group, "teacher");
+
+  // The student learns the teacher's completions (cross-entropy on them).
+  const double before = LogprobOf(student, prompt, group);
+  for (int step = 0; step < 3; ++step) {
+    for (const auto& s : group.sequences) {
+      std::vector<int32_t> tokens = prompt;
+      tokens.insert(tokens.end(), s.tokens.begin(), s.tokens.end() - 1);
+      std::vector<int64_t> targets(prompt.begin() + 1, prompt.end());
+      targets.insert(targets.end(), s.tokens.begin(), s.tokens.end());
+      student.Forward(tokens, targets, /*forward_only=*/false);
+    }
+    student.OptimStep();
+  }
+  EXPECT_GT(LogprobOf(student, prompt, group), before + 0.1) << "the student did not learn the teacher's tokens";
+
+  // The student's own samples come from the student's engine and adapter.
+  const wire::SampleResult mine = student.Sample(student.SaveForSampling(), prompt, 4, 2, 8);
+  student.ExpectConsistent(prompt, mine, "student");
+
+  // A base-model sampling session on the teacher.
+  Json base = teacher.PostOk("create_sampling_session", {{"session_id", teacher.session()},
+                                                         {"sampling_session_seq_id", 500},
+                                                         {"base_model", "teacher"},
+                                                         {"type", "create_sampling_session"}});
+  EXPECT_EQ(teacher.Sample(base.value("sampling_session_id", ""), prompt, 3, 1, 9).sequences.size(), 1u);
+
+  // An unknown base model: 400 naming the field and the served names.
+  testing::Reply bad = teacher.Post("create_model", {{"session_id", teacher.session()}, {"model_seq_id", 7},
+                                                     {"base_model", "loom/tiny-qwen3"},
+                                                     {"lora_config", {{"rank", 4}}}, {"type", "create_model"}});
+  EXPECT_EQ(bad.status, 400) << bad.body;
+  EXPECT_NE(bad.body.find("create_model.base_model: 'loom/tiny-qwen3' is not served here; this server serves "
+                          "'teacher', 'student'"),
+            std::string::npos)
+      << bad.body;
+
+  // Another tenant does not see alice's student.
+  test::TenantClient bob(server.port(), "tml-bob");
+  testing::Reply theirs =
+      bob.Post("optim_step", {{"model_id", student.model()}, {"seq_id", 100},
+                              {"adam_params", {{"learning_rate", 1e-3}, {"beta1", 0.9}, {"beta2", 0.95}, {"eps", 1e-12},
+                                              {"weight_decay", 0.0}, {"grad_clip_norm", 0.0}}}, {"type", "optim_step"}});
+  EXPECT_EQ(theirs.status, 404) << theirs.body;
+  EXPECT_EQ(test::Metric(bob.Get("/metrics").body, "loom_slots_in_use"), 2);
+  EXPECT_EQ(server.Terminate(), 0);
+  std::filesystem::remove_all(data_dir);
+}
+
+}  // namespace
+}  // namespace loom
