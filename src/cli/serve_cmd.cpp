@@ -192,8 +192,9 @@ int Serve(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  // Opened one after another, so each plans its slots from the memory the
-  // earlier ones left (Engine::Open refuses --max-adapters that do not fit).
+  // Each plans and checks its slots against an equal share of the memory
+  // admitted for slots (on a GPU, of what the earlier ones left): Engine::Open
+  // refuses --max-adapters that do not fit in it, so `loom serve` exits here.
   engine::EngineOptions eopt;
   eopt.device = device;
   eopt.context_window = context_window;
@@ -201,6 +202,7 @@ int Serve(int argc, char** argv) {
   eopt.moments = moments;
   eopt.max_slots = max_adapters;  // 0: planned by Engine::Open
   eopt.max_rank = max_rank;
+  eopt.memory_share = 1.0 / static_cast<double>(models->size());
   std::vector<OpenedModel> opened;
   for (const ModelDir& m : *models) {
     const std::string flag = models->size() == 1 ? "--model" : "--model " + m.name;

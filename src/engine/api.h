@@ -69,6 +69,10 @@ struct EngineOptions {
   // parameter on the device, 8 on the host), or "auto": the device when
   // max_slots fit there, else the host when they fit that way.
   std::string moments = "auto";
+  // The share of the memory admitted for slots (see kAutoSlotShare) this
+  // engine plans and checks its slots against, in (0, 1]: `loom serve` with
+  // N base models gives each 1/N, so that together they fit.
+  double memory_share = 1.0;
 };
 
 // The plan when EngineOptions leaves max_rank or max_slots at 0: rank 128

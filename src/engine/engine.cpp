@@ -397,7 +397,9 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
   const std::string& where = options.moments;
   if (where != "auto" && where != "device" && where != "host")
     return Status::Invalid(Cat("moments: '", where, "' is not auto, device or host"));
-  const double room = RoomForSlots(device);
+  if (!(options.memory_share > 0 && options.memory_share <= 1))
+    return Status::Invalid(Cat("memory_share: ", options.memory_share, " is outside (0, 1]"));
+  const double room = options.memory_share * RoomForSlots(device);
   const double resident = 16.0 * static_cast<double>(slot_elems), split = 8.0 * static_cast<double>(slot_elems);
   info->slot_room_bytes = static_cast<int64_t>(room);
   if (info->auto_slots) {
@@ -421,7 +423,9 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
                                info->device, " (", mib(static_cast<double>(info->slot_bytes)), " MiB each: fp32 weights, gradient",
                                host ? "; the AdamW moments on the host" : " and two AdamW moments", "); it has room for ",
                                static_cast<int64_t>(room / static_cast<double>(info->slot_bytes)),
-                               " (80% of the memory beside the base weights); lower --max-adapters or --max-rank",
+                               " (80% of the memory beside the base weights",
+                               options.memory_share < 1 ? Cat(", this model's share of ", options.memory_share) : std::string(),
+                               "); lower --max-adapters or --max-rank",
                                host ? "" : ", or put the moments on the host (--moments host)"));
   }
   if (host && split * slots > host_room) {

@@ -9,7 +9,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <sys/wait.h>
+
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <filesystem>
 #include <numeric>
 #include <string>
@@ -116,6 +120,44 @@ TEST(BaseModels, TeacherAndStudentInOneServer) {
   EXPECT_EQ(theirs.status, 404) << theirs.body;
   EXPECT_EQ(test::Metric(bob.Get("/metrics").body, "loom_slots_in_use"), 2);
   EXPECT_EQ(server.Terminate(), 0);
+  std::filesystem::remove_all(data_dir);
+}
+
+// Bad --model sets and models that together do not fit stop `loom serve` at
+// start-up (exit 2) with a message naming the flag.
+TEST(BaseModels, RefusedAtStartUp) {
+  const std::string data_dir =
+      (std::filesystem::temp_directory_path() / ("loom_base_models_bad_" + std::to_string(::getpid()))).string();
+  std::filesystem::remove_all(data_dir);
+  std::filesystem::create_directories(data_dir);
+  const std::string model = data_dir + "/qwen3";
+  ASSERT_EQ(std::system((std::string(LOOM_BINARY) + " make-model --arch qwen3 --preset tiny --seed 3 --out " + model +
+                         " > /dev/null")
+                            .c_str()),
+            0);
+  const auto serve = [&](const std::string& flags) {
+    const std::string err = data_dir + "/stderr";
+    const std::string cmd = std::string(LOOM_BINARY) + " serve --port 0 --device cpu --data-dir " + data_dir + " " +
+                            flags + " > /dev/null 2> " + err;
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(err);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    return std::make_pair(WIFEXITED(status) ? WEXITSTATUS(status) : -1, text);
+  };
+  const auto expect = [&](const std::string& flags, const std::string& message) {
+    const auto [code, err] = serve(flags);
+    EXPECT_EQ(code, 2) << flags << ": " << err;
+    EXPECT_NE(err.find(message), std::string::npos) << flags << ": " << err;
+  };
+  expect("--model a=" + model + " --model a=" + model, "--model: the name 'a' is given twice");
+  expect("--model a=" + model + " --model " + model, "with several models each must be NAME=DIR");
+  expect("--model a=" + model + " --model-name b", "--model-name: names the one --model DIR");
+  // Each of two models plans against half the room; slots beyond it fail
+  // before anything is served, naming the model and its share.
+  expect("--model a=" + model + " --model b=" + model + " --max-adapters 4096 --max-rank 1024",
+         "--model a: max_slots: 4096 adapter slots");
+  expect("--model a=" + model + " --model b=" + model + " --max-adapters 4096 --max-rank 1024",
+         "this model's share of 0.5");
   std::filesystem::remove_all(data_dir);
 }
 
