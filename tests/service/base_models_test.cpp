@@ -11,6 +11,7 @@
 
 #include "fake_engine.h"
 #include "fake_sampler.h"
+#include "wait_future.h"
 #include "service/service.h"
 
 namespace loom::service {
@@ -50,15 +51,7 @@ class BaseModelsTest : public ::testing::Test {
   }
 
   FutureView Wait(const std::string& tenant, const std::string& id) {
-    for (int i = 0; i < 2500; ++i) {
-      auto v = service_->futures().Get(tenant, id);
-      EXPECT_TRUE(v.ok()) << v.status().message();
-      if (!v.ok()) return {};
-      if (v->state != FutureState::kPending) return *v;
-      std::this_thread::sleep_for(2ms);
-    }
-    ADD_FAILURE() << "future " << id << " still pending";
-    return {};
+    return testing::WaitFuture(*service_, tenant, id);
   }
   std::string Session(const std::string& tenant) { return *service_->CreateSession({tenant, ""}, {}); }
   Result<Submitted> Create(const std::string& tenant, const std::string& session, const std::string& base, int seq) {
