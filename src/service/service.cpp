@@ -56,7 +56,9 @@ int Service::slots_in_use() const {
   return models_.SlotsInUseLocked();
 }
 
-std::string Service::MetricsText(bool with_usage) const {
+std::string Service::MetricsText(bool with_usage) const { return metrics_.Render(LiveSnapshot(with_usage)); }
+
+QueueSnapshot Service::LiveSnapshot(bool with_usage) const {
   QueueSnapshot live;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
@@ -73,7 +75,24 @@ std::string Service::MetricsText(bool with_usage) const {
   }
   live.publishes_pending = publisher_.pending();
   if (with_usage) live.usage = AllUsage();
-  return metrics_.Render(live);
+  return live;
+}
+
+std::vector<Service::ModelStatus> Service::ModelsOf(const std::string& tenant) const {
+  std::vector<ModelStatus> out;
+  QueueSnapshot depths;
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  models_.QueueDepthsLocked(&depths);
+  loop_.QueueDepthsLocked(&depths);
+  std::vector<bool> waiting;
+  const auto models = models_.TenantModelsLocked(tenant, &waiting);
+  for (size_t i = 0; i < models.size(); ++i) {
+    const auto& m = models[i];
+    auto q = depths.models.find(m.model_id);
+    out.push_back(ModelStatus{m.model_id, m.base_model, m.lora.rank, waiting[i] ? "paused_capacity" : "active",
+                              q == depths.models.end() ? 0 : q->second.queued});
+  }
+  return out;
 }
 
 tinker::TenantUsage Service::UsageOf(const std::string& tenant) const {
