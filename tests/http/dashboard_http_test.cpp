@@ -19,23 +19,19 @@ constexpr const char* kAdmin = "admin-secret-key";
 
 class DashboardHttpTest : public testing::GatewayFixture {
  protected:
-  Reply Get(const std::string& path, const char* key) {
-    std::vector<std::pair<std::string, std::string>> h;
-    if (key) h.emplace_back("X-API-Key", key);
-    return client_->Call("GET", path, "", h);
-  }
   Json Dashboard(const char* key) {
     Reply r = Get("/api/v1/dashboard", key);
     EXPECT_EQ(r.status, 200) << r.body;
     return Json::parse(r.body, nullptr, false);
   }
-  void Train(const std::string& model, int calls, const char* key) {
-    for (int seq = 1; seq <= calls; ++seq) {
-      Reply sub = PostFb(FbBody(model, seq), key);
-      ASSERT_EQ(sub.status, 200) << sub.body;
-      Json done = Json::parse(Retrieve(Json::parse(sub.body)["request_id"], key).body, nullptr, false);
-      EXPECT_FALSE(done.contains("error")) << done.dump();
-    }
+  // With the admin key set: alice's and bob's models, trained `a` and `b` times.
+  std::pair<std::string, std::string> TwoTenantsTrained(int a, int b) {
+    router_opt_.admin_key = kAdmin;
+    StartGateway("loom_http_dash_", /*with_sampler=*/false);
+    std::pair<std::string, std::string> models{CreateModel(kAlice), CreateModel(kBob)};
+    Train(models.first, a, kAlice);
+    Train(models.second, b, kBob);
+    return models;
   }
 };
 
@@ -54,12 +50,7 @@ TEST_F(DashboardHttpTest, ThePageIsStaticAndNeedsNoKey) {
 }
 
 TEST_F(DashboardHttpTest, EachTenantSeesOnlyItsOwnModelsAndLosses) {
-  router_opt_.admin_key = kAdmin;
-  StartGateway("loom_http_dash_", /*with_sampler=*/false);
-  const std::string a = CreateModel(kAlice);
-  const std::string b = CreateModel(kBob);
-  Train(a, 3, kAlice);
-  Train(b, 1, kBob);
+  const auto [a, b] = TwoTenantsTrained(3, 1);
 
   const Json alice = Dashboard(kAlice);
   EXPECT_EQ(alice["view"], "tenant");
@@ -88,12 +79,7 @@ TEST_F(DashboardHttpTest, EachTenantSeesOnlyItsOwnModelsAndLosses) {
 }
 
 TEST_F(DashboardHttpTest, TheAdminKeySeesEveryTenantSlotsAndFill) {
-  router_opt_.admin_key = kAdmin;
-  StartGateway("loom_http_dash_", /*with_sampler=*/false);
-  const std::string a = CreateModel(kAlice);
-  const std::string b = CreateModel(kBob);
-  Train(a, 2, kAlice);
-  Train(b, 1, kBob);
+  const auto [a, b] = TwoTenantsTrained(2, 1);
   const Json admin = Dashboard(kAdmin);
   EXPECT_EQ(admin["view"], "admin");
   EXPECT_EQ(admin["tenants"].size(), 2u) << admin.dump();
