@@ -19,11 +19,7 @@ constexpr const char* kAdmin = "admin-secret-key";
 
 class DashboardHttpTest : public testing::GatewayFixture {
  protected:
-  Json Dashboard(const char* key) {
-    Reply r = Get("/api/v1/dashboard", key);
-    EXPECT_EQ(r.status, 200) << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
+  Json Dashboard(const char* key) { return GetOk("/api/v1/dashboard", key); }
   // With the admin key set: alice's and bob's models, trained `a` and `b` times.
   std::pair<std::string, std::string> TwoTenantsTrained(int a, int b) {
     router_opt_.admin_key = kAdmin;

@@ -85,6 +85,11 @@ class GatewayFixture : public ::testing::Test {
     if (key) h.emplace_back("X-API-Key", key);
     return client_->Call("GET", path, "", h);
   }
+  Json GetOk(const std::string& path, const char* key) {
+    Reply r = Get(path, key);
+    EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+    return Json::parse(r.body, nullptr, false);
+  }
   // Polls retrieve_future until the answer is not try_again.
   Reply Retrieve(const std::string& request_id, const char* key = kAlice, bool proto = false) {
     return RetrieveFuture(*client_, key, request_id, proto, /*attempts=*/20, /*allow_metadata_only=*/true);

@@ -19,11 +19,7 @@ constexpr const char* kAdmin = "admin-secret-key";
 
 class UsageHttpTest : public testing::GatewayFixture {
  protected:
-  Json Usage(const char* key) {
-    Reply r = Get("/api/v1/usage", key);
-    EXPECT_EQ(r.status, 200) << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
+  Json Usage(const char* key) { return GetOk("/api/v1/usage", key); }
   // forward_backward calls of FbBody's one 3-token datum.
   // One asample of a 3-token prompt, n samples of m tokens each.
   void Sample(const char* key, int n, int m) {
