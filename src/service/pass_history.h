@@ -3,13 +3,15 @@
 //
 // Bound: the last kMaxPoints requests per model, in memory only; a model's
 // history goes when the model does (Forget, called when it is unloaded,
-// expires or fails), so it never outlives what its tenant can see.
+// expires or fails), so it never outlives what its tenant can see. The
+// train loop records and forgets under ServiceLock::mu, recording only for a
+// model still active, so a gone model's history is never recreated.
 // Invariant: points of one model are in the order the engine finished them;
 // `index` counts the model's recorded requests from 1 (it keeps counting
 // after old points fall off, so a curve's x-axis stays the request number).
 //
 // Threading: every method may be called from any thread (one internal mutex,
-// a leaf: nothing else is locked while it is held).
+// a leaf: taken after ServiceLock::mu when both are held, nothing under it).
 #pragma once
 #include <cstdint>
 #include <deque>

@@ -398,7 +398,13 @@ void TrainLoop::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput>
     // The request's whole loss (all its pieces), for the dashboard's curve.
     auto loss = out.metrics.find("loss:sum");
     if (loss != out.metrics.end()) {
-      metrics_.pass_history().Record(pw.owner, pw.piece.model_id, loss->second, RequestTokens(out), NowMs());
+      // Under the lock, so that a model unloaded meanwhile (FailModelLocked
+      // forgets its history) does not get a history again.
+      std::lock_guard<std::mutex> lock(lock_.mu);
+      const TrainingModel* model = models_.FindLocked(pw.piece.model_id);
+      if (model != nullptr && model->state == ModelState::kActive) {
+        metrics_.pass_history().Record(pw.owner, pw.piece.model_id, loss->second, RequestTokens(out), NowMs());
+      }
     }
   }
   futures_.Complete(pw.op.request_id, std::move(out));
