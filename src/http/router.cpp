@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "common/log.h"
+#include "http/dashboard.h"
 #include "wire/errors.h"
 #include "wire/forward_backward.h"
 #include "wire/future_result.h"
@@ -195,6 +196,11 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
     out.response = request.method == "GET" ? Scrape(request) : MethodNotAllowed(request.method, ctx.path, "GET");
     return out;
   }
+  // The dashboard page holds no data: it reads /api/v1/dashboard with the key.
+  if (ctx.path == "/dashboard") {
+    out.response = request.method == "GET" ? DashboardPage() : MethodNotAllowed(request.method, ctx.path, "GET");
+    return out;
+  }
   auto route = RouteOf(ctx.path);
   if (!route) {
     out.response = Error(Status::NotFound("no such route: " + request.method + " " + ctx.path +
@@ -226,6 +232,10 @@ RouteOutcome Router::Handle(const HttpRequest& request) {
   // The admin key reads every tenant's usage (it is no tenant's key).
   if (ctx.route == "usage" && request.method == "GET" && IsAdmin(request)) {
     out.response = JsonAnswer(wire::UsageListJson(service_.AllUsage()));
+    return out;
+  }
+  if (ctx.route == "dashboard" && request.method == "GET" && IsAdmin(request)) {
+    out.response = JsonAnswer(AdminDashboardJson(service_));
     return out;
   }
   auto tenant = keys_.Authenticate(request.header("x-api-key"));
@@ -622,6 +632,10 @@ std::vector<Router::Route> Router::MakeRoutes() {
       // view of every tenant is answered before authentication (Handle).
       {"GET", "usage",
        [=, this](Context& ctx, const Args&) { return JsonAnswer(wire::UsageJson(service_.UsageOf(ctx.caller.tenant))); }},
+      // loom's own (docs/dashboard.md): the caller's models and losses; the
+      // admin key's view is answered before authentication (Handle).
+      {"GET", "dashboard",
+       [=, this](Context& ctx, const Args&) { return JsonAnswer(TenantDashboardJson(service_, ctx.caller.tenant)); }},
       {"PUT", "sessions/{}/project",
        [=, this](Context& ctx, const Args& a) {
          auto s = service_.GetSession(ctx.caller, a[0]);

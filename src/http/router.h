@@ -19,6 +19,10 @@
 // series and every tenant's usage (loom_tenant_*). GET /api/v1/usage answers
 // a tenant its own usage, and the admin key every tenant's.
 //
+// GET /dashboard is the static page (http/dashboard.h); GET /api/v1/dashboard
+// answers a tenant its own models and losses, and the admin key the
+// operator's view.
+//
 // Thread-safe: any I/O thread may call any method concurrently.
 #pragma once
 #include <cstdint>

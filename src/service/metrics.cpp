@@ -79,7 +79,13 @@ void Metrics::RecordPass(const std::string& kind, int64_t tokens, double fill_ra
     fill_sum_ += fill_ratio;
     ++fill_count_;
     last_fill_ = fill_ratio;
+    last_fill_tokens_ = tokens;
   }
+}
+
+Metrics::Fill Metrics::fill() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Fill{fill_count_, last_fill_tokens_, last_fill_, fill_count_ ? fill_sum_ / fill_count_ : 0.0};
 }
 
 double Metrics::publish_seconds() const {

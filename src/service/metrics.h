@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "service/pass_history.h"
 #include "tinker/results.h"
 
 namespace loom::service {
@@ -72,6 +73,18 @@ class Metrics {
   // Writer-thread seconds of the publishes so far (RecordPublish).
   double publish_seconds() const;
 
+  // The forward(_backward) passes' fill, as loom_batch_fill_ratio* show it.
+  struct Fill {
+    int64_t passes = 0;
+    int64_t last_tokens = 0;  // tokens of the last pass (against QueueSnapshot::token_budget)
+    double last_ratio = 0;
+    double mean_ratio = 0;
+  };
+  Fill fill() const;
+  // Each model's recent forward_backward losses (the dashboard's curves).
+  PassHistory& pass_history() { return history_; }
+  const PassHistory& pass_history() const { return history_; }
+
   // The whole exposition, with the live gauges of `live`.
   std::string Render(const QueueSnapshot& live) const;
   // `text` (as Render() writes it) without the samples whose model_id label
@@ -98,12 +111,14 @@ class Metrics {
   double fill_sum_ = 0;
   int64_t fill_count_ = 0;
   double last_fill_ = 0;
+  int64_t last_fill_tokens_ = 0;
   std::map<std::string, std::pair<double, int64_t>> wait_;  // model -> (sum s, count)
   std::map<int, int64_t> responses_;
   int64_t publishes_ = 0, publish_failures_ = 0;
   double publish_seconds_ = 0;
   mutable std::deque<Sample> training_recent_;
   mutable std::deque<Sample> sampling_recent_;
+  PassHistory history_;  // its own lock
 };
 
 }  // namespace loom::service

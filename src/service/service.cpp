@@ -97,7 +97,9 @@ int Service::slots_in_use() const {
   return in_use;
 }
 
-std::string Service::MetricsText(bool with_usage) const {
+std::string Service::MetricsText(bool with_usage) const { return metrics_.Render(LiveSnapshot(with_usage)); }
+
+QueueSnapshot Service::LiveSnapshot(bool with_usage) const {
   QueueSnapshot live;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
@@ -116,7 +118,24 @@ std::string Service::MetricsText(bool with_usage) const {
   }
   for (const auto& base : bases_) live.publishes_pending += base->publisher.pending();
   if (with_usage) live.usage = AllUsage();
-  return metrics_.Render(live);
+  return live;
+}
+
+std::vector<Service::ModelStatus> Service::ModelsOf(const std::string& tenant) const {
+  std::vector<ModelStatus> out;
+  QueueSnapshot depths;
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  models_.QueueDepthsLocked(&depths);
+  loop_.QueueDepthsLocked(&depths);
+  std::vector<bool> waiting;
+  const auto models = models_.TenantModelsLocked(tenant, &waiting);
+  for (size_t i = 0; i < models.size(); ++i) {
+    const auto& m = models[i];
+    auto q = depths.models.find(m.model_id);
+    out.push_back(ModelStatus{m.model_id, m.base_model, m.lora.rank, waiting[i] ? "paused_capacity" : "active",
+                              q == depths.models.end() ? 0 : q->second.queued});
+  }
+  return out;
 }
 
 tinker::TenantUsage Service::UsageOf(const std::string& tenant) const {

@@ -147,6 +147,18 @@ class Service {
   // GET /metrics: Prometheus text with the live queue gauges; with_usage
   // adds every tenant's usage series (the admin's view).
   std::string MetricsText(bool with_usage = false) const;
+  // The live gauges /metrics renders (and the admin dashboard shows).
+  QueueSnapshot LiveSnapshot(bool with_usage) const;
+
+  // ---- dashboard (docs/dashboard.md) ----
+  struct ModelStatus {
+    std::string model_id, base_model;
+    int rank = 0;
+    std::string queue_state;  // "active" or "paused_capacity" (waiting for a slot)
+    size_t queued = 0;        // its requests not yet run
+  };
+  // The tenant's live models.
+  std::vector<ModelStatus> ModelsOf(const std::string& tenant) const;
 
   // ---- usage (docs/usage.md) ----
   // What the caller's tenant used: the counters since start, its live and

@@ -14,6 +14,15 @@ namespace loom::service {
 
 namespace {
 
+// The target tokens a forward_backward scored (its datums' logprobs).
+int64_t RequestTokens(const engine::ForwardBackwardOutput& out) {
+  int64_t n = 0;
+  for (const auto& datum : out.outputs) {
+    if (auto it = datum.find("logprobs"); it != datum.end()) n += it->second.numel();
+  }
+  return n;
+}
+
 // What the planner needs to know of a ready request.
 sched::Request PlanRequest(uint64_t id, const TrainingOp& op, int64_t arrival_ms) {
   sched::Request r;
@@ -117,6 +126,7 @@ void TrainLoop::Stop() {
 
 void TrainLoop::FailModelLocked(TrainingModel& model, ModelState state, const std::string& reason) {
   models_.FailModelLocked(model, state, reason);
+  metrics_.pass_history().Forget(model.model_id);
   for (uint64_t id : planner_.DropModel(model.model_id)) FailPlannedLocked(id, Status::Precondition(reason));
 }
 
@@ -383,6 +393,19 @@ void TrainLoop::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput>
   if (pw.partial) {
     JoinOutput(*pw.partial, std::move(out));
     out = std::move(*pw.partial);
+  }
+  if (!pw.op.forward_backward.forward_only) {
+    // The request's whole loss (all its pieces), for the dashboard's curve.
+    auto loss = out.metrics.find("loss:sum");
+    if (loss != out.metrics.end()) {
+      // Under the lock, so that a model unloaded meanwhile (FailModelLocked
+      // forgets its history) does not get a history again.
+      std::lock_guard<std::mutex> lock(lock_.mu);
+      const TrainingModel* model = models_.FindLocked(pw.piece.model_id);
+      if (model != nullptr && model->state == ModelState::kActive) {
+        metrics_.pass_history().Record(pw.owner, pw.piece.model_id, loss->second, RequestTokens(out), NowMs());
+      }
+    }
   }
   futures_.Complete(pw.op.request_id, std::move(out));
 }

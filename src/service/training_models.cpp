@@ -380,4 +380,15 @@ void TrainingModels::QueueDepthsLocked(QueueSnapshot* live) const {
   }
 }
 
+std::vector<TrainingModels::ModelRef> TrainingModels::TenantModelsLocked(const std::string& tenant,
+                                                                        std::vector<bool>* waiting_for_slot) const {
+  std::vector<ModelRef> out;
+  for (const auto& [id, m] : models_) {
+    if (m->owner != tenant || m->state != ModelState::kActive) continue;
+    out.push_back(*m);
+    waiting_for_slot->push_back(m->waiting_for_slot);
+  }
+  return out;
+}
+
 }  // namespace loom::service

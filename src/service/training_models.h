@@ -144,6 +144,8 @@ class TrainingModels {
   int SlotsInUseLocked() const;
   int WaitersLocked() const { return static_cast<int>(slot_waiters_.size()); }
   void QueueDepthsLocked(QueueSnapshot* live) const;  // active models' queued requests
+  // The tenant's active models (the dashboard's list), by model id.
+  std::vector<ModelRef> TenantModelsLocked(const std::string& tenant, std::vector<bool>* waiting_for_slot) const;
   // The tenant's models holding a slot and waiting for one, and the seconds
   // its live models have held theirs so far (not yet in Usage).
   void TenantSlotsLocked(const std::string& tenant, Clock::time_point now, tinker::TenantUsage* into) const;

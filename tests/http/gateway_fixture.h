@@ -79,6 +79,17 @@ class GatewayFixture : public ::testing::Test {
     EXPECT_EQ(r.status, 200) << route << ": " << r.body;
     return Json::parse(r.body, nullptr, false);
   }
+  // A GET with the key (none: nullptr).
+  Reply Get(const std::string& path, const char* key) {
+    std::vector<std::pair<std::string, std::string>> h;
+    if (key) h.emplace_back("X-API-Key", key);
+    return client_->Call("GET", path, "", h);
+  }
+  Json GetOk(const std::string& path, const char* key) {
+    Reply r = Get(path, key);
+    EXPECT_EQ(r.status, 200) << path << ": " << r.body;
+    return Json::parse(r.body, nullptr, false);
+  }
   // Polls retrieve_future until the answer is not try_again.
   Reply Retrieve(const std::string& request_id, const char* key = kAlice, bool proto = false) {
     return RetrieveFuture(*client_, key, request_id, proto, /*attempts=*/20, /*allow_metadata_only=*/true);
@@ -115,7 +126,16 @@ class GatewayFixture : public ::testing::Test {
                                                        {"Content-Type", "application/x-protobuf"}};
     if (zstd) h.emplace_back("Content-Encoding", "zstd");
     return client_->Call("POST", "/api/v1/forward_backward", zstd ? wire::ZstdCompress(body) : body, h);
+  }  // forward_backward calls of FbBody's one 3-token datum, seq 1..calls, each waited for.
+  void Train(const std::string& model, int calls, const char* key) {
+    for (int seq = 1; seq <= calls; ++seq) {
+      Reply sub = PostFb(FbBody(model, seq), key);
+      ASSERT_EQ(sub.status, 200) << sub.body;
+      Json done = Json::parse(Retrieve(Json::parse(sub.body)["request_id"], key).body, nullptr, false);
+      EXPECT_FALSE(done.contains("error")) << done.dump();
+    }
   }
+
   // Every error is JSON with a non-empty "error".
   static void ExpectJsonError(const Reply& r, int status, const std::string& fragment = "") {
     EXPECT_EQ(r.status, status) << r.body;

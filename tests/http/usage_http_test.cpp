@@ -19,25 +19,8 @@ constexpr const char* kAdmin = "admin-secret-key";
 
 class UsageHttpTest : public testing::GatewayFixture {
  protected:
-  Reply Get(const std::string& path, const char* key) {
-    std::vector<std::pair<std::string, std::string>> h;
-    if (key) h.emplace_back("X-API-Key", key);
-    return client_->Call("GET", path, "", h);
-  }
-  Json Usage(const char* key) {
-    Reply r = Get("/api/v1/usage", key);
-    EXPECT_EQ(r.status, 200) << r.body;
-    return Json::parse(r.body, nullptr, false);
-  }
+  Json Usage(const char* key) { return GetOk("/api/v1/usage", key); }
   // forward_backward calls of FbBody's one 3-token datum.
-  void Train(const std::string& model, int calls, const char* key) {
-    for (int seq = 1; seq <= calls; ++seq) {
-      Reply sub = PostFb(FbBody(model, seq), key);
-      ASSERT_EQ(sub.status, 200) << sub.body;
-      Json done = Json::parse(Retrieve(Json::parse(sub.body)["request_id"], key).body, nullptr, false);
-      EXPECT_FALSE(done.contains("error")) << done.dump();
-    }
-  }
   // One asample of a 3-token prompt, n samples of m tokens each.
   void Sample(const char* key, int n, int m) {
     const std::string sampling =
