@@ -125,15 +125,19 @@ std::vector<Service::ModelStatus> Service::ModelsOf(const std::string& tenant) c
   std::vector<ModelStatus> out;
   QueueSnapshot depths;
   std::lock_guard<std::mutex> lock(lock_.mu);
-  models_.QueueDepthsLocked(&depths);
-  loop_.QueueDepthsLocked(&depths);
-  std::vector<bool> waiting;
-  const auto models = models_.TenantModelsLocked(tenant, &waiting);
-  for (size_t i = 0; i < models.size(); ++i) {
-    const auto& m = models[i];
-    auto q = depths.models.find(m.model_id);
-    out.push_back(ModelStatus{m.model_id, m.base_model, m.lora.rank, waiting[i] ? "paused_capacity" : "active",
-                              q == depths.models.end() ? 0 : q->second.queued});
+  for (const auto& base : bases_) {
+    base->models.QueueDepthsLocked(&depths);
+    base->loop.QueueDepthsLocked(&depths);
+  }
+  for (const auto& base : bases_) {
+    std::vector<bool> waiting;
+    const auto models = base->models.TenantModelsLocked(tenant, &waiting);
+    for (size_t i = 0; i < models.size(); ++i) {
+      const auto& m = models[i];
+      auto q = depths.models.find(m.model_id);
+      out.push_back(ModelStatus{m.model_id, m.base_model, m.lora.rank, waiting[i] ? "paused_capacity" : "active",
+                                q == depths.models.end() ? 0 : q->second.queued});
+    }
   }
   return out;
 }
