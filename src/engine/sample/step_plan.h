@@ -68,8 +68,9 @@ struct StepLimits {
   // MIXED: a contended decode step (rules 2 and 3) also carries up to
   // contended_prefill_tokens of the over-share tenants' prompts in the same
   // forward (ModelRunner::Mixed, on the CUDA decode graphs). Their prompts
-  // then advance in every step, not only in prefill steps, at little cost to
-  // the step (the graph's rows are padded to a bucket anyway).
+  // then advance in every step, not only in prefill steps; each rider adds
+  // a row to the step's graph (on the H200 that made the light tenant's steps
+  // dearer about as much as it sped the flood: docs/benchmarks.md, session 14).
   bool mixed_steps = false;
 };
 
