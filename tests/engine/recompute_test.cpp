@@ -22,6 +22,17 @@ std::vector<at::Device> Devices() {
   return d;
 }
 
+// The lean forward against the plain ops': bit for bit on the CPU; on CUDA
+// the fused kernels sum a row in another order (and round once where the
+// plain ops round once), so within one rounding of the dtype.
+void ExpectSameForward(const at::Tensor& lean, const at::Tensor& plain, const at::Device device, at::ScalarType dtype) {
+  if (device.is_cpu()) {
+    EXPECT_TRUE(at::equal(plain, lean)) << dtype;
+    return;
+  }
+  EXPECT_LT(RelDiff(lean.to(at::kFloat), plain.to(at::kFloat)), dtype == at::kFloat ? 1e-6 : 1e-2) << dtype;
+}
+
 // Value and input gradient of f(x) for the upstream gradient g.
 std::pair<at::Tensor, at::Tensor> ValueAndGrad(const std::function<at::Tensor(const at::Tensor&)>& f,
                                                const at::Tensor& x0, const at::Tensor& g) {
@@ -42,7 +53,7 @@ TEST(LeanOps, RmsNormHasThePlainValuesAndAutogradsGradient) {
         const at::Tensor g = at::randn(shape, opts).to(dtype);
         const auto [y_plain, gx_plain] = ValueAndGrad([&](const at::Tensor& v) { return RmsNormPlain(v, w, 1e-6); }, x, g);
         const auto [y_lean, gx_lean] = ValueAndGrad([&](const at::Tensor& v) { return RmsNormLean(v, w, 1e-6); }, x, g);
-        EXPECT_TRUE(at::equal(y_plain, y_lean)) << device << " " << dtype;
+        ExpectSameForward(y_lean, y_plain, device, dtype);
         // fp32: summation order only; bf16: one rounding of the result either way.
         const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
         EXPECT_LT(RelDiff(gx_lean.to(at::kFloat), gx_plain.to(at::kFloat)), tol) << device << " " << dtype;
@@ -59,7 +70,7 @@ TEST(LeanOps, SwiGluHasThePlainValuesAndAutogradsGradient) {
       const at::Tensor g = at::randn({29, 24}, opts).to(dtype);
       const auto [y_plain, gx_plain] = ValueAndGrad(SwiGluPlain, x, g);
       const auto [y_lean, gx_lean] = ValueAndGrad(SwiGluLean, x, g);
-      EXPECT_TRUE(at::equal(y_plain, y_lean)) << device << " " << dtype;
+      ExpectSameForward(y_lean, y_plain, device, dtype);
       const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
       EXPECT_LT(RelDiff(gx_lean.to(at::kFloat), gx_plain.to(at::kFloat)), tol) << device << " " << dtype;
     }
@@ -104,6 +115,67 @@ TEST(LeanOps, SplitGivesViewsAndTheSumOfItsBlocksGradients) {
     EXPECT_TRUE(at::equal(xa.grad(), xb.grad())) << device;
     EXPECT_TRUE(at::equal(xb.grad().narrow(1, 9, 3), at::zeros({7, 3}, opts)));
   }
+}
+
+// The q/k/v tail (split, q/k norms, RoPE) against the plain ops with
+// autograd, with and without a delta and a norm, for the heads' values and
+// the gradients into qkv and the delta. On CUDA this is the fused kernel pair.
+TEST(LeanOps, QkvTailHasThePlainValuesAndAutogradsGradients) {
+  const int64_t T = 11, H = 4, KVH = 2, hd = 64, width = (H + 2 * KVH) * hd;
+  for (const at::Device device : Devices())
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+      for (const bool norm : {false, true})
+        for (const bool with_delta : {false, true}) {
+          at::manual_seed(7);
+          const auto opts = at::TensorOptions().device(device);
+          const at::Tensor qkv0 = (2.0 * at::randn({T, width}, opts)).to(dtype);
+          const at::Tensor delta0 = (0.5 * at::randn({T, width}, opts)).to(dtype);
+          const at::Tensor qn = norm ? (1.0 + 0.2 * at::randn({hd}, opts)).to(dtype) : at::Tensor();
+          const at::Tensor kn = norm ? (1.0 + 0.2 * at::randn({hd}, opts)).to(dtype) : at::Tensor();
+          const at::Tensor angle = at::randn({T, 1, hd / 2}, opts);
+          const at::Tensor cos = at::cat({angle.cos(), angle.cos()}, -1).to(dtype);
+          const at::Tensor sin = at::cat({angle.sin(), angle.sin()}, -1).to(dtype);
+          const at::Tensor gq = at::randn({T, H, hd}, opts).to(dtype), gk = at::randn({T, KVH, hd}, opts).to(dtype),
+                           gv = at::randn({T, KVH, hd}, opts).to(dtype);
+          std::vector<at::Tensor> values[2], grads[2];
+          for (int lean = 0; lean < 2; ++lean) {
+            const at::Tensor qkv = qkv0.clone().requires_grad_(true), delta = delta0.clone().requires_grad_(true);
+            QkvHeads out;
+            if (lean) {
+              out = QkvTailLean(qkv, with_delta ? delta : at::Tensor(), qn, kn, cos, sin, H, KVH, hd, 1e-6);
+            } else {
+              const at::Tensor x = with_delta ? qkv + delta : qkv;
+              at::Tensor q = x.narrow(1, 0, H * hd).reshape({T, H, hd});
+              at::Tensor k = x.narrow(1, H * hd, KVH * hd).reshape({T, KVH, hd});
+              out.v = x.narrow(1, (H + KVH) * hd, KVH * hd).reshape({T, KVH, hd});
+              if (norm) {
+                q = RmsNormPlain(q, qn, 1e-6);
+                k = RmsNormPlain(k, kn, 1e-6);
+              }
+              out.q = RopePlain(q, cos, sin);
+              out.k = RopePlain(k, cos, sin);
+            }
+            (((out.q.to(at::kFloat) * gq.to(at::kFloat)).sum() + (out.k.to(at::kFloat) * gk.to(at::kFloat)).sum() +
+              (out.v.to(at::kFloat) * gv.to(at::kFloat)).sum()))
+                .backward();
+            values[lean] = {out.q.detach(), out.k.detach(), out.v.detach()};
+            grads[lean] = {qkv.grad()};
+            if (with_delta) grads[lean].push_back(delta.grad());
+          }
+          const std::string what = device.str() + " " + std::string(c10::toString(dtype)) + (norm ? " norm" : "") +
+                                   (with_delta ? " delta" : "");
+          for (size_t i = 0; i < 3; ++i) {
+            SCOPED_TRACE(what + " value " + std::to_string(i));
+            ExpectSameForward(values[1][i], values[0][i], device, dtype);
+          }
+          // The plain graph rounds the upstream gradient's bf16 cast differently (one rounding).
+          const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;
+          for (size_t i = 0; i < grads[0].size(); ++i) {
+            ASSERT_TRUE(grads[1][i].defined()) << what << " grad " << i;
+            EXPECT_LT(RelDiff(grads[1][i].to(at::kFloat), grads[0][i].to(at::kFloat)), tol) << what << " grad " << i;
+            EXPECT_GT(grads[0][i].abs().max().item<double>(), 1e-2) << what;
+          }
+        }
 }
 
 struct PassResult {

@@ -6,7 +6,9 @@
 #if LOOM_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
 
-#include "engine/model/cuda/lean_grads.h"
+#include "engine/model/cuda/lean_kernels.h"
+#include "engine/sample/cuda/rmsnorm.h"
+#include "engine/sample/cuda/silu.h"
 #endif
 
 namespace loom::engine {
@@ -16,7 +18,7 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 #if LOOM_CUDA_KERNELS
-// Whether the fused backward kernels (model/cuda/lean_grads.h) take x: a
+// Whether the fused backward kernels (model/cuda/lean_kernels.h) take x: a
 // CUDA tensor in bf16 or fp32, with the other tensors in its dtype.
 bool FusedOn(const at::Tensor& x, std::initializer_list<at::Tensor> same) {
   if (!x.is_cuda() || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kFloat)) return false;
@@ -26,6 +28,42 @@ bool FusedOn(const at::Tensor& x, std::initializer_list<at::Tensor> same) {
 }
 cudaStream_t Stream(const at::Tensor& x) { return at::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
 #endif
+
+// The fused forward kernels' RMSNorm: y and 1/rms [.., 1] fp32 for
+// contiguous rows in the weight's dtype; false where it does not apply.
+bool FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y, at::Tensor& inv) {
+#if LOOM_CUDA_KERNELS
+  if (!FusedOn(x, {weight}) || !x.is_contiguous() || x.size(-1) > cuda::kMaxNormWidth || x.numel() == 0) return false;
+  const int64_t n = x.size(-1);
+  std::vector<int64_t> inv_shape = x.sizes().vec();
+  inv_shape.back() = 1;
+  y = at::empty_like(x);
+  inv = at::empty(inv_shape, x.options().dtype(at::kFloat));
+  cuda::RmsNorm(x.scalar_type() == at::kBFloat16, x.data_ptr(), nullptr, nullptr, nullptr, weight.data_ptr(),
+                y.data_ptr(), x.numel() / n, n, static_cast<float>(eps), Stream(x), inv.data_ptr<float>());
+  return true;
+#else
+  (void)x, (void)weight, (void)eps, (void)y, (void)inv;
+  return false;
+#endif
+}
+
+// The fused SwiGLU forward over contiguous gate_up rows; undefined where it does not apply.
+at::Tensor FusedSwiGlu(const at::Tensor& gate_up) {
+#if LOOM_CUDA_KERNELS
+  if (!FusedOn(gate_up, {}) || !gate_up.is_contiguous() || gate_up.numel() == 0) return at::Tensor();
+  const int64_t inter = gate_up.size(-1) / 2;
+  std::vector<int64_t> shape = gate_up.sizes().vec();
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, gate_up.options());
+  cuda::SiluMul(gate_up.scalar_type() == at::kBFloat16, gate_up.data_ptr(), nullptr, out.data_ptr(),
+                gate_up.numel() / (2 * inter), inter, Stream(gate_up));
+  return out;
+#else
+  (void)gate_up;
+  return at::Tensor();
+#endif
+}
 
 // 1/rms of each row, fp32 [.., 1]: the factor RmsNormPlain multiplies by.
 at::Tensor InverseRms(const at::Tensor& xf, double eps) { return at::rsqrt(xf.pow(2).mean(-1, true) + eps); }
@@ -43,8 +81,13 @@ class RmsNormNode : public torch::autograd::Function<RmsNormNode> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
     c10::NoGradGuard no_grad;
+    at::Tensor y, inv;
+    if (FusedRmsNorm(x, weight, eps, y, inv)) {
+      ctx->save_for_backward({x, weight, inv});
+      return y;
+    }
     const at::Tensor xf = x.to(at::kFloat);
-    const at::Tensor inv = InverseRms(xf, eps);
+    inv = InverseRms(xf, eps);
     ctx->save_for_backward({x, weight, inv});
     return ScaleNormed(weight, xf * inv, x.scalar_type());
   }
@@ -76,7 +119,8 @@ class SwiGluNode : public torch::autograd::Function<SwiGluNode> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate_up) {
     c10::NoGradGuard no_grad;
     ctx->save_for_backward({gate_up});
-    return SwiGluPlain(gate_up);
+    at::Tensor out = FusedSwiGlu(gate_up);
+    return out.defined() ? out : SwiGluPlain(gate_up);
   }
 
   // y = silu(g) * u: du = dy * silu(g); dg = dy * u * s * (1 + g (1 - s)),
@@ -159,6 +203,84 @@ class SplitNode : public torch::autograd::Function<SplitNode> {
   }
 };
 
+
+// The q/k/v tail as one node (QkvTailLean): the CUDA kernels of
+// model/cuda/lean_kernels.h forward and backward. Keeps v = qkv + delta
+// (qkv itself when there is no delta) where a norm needs it, 1/rms per head,
+// and the RoPE tables.
+struct QkvShape {
+  int64_t heads, kv_heads, head_dim;
+};
+
+#if LOOM_CUDA_KERNELS
+bool FusedQkvOn(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                const at::Tensor& cos, const at::Tensor& sin, const QkvShape& s) {
+  if (!FusedOn(qkv, {cos, sin}) || !qkv.is_contiguous() || qkv.dim() != 2 || qkv.size(0) == 0) return false;
+  if (delta.defined() && (!FusedOn(delta, {qkv}) || !delta.is_contiguous() || delta.sizes() != qkv.sizes()))
+    return false;
+  if (q_norm.defined() != k_norm.defined() || (q_norm.defined() && !FusedOn(qkv, {q_norm, k_norm}))) return false;
+  if (s.head_dim % 32 != 0 || s.head_dim > 1024 || !cos.is_contiguous() || !sin.is_contiguous()) return false;
+  return cos.numel() == qkv.size(0) * s.head_dim && sin.numel() == cos.numel();
+}
+
+QkvHeads QkvTailFused(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm,
+                      const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, const QkvShape& s,
+                      double eps, at::Tensor* sum, at::Tensor* inv) {
+  const int64_t T = qkv.size(0);
+  QkvHeads out{at::empty({T, s.heads, s.head_dim}, qkv.options()), at::empty({T, s.kv_heads, s.head_dim}, qkv.options()),
+               at::empty({T, s.kv_heads, s.head_dim}, qkv.options())};
+  const bool norm = q_norm.defined();
+  if (norm && delta.defined() && sum) *sum = at::empty_like(qkv);
+  if (norm && inv) *inv = at::empty({T, s.heads + s.kv_heads}, qkv.options().dtype(at::kFloat));
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  cuda::QkvNormRope(qkv.scalar_type() == at::kBFloat16, qkv.data_ptr(), ptr(delta), ptr(q_norm), ptr(k_norm),
+                    cos.data_ptr(), sin.data_ptr(), sum ? ptr(*sum) : nullptr,
+                    inv && inv->defined() ? inv->data_ptr<float>() : nullptr, out.q.data_ptr(), out.k.data_ptr(),
+                    out.v.data_ptr(), T, s.heads, s.kv_heads, s.head_dim, static_cast<float>(eps), Stream(qkv));
+  return out;
+}
+
+class QkvTailNode : public torch::autograd::Function<QkvTailNode> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& delta,
+                               const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
+                               const at::Tensor& sin, const std::vector<int64_t>& shape, double eps) {
+    c10::NoGradGuard no_grad;
+    const QkvShape s{shape[0], shape[1], shape[2]};
+    at::Tensor sum, inv;
+    QkvHeads out = QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, &sum, &inv);
+    const at::Tensor kept = q_norm.defined() ? (delta.defined() ? sum : qkv) : at::Tensor();
+    ctx->save_for_backward({kept, q_norm, k_norm, inv, cos, sin});
+    ctx->saved_data["shape"] = shape;
+    ctx->saved_data["delta"] = delta.defined();
+    return {out.q, out.k, out.v};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto shape = ctx->saved_data["shape"].toIntVector();
+    const at::Tensor &kept = saved[0], &q_norm = saved[1], &k_norm = saved[2], &inv = saved[3], &cos = saved[4],
+                     &sin = saved[5];
+    at::Tensor any;
+    for (const at::Tensor& g : grads)
+      if (g.defined()) any = g;
+    variable_list out(8);
+    if (!any.defined()) return out;
+    const int64_t T = any.size(0), width = (shape[0] + 2 * shape[1]) * shape[2];
+    const at::Tensor dq = grads[0].defined() ? grads[0].contiguous() : at::Tensor();
+    const at::Tensor dk = grads[1].defined() ? grads[1].contiguous() : at::Tensor();
+    const at::Tensor dv = grads[2].defined() ? grads[2].contiguous() : at::Tensor();
+    at::Tensor d_qkv = at::empty({T, width}, any.options());
+    auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+    cuda::QkvNormRopeGrad(any.scalar_type() == at::kBFloat16, ptr(kept), ptr(q_norm), ptr(k_norm),
+                          inv.defined() ? inv.data_ptr<float>() : nullptr, cos.data_ptr(), sin.data_ptr(), ptr(dq),
+                          ptr(dk), ptr(dv), d_qkv.data_ptr(), T, shape[0], shape[1], shape[2], Stream(any));
+    out[0] = d_qkv;
+    if (ctx->saved_data["delta"].toBool()) out[1] = d_qkv;
+    return out;
+  }
+};
+#endif
 }  // namespace
 
 at::Tensor RopePlain(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -181,7 +303,10 @@ at::Tensor RmsNormPlain(const at::Tensor& x, const at::Tensor& weight, double ep
 }
 
 at::Tensor RmsNormLean(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (!c10::GradMode::is_enabled() || !x.requires_grad()) return RmsNormPlain(x, weight, eps);
+  if (!c10::GradMode::is_enabled() || !x.requires_grad()) {
+    at::Tensor y, inv;
+    return FusedRmsNorm(x, weight, eps, y, inv) ? y : RmsNormPlain(x, weight, eps);
+  }
   return RmsNormNode::apply(x, weight, eps);
 }
 
@@ -191,8 +316,36 @@ at::Tensor SwiGluPlain(const at::Tensor& gate_up) {
 }
 
 at::Tensor SwiGluLean(const at::Tensor& gate_up) {
-  if (!c10::GradMode::is_enabled() || !gate_up.requires_grad()) return SwiGluPlain(gate_up);
+  if (!c10::GradMode::is_enabled() || !gate_up.requires_grad()) {
+    at::Tensor out = FusedSwiGlu(gate_up);
+    return out.defined() ? out : SwiGluPlain(gate_up);
+  }
   return SwiGluNode::apply(gate_up);
+}
+
+QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm,
+                      const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, double eps) {
+  const QkvShape s{heads, kv_heads, head_dim};
+#if LOOM_CUDA_KERNELS
+  if (FusedQkvOn(qkv, delta, q_norm, k_norm, cos, sin, s)) {
+    const bool grad = c10::GradMode::is_enabled() && (qkv.requires_grad() || (delta.defined() && delta.requires_grad()));
+    if (!grad) return QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, nullptr, nullptr);
+    const variable_list out = QkvTailNode::apply(qkv, delta, q_norm, k_norm, cos, sin,
+                                                 std::vector<int64_t>{heads, kv_heads, head_dim}, eps);
+    return QkvHeads{out[0], out[1], out[2]};
+  }
+#endif
+  const int64_t T = qkv.size(0), qn = heads * head_dim, kvn = kv_heads * head_dim;
+  const std::vector<at::Tensor> split = SplitLean(delta.defined() ? qkv + delta : qkv, {qn, kvn, kvn});
+  at::Tensor q = split[0].reshape({T, heads, head_dim});
+  at::Tensor k = split[1].reshape({T, kv_heads, head_dim});
+  at::Tensor v = split[2].reshape({T, kv_heads, head_dim});
+  if (q_norm.defined()) {
+    q = RmsNormLean(q, q_norm, eps);
+    k = RmsNormLean(k, k_norm, eps);
+  }
+  return QkvHeads{RopeLean(q, cos, sin), RopeLean(k, cos, sin), v};
 }
 
 }  // namespace loom::engine

@@ -1,9 +1,9 @@
 // lean_ops: the decoder layer's elementwise pieces as autograd nodes that
 // keep less for the backward pass than ATen's op-by-op graph does, with the
-// backward written out. The forward values are those of the plain ops, bit
-// for bit (the same ATen calls in the same order, run without a graph); the
-// gradients equal autograd's through the plain ops to float rounding
-// (tests/engine/lean_ops_test.cpp compares them, on CUDA too).
+// backward written out. On the CPU the forward values are those of the
+// plain ops, bit for bit (the same ATen calls in the same order, run without
+// a graph); the gradients equal autograd's through the plain ops to float
+// rounding (tests/engine/recompute_test.cpp compares them, on CUDA too).
 //
 //   RmsNormLean   keeps x (its own dtype) and 1/rms [.., 1] fp32, where the
 //                 op-by-op graph keeps an fp32 copy of x, its square and the
@@ -19,8 +19,12 @@
 //                 blocks' gradients, where the graph makes a dense zero
 //                 [T, n] gradient per block and adds them.
 //
-// Without grad mode (the sampler) all are the plain ops. On CUDA the RMSNorm
-// and SwiGLU backwards are one fused kernel each (model/cuda/lean_grads.h).
+// Without grad mode (the sampler) all are the plain ops on the CPU. On CUDA
+// (bf16 or fp32, in grad mode or not) RMSNorm and SwiGLU run as one kernel
+// forward (the decode kernels, sample/cuda/rmsnorm.h and silu.h) and one
+// backward (model/cuda/lean_kernels.h), and the q/k/v tail (QkvTailLean) as
+// one kernel each way; their values are then the plain ops' to float
+// rounding (a row's sum is taken in another order), not bit for bit.
 //
 // Threading: pure functions; any thread.
 #pragma once
@@ -50,5 +54,19 @@ at::Tensor RopeLean(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
 
 // x [T, sum(widths)] as the views x[:, b_i : b_i + widths[i]].
 std::vector<at::Tensor> SplitLean(const at::Tensor& x, const std::vector<int64_t>& widths);
+
+// The q/k/v tail of a decoder layer: from the fused projection qkv [T, (H +
+// 2 KVH) * hd] plus its LoRA delta (same shape, or undefined), the heads
+// q [T, H, hd], k and v [T, KVH, hd], with q and k per-head RMS-normed
+// (q_norm / k_norm [hd], both undefined: no norm) and rotated (RoPE tables
+// cos and sin [T, 1, hd]). The plain path is SplitLean, RmsNormLean and
+// RopeLean over qkv + delta; on CUDA it is one kernel forward and one
+// backward (model/cuda/lean_kernels.h), with gradients into qkv and delta.
+struct QkvHeads {
+  at::Tensor q, k, v;
+};
+QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm,
+                     const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, double eps);
 
 }  // namespace loom::engine

@@ -157,8 +157,7 @@ struct Rope {
 template <typename Model, typename Lora, typename Attend, typename Moe>
 at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope, double eps, bool attn_lora,
                         bool mlp_lora, Lora&& lora, Attend&& attend, Moe&& moe) {
-  const int64_t T = x.size(0), hd = m.head_dim;
-  const int64_t qn = m.heads * hd, kvn = m.kv_heads * hd;
+  const int64_t hd = m.head_dim;
   const auto& l = m.layers[i];
   // Attention block.
   at::Tensor h = RmsNorm(x, l.input_norm, eps);
@@ -169,18 +168,11 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // strided and contiguous inputs (vector body vs scalar tail, which also
   // depends on the CPU's vector width), so a zero delta would not give the
   // base's bits.
-  at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-  if (attn_lora) qkv = qkv + at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1);
-  const std::vector<at::Tensor> split = SplitLean(qkv, {qn, kvn, kvn});
-  at::Tensor q = split[0].reshape({T, m.heads, hd});
-  at::Tensor k = split[1].reshape({T, m.kv_heads, hd});
-  at::Tensor v = split[2].reshape({T, m.kv_heads, hd});
-  if (l.q_norm.defined()) {  // qwen3: per-head RMSNorm before RoPE
-    q = RmsNorm(q, l.q_norm, eps);
-    k = RmsNorm(k, l.k_norm, eps);
-  }
-  q = RopeLean(q, rope.cos, rope.sin);
-  k = RopeLean(k, rope.cos, rope.sin);
+  const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
+  const at::Tensor delta = attn_lora ? at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1) : at::Tensor();
+  // Split into heads, q/k norms (qwen3) and RoPE: one kernel on CUDA.
+  const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
+  const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
   const at::Tensor attn = attend(i, q, k, v);
   at::Tensor o = at::linear(attn, l.o_w, l.o_b);
   if (attn_lora) o = o + lora(i, 3, attn);

@@ -17,7 +17,7 @@ constexpr int kNormPer = kMaxNormWidth / 1024;  // elements per thread, held in 
 // the sum written to sum_out.
 template <typename T>
 __global__ void RmsNormKernel(const T* x, const T* add, const T* add_delta, T* sum_out, const T* w, T* out, int64_t n,
-                              float eps) {
+                              float eps, float* inv_out) {
   const int64_t row = blockIdx.x, base = row * n;
   float v[kNormPer];
   float ss = 0.0f;
@@ -37,6 +37,7 @@ __global__ void RmsNormKernel(const T* x, const T* add, const T* add_delta, T* s
     ss += xv * xv;
   }
   const float inv = rsqrtf(BlockSum(ss) / static_cast<float>(n) + eps);
+  if (inv_out && threadIdx.x == 0) inv_out[row] = inv;
 #pragma unroll
   for (int e = 0; e < kNormPer; ++e) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
@@ -46,20 +47,20 @@ __global__ void RmsNormKernel(const T* x, const T* add, const T* add_delta, T* s
 
 template <typename T>
 void LaunchRmsNorm(const void* x, const void* add, const void* add_delta, void* sum_out, const void* w, void* out,
-                   int64_t rows, int64_t n, float eps, cudaStream_t stream) {
+                   int64_t rows, int64_t n, float eps, cudaStream_t stream, float* inv_out) {
   // Enough threads for kNormPer elements each; 4 each up to n = 4096.
   const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(128, (n / 4 + 31) / 32 * 32));
   RmsNormKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
       static_cast<const T*>(x), static_cast<const T*>(add), static_cast<const T*>(add_delta), static_cast<T*>(sum_out),
-      static_cast<const T*>(w), static_cast<T*>(out), n, eps);
+      static_cast<const T*>(w), static_cast<T*>(out), n, eps, inv_out);
 }
 
 }  // namespace
 
 void RmsNorm(bool bf16, const void* x, const void* add, const void* add_delta, void* sum_out, const void* w,
-             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream) {
+             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream, float* inv_out) {
   if (rows <= 0 || n > kMaxNormWidth) return;
-  LOOM_DISPATCH(bf16, LaunchRmsNorm, x, add, add_delta, sum_out, w, out, rows, n, eps, stream);
+  LOOM_DISPATCH(bf16, LaunchRmsNorm, x, add, add_delta, sum_out, w, out, rows, n, eps, stream, inv_out);
 }
 
 }  // namespace loom::engine::cuda

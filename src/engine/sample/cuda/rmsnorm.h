@@ -19,7 +19,9 @@ constexpr int64_t kMaxNormWidth = 12288;
 // T(add + add_delta) (add_delta: add's LoRA delta from LoraExpand, or
 // null). When add is given, the sum x + add' (rounded to T) is also
 // written to sum_out (which may alias x); add may be null (no sum).
+// inv_out [rows] fp32, when given, gets each row's rsqrt(mean(v^2) + eps)
+// (the trainer's RMSNorm keeps it for the backward, model/lean_ops.h).
 void RmsNorm(bool bf16, const void* x, const void* add, const void* add_delta, void* sum_out, const void* w,
-             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream);
+             void* out, int64_t rows, int64_t n, float eps, cudaStream_t stream, float* inv_out = nullptr);
 
 }  // namespace loom::engine::cuda

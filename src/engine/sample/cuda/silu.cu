@@ -1,6 +1,8 @@
 // SiluMul (silu.h).
 #include "engine/sample/cuda/silu.h"
 
+#include <algorithm>
+
 #include "engine/sample/cuda/device.cuh"
 
 namespace loom::engine::cuda {
@@ -30,9 +32,16 @@ __global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t 
 template <typename T>
 void LaunchSiluMul(const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
                    cudaStream_t stream) {
-  const dim3 grid(Blocks(inter, kSiluThreads), static_cast<unsigned>(rows));
-  SiluMulKernel<T><<<grid, kSiluThreads, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(delta),
-                                                      static_cast<T*>(out), inter);
+  // Rows are the grid's y (at most 65,535 a launch; a trainer pass has more).
+  constexpr int64_t kMaxRows = 65535;
+  const T* gu = static_cast<const T*>(gate_up);
+  const T* d = static_cast<const T*>(delta);
+  T* o = static_cast<T*>(out);
+  for (int64_t r = 0; r < rows; r += kMaxRows) {
+    const dim3 grid(Blocks(inter, kSiluThreads), static_cast<unsigned>(std::min(kMaxRows, rows - r)));
+    const int64_t in_at = r * 2 * inter;
+    SiluMulKernel<T><<<grid, kSiluThreads, 0, stream>>>(gu + in_at, d ? d + in_at : nullptr, o + r * inter, inter);
+  }
 }
 
 }  // namespace
