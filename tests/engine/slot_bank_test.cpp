@@ -279,9 +279,10 @@ struct FormResult {
   std::vector<at::Tensor> out, grad_x, grad_a, grad_b;
 };
 
+// grouped: GroupedDelta (with cast: over factors cast once, SlotBank::CastGroup), else Delta.
 FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg_begin,
                    const std::vector<int>& seg_slot, const std::vector<at::Tensor>& xs,
-                   const std::vector<at::Tensor>& gys) {
+                   const std::vector<at::Tensor>& gys, bool cast = false) {
   FormResult r;
   at::Tensor loss = at::zeros({});
   std::vector<at::Tensor> leaves;
@@ -291,8 +292,10 @@ FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg
     const LoraTarget& t = bank.targets()[i];
     at::Tensor x = xs[i].detach().clone().requires_grad_();
     leaves.push_back(x);
-    const at::Tensor y = grouped ? bank.GroupedDelta(t, x, t.group == TargetGroup::kAttn ? attn : mlp)
-                                 : bank.Delta(t, x, seg_begin, seg_slot);
+    const LoraGroups& groups = t.group == TargetGroup::kAttn ? attn : mlp;
+    const at::Tensor factors =
+        cast && groups.num_slots() > 0 ? bank.CastGroup(t.group, groups.slots, bank.ComputeType(x)) : at::Tensor();
+    const at::Tensor y = grouped ? bank.GroupedDelta(t, x, groups, factors) : bank.Delta(t, x, seg_begin, seg_slot);
     EXPECT_EQ(y.scalar_type(), at::kFloat);
     r.out.push_back(y.detach());
     loss = loss + (y * gys[i]).sum();
@@ -412,9 +415,17 @@ TEST(SlotBank, GroupedDeltaEqualsSegmentDeltaWithGradients) {
     EXPECT_EQ(mlp.max_rows, 8);
   }
 
-  SlotBank want_bank = GroupedCase::MakeBank(), bank = GroupedCase::MakeBank();
+  SlotBank want_bank = GroupedCase::MakeBank(), bank = GroupedCase::MakeBank(), cast_bank = GroupedCase::MakeBank();
   const FormResult want = RunForm(false, want_bank, c.seg_begin, c.seg_slot, xs, gys);
   const FormResult got = RunForm(true, bank, c.seg_begin, c.seg_slot, xs, gys);
+  // Factors cast once per pass give the same bits as gathering them per use.
+  const FormResult cast = RunForm(true, cast_bank, c.seg_begin, c.seg_slot, xs, gys, /*cast=*/true);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(cast.out[i], got.out[i])) << "delta " << i;
+    EXPECT_TRUE(at::equal(cast.grad_x[i], got.grad_x[i])) << "grad x " << i;
+    EXPECT_TRUE(at::equal(cast.grad_a[i], got.grad_a[i])) << "grad A " << i;
+    EXPECT_TRUE(at::equal(cast.grad_b[i], got.grad_b[i])) << "grad B " << i;
+  }
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_GT(want.out[i].abs().max().item<double>(), 1e-2);  // the reference is not trivially zero
     EXPECT_LT(RelErr(got.out[i], want.out[i]), 1e-5) << "delta " << i;

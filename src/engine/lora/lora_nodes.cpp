@@ -103,21 +103,23 @@ struct GroupedSaved {
 constexpr int64_t kKeepFactorsUpTo = 2;  // groups; the memory plan's probes take 2 slots
 
 at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                          at::ScalarType ct, int64_t d_out, GroupedSaved* saved = nullptr) {
+                          at::ScalarType ct, int64_t d_out, const at::Tensor& a_cast, const at::Tensor& b_cast,
+                          GroupedSaved* saved = nullptr) {
   const int64_t U = routing.num_slots(), L = routing.max_rows, d_in = x.size(1);
   if (U == 0) return at::zeros({x.size(0), d_out}, x.options().dtype(ct));
   // Gather first, then cast: a copy of the padded rows only (none when the
   // rows already are in padded order, e.g. 16 tenants x 512).
   at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
   xp = xp.to(ct).view({U, L, d_in});
-  const at::Tensor a = A.index_select(0, routing.slots).to(ct);  // [U, R, d_in]
-  const at::Tensor b = B.index_select(0, routing.slots).to(ct);  // [U, d_out, R]
+  const bool cast = a_cast.defined() && b_cast.defined();
+  const at::Tensor a = cast ? a_cast : A.index_select(0, routing.slots).to(ct);  // [U, R, d_in]
+  const at::Tensor b = cast ? b_cast : B.index_select(0, routing.slots).to(ct);  // [U, d_out, R]
   const at::Tensor scale = routing.scale.to(ct);
   const at::Tensor h = at::bmm(xp, a.transpose(1, 2)) * scale;   // [U, L, R]
   at::Tensor y = at::bmm(h, b.transpose(1, 2)).view({U * L, d_out});
   if (saved) {
     *saved = GroupedSaved{xp, h, scale, at::Tensor(), at::Tensor()};
-    if (U <= kKeepFactorsUpTo) {
+    if (cast || U <= kKeepFactorsUpTo) {  // views of the pass's cast factors cost nothing to keep
       saved->a = a;
       saved->b = b;
     }
@@ -130,10 +132,11 @@ at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Te
 class GroupedNode : public torch::autograd::Function<GroupedNode> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-                            const LoraGroups* routing, int64_t ct, int64_t d_out) {
+                            const LoraGroups* routing, int64_t ct, int64_t d_out, const at::Tensor* a_cast,
+                            const at::Tensor* b_cast) {
     c10::NoGradGuard no_grad;
     GroupedSaved sv;
-    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, &sv);
+    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, *a_cast, *b_cast, &sv);
     ctx->save_for_backward(
         {sv.xp, sv.h, A, B, routing->slots, sv.scale, routing->gather, routing->scatter, sv.a, sv.b});
     ctx->saved_data["identity"] = routing->identity;
@@ -151,7 +154,7 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     const int64_t T = shape[0], d_in = shape[1], d_out = shape[2], L = shape[3], U = slots.size(0);
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const at::Tensor& g = grads[0];
-    variable_list out(6);
+    variable_list out(8);
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
     const at::ScalarType ct = xp.scalar_type();
@@ -205,9 +208,11 @@ at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
 }
 
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                            at::ScalarType ct, int64_t d_out) {
-  if (!Differentiable(A) || routing.num_slots() == 0) return GroupedForward(x, A, B, routing, ct, d_out);
-  return GroupedNode::apply(x, A, B, &routing, static_cast<int64_t>(ct), d_out);
+                            at::ScalarType ct, int64_t d_out, const at::Tensor& a, const at::Tensor& b) {
+  if (!Differentiable(A) || routing.num_slots() == 0) return GroupedForward(x, A, B, routing, ct, d_out, a, b);
+  // The cast factors go by pointer: as node inputs, autograd would route
+  // gradients to them (they are computed from the bank without a graph).
+  return GroupedNode::apply(x, A, B, &routing, static_cast<int64_t>(ct), d_out, &a, &b);
 }
 
 }  // namespace loom::engine

@@ -45,8 +45,11 @@ at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
 // (these, and the unembed's) add into it.
 at::Tensor& FactorGrad(const at::Tensor& factor);
 
-// GroupedDelta's value (slot_bank.h) in dtype ct.
+// GroupedDelta's value (slot_bank.h) in dtype ct. a and b, when defined,
+// are the grouped slots' factors already gathered and cast to ct ([U, R,
+// d_in] and [U, d_out, R], e.g. views of SlotBank::CastGroup); else they are
+// gathered from A and B here.
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                            at::ScalarType ct, int64_t d_out);
+                            at::ScalarType ct, int64_t d_out, const at::Tensor& a = {}, const at::Tensor& b = {});
 
 }  // namespace loom::engine

@@ -340,9 +340,29 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
   return r;
 }
 
-at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const {
+at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing,
+                                  const at::Tensor& group_cast) const {
   TORCH_CHECK(x.size(0) == routing.rows, "GroupedDelta: x has ", x.size(0), " rows, the routing ", routing.rows);
-  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
+  if (!group_cast.defined() || t.is_expert()) return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
+  TORCH_CHECK(group_cast.scalar_type() == ComputeType(x) && group_cast.size(0) == routing.num_slots(),
+              "GroupedDelta: the cast factors do not match the routing or the compute type");
+  const int64_t begin = GroupColumns(t.group).first, U = routing.num_slots();
+  std::vector<int64_t> a_shape = t.FactorShape(true, max_rank_), b_shape = t.FactorShape(false, max_rank_);
+  a_shape.insert(a_shape.begin(), U);
+  b_shape.insert(b_shape.begin(), U);
+  const at::Tensor a = group_cast.narrow(1, t.a_col - begin, t.AElems(max_rank_)).view(a_shape);
+  const at::Tensor b = group_cast.narrow(1, t.b_col - begin, t.BElems(max_rank_)).view(b_shape);
+  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out, a, b);
+}
+
+at::Tensor SlotBank::CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const {
+  c10::NoGradGuard no_grad;
+  const auto [begin, len] = GroupColumns(g);
+  const at::Tensor cols = flat_.narrow(1, begin, len);
+  at::Tensor out = at::empty({slots.size(0), len}, cols.options().dtype(ct));
+  // One slot at a time: the gather's fp32 copy is one row, not U.
+  for (int64_t u = 0; u < slots.size(0); ++u) out.select(0, u).copy_(cols.index_select(0, slots.narrow(0, u, 1)).squeeze(0));
+  return out;
 }
 
 }  // namespace loom::engine

@@ -233,8 +233,15 @@ class SlotBank {
   // without a training slot read an appended zero row). Rows >= a slot's rank
   // are zero in A and B, so the full R columns add exact zeros and their
   // gradients stay exactly zero; gradients reach only the grouped slots, in
-  // place, as Delta's do. x must have routing.rows rows.
-  at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing) const;
+  // place, as Delta's do. x must have routing.rows rows. group_cast, when
+  // given, is CastGroup(t.group, routing.slots, ComputeType(x)) made once for
+  // the pass: t's factors are then views of it (no gather or cast per use).
+  at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing,
+                          const at::Tensor& group_cast = {}) const;
+  // Group g's columns of the given slots' flat rows, cast to ct: [U, len]
+  // (GroupColumns(g).second columns), without a graph. The factors change
+  // only in the optimizer, so one cast serves a whole pass.
+  at::Tensor CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const;
 
  private:
   int num_slots_;

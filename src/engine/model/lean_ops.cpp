@@ -219,7 +219,7 @@ bool FusedQkvOn(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor
   if (delta.defined() && (!FusedOn(delta, {qkv}) || !delta.is_contiguous() || delta.sizes() != qkv.sizes()))
     return false;
   if (q_norm.defined() != k_norm.defined() || (q_norm.defined() && !FusedOn(qkv, {q_norm, k_norm}))) return false;
-  if (s.head_dim % 32 != 0 || s.head_dim > 1024 || !cos.is_contiguous() || !sin.is_contiguous()) return false;
+  if (!cuda::QkvHeadDimSupported(s.head_dim) || !cos.is_contiguous() || !sin.is_contiguous()) return false;
   return cos.numel() == qkv.size(0) * s.head_dim && sin.numel() == cos.numel();
 }
 
@@ -242,10 +242,13 @@ QkvHeads QkvTailFused(const at::Tensor& qkv, const at::Tensor& delta, const at::
 
 class QkvTailNode : public torch::autograd::Function<QkvTailNode> {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& delta,
-                               const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos,
+  // delta, q_norm and k_norm: empty (numel 0) when absent.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& qkv, const at::Tensor& delta_in,
+                               const at::Tensor& q_norm_in, const at::Tensor& k_norm_in, const at::Tensor& cos,
                                const at::Tensor& sin, const std::vector<int64_t>& shape, double eps) {
     c10::NoGradGuard no_grad;
+    const auto given = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
+    const at::Tensor delta = given(delta_in), q_norm = given(q_norm_in), k_norm = given(k_norm_in);
     const QkvShape s{shape[0], shape[1], shape[2]};
     at::Tensor sum, inv;
     QkvHeads out = QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, &sum, &inv);
@@ -331,7 +334,9 @@ QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::T
   if (FusedQkvOn(qkv, delta, q_norm, k_norm, cos, sin, s)) {
     const bool grad = c10::GradMode::is_enabled() && (qkv.requires_grad() || (delta.defined() && delta.requires_grad()));
     if (!grad) return QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, nullptr, nullptr);
-    const variable_list out = QkvTailNode::apply(qkv, delta, q_norm, k_norm, cos, sin,
+    // A custom node's inputs must all be defined: an absent one enters as an empty tensor.
+    const auto present = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, qkv.options()); };
+    const variable_list out = QkvTailNode::apply(qkv, present(delta), present(q_norm), present(k_norm), cos, sin,
                                                  std::vector<int64_t>{heads, kv_heads, head_dim}, eps);
     return QkvHeads{out[0], out[1], out[2]};
   }

@@ -101,7 +101,7 @@ class BatchLora {
     const Group& p = t->group == TargetGroup::kAttn ? attn_ : mlp_;
     switch (p.form) {
       case LoraForm::kRouted: return bank_.RoutedDelta(*t, x, p.routed).to(x.scalar_type());
-      case LoraForm::kGrouped: return bank_.GroupedDelta(*t, x, p.grouped).to(x.scalar_type());
+      case LoraForm::kGrouped: return bank_.GroupedDelta(*t, x, p.grouped, GroupCast(p, x)).to(x.scalar_type());
       case LoraForm::kSegment: break;
     }
     return bank_.Delta(*t, x, seg_begin_, seg_slot_).to(x.scalar_type());
@@ -112,7 +112,23 @@ class BatchLora {
     LoraForm form = LoraForm::kSegment;
     LoraRouting routed;
     LoraGroups grouped;
+    mutable at::Tensor cast;  // the grouped slots' factors in the compute type, made at first use (GroupCast)
   };
+  // Few grouped slots' factors are cast once for the pass (SlotBank::CastGroup):
+  // each target then needs no gather and cast of its own (4 kernels a use, as
+  // many again in the backward). Beyond a few slots the cast copy (about 127 MB
+  // a slot on qwen3-4b at rank 32) would outgrow what the memory plan's
+  // two-slot probes measured, so those gather per target.
+  static constexpr int64_t kCastOncePerPassUpTo = 4;
+  const at::Tensor& GroupCast(const Group& p, const at::Tensor& x) const {
+    const int64_t U = p.grouped.num_slots();
+    if (U == 0 || U > kCastOncePerPassUpTo) return none_tensor_;
+    if (!p.cast.defined() || p.cast.scalar_type() != bank_.ComputeType(x))
+      p.cast = bank_.CastGroup(&p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp, p.grouped.slots,
+                               bank_.ComputeType(x));
+    return p.cast;
+  }
+  const at::Tensor none_tensor_;
   void Plan(TargetGroup g, Group& p) {
     p.form = bank_.ChooseForm(g, seg_begin_, seg_slot_);
     if (p.form == LoraForm::kRouted) p.routed = bank_.Route(g, seg_begin_, seg_slot_);

@@ -37,9 +37,53 @@ __global__ void RmsNormGradKernel(const T* g, const T* x, const T* w, const floa
   }
 }
 
+
+// The same with 8 consecutive elements per thread (16-byte loads for bf16)
+// and at most 2 such chunks a thread, for rows of a multiple of 8.
+constexpr int kGradVec = 8, kGradChunks = 2;
+
+template <typename T>
+__global__ void RmsNormGradVecKernel(const T* g, const T* x, const T* w, const float* inv, T* dx, int64_t n) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  const float r = inv[blockIdx.x];
+  float dn[kGradChunks][kGradVec], nv[kGradChunks][kGradVec];
+  float dot = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kGradChunks; ++c) {
+    const int64_t i = (threadIdx.x + static_cast<int64_t>(c) * blockDim.x) * kGradVec;
+    if (i >= n) continue;
+    float gv[kGradVec], wv[kGradVec];
+    LoadV<T, kGradVec>(g + base + i, gv);
+    LoadV<T, kGradVec>(w + i, wv);
+    LoadV<T, kGradVec>(x + base + i, nv[c]);
+#pragma unroll
+    for (int k = 0; k < kGradVec; ++k) {
+      dn[c][k] = Round<T>(gv[k] * wv[k]);
+      nv[c][k] *= r;
+      dot += dn[c][k] * nv[c][k];
+    }
+  }
+  const float mean = BlockSum(dot) / static_cast<float>(n);
+#pragma unroll
+  for (int c = 0; c < kGradChunks; ++c) {
+    const int64_t i = (threadIdx.x + static_cast<int64_t>(c) * blockDim.x) * kGradVec;
+    if (i >= n) continue;
+#pragma unroll
+    for (int k = 0; k < kGradVec; ++k) dx[base + i + k] = FromF<T>(r * (dn[c][k] - nv[c][k] * mean));
+  }
+}
+
 template <typename T>
 void LaunchRmsNormGrad(const void* g, const void* x, const void* w, const float* inv, void* dx, int64_t rows,
                        int64_t n, cudaStream_t stream) {
+  const int64_t chunks = n / kGradVec;
+  if (n % kGradVec == 0 && chunks <= 1024 * kGradChunks && Aligned16(g) && Aligned16(x) && Aligned16(w) &&
+      Aligned16(dx)) {
+    const int64_t threads = std::min<int64_t>(1024, (chunks + 31) / 32 * 32);
+    RmsNormGradVecKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
+        static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<T*>(dx), n);
+    return;
+  }
   const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(32, (n / 4 + 31) / 32 * 32));
   RmsNormGradKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
       static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<T*>(dx), n);
@@ -68,97 +112,179 @@ void LaunchSwiGluGrad(const void* gate_up, const void* dy, void* out, int64_t ro
 }
 
 
-// The q/k/v tail of a decoder layer over its fused projection (QkvNormRope).
-// Grid (rows, H + 2 KVH heads), hd threads.
-template <typename T>
+// The q/k/v tail of a decoder layer over its fused projection (QkvNormRope):
+// one warp per (token, head), V = hd / 32 consecutive elements per lane, so
+// that lane l's RoPE partners (i +- hd/2) sit in lane l ^ 16, same slot.
+constexpr int kHeadWarps = 8;  // warps (heads) per block
+
+template <typename T, int V>
+__device__ __forceinline__ void StoreV(T* p, const float* v) {
+#pragma unroll
+  for (int k = 0; k < V; ++k) p[k] = FromF<T>(v[k]);
+}
+
+template <typename T, int V>
 __global__ void QkvNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, const T* k_norm, const T* cos,
-                                  const T* sin, T* sum_out, float* inv_out, T* q_out, T* k_out, T* v_out, int heads,
-                                  int kv_heads, int hd, float eps) {
-  extern __shared__ float head[];  // hd
-  const int64_t s = blockIdx.x;
-  const int h = blockIdx.y, i = threadIdx.x, all = heads + 2 * kv_heads;
-  const int64_t at = (s * all + h) * hd + i;
-  float v = ToF(qkv[at]);
-  if (delta) v = AddDelta<T>(v, ToF(delta[at]));
+                                  const T* sin, T* sum_out, float* inv_out, T* q_out, T* k_out, T* v_out, int64_t rows,
+                                  int heads, int kv_heads, float eps) {
+  constexpr int hd = 32 * V;
+  const int lane = threadIdx.x & 31, all = heads + 2 * kv_heads;
+  const int64_t pair = static_cast<int64_t>(blockIdx.x) * kHeadWarps + (threadIdx.x >> 5);
+  if (pair >= rows * all) return;  // whole warps leave together
+  const int64_t s = pair / all;
+  const int h = static_cast<int>(pair % all), at0 = lane * V;
+  const int64_t at = pair * hd + at0;
+  float v[V];
+  LoadV<T, V>(qkv + at, v);
+  if (delta) {
+    float d[V];
+    LoadV<T, V>(delta + at, d);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = AddDelta<T>(v[k], d[k]);
+  }
   if (h >= heads + kv_heads) {  // a value head
-    v_out[(s * kv_heads + (h - heads - kv_heads)) * hd + i] = FromF<T>(v);
+    StoreV<T, V>(v_out + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, v);
     return;
   }
   const bool is_q = h < heads;
   const T* norm_w = is_q ? q_norm : k_norm;
   if (norm_w) {
-    if (sum_out) sum_out[at] = FromF<T>(v);
-    const float inv = rsqrtf(BlockSum(v * v) / static_cast<float>(hd) + eps);
-    if (i == 0 && inv_out) inv_out[s * (heads + kv_heads) + h] = inv;
-    v = Round<T>(ToF(norm_w[i]) * Round<T>(v * inv));
+    if (sum_out) StoreV<T, V>(sum_out + at, v);
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += v[k] * v[k];
+    const float inv = rsqrtf(WarpSum(ss) / static_cast<float>(hd) + eps);
+    if (lane == 0 && inv_out) inv_out[s * (heads + kv_heads) + h] = inv;
+    float w[V];
+    LoadV<T, V>(norm_w + at0, w);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = Round<T>(w[k] * Round<T>(v[k] * inv));
   }
-  head[i] = v;
-  __syncthreads();
-  const int half = hd / 2;
-  const float rot = i < half ? -head[i + half] : head[i - half];
-  const int64_t c = s * hd + i;
-  const T out = FromF<T>(Round<T>(v * ToF(cos[c])) + Round<T>(rot * ToF(sin[c])));
-  if (is_q) {
-    q_out[(s * heads + h) * hd + i] = out;
-  } else {
-    k_out[(s * kv_heads + (h - heads)) * hd + i] = out;
+  float c[V], sn[V], out[V];
+  LoadV<T, V>(cos + s * hd + at0, c);
+  LoadV<T, V>(sin + s * hd + at0, sn);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const float partner = __shfl_xor_sync(0xffffffffu, v[k], 16);
+    const float rot = lane < 16 ? -partner : partner;
+    out[k] = Round<T>(v[k] * c[k]) + Round<T>(rot * sn[k]);
   }
+  StoreV<T, V>(is_q ? q_out + (s * heads + h) * hd + at0 : k_out + (s * kv_heads + (h - heads)) * hd + at0, out);
 }
 
-template <typename T>
-void LaunchQkvNormRope(const void* qkv, const void* delta, const void* q_norm, const void* k_norm, const void* cos,
-                       const void* sin, void* sum_out, float* inv_out, void* q, void* k, void* v, int64_t rows,
-                       int64_t heads, int64_t kv_heads, int64_t hd, float eps, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
-  QkvNormRopeKernel<T><<<grid, static_cast<unsigned>(hd), static_cast<size_t>(hd) * sizeof(float), stream>>>(
-      static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
-      static_cast<const T*>(k_norm), static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<T*>(sum_out),
-      inv_out, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), static_cast<int>(heads),
-      static_cast<int>(kv_heads), static_cast<int>(hd), eps);
-}
-
-// Its backward, same grid: RoPE's transpose, then the head's RMSNorm backward.
-template <typename T>
+// Its backward, same layout: RoPE's transpose, then the head's RMSNorm backward.
+template <typename T, int V>
 __global__ void QkvNormRopeGradKernel(const T* sum, const T* q_norm, const T* k_norm, const float* inv,
                                       const T* cos, const T* sin, const T* dq, const T* dk, const T* dv, T* d_qkv,
-                                      int heads, int kv_heads, int hd) {
-  extern __shared__ float gs[];  // hd: T(g * sin)
-  const int64_t s = blockIdx.x;
-  const int h = blockIdx.y, i = threadIdx.x, all = heads + 2 * kv_heads;
-  const int64_t at = (s * all + h) * hd + i;
+                                      int64_t rows, int heads, int kv_heads) {
+  constexpr int hd = 32 * V;
+  const int lane = threadIdx.x & 31, all = heads + 2 * kv_heads;
+  const int64_t pair = static_cast<int64_t>(blockIdx.x) * kHeadWarps + (threadIdx.x >> 5);
+  if (pair >= rows * all) return;
+  const int64_t s = pair / all;
+  const int h = static_cast<int>(pair % all), at0 = lane * V;
+  const int64_t at = pair * hd + at0;
+  float d[V];
   if (h >= heads + kv_heads) {
-    d_qkv[at] = dv ? dv[(s * kv_heads + (h - heads - kv_heads)) * hd + i] : FromF<T>(0.0f);
+    if (dv) {
+      LoadV<T, V>(dv + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, d);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) d[k] = 0.0f;
+    }
+    StoreV<T, V>(d_qkv + at, d);
     return;
   }
   const bool is_q = h < heads;
   const T* g_in = is_q ? dq : dk;
-  const float g = g_in ? ToF(g_in[is_q ? (s * heads + h) * hd + i : (s * kv_heads + (h - heads)) * hd + i]) : 0.0f;
-  const int64_t c = s * hd + i;
-  gs[i] = Round<T>(g * ToF(sin[c]));
-  __syncthreads();
-  const int half = hd / 2;
-  const float rot_t = i < half ? gs[i + half] : -gs[i - half];
-  float d = Round<T>(Round<T>(g * ToF(cos[c])) + rot_t);
+  float g[V], c[V], sn[V];
+  if (g_in) {
+    LoadV<T, V>(g_in + (is_q ? (s * heads + h) * hd : (s * kv_heads + (h - heads)) * hd) + at0, g);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = 0.0f;
+  }
+  LoadV<T, V>(cos + s * hd + at0, c);
+  LoadV<T, V>(sin + s * hd + at0, sn);
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const float gs = Round<T>(g[k] * sn[k]);
+    const float partner = __shfl_xor_sync(0xffffffffu, gs, 16);
+    d[k] = Round<T>(Round<T>(g[k] * c[k]) + (lane < 16 ? partner : -partner));
+  }
   const T* norm_w = is_q ? q_norm : k_norm;
   if (norm_w) {
     const float r = inv[s * (heads + kv_heads) + h];
-    const float dn = Round<T>(d * ToF(norm_w[i])), n = ToF(sum[at]) * r;
-    const float mean = BlockSum(dn * n) / static_cast<float>(hd);
-    d = r * (dn - n * mean);
+    float w[V], x[V], dn[V], n[V], dot = 0.0f;
+    LoadV<T, V>(norm_w + at0, w);
+    LoadV<T, V>(sum + at, x);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      dn[k] = Round<T>(d[k] * w[k]);
+      n[k] = x[k] * r;
+      dot += dn[k] * n[k];
+    }
+    const float mean = WarpSum(dot) / static_cast<float>(hd);
+#pragma unroll
+    for (int k = 0; k < V; ++k) d[k] = r * (dn[k] - n[k] * mean);
   }
-  d_qkv[at] = FromF<T>(d);
+  StoreV<T, V>(d_qkv + at, d);
+}
+
+// The head widths the warp kernels take: 64, 128, 256 (V = 2, 4, 8).
+template <typename T, template <typename, int> class Launch, typename... Args>
+void ByHeadDim(int64_t hd, Args... args) {
+  switch (hd) {
+    case 64: Launch<T, 2>::Run(args...); break;
+    case 128: Launch<T, 4>::Run(args...); break;
+    case 256: Launch<T, 8>::Run(args...); break;
+    default: break;
+  }
+}
+
+unsigned HeadBlocks(int64_t rows, int64_t heads, int64_t kv_heads) {
+  return Blocks(rows * (heads + 2 * kv_heads), kHeadWarps);
+}
+
+template <typename T, int V>
+struct QkvNormRopeLaunch {
+  static void Run(const void* qkv, const void* delta, const void* q_norm, const void* k_norm, const void* cos,
+                  const void* sin, void* sum_out, float* inv_out, void* q, void* k, void* v, int64_t rows,
+                  int64_t heads, int64_t kv_heads, float eps, cudaStream_t stream) {
+    QkvNormRopeKernel<T, V><<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
+        static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
+        static_cast<const T*>(k_norm), static_cast<const T*>(cos), static_cast<const T*>(sin),
+        static_cast<T*>(sum_out), inv_out, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), rows,
+        static_cast<int>(heads), static_cast<int>(kv_heads), eps);
+  }
+};
+
+template <typename T, int V>
+struct QkvNormRopeGradLaunch {
+  static void Run(const void* sum, const void* q_norm, const void* k_norm, const float* inv, const void* cos,
+                  const void* sin, const void* dq, const void* dk, const void* dv, void* d_qkv, int64_t rows,
+                  int64_t heads, int64_t kv_heads, cudaStream_t stream) {
+    QkvNormRopeGradKernel<T, V><<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
+        static_cast<const T*>(sum), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm), inv,
+        static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<const T*>(dq), static_cast<const T*>(dk),
+        static_cast<const T*>(dv), static_cast<T*>(d_qkv), rows, static_cast<int>(heads), static_cast<int>(kv_heads));
+  }
+};
+
+template <typename T>
+void LaunchQkvNormRope(int64_t hd, const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
+                       const void* cos, const void* sin, void* sum_out, float* inv_out, void* q, void* k, void* v,
+                       int64_t rows, int64_t heads, int64_t kv_heads, float eps, cudaStream_t stream) {
+  ByHeadDim<T, QkvNormRopeLaunch>(hd, qkv, delta, q_norm, k_norm, cos, sin, sum_out, inv_out, q, k, v, rows, heads,
+                                  kv_heads, eps, stream);
 }
 
 template <typename T>
-void LaunchQkvNormRopeGrad(const void* sum, const void* q_norm, const void* k_norm, const float* inv, const void* cos,
-                           const void* sin, const void* dq, const void* dk, const void* dv, void* d_qkv, int64_t rows,
-                           int64_t heads, int64_t kv_heads, int64_t hd, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
-  QkvNormRopeGradKernel<T><<<grid, static_cast<unsigned>(hd), static_cast<size_t>(hd) * sizeof(float), stream>>>(
-      static_cast<const T*>(sum), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm), inv,
-      static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<const T*>(dq), static_cast<const T*>(dk),
-      static_cast<const T*>(dv), static_cast<T*>(d_qkv), static_cast<int>(heads), static_cast<int>(kv_heads),
-      static_cast<int>(hd));
+void LaunchQkvNormRopeGrad(int64_t hd, const void* sum, const void* q_norm, const void* k_norm, const float* inv,
+                           const void* cos, const void* sin, const void* dq, const void* dk, const void* dv,
+                           void* d_qkv, int64_t rows, int64_t heads, int64_t kv_heads, cudaStream_t stream) {
+  ByHeadDim<T, QkvNormRopeGradLaunch>(hd, sum, q_norm, k_norm, inv, cos, sin, dq, dk, dv, d_qkv, rows, heads,
+                                      kv_heads, stream);
 }
 
 }  // namespace
@@ -178,17 +304,17 @@ void SwiGluGrad(bool bf16, const void* gate_up, const void* dy, void* d_gate_up,
 void QkvNormRope(bool bf16, const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
                  const void* cos, const void* sin, void* sum_out, float* inv_out, void* q, void* k, void* v,
                  int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps, cudaStream_t stream) {
-  if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchQkvNormRope, qkv, delta, q_norm, k_norm, cos, sin, sum_out, inv_out, q, k, v, rows, heads,
-                kv_heads, head_dim, eps, stream);
+  if (rows <= 0 || !QkvHeadDimSupported(head_dim)) return;
+  LOOM_DISPATCH(bf16, LaunchQkvNormRope, head_dim, qkv, delta, q_norm, k_norm, cos, sin, sum_out, inv_out, q, k, v,
+                rows, heads, kv_heads, eps, stream);
 }
 
 void QkvNormRopeGrad(bool bf16, const void* sum, const void* q_norm, const void* k_norm, const float* inv,
                      const void* cos, const void* sin, const void* dq, const void* dk, const void* dv, void* d_qkv,
                      int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
-  if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchQkvNormRopeGrad, sum, q_norm, k_norm, inv, cos, sin, dq, dk, dv, d_qkv, rows, heads,
-                kv_heads, head_dim, stream);
+  if (rows <= 0 || !QkvHeadDimSupported(head_dim)) return;
+  LOOM_DISPATCH(bf16, LaunchQkvNormRopeGrad, head_dim, sum, q_norm, k_norm, inv, cos, sin, dq, dk, dv, d_qkv, rows,
+                heads, kv_heads, stream);
 }
 
 }  // namespace loom::engine::cuda

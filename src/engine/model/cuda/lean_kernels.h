@@ -44,7 +44,8 @@ void SwiGluGrad(bool bf16, const void* gate_up, const void* dy, void* d_gate_up,
 //                k_out [rows, KVH, hd];
 //   and, with a norm, v into sum_out (null: not written; the caller keeps
 //   qkv when delta is null) and inv into inv_out [rows, H + KVH] (may be null).
-// head_dim a multiple of 32, at most 1024.
+// head_dim: QkvHeadDimSupported (one warp per head; others are not launched).
+inline bool QkvHeadDimSupported(int64_t head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 void QkvNormRope(bool bf16, const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
                  const void* cos, const void* sin, void* sum_out, float* inv_out, void* q_out, void* k_out,
                  void* v_out, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, float eps,
