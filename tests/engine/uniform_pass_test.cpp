@@ -117,14 +117,19 @@ TEST(UniformPass, SameValuesAndGradientsAsThePackedPass) {
       auto model = Tiny(arch);
       auto bank = Bank(*model, 4, 4);
       BindSlots(*bank);
-      // 5 datums (padded to 8 sequences of 64 rows), the slots in no order.
-      const std::vector<ForwardBackwardCall> calls{Call(1, {17, 30}, 1, loss), Call(0, {5}, 4, loss),
-                                                   Call(2, {64, 9}, 7, loss)};
-      const Outcome packed = Pass(*model, *bank, calls, nullptr);
-      PassGraphs graphs(PassGraphs::Options{4096, false});
-      const Outcome uniform = Pass(*model, *bank, calls, &graphs);
-      EXPECT_EQ(graphs.stats().passes, 1) << arch << " " << loss;
-      ExpectSame(uniform, packed, 1e-5);
+      // 5 datums (padded to 8 sequences of 64 rows), the slots in no order;
+      // and 3 (4 sequences: few enough that each group's factors are cast
+      // once for the pass and q/k/v and gate/up take one joint LoRA node).
+      const std::vector<std::vector<ForwardBackwardCall>> cases{
+          {Call(1, {17, 30}, 1, loss), Call(0, {5}, 4, loss), Call(2, {64, 9}, 7, loss)},
+          {Call(1, {17}, 1, loss), Call(0, {5}, 4, loss), Call(2, {30}, 7, loss)}};
+      for (const auto& calls : cases) {
+        const Outcome packed = Pass(*model, *bank, calls, nullptr);
+        PassGraphs graphs(PassGraphs::Options{4096, false});
+        const Outcome uniform = Pass(*model, *bank, calls, &graphs);
+        EXPECT_EQ(graphs.stats().passes, 1) << arch << " " << loss;
+        ExpectSame(uniform, packed, 1e-5);
+      }
     }
 }
 

@@ -189,6 +189,78 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
   }
 };
 
+
+// Several targets of one input over the grouped form with rows already in
+// padded order (routing.identity) and factors cast once (JointGroupedLoraDelta).
+class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
+ public:
+  // anchor: the first target's A (a leaf that requires grad, so that the
+  // node is recorded even where x needs no gradient); the factors' own
+  // gradients are added in place (FactorGrad), as GroupedNode's.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
+                            const std::vector<JointTarget>* targets, const LoraGroups* routing, int64_t ct_in) {
+    c10::NoGradGuard no_grad;
+    (void)anchor;
+    const auto ct = static_cast<at::ScalarType>(ct_in);
+    const int64_t U = routing->num_slots(), L = routing->max_rows, d_in = x.size(1);
+    int64_t width = 0;
+    for (const JointTarget& t : *targets) width += t.b.size(1);
+    const at::Tensor xp = x.to(ct).view({U, L, d_in});
+    const at::Tensor scale = routing->scale.to(ct);
+    at::Tensor y = at::empty({U, L, width}, xp.options());
+    variable_list keep{xp, scale, routing->slots};
+    std::vector<int64_t> widths;
+    int64_t at = 0;
+    for (const JointTarget& t : *targets) {
+      const int64_t w = t.b.size(1);
+      const at::Tensor h = at::bmm(xp, t.a.transpose(1, 2)) * scale;  // [U, L, R]
+      at::Tensor cols = y.narrow(2, at, w);
+      at::bmm_out(cols, h, t.b.transpose(1, 2));
+      keep.insert(keep.end(), {h, t.a, t.b, t.A, t.B});
+      widths.push_back(w);
+      at += w;
+    }
+    ctx->save_for_backward(keep);
+    ctx->saved_data["widths"] = widths;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["need_x"] = x.requires_grad();
+    return y.view({U * L, width});
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto widths = ctx->saved_data["widths"].toIntVector();
+    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2];
+    const at::Tensor& g = grads[0];
+    variable_list out(5);  // one per apply() argument
+    if (!g.defined()) return out;
+    c10::NoGradGuard no_grad;
+    const int64_t U = xp.size(0), L = xp.size(1);
+    const at::Tensor gp = g.to(xp.scalar_type()).view({U, L, -1});
+    const bool need_x = ctx->saved_data["need_x"].toBool();
+    at::Tensor gx;
+    int64_t at = 0;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const at::Tensor &h = saved[3 + 5 * i], &a = saved[4 + 5 * i], &b = saved[5 + 5 * i], &A = saved[6 + 5 * i],
+                       &B = saved[7 + 5 * i];
+      const at::Tensor gt = gp.narrow(2, at, widths[i]);
+      at += widths[i];
+      FactorGrad(B).index_add_(0, slots, at::bmm(gt.transpose(1, 2), h).to(B.scalar_type()));
+      const at::Tensor gxa = at::bmm(gt, b) * scale;  // [U, L, R]
+      FactorGrad(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+      if (!need_x) continue;
+      // One input gradient for all the targets, accumulated inside the GEMMs.
+      if (gx.defined()) {
+        gx.baddbmm_(gxa, a);
+      } else {
+        gx = at::bmm(gxa, a);
+      }
+    }
+    if (gx.defined()) out[0] = gx.view({U * L, -1}).to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
+    return out;
+  }
+};
+
 bool Differentiable(const at::Tensor& A) { return c10::GradMode::is_enabled() && A.requires_grad(); }
 
 }  // namespace
@@ -213,6 +285,18 @@ at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
   // The cast factors go by pointer: as node inputs, autograd would route
   // gradients to them (they are computed from the bank without a graph).
   return GroupedNode::apply(x, A, B, &routing, static_cast<int64_t>(ct), d_out, &a, &b);
+}
+
+at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
+                                 const LoraGroups& routing, at::ScalarType ct) {
+  TORCH_CHECK(routing.identity && !routing.base_rows && !targets.empty() && x.size(0) == routing.rows,
+              "JointGroupedLoraDelta: the rows must already be in padded order, with every row in a group");
+  if (!Differentiable(targets[0].A)) {
+    std::vector<at::Tensor> parts;
+    for (const JointTarget& t : targets) parts.push_back(GroupedForward(x, t.A, t.B, routing, ct, t.b.size(1), t.a, t.b));
+    return at::cat(parts, 1);
+  }
+  return JointGroupedNode::apply(x, targets[0].A, &targets, &routing, static_cast<int64_t>(ct));
 }
 
 }  // namespace loom::engine

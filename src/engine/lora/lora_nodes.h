@@ -52,4 +52,13 @@ at::Tensor& FactorGrad(const at::Tensor& factor);
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
                             at::ScalarType ct, int64_t d_out, const at::Tensor& a = {}, const at::Tensor& b = {});
 
+// The grouped deltas of several targets that share the input x, side by
+// side: at::cat of GroupedLoraDelta's for each, as one node that writes
+// each target's output into its columns of one [T, sum d_out] tensor and
+// returns one input gradient (the targets' sum, accumulated in the GEMMs)
+// instead of one per target. The routing must be an identity (rows already
+// in padded order, every row in a group).
+at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
+                                 const LoraGroups& routing, at::ScalarType ct);
+
 }  // namespace loom::engine

@@ -346,13 +346,17 @@ at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, cons
   if (!group_cast.defined() || t.is_expert()) return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
   TORCH_CHECK(group_cast.scalar_type() == ComputeType(x) && group_cast.size(0) == routing.num_slots(),
               "GroupedDelta: the cast factors do not match the routing or the compute type");
-  const int64_t begin = GroupColumns(t.group).first, U = routing.num_slots();
+  const JointTarget f = CastFactors(t, group_cast);
+  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out, f.a, f.b);
+}
+
+JointTarget SlotBank::CastFactors(const LoraTarget& t, const at::Tensor& group_cast) const {
+  const int64_t begin = GroupColumns(t.group).first, U = group_cast.size(0);
   std::vector<int64_t> a_shape = t.FactorShape(true, max_rank_), b_shape = t.FactorShape(false, max_rank_);
   a_shape.insert(a_shape.begin(), U);
   b_shape.insert(b_shape.begin(), U);
-  const at::Tensor a = group_cast.narrow(1, t.a_col - begin, t.AElems(max_rank_)).view(a_shape);
-  const at::Tensor b = group_cast.narrow(1, t.b_col - begin, t.BElems(max_rank_)).view(b_shape);
-  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out, a, b);
+  return JointTarget{t.A, t.B, group_cast.narrow(1, t.a_col - begin, t.AElems(max_rank_)).view(a_shape),
+                     group_cast.narrow(1, t.b_col - begin, t.BElems(max_rank_)).view(b_shape)};
 }
 
 at::Tensor SlotBank::CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const {

@@ -114,6 +114,14 @@ struct LoraBatchShape {
   int64_t max_rows = 0;  // Lmax: rows of the largest slot's group
 };
 
+// One target of a pass whose grouped slots' factors were cast once: the
+// bank's leaves A and B, and the slots' factors in the compute type ([U, R,
+// d_in], [U, d_out, R]; views of SlotBank::CastGroup). JointGroupedLoraDelta
+// (lora_nodes.h) takes several.
+struct JointTarget {
+  at::Tensor A, B, a, b;
+};
+
 struct SlotState {
   bool bound = false;
   LoraConfig config;
@@ -242,6 +250,8 @@ class SlotBank {
   // (GroupColumns(g).second columns), without a graph. The factors change
   // only in the optimizer, so one cast serves a whole pass.
   at::Tensor CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const;
+  // Plain target t's leaves and its factors as views of group_cast (CastGroup of t.group).
+  JointTarget CastFactors(const LoraTarget& t, const at::Tensor& group_cast) const;
 
  private:
   int num_slots_;

@@ -90,8 +90,8 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
                                   ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())
                                   : PaddedLayout{};
 
-  auto lora = [&](size_t layer, int k, const at::Tensor& in) {
-    return delta(LayerTarget(bank, layer, k), in);
+  auto lora = [&](size_t layer, std::initializer_list<int> ks, const at::Tensor& in) {
+    return delta.Joint(layer, ks, in);
   };
   // New tokens' keys and values go into the paged cache; a prefill attends
   // within its own rows (and its cached prefix), a decode row reads its

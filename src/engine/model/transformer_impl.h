@@ -7,9 +7,11 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
+#include "engine/lora/lora_nodes.h"
 #include "engine/model/attention.h"
 #include "engine/model/lean_ops.h"
 #include "engine/model/moe.h"
@@ -106,6 +108,29 @@ class BatchLora {
     }
     return bank_.Delta(*t, x, seg_begin_, seg_slot_).to(x.scalar_type());
   }
+  // The deltas of layer `layer`'s targets ks (kLayerTargets indices; targets
+  // of one group that all read x) side by side, [T, sum d_out] in x's dtype:
+  // the cat of operator()'s. Where the group's slots' factors are cast for
+  // the pass and its rows already are in padded order (the uniform layout),
+  // one node (JointGroupedLoraDelta) writes them into one tensor and gives x
+  // one gradient, where the cat would copy and autograd add per target.
+  at::Tensor Joint(size_t layer, std::initializer_list<int> ks, const at::Tensor& x) const {
+    std::vector<const LoraTarget*> ts;
+    for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
+    const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
+    if (p.form == LoraForm::kGrouped && p.grouped.identity && !p.grouped.base_rows && ts.size() > 1) {
+      const at::Tensor& cast = GroupCast(p, x);
+      if (cast.defined()) {
+        std::vector<JointTarget> joint;
+        for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, cast));
+        return JointGroupedLoraDelta(x, joint, p.grouped, bank_.ComputeType(x)).to(x.scalar_type());
+      }
+    }
+    if (ts.size() == 1) return (*this)(ts[0], x);
+    std::vector<at::Tensor> parts;
+    for (const LoraTarget* t : ts) parts.push_back((*this)(t, x));
+    return at::cat(parts, 1);
+  }
 
  private:
   struct Group {
@@ -160,8 +185,9 @@ struct Rope {
 // Decoder layer i over token rows x [T, hidden]. The two forwards differ
 // only in how a layer attends and how LoRA is applied, so both are
 // arguments:
-//   lora(layer, k, in)        the delta of the layer's k-th target
-//                             (kLayerTargets) for input rows `in`;
+//   lora(layer, {k...}, in)   the deltas of the layer's targets k...
+//                             (kLayerTargets) for input rows `in`, side by
+//                             side (BatchLora::Joint);
 //   attend(layer, q, k, v)    attention [T, H * hd] for post-RoPE q [T, H, hd]
 //                             and k, v [T, KVH, hd];
 //   moe(layer, h)             an MoE layer's block output [T, hidden] for its
@@ -185,23 +211,23 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // depends on the CPU's vector width), so a zero delta would not give the
   // base's bits.
   const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-  const at::Tensor delta = attn_lora ? at::cat({lora(i, 0, h), lora(i, 1, h), lora(i, 2, h)}, 1) : at::Tensor();
+  const at::Tensor delta = attn_lora ? lora(i, {0, 1, 2}, h) : at::Tensor();
   // Split into heads, q/k norms (qwen3) and RoPE: one kernel on CUDA.
   const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
   const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
   const at::Tensor attn = attend(i, q, k, v);
   at::Tensor o = at::linear(attn, l.o_w, l.o_b);
-  if (attn_lora) o = o + lora(i, 3, attn);
+  if (attn_lora) o = o + lora(i, {3}, attn);
   x = x + o;
 
   // MLP block (SwiGLU, or the experts').
   h = RmsNorm(x, l.post_norm, eps);
   if (l.moe.defined()) return x + moe(i, h);
   at::Tensor gate_up = at::linear(h, l.gate_up_w);
-  if (mlp_lora) gate_up = gate_up + at::cat({lora(i, 4, h), lora(i, 5, h)}, 1);
+  if (mlp_lora) gate_up = gate_up + lora(i, {4, 5}, h);
   const at::Tensor act = SwiGluLean(gate_up);
   at::Tensor down = at::linear(act, l.down_w);
-  if (mlp_lora) down = down + lora(i, 6, act);
+  if (mlp_lora) down = down + lora(i, {6}, act);
   return x + down;
 }
 
