@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <tuple>
 #include <vector>
 
 #include "engine/model/lean_ops.h"
@@ -115,6 +116,46 @@ TEST(LeanOps, SplitGivesViewsAndTheSumOfItsBlocksGradients) {
     EXPECT_TRUE(at::equal(xa.grad(), xb.grad())) << device;
     EXPECT_TRUE(at::equal(xb.grad().narrow(1, 9, 3), at::zeros({7, 3}, opts)));
   }
+}
+
+// The residual add and the next norm against the plain ops, with the
+// gradients of both outputs (the residual stream and the normed rows) into
+// x, o and the delta. On CUDA this is the fused kernel pair.
+TEST(LeanOps, AddRmsNormHasThePlainValuesAndAutogradsGradients) {
+  for (const at::Device device : Devices())
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+      for (const bool with_delta : {false, true}) {
+        at::manual_seed(8);
+        const auto opts = at::TensorOptions().device(device);
+        const at::Tensor x0 = (2.0 * at::randn({19, 48}, opts)).to(dtype), o0 = at::randn({19, 48}, opts).to(dtype),
+                         d0 = (0.3 * at::randn({19, 48}, opts)).to(dtype);
+        const at::Tensor w = (1.0 + 0.2 * at::randn({48}, opts)).to(dtype);
+        const at::Tensor gs = at::randn({19, 48}, opts).to(dtype), gh = at::randn({19, 48}, opts).to(dtype);
+        std::vector<at::Tensor> values[2], grads[2];
+        for (int lean = 0; lean < 2; ++lean) {
+          const at::Tensor x = x0.clone().requires_grad_(true), o = o0.clone().requires_grad_(true),
+                           d = d0.clone().requires_grad_(true);
+          at::Tensor sum, h;
+          if (lean) {
+            std::tie(sum, h) = AddRmsNormLean(x, o, with_delta ? d : at::Tensor(), w, 1e-6);
+          } else {
+            sum = x + (with_delta ? o + d : o);
+            h = RmsNormPlain(sum, w, 1e-6);
+          }
+          ((sum.to(at::kFloat) * gs.to(at::kFloat)).sum() + (h.to(at::kFloat) * gh.to(at::kFloat)).sum()).backward();
+          values[lean] = {sum.detach(), h.detach()};
+          grads[lean] = {x.grad(), o.grad()};
+          if (with_delta) grads[lean].push_back(d.grad());
+        }
+        const std::string what = device.str() + " " + std::string(c10::toString(dtype)) + (with_delta ? " delta" : "");
+        EXPECT_TRUE(at::equal(values[1][0], values[0][0])) << what;  // the sum rounds the same way
+        ExpectSameForward(values[1][1], values[0][1], device, dtype);
+        const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;
+        for (size_t i = 0; i < grads[0].size(); ++i) {
+          ASSERT_TRUE(grads[1][i].defined()) << what << " grad " << i;
+          EXPECT_LT(RelDiff(grads[1][i].to(at::kFloat), grads[0][i].to(at::kFloat)), tol) << what << " grad " << i;
+        }
+      }
 }
 
 // The q/k/v tail (split, q/k norms, RoPE) against the plain ops with

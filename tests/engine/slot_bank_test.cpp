@@ -279,13 +279,16 @@ struct FormResult {
   std::vector<at::Tensor> out, grad_x, grad_a, grad_b;
 };
 
-// grouped: GroupedDelta (with cast: over factors cast once, SlotBank::CastGroup), else Delta.
+// grouped: GroupedDelta (with cast: over factors cast once and gradients
+// written to the pass's buffer, SlotBank::PassGroup), else Delta.
 FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg_begin,
                    const std::vector<int>& seg_slot, const std::vector<at::Tensor>& xs,
                    const std::vector<at::Tensor>& gys, bool cast = false) {
   FormResult r;
   at::Tensor loss = at::zeros({});
   std::vector<at::Tensor> leaves;
+  std::vector<PassFactors> passes;
+  passes.reserve(2);
   const LoraGroups attn = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
   const LoraGroups mlp = bank.Group(TargetGroup::kMlp, seg_begin, seg_slot);
   for (size_t i = 0; i < 2; ++i) {  // the attn and mlp targets
@@ -293,9 +296,13 @@ FormResult RunForm(bool grouped, SlotBank& bank, const std::vector<int64_t>& seg
     at::Tensor x = xs[i].detach().clone().requires_grad_();
     leaves.push_back(x);
     const LoraGroups& groups = t.group == TargetGroup::kAttn ? attn : mlp;
-    const at::Tensor factors =
-        cast && groups.num_slots() > 0 ? bank.CastGroup(t.group, groups.slots, bank.ComputeType(x)) : at::Tensor();
-    const at::Tensor y = grouped ? bank.GroupedDelta(t, x, groups, factors) : bank.Delta(t, x, seg_begin, seg_slot);
+    // Cast once, with the gradients through the pass's buffer and its flush.
+    passes.push_back(cast && groups.num_slots() > 0
+                         ? bank.PassGroup(t.group, groups.slots, bank.ComputeType(x), /*grads=*/true)
+                         : PassFactors{});
+    const PassFactors* pass = passes.back().cast.defined() ? &passes.back() : nullptr;
+    if (pass) EXPECT_TRUE(pass->token.defined());
+    const at::Tensor y = grouped ? bank.GroupedDelta(t, x, groups, pass) : bank.Delta(t, x, seg_begin, seg_slot);
     EXPECT_EQ(y.scalar_type(), at::kFloat);
     r.out.push_back(y.detach());
     loss = loss + (y * gys[i]).sum();

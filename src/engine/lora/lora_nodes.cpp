@@ -93,6 +93,24 @@ class SegmentNode : public torch::autograd::Function<SegmentNode> {
   }
 };
 
+// A grouped node's gradient of one factor: into its view of the pass's
+// gradient buffer when there is one (written once; the flush adds it), else
+// added into the bank factor's .grad rows of `slots`. The same bf16 (or fp32)
+// product either way, so the same bits reach .grad.
+void FactorGradOut(const at::Tensor& into, const at::Tensor& factor, const at::Tensor& slots, const at::Tensor& a,
+                   const at::Tensor& b) {
+  if (into.defined()) {
+    at::Tensor out = into;
+    at::bmm_out(out, a, b);
+    return;
+  }
+  FactorGrad(factor).index_add_(0, slots, at::bmm(a, b).to(factor.scalar_type()));
+}
+
+// A node's own copy of an optional tensor input's presence: custom nodes
+// take only defined tensors.
+at::Tensor OrEmpty(const at::Tensor& t) { return t.defined() ? t : at::empty({0}); }
+
 // The plain forward of the grouped form.
 // What the grouped form's backward reuses of its forward: the gathered
 // input and rank-wide hidden, the scale in the compute type, and (for few
@@ -131,12 +149,20 @@ at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Te
 
 class GroupedNode : public torch::autograd::Function<GroupedNode> {
  public:
+  // token: the pass's flush token, or empty (no gradient buffer).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B,
-                            const LoraGroups* routing, int64_t ct, int64_t d_out, const at::Tensor* a_cast,
-                            const at::Tensor* b_cast) {
+                            const at::Tensor& token, const LoraGroups* routing, int64_t ct, int64_t d_out,
+                            const JointTarget* cast) {
     c10::NoGradGuard no_grad;
+    (void)token;
     GroupedSaved sv;
-    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, *a_cast, *b_cast, &sv);
+    const at::Tensor none;
+    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, cast ? cast->a : none,
+                                  cast ? cast->b : none, &sv);
+    // Not saved_for_backward: the buffer is written by every node of the
+    // pass, which would fail the saved-variable version check.
+    ctx->saved_data["ga"] = cast ? cast->ga : none;
+    ctx->saved_data["gb"] = cast ? cast->gb : none;
     ctx->save_for_backward(
         {sv.xp, sv.h, A, B, routing->slots, sv.scale, routing->gather, routing->scatter, sv.a, sv.b});
     ctx->saved_data["identity"] = routing->identity;
@@ -154,10 +180,11 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     const int64_t T = shape[0], d_in = shape[1], d_out = shape[2], L = shape[3], U = slots.size(0);
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const at::Tensor& g = grads[0];
-    variable_list out(8);
+    variable_list out(9);
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
     const at::ScalarType ct = xp.scalar_type();
+    const at::Tensor ga = ctx->saved_data["ga"].toTensor(), gb = ctx->saved_data["gb"].toTensor();
     // The padded gradient: each packed row's gradient at its padded position;
     // pad rows (never read back) and the appended zero row get none.
     at::Tensor gp;
@@ -171,9 +198,9 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     const at::Tensor a = saved[8].defined() ? saved[8] : A.index_select(0, slots).to(ct);  // [U, R, d_in]
     const at::Tensor b = saved[9].defined() ? saved[9] : B.index_select(0, slots).to(ct);  // [U, d_out, R]
     // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
-    FactorGrad(B).index_add_(0, slots, at::bmm(gp.transpose(1, 2), h).to(B.scalar_type()));
+    FactorGradOut(gb, B, slots, gp.transpose(1, 2), h);
     const at::Tensor gxa = at::bmm(gp, b) * scale;  // [U, L, R]
-    FactorGrad(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+    FactorGradOut(ga, A, slots, gxa.transpose(1, 2), xp);
     if (!ctx->needs_input_grad(0)) return out;
     at::Tensor gxp = at::bmm(gxa, a).view({U * L, d_in});
     at::Tensor gx;
@@ -198,9 +225,11 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
   // node is recorded even where x needs no gradient); the factors' own
   // gradients are added in place (FactorGrad), as GroupedNode's.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
-                            const std::vector<JointTarget>* targets, const LoraGroups* routing, int64_t ct_in) {
+                            const at::Tensor& token, const std::vector<JointTarget>* targets,
+                            const LoraGroups* routing, int64_t ct_in) {
     c10::NoGradGuard no_grad;
-    (void)anchor;
+    (void)anchor, (void)token;
+    std::vector<at::Tensor> into;  // the targets' gradient views (B's, A's), or undefined; not saved (GroupedNode)
     const auto ct = static_cast<at::ScalarType>(ct_in);
     const int64_t U = routing->num_slots(), L = routing->max_rows, d_in = x.size(1);
     int64_t width = 0;
@@ -217,10 +246,12 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
       at::Tensor cols = y.narrow(2, at, w);
       at::bmm_out(cols, h, t.b.transpose(1, 2));
       keep.insert(keep.end(), {h, t.a, t.b, t.A, t.B});
+      into.insert(into.end(), {t.gb, t.ga});
       widths.push_back(w);
       at += w;
     }
     ctx->save_for_backward(keep);
+    ctx->saved_data["into"] = c10::List<at::Tensor>(into);
     ctx->saved_data["widths"] = widths;
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["need_x"] = x.requires_grad();
@@ -232,7 +263,8 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     const auto widths = ctx->saved_data["widths"].toIntVector();
     const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2];
     const at::Tensor& g = grads[0];
-    variable_list out(5);  // one per apply() argument
+    variable_list out(6);  // one per apply() argument
+    const auto into = ctx->saved_data["into"].toTensorList();
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
     const int64_t U = xp.size(0), L = xp.size(1);
@@ -245,9 +277,9 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
                        &B = saved[7 + 5 * i];
       const at::Tensor gt = gp.narrow(2, at, widths[i]);
       at += widths[i];
-      FactorGrad(B).index_add_(0, slots, at::bmm(gt.transpose(1, 2), h).to(B.scalar_type()));
+      FactorGradOut(into.get(2 * i), B, slots, gt.transpose(1, 2), h);
       const at::Tensor gxa = at::bmm(gt, b) * scale;  // [U, L, R]
-      FactorGrad(A).index_add_(0, slots, at::bmm(gxa.transpose(1, 2), xp).to(A.scalar_type()));
+      FactorGradOut(into.get(2 * i + 1), A, slots, gxa.transpose(1, 2), xp);
       if (!need_x) continue;
       // One input gradient for all the targets, accumulated inside the GEMMs.
       if (gx.defined()) {
@@ -280,15 +312,16 @@ at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
 }
 
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                            at::ScalarType ct, int64_t d_out, const at::Tensor& a, const at::Tensor& b) {
-  if (!Differentiable(A) || routing.num_slots() == 0) return GroupedForward(x, A, B, routing, ct, d_out, a, b);
+                            at::ScalarType ct, int64_t d_out, const JointTarget* cast, const at::Tensor& token) {
+  if (!Differentiable(A) || routing.num_slots() == 0)
+    return GroupedForward(x, A, B, routing, ct, d_out, cast ? cast->a : at::Tensor(), cast ? cast->b : at::Tensor());
   // The cast factors go by pointer: as node inputs, autograd would route
   // gradients to them (they are computed from the bank without a graph).
-  return GroupedNode::apply(x, A, B, &routing, static_cast<int64_t>(ct), d_out, &a, &b);
+  return GroupedNode::apply(x, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
 }
 
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
-                                 const LoraGroups& routing, at::ScalarType ct) {
+                                 const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token) {
   TORCH_CHECK(routing.identity && !routing.base_rows && !targets.empty() && x.size(0) == routing.rows,
               "JointGroupedLoraDelta: the rows must already be in padded order, with every row in a group");
   if (!Differentiable(targets[0].A)) {
@@ -296,7 +329,36 @@ at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTar
     for (const JointTarget& t : targets) parts.push_back(GroupedForward(x, t.A, t.B, routing, ct, t.b.size(1), t.a, t.b));
     return at::cat(parts, 1);
   }
-  return JointGroupedNode::apply(x, targets[0].A, &targets, &routing, static_cast<int64_t>(ct));
+  return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), &targets, &routing, static_cast<int64_t>(ct));
+}
+
+namespace {
+
+// The pass's gradient buffer into the bank, once (GradientFlushToken).
+class FlushNode : public torch::autograd::Function<FlushNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& anchor, const at::Tensor* grad,
+                            const at::Tensor* flat_grad_cols, const at::Tensor* slots) {
+    ctx->set_materialize_grads(false);  // the nodes behind it send no gradient, only the signal that they ran
+    ctx->saved_data["grad"] = *grad;
+    ctx->saved_data["into"] = *flat_grad_cols;
+    ctx->saved_data["slots"] = *slots;
+    return at::zeros({1}, anchor.options());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    c10::NoGradGuard no_grad;
+    at::Tensor into = ctx->saved_data["into"].toTensor();
+    const at::Tensor grad = ctx->saved_data["grad"].toTensor();
+    into.index_add_(0, ctx->saved_data["slots"].toTensor(), grad.to(into.scalar_type()));
+    return variable_list(4);
+  }
+};
+
+}  // namespace
+
+at::Tensor GradientFlushToken(const at::Tensor& anchor, const at::Tensor& grad, const at::Tensor& flat_grad_cols,
+                              const at::Tensor& slots) {
+  return FlushNode::apply(anchor, &grad, &flat_grad_cols, &slots);
 }
 
 }  // namespace loom::engine

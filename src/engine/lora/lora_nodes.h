@@ -45,12 +45,23 @@ at::Tensor SegmentLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
 // (these, and the unembed's) add into it.
 at::Tensor& FactorGrad(const at::Tensor& factor);
 
-// GroupedDelta's value (slot_bank.h) in dtype ct. a and b, when defined,
-// are the grouped slots' factors already gathered and cast to ct ([U, R,
-// d_in] and [U, d_out, R], e.g. views of SlotBank::CastGroup); else they are
-// gathered from A and B here.
+// GroupedDelta's value (slot_bank.h) in dtype ct. cast, when given, holds
+// the grouped slots' factors already gathered and cast to ct (a [U, R, d_in],
+// b [U, d_out, R]: views of SlotBank::PassGroup's) and, where defined, the
+// views their gradients are written to (ga, gb), with token the pass's
+// flush token (PassFactors); else the factors are gathered from A and B here
+// and their gradients added into A.grad and B.grad.
 at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                            at::ScalarType ct, int64_t d_out, const at::Tensor& a = {}, const at::Tensor& b = {});
+                            at::ScalarType ct, int64_t d_out, const JointTarget* cast = nullptr,
+                            const at::Tensor& token = {});
+
+// The flush token of a pass's gradient buffer (PassFactors): a [1] tensor
+// whose node, run by autograd after every node that takes the token as an
+// input, adds grad [U, len] (in the compute type) into flat_grad_cols' rows
+// `slots` in fp32 (repeated slots add up). anchor: a bank leaf that requires
+// grad (no gradient reaches it).
+at::Tensor GradientFlushToken(const at::Tensor& anchor, const at::Tensor& grad, const at::Tensor& flat_grad_cols,
+                              const at::Tensor& slots);
 
 // The grouped deltas of several targets that share the input x, side by
 // side: at::cat of GroupedLoraDelta's for each, as one node that writes
@@ -59,6 +70,6 @@ at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
 // instead of one per target. The routing must be an identity (rows already
 // in padded order, every row in a group).
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
-                                 const LoraGroups& routing, at::ScalarType ct);
+                                 const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token = {});
 
 }  // namespace loom::engine

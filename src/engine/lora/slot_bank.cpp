@@ -341,22 +341,44 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
 }
 
 at::Tensor SlotBank::GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing,
-                                  const at::Tensor& group_cast) const {
+                                  const PassFactors* pass) const {
   TORCH_CHECK(x.size(0) == routing.rows, "GroupedDelta: x has ", x.size(0), " rows, the routing ", routing.rows);
-  if (!group_cast.defined() || t.is_expert()) return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
-  TORCH_CHECK(group_cast.scalar_type() == ComputeType(x) && group_cast.size(0) == routing.num_slots(),
+  if (!pass || !pass->cast.defined() || t.is_expert())
+    return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out);
+  TORCH_CHECK(pass->cast.scalar_type() == ComputeType(x) && pass->cast.size(0) == routing.num_slots(),
               "GroupedDelta: the cast factors do not match the routing or the compute type");
-  const JointTarget f = CastFactors(t, group_cast);
-  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out, f.a, f.b);
+  const JointTarget f = CastFactors(t, *pass);
+  return GroupedLoraDelta(x, t.A, t.B, routing, ComputeType(x), t.d_out, &f, pass->token);
 }
 
-JointTarget SlotBank::CastFactors(const LoraTarget& t, const at::Tensor& group_cast) const {
-  const int64_t begin = GroupColumns(t.group).first, U = group_cast.size(0);
+PassFactors SlotBank::PassGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct, bool grads) const {
+  PassFactors f;
+  f.cast = CastGroup(g, slots, ct);
+  const auto [begin, len] = GroupColumns(g);
+  const LoraTarget* anchor = nullptr;  // a leaf that requires grad, so that the flush node is recorded
+  for (const LoraTarget& t : targets_)
+    if (t.group == g && t.A.requires_grad()) {
+      anchor = &t;
+      break;
+    }
+  if (!grads || !anchor || len == 0) return f;
+  f.grad = at::zeros_like(f.cast);
+  f.token = GradientFlushToken(anchor->A, f.grad, flat_grad_.narrow(1, begin, len), slots);
+  return f;
+}
+
+JointTarget SlotBank::CastFactors(const LoraTarget& t, const PassFactors& pass) const {
+  const int64_t begin = GroupColumns(t.group).first, U = pass.cast.size(0);
   std::vector<int64_t> a_shape = t.FactorShape(true, max_rank_), b_shape = t.FactorShape(false, max_rank_);
   a_shape.insert(a_shape.begin(), U);
   b_shape.insert(b_shape.begin(), U);
-  return JointTarget{t.A, t.B, group_cast.narrow(1, t.a_col - begin, t.AElems(max_rank_)).view(a_shape),
-                     group_cast.narrow(1, t.b_col - begin, t.BElems(max_rank_)).view(b_shape)};
+  const auto view = [&](const at::Tensor& buffer, bool a) {
+    if (!buffer.defined()) return at::Tensor();
+    return a ? buffer.narrow(1, t.a_col - begin, t.AElems(max_rank_)).view(a_shape)
+             : buffer.narrow(1, t.b_col - begin, t.BElems(max_rank_)).view(b_shape);
+  };
+  return JointTarget{t.A, t.B, view(pass.cast, true), view(pass.cast, false), view(pass.grad, true),
+                     view(pass.grad, false)};
 }
 
 at::Tensor SlotBank::CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const {

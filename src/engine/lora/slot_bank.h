@@ -120,6 +120,19 @@ struct LoraBatchShape {
 // (lora_nodes.h) takes several.
 struct JointTarget {
   at::Tensor A, B, a, b;
+  at::Tensor ga, gb;  // where the pass's gradients of a and b go (views of PassFactors::grad), or undefined
+};
+
+// One target group's factors for a pass (SlotBank::PassGroup): cast once,
+// and, where the pass writes its gradients there, a buffer of the same
+// layout that the node behind `token` adds into the bank's flat gradient
+// rows once, after every LoRA node of the pass has run (lora_nodes.h,
+// GradientFlushToken): a write per target instead of a cast and an
+// index_add per factor.
+struct PassFactors {
+  at::Tensor cast;   // [U, len] in the compute type: the group's columns of the U slots' flat rows
+  at::Tensor grad;   // [U, len] in the compute type, or undefined (gradients go straight to .grad)
+  at::Tensor token;  // [1], or undefined: the flush node's output, an input of every node writing grad
 };
 
 struct SlotState {
@@ -242,16 +255,21 @@ class SlotBank {
   // are zero in A and B, so the full R columns add exact zeros and their
   // gradients stay exactly zero; gradients reach only the grouped slots, in
   // place, as Delta's do. x must have routing.rows rows. group_cast, when
-  // given, is CastGroup(t.group, routing.slots, ComputeType(x)) made once for
+  // given, is PassGroup(t.group, routing.slots, ComputeType(x), ...) made once for
   // the pass: t's factors are then views of it (no gather or cast per use).
   at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing,
-                          const at::Tensor& group_cast = {}) const;
+                          const PassFactors* pass = nullptr) const;
   // Group g's columns of the given slots' flat rows, cast to ct: [U, len]
   // (GroupColumns(g).second columns), without a graph. The factors change
   // only in the optimizer, so one cast serves a whole pass.
   at::Tensor CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const;
-  // Plain target t's leaves and its factors as views of group_cast (CastGroup of t.group).
-  JointTarget CastFactors(const LoraTarget& t, const at::Tensor& group_cast) const;
+  // Group g's factors of the given slots for one pass: CastGroup, and with
+  // grads a zero gradient buffer and its flush token (PassFactors). Only
+  // for a pass whose backward runs once over every LoRA node (no layer
+  // recomputed: a recomputed layer's own backward would reach the token).
+  PassFactors PassGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct, bool grads) const;
+  // Plain target t's leaves and its factors (and gradient slots) as views of pass (PassGroup of t.group).
+  JointTarget CastFactors(const LoraTarget& t, const PassFactors& pass) const;
 
  private:
   int num_slots_;

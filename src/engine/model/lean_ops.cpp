@@ -284,6 +284,68 @@ class QkvTailNode : public torch::autograd::Function<QkvTailNode> {
   }
 };
 #endif
+
+#if LOOM_CUDA_KERNELS
+// x + (o + delta) and its RMSNorm as one node (AddRmsNormLean): the decode
+// RmsNorm kernel forward (it takes the residual add and the delta), and the
+// RMSNorm backward kernel with the residual stream's own gradient added.
+// {sum, normed, 1/rms} of the fused add and norm; delta empty (numel 0) when absent.
+std::vector<at::Tensor> FusedAddNorm(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta,
+                                     const at::Tensor& weight, double eps) {
+  const int64_t n = x.size(-1);
+  at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
+  std::vector<int64_t> inv_shape = x.sizes().vec();
+  inv_shape.back() = 1;
+  at::Tensor inv = at::empty(inv_shape, x.options().dtype(at::kFloat));
+  cuda::RmsNorm(x.scalar_type() == at::kBFloat16, x.data_ptr(), o.data_ptr(),
+                delta.numel() > 0 ? delta.data_ptr() : nullptr, sum.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                x.numel() / n, n, static_cast<float>(eps), Stream(x), inv.data_ptr<float>());
+  return {sum, y, inv};
+}
+
+class AddRmsNormNode : public torch::autograd::Function<AddRmsNormNode> {
+ public:
+  // delta: empty (numel 0) when absent.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& o,
+                               const at::Tensor& delta, const at::Tensor& weight, double eps) {
+    c10::NoGradGuard no_grad;
+    const std::vector<at::Tensor> r = FusedAddNorm(x, o, delta, weight, eps);
+    const at::Tensor &sum = r[0], &y = r[1], &inv = r[2];
+    ctx->save_for_backward({sum, weight, inv});
+    ctx->saved_data["delta"] = delta.numel() > 0;
+    return {sum, y};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &sum = saved[0], &weight = saved[1], &inv = saved[2];
+    variable_list out(5);
+    at::Tensor d;
+    if (!grads[1].defined()) {
+      d = grads[0];
+    } else {
+      const int64_t n = sum.size(-1);
+      const at::Tensor g = grads[1].contiguous();
+      const at::Tensor add = grads[0].defined() ? grads[0].contiguous() : at::Tensor();
+      d = at::empty_like(sum);
+      cuda::RmsNormGrad(sum.scalar_type() == at::kBFloat16, g.data_ptr(), sum.data_ptr(), weight.data_ptr(),
+                        inv.data_ptr<float>(), d.data_ptr(), sum.numel() / n, n, Stream(sum),
+                        add.defined() ? add.data_ptr() : nullptr);
+    }
+    if (!d.defined()) return out;
+    out[0] = d;
+    out[1] = d;
+    if (ctx->saved_data["delta"].toBool()) out[2] = d;
+    return out;
+  }
+};
+
+bool FusedAddNormOn(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta, const at::Tensor& weight) {
+  if (!FusedOn(x, {o, weight}) || x.numel() == 0 || x.size(-1) > cuda::kMaxNormWidth) return false;
+  if (!x.is_contiguous() || !o.is_contiguous() || o.sizes() != x.sizes()) return false;
+  return !delta.defined() || (FusedOn(delta, {x}) && delta.is_contiguous() && delta.sizes() == x.sizes());
+}
+#endif
+
 }  // namespace
 
 at::Tensor RopePlain(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -351,6 +413,25 @@ QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::T
     k = RmsNormLean(k, k_norm, eps);
   }
   return QkvHeads{RopeLean(q, cos, sin), RopeLean(k, cos, sin), v};
+}
+
+std::pair<at::Tensor, at::Tensor> AddRmsNormLean(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta,
+                                                 const at::Tensor& weight, double eps) {
+#if LOOM_CUDA_KERNELS
+  if (FusedAddNormOn(x, o, delta, weight)) {
+    const at::Tensor d = delta.defined() ? delta : at::empty({0}, x.options());
+    const bool grad = c10::GradMode::is_enabled() &&
+                      (x.requires_grad() || o.requires_grad() || (delta.defined() && delta.requires_grad()));
+    if (!grad) {
+      const std::vector<at::Tensor> out = FusedAddNorm(x, o, d, weight, eps);
+      return {out[0], out[1]};
+    }
+    const variable_list out = AddRmsNormNode::apply(x, o, d, weight, eps);
+    return {out[0], out[1]};
+  }
+#endif
+  const at::Tensor sum = x + (delta.defined() ? o + delta : o);
+  return {sum, RmsNormLean(sum, weight, eps)};
 }
 
 }  // namespace loom::engine

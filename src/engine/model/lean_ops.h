@@ -30,6 +30,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <utility>
 #include <vector>
 
 namespace loom::engine {
@@ -62,6 +63,13 @@ std::vector<at::Tensor> SplitLean(const at::Tensor& x, const std::vector<int64_t
 // cos and sin [T, 1, hd]). The plain path is SplitLean, RmsNormLean and
 // RopeLean over qkv + delta; on CUDA it is one kernel forward and one
 // backward (model/cuda/lean_kernels.h), with gradients into qkv and delta.
+// The residual add of a block's output o (plus its LoRA delta, or
+// undefined) and the next RMSNorm: {x + (o + delta), RmsNormLean of that}.
+// On CUDA one kernel each way (the decode RmsNorm forward takes the add and
+// the delta; the backward adds the residual stream's gradient).
+std::pair<at::Tensor, at::Tensor> AddRmsNormLean(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta,
+                                                 const at::Tensor& weight, double eps);
+
 struct QkvHeads {
   at::Tensor q, k, v;
 };

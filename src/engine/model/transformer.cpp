@@ -323,6 +323,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   // The routing is planned once per target group for the batch, and one
   // batched attention per layer replaces one per sequence where cheaper.
   auto state = std::make_shared<PassState>(bank, batch, attn_lora, mlp_lora);
+  // A recomputed layer's backward runs its own graph, which would reach the flush token early.
+  state->delta.set_pass_grads(recompute_layers <= 0);
   state->rope = Rope::Make(m, batch.positions, dtype_);
   if (mlp_lora && config_.num_experts > 0)
     state->experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());

@@ -6,9 +6,11 @@
 // Threading: read-only after Load; any thread may read it.
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/lora/lora_nodes.h"
@@ -92,6 +94,10 @@ class BatchLora {
     if (attn) Plan(TargetGroup::kAttn, attn_);
     if (mlp) Plan(TargetGroup::kMlp, mlp_);
   }
+  // Whether a pass's few grouped slots write their gradients into one buffer
+  // per group, added into the bank once at the end of the backward
+  // (SlotBank::PassGroup): only where no layer is recomputed.
+  void set_pass_grads(bool on) { pass_grads_ = on; }
   // The uniform layout's routing (transformer.h, UniformLora): the grouped
   // form with the given device-side groups, planned nothing on the host.
   BatchLora(const SlotBank& bank, const UniformLora& u) : bank_(bank), seg_begin_(none_), seg_slot_(none_slots_) {
@@ -103,7 +109,7 @@ class BatchLora {
     const Group& p = t->group == TargetGroup::kAttn ? attn_ : mlp_;
     switch (p.form) {
       case LoraForm::kRouted: return bank_.RoutedDelta(*t, x, p.routed).to(x.scalar_type());
-      case LoraForm::kGrouped: return bank_.GroupedDelta(*t, x, p.grouped, GroupCast(p, x)).to(x.scalar_type());
+      case LoraForm::kGrouped: return bank_.GroupedDelta(*t, x, p.grouped, Pass(p, x)).to(x.scalar_type());
       case LoraForm::kSegment: break;
     }
     return bank_.Delta(*t, x, seg_begin_, seg_slot_).to(x.scalar_type());
@@ -119,11 +125,10 @@ class BatchLora {
     for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
     const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
     if (p.form == LoraForm::kGrouped && p.grouped.identity && !p.grouped.base_rows && ts.size() > 1) {
-      const at::Tensor& cast = GroupCast(p, x);
-      if (cast.defined()) {
+      if (const PassFactors* pass = Pass(p, x)) {
         std::vector<JointTarget> joint;
-        for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, cast));
-        return JointGroupedLoraDelta(x, joint, p.grouped, bank_.ComputeType(x)).to(x.scalar_type());
+        for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, *pass));
+        return JointGroupedLoraDelta(x, joint, p.grouped, bank_.ComputeType(x), pass->token).to(x.scalar_type());
       }
     }
     if (ts.size() == 1) return (*this)(ts[0], x);
@@ -137,23 +142,25 @@ class BatchLora {
     LoraForm form = LoraForm::kSegment;
     LoraRouting routed;
     LoraGroups grouped;
-    mutable at::Tensor cast;  // the grouped slots' factors in the compute type, made at first use (GroupCast)
+    mutable PassFactors pass;  // the grouped slots' factors in the compute type, made at first use (Pass)
   };
-  // Few grouped slots' factors are cast once for the pass (SlotBank::CastGroup):
+  // Few grouped slots' factors are cast once for the pass (SlotBank::PassGroup):
   // each target then needs no gather and cast of its own (4 kernels a use, as
-  // many again in the backward). Beyond a few slots the cast copy (about 127 MB
-  // a slot on qwen3-4b at rank 32) would outgrow what the memory plan's
-  // two-slot probes measured, so those gather per target.
+  // many again in the backward), and, in a pass with a gradient buffer, writes
+  // its gradients there (2 kernels a factor fewer; one flush per group).
+  // Beyond a few slots the copies (about 127 MB a slot each on qwen3-4b at
+  // rank 32) would outgrow what the memory plan's two-slot probes measured,
+  // so those gather per target.
   static constexpr int64_t kCastOncePerPassUpTo = 4;
-  const at::Tensor& GroupCast(const Group& p, const at::Tensor& x) const {
+  const PassFactors* Pass(const Group& p, const at::Tensor& x) const {
     const int64_t U = p.grouped.num_slots();
-    if (U == 0 || U > kCastOncePerPassUpTo) return none_tensor_;
-    if (!p.cast.defined() || p.cast.scalar_type() != bank_.ComputeType(x))
-      p.cast = bank_.CastGroup(&p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp, p.grouped.slots,
-                               bank_.ComputeType(x));
-    return p.cast;
+    if (U == 0 || U > kCastOncePerPassUpTo) return nullptr;
+    if (!p.pass.cast.defined() || p.pass.cast.scalar_type() != bank_.ComputeType(x))
+      p.pass = bank_.PassGroup(&p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp, p.grouped.slots,
+                               bank_.ComputeType(x), pass_grads_ && c10::GradMode::is_enabled());
+    return &p.pass;
   }
-  const at::Tensor none_tensor_;
+  bool pass_grads_ = false;
   void Plan(TargetGroup g, Group& p) {
     p.form = bank_.ChooseForm(g, seg_begin_, seg_slot_);
     if (p.form == LoraForm::kRouted) p.routed = bank_.Route(g, seg_begin_, seg_slot_);
@@ -216,12 +223,11 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
   const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
   const at::Tensor attn = attend(i, q, k, v);
-  at::Tensor o = at::linear(attn, l.o_w, l.o_b);
-  if (attn_lora) o = o + lora(i, {3}, attn);
-  x = x + o;
+  const at::Tensor o = at::linear(attn, l.o_w, l.o_b);
+  // The residual add and the MLP block's norm (one kernel each way on CUDA).
+  std::tie(x, h) = AddRmsNormLean(x, o, attn_lora ? lora(i, {3}, attn) : at::Tensor(), l.post_norm, eps);
 
   // MLP block (SwiGLU, or the experts').
-  h = RmsNorm(x, l.post_norm, eps);
   if (l.moe.defined()) return x + moe(i, h);
   at::Tensor gate_up = at::linear(h, l.gate_up_w);
   if (mlp_lora) gate_up = gate_up + lora(i, {4, 5}, h);

@@ -15,7 +15,8 @@ constexpr int kPer = kMaxNormGradWidth / 1024;  // elements per thread, held in 
 
 // One block per row.
 template <typename T>
-__global__ void RmsNormGradKernel(const T* g, const T* x, const T* w, const float* inv, T* dx, int64_t n) {
+__global__ void RmsNormGradKernel(const T* g, const T* x, const T* w, const float* inv, const T* add, T* dx,
+                                  int64_t n) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   const float r = inv[blockIdx.x];
   float dn[kPer], nv[kPer];
@@ -33,7 +34,9 @@ __global__ void RmsNormGradKernel(const T* g, const T* x, const T* w, const floa
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
     const int64_t i = threadIdx.x + static_cast<int64_t>(e) * blockDim.x;
-    if (i < n) dx[base + i] = FromF<T>(r * (dn[e] - nv[e] * mean));
+    if (i >= n) continue;
+    const float d = r * (dn[e] - nv[e] * mean);
+    dx[base + i] = FromF<T>(add ? Round<T>(d) + ToF(add[base + i]) : d);
   }
 }
 
@@ -43,7 +46,8 @@ __global__ void RmsNormGradKernel(const T* g, const T* x, const T* w, const floa
 constexpr int kGradVec = 8, kGradChunks = 2;
 
 template <typename T>
-__global__ void RmsNormGradVecKernel(const T* g, const T* x, const T* w, const float* inv, T* dx, int64_t n) {
+__global__ void RmsNormGradVecKernel(const T* g, const T* x, const T* w, const float* inv, const T* add, T* dx,
+                                     int64_t n) {
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   const float r = inv[blockIdx.x];
   float dn[kGradChunks][kGradVec], nv[kGradChunks][kGradVec];
@@ -68,25 +72,32 @@ __global__ void RmsNormGradVecKernel(const T* g, const T* x, const T* w, const f
   for (int c = 0; c < kGradChunks; ++c) {
     const int64_t i = (threadIdx.x + static_cast<int64_t>(c) * blockDim.x) * kGradVec;
     if (i >= n) continue;
+    float av[kGradVec];
+    if (add) LoadV<T, kGradVec>(add + base + i, av);
 #pragma unroll
-    for (int k = 0; k < kGradVec; ++k) dx[base + i + k] = FromF<T>(r * (dn[c][k] - nv[c][k] * mean));
+    for (int k = 0; k < kGradVec; ++k) {
+      const float d = r * (dn[c][k] - nv[c][k] * mean);
+      dx[base + i + k] = FromF<T>(add ? Round<T>(d) + av[k] : d);
+    }
   }
 }
 
 template <typename T>
-void LaunchRmsNormGrad(const void* g, const void* x, const void* w, const float* inv, void* dx, int64_t rows,
-                       int64_t n, cudaStream_t stream) {
+void LaunchRmsNormGrad(const void* g, const void* x, const void* w, const float* inv, const void* add, void* dx,
+                       int64_t rows, int64_t n, cudaStream_t stream) {
   const int64_t chunks = n / kGradVec;
   if (n % kGradVec == 0 && chunks <= 1024 * kGradChunks && Aligned16(g) && Aligned16(x) && Aligned16(w) &&
-      Aligned16(dx)) {
+      Aligned16(dx) && (!add || Aligned16(add))) {
     const int64_t threads = std::min<int64_t>(1024, (chunks + 31) / 32 * 32);
     RmsNormGradVecKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
-        static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<T*>(dx), n);
+        static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<const T*>(add),
+        static_cast<T*>(dx), n);
     return;
   }
   const int64_t threads = std::min<int64_t>(1024, std::max<int64_t>(32, (n / 4 + 31) / 32 * 32));
   RmsNormGradKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0, stream>>>(
-      static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<T*>(dx), n);
+      static_cast<const T*>(g), static_cast<const T*>(x), static_cast<const T*>(w), inv, static_cast<const T*>(add),
+      static_cast<T*>(dx), n);
 }
 
 template <typename T>
@@ -102,9 +113,38 @@ __global__ void SwiGluGradKernel(const T* gate_up, const T* dy, T* out, int64_t 
   }
 }
 
+// The same, 8 consecutive columns a thread, for inter a multiple of 8 and aligned buffers.
+constexpr int kSwiVec = 8;
+
+template <typename T>
+__global__ void SwiGluGradVecKernel(const T* gate_up, const T* dy, T* out, int64_t rows, int64_t inter) {
+  const int64_t per_row = inter / kSwiVec, total = rows * per_row;
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < total;
+       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = k / per_row, col = (k % per_row) * kSwiVec, at = row * 2 * inter + col;
+    float g[kSwiVec], u[kSwiVec], d[kSwiVec];
+    LoadV<T, kSwiVec>(gate_up + at, g);
+    LoadV<T, kSwiVec>(gate_up + at + inter, u);
+    LoadV<T, kSwiVec>(dy + row * inter + col, d);
+#pragma unroll
+    for (int e = 0; e < kSwiVec; ++e) {
+      const float s = 1.0f / (1.0f + expf(-g[e]));
+      out[at + e] = FromF<T>(d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s)));
+      out[at + inter + e] = FromF<T>(d[e] * (g[e] * s));
+    }
+  }
+}
+
 template <typename T>
 void LaunchSwiGluGrad(const void* gate_up, const void* dy, void* out, int64_t rows, int64_t inter,
                       cudaStream_t stream) {
+  if (inter % kSwiVec == 0 && Aligned16(gate_up) && Aligned16(dy) && Aligned16(out)) {
+    const int64_t chunks = rows * inter / kSwiVec;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((chunks + 255) / 256, 65535));
+    SwiGluGradVecKernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(dy),
+                                                        static_cast<T*>(out), rows, inter);
+    return;
+  }
   const int64_t total = rows * inter;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((total + 255) / 256, 65535));
   SwiGluGradKernel<T><<<blocks, 256, 0, stream>>>(static_cast<const T*>(gate_up), static_cast<const T*>(dy),
@@ -290,9 +330,9 @@ void LaunchQkvNormRopeGrad(int64_t hd, const void* sum, const void* q_norm, cons
 }  // namespace
 
 void RmsNormGrad(bool bf16, const void* g, const void* x, const void* w, const float* inv, void* dx, int64_t rows,
-                 int64_t width, cudaStream_t stream) {
+                 int64_t width, cudaStream_t stream, const void* add) {
   if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchRmsNormGrad, g, x, w, inv, dx, rows, width, stream);
+  LOOM_DISPATCH(bf16, LaunchRmsNormGrad, g, x, w, inv, add, dx, rows, width, stream);
 }
 
 void SwiGluGrad(bool bf16, const void* gate_up, const void* dy, void* d_gate_up, int64_t rows, int64_t inter,

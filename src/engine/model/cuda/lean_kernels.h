@@ -22,9 +22,11 @@ namespace loom::engine::cuda {
 constexpr int64_t kMaxNormGradWidth = 12288;
 
 // dx = T(inv * (dn - n * mean(dn * n))) per row, with dn = T(g * w) in fp32,
-// n = x * inv; g, x, dx [rows, width], w [width], inv [rows] fp32.
+// n = x * inv; g, x, dx [rows, width], w [width], inv [rows] fp32. With add
+// [rows, width] (the gradient the normed input also gets along the residual
+// stream), dx = T(that + add).
 void RmsNormGrad(bool bf16, const void* g, const void* x, const void* w, const float* inv, void* dx, int64_t rows,
-                 int64_t width, cudaStream_t stream);
+                 int64_t width, cudaStream_t stream, const void* add = nullptr);
 
 // For gate_up = [g, u] [rows, 2 * inter] and dy [rows, inter], in fp32 and
 // rounded once to T: d_gate = dy * u * s * (1 + g (1 - s)), d_up = dy * g * s

@@ -29,6 +29,32 @@ __global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t 
   out[r * inter + c] = FromF<T>(silu * u);
 }
 
+// The same, 8 consecutive columns a thread (16-byte loads for bf16), for
+// inter a multiple of 8 and aligned buffers (the trainer's [T, 2I] rows).
+constexpr int kSiluVec = 8;
+
+template <typename T>
+__global__ void SiluMulVecKernel(const T* gate_up, const T* delta, T* out, int64_t inter) {
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kSiluThreads + threadIdx.x) * kSiluVec, r = blockIdx.y;
+  if (c >= inter) return;
+  const int64_t gi = r * 2 * inter + c, ui = gi + inter;
+  float g[kSiluVec], u[kSiluVec];
+  LoadV<T, kSiluVec>(gate_up + gi, g);
+  LoadV<T, kSiluVec>(gate_up + ui, u);
+  if (delta) {
+    float dg[kSiluVec], du[kSiluVec];
+    LoadV<T, kSiluVec>(delta + gi, dg);
+    LoadV<T, kSiluVec>(delta + ui, du);
+#pragma unroll
+    for (int k = 0; k < kSiluVec; ++k) {
+      g[k] = AddDelta<T>(g[k], dg[k]);
+      u[k] = AddDelta<T>(u[k], du[k]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kSiluVec; ++k) out[r * inter + c + k] = FromF<T>(Round<T>(g[k] / (1.0f + expf(-g[k]))) * u[k]);
+}
+
 template <typename T>
 void LaunchSiluMul(const void* gate_up, const void* delta, void* out, int64_t rows, int64_t inter,
                    cudaStream_t stream) {
@@ -37,7 +63,14 @@ void LaunchSiluMul(const void* gate_up, const void* delta, void* out, int64_t ro
   const T* gu = static_cast<const T*>(gate_up);
   const T* d = static_cast<const T*>(delta);
   T* o = static_cast<T*>(out);
+  const bool vec = inter % kSiluVec == 0 && Aligned16(gate_up) && Aligned16(out) && (!delta || Aligned16(delta));
   for (int64_t r = 0; r < rows; r += kMaxRows) {
+    if (vec) {
+      const dim3 grid(Blocks(inter / kSiluVec, kSiluThreads), static_cast<unsigned>(std::min(kMaxRows, rows - r)));
+      const int64_t in_at = r * 2 * inter;
+      SiluMulVecKernel<T><<<grid, kSiluThreads, 0, stream>>>(gu + in_at, d ? d + in_at : nullptr, o + r * inter, inter);
+      continue;
+    }
     const dim3 grid(Blocks(inter, kSiluThreads), static_cast<unsigned>(std::min(kMaxRows, rows - r)));
     const int64_t in_at = r * 2 * inter;
     SiluMulKernel<T><<<grid, kSiluThreads, 0, stream>>>(gu + in_at, d ? d + in_at : nullptr, o + r * inter, inter);
