@@ -367,6 +367,12 @@ PassFactors SlotBank::PassGroup(TargetGroup g, const at::Tensor& slots, at::Scal
   return f;
 }
 
+bool SlotBank::GroupHasExperts(TargetGroup g) const {
+  for (const LoraTarget& t : targets_)
+    if (t.group == g && t.is_expert()) return true;
+  return false;
+}
+
 JointTarget SlotBank::CastFactors(const LoraTarget& t, const PassFactors& pass) const {
   const int64_t begin = GroupColumns(t.group).first, U = pass.cast.size(0);
   std::vector<int64_t> a_shape = t.FactorShape(true, max_rank_), b_shape = t.FactorShape(false, max_rank_);

@@ -268,6 +268,9 @@ class SlotBank {
   // for a pass whose backward runs once over every LoRA node (no layer
   // recomputed: a recomputed layer's own backward would reach the token).
   PassFactors PassGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct, bool grads) const;
+  // Whether group g holds expert targets (whose factors a pass never uses
+  // through the grouped form: MoeForward routes them itself).
+  bool GroupHasExperts(TargetGroup g) const;
   // Plain target t's leaves and its factors (and gradient slots) as views of pass (PassGroup of t.group).
   JointTarget CastFactors(const LoraTarget& t, const PassFactors& pass) const;
 

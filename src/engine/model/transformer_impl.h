@@ -155,9 +155,12 @@ class BatchLora {
   const PassFactors* Pass(const Group& p, const at::Tensor& x) const {
     const int64_t U = p.grouped.num_slots();
     if (U == 0 || U > kCastOncePerPassUpTo) return nullptr;
+    const TargetGroup g = &p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp;
+    // An MoE model's mlp group is mostly its experts' factors (GiBs a slot at
+    // real shapes), which only its dense layers' few targets would read here.
+    if (bank_.GroupHasExperts(g)) return nullptr;
     if (!p.pass.cast.defined() || p.pass.cast.scalar_type() != bank_.ComputeType(x))
-      p.pass = bank_.PassGroup(&p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp, p.grouped.slots,
-                               bank_.ComputeType(x), pass_grads_ && c10::GradMode::is_enabled());
+      p.pass = bank_.PassGroup(g, p.grouped.slots, bank_.ComputeType(x), pass_grads_ && c10::GradMode::is_enabled());
     return &p.pass;
   }
   bool pass_grads_ = false;
