@@ -103,9 +103,9 @@ class TenantClient {
     Forward(tokens, targets, false);
     OptimStep();
   }
-  void OptimStep() {
+  void OptimStep(double learning_rate = 2e-2) {
     Result(PostOk("optim_step", {{"model_id", model_}, {"seq_id", ++seq_},
-                                 {"adam_params", {{"learning_rate", 2e-2}, {"beta1", 0.9}, {"beta2", 0.95},
+                                 {"adam_params", {{"learning_rate", learning_rate}, {"beta1", 0.9}, {"beta2", 0.95},
                                                   {"eps", 1e-12}, {"weight_decay", 0.0}, {"grad_clip_norm", 0.0}}},
                                  {"type", "optim_step"}}));
   }
