@@ -159,9 +159,7 @@ void TrainLoop::EngineLoop() {
     // Charged before the pass runs: its futures may be answered (and the
     // tenant read its usage) before FinishPass.
     for (const std::string& owner : PassOwners(*work)) usage_.AddPass(owner);
-    const auto t0 = Clock::now();
-    RunPass(*work);
-    FinishPass(*work, std::chrono::duration<double>(Clock::now() - t0).count());
+    RunPass(*work, Clock::now());
     lock.lock();
   }
 }
@@ -291,10 +289,10 @@ bool TrainLoop::BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock) {
   return true;
 }
 
-void TrainLoop::RunPass(PassWork& work) {
+void TrainLoop::RunPass(PassWork& work, Clock::time_point started) {
   switch (work.pass.kind) {
-    case sched::OpKind::kPackable: RunForwardBackwardPass(work); break;
-    case sched::OpKind::kOptim: RunOptimPass(work); break;
+    case sched::OpKind::kPackable: RunForwardBackwardPass(work, started); break;
+    case sched::OpKind::kOptim: RunOptimPass(work, started); break;
     case sched::OpKind::kExclusive:
       for (PieceWork& pw : work.pieces) {
         switch (pw.op.kind) {
@@ -305,6 +303,7 @@ void TrainLoop::RunPass(PassWork& work) {
           default: futures_.Fail(pw.op.request_id, Status::Internal("unexpected request kind")); break;
         }
       }
+      FinishPass(work, started);
       break;
   }
 }
@@ -315,7 +314,8 @@ std::set<std::string> TrainLoop::PassOwners(const PassWork& work) {
   return owners;
 }
 
-void TrainLoop::FinishPass(const PassWork& work, double seconds) {
+void TrainLoop::FinishPass(const PassWork& work, Clock::time_point started) {
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
   std::set<std::string> models;
   for (const PieceWork& pw : work.pieces) models.insert(pw.piece.model_id);
   const char* kind = PassKindName(work.pass);
@@ -326,7 +326,7 @@ void TrainLoop::FinishPass(const PassWork& work, double seconds) {
   }
 }
 
-void TrainLoop::RunForwardBackwardPass(PassWork& work) {
+void TrainLoop::RunForwardBackwardPass(PassWork& work, Clock::time_point started) {
   std::vector<engine::ForwardBackwardCall> calls;
   calls.reserve(work.pieces.size());
   for (PieceWork& pw : work.pieces) {
@@ -349,6 +349,7 @@ void TrainLoop::RunForwardBackwardPass(PassWork& work) {
                                  : std::move(alone[0]);
     }
   }
+  FinishPass(work, started);
   for (size_t i = 0; i < work.pieces.size(); ++i) {
     FinishPiece(work.pieces[i], i < results.size() ? std::move(results[i])
                                                    : Result<engine::ForwardBackwardOutput>(
@@ -410,10 +411,11 @@ void TrainLoop::FinishPiece(PieceWork& pw, Result<engine::ForwardBackwardOutput>
   futures_.Complete(pw.op.request_id, std::move(out));
 }
 
-void TrainLoop::RunOptimPass(PassWork& work) {
+void TrainLoop::RunOptimPass(PassWork& work, Clock::time_point started) {
   std::vector<engine::OptimStepCall> calls;
   for (PieceWork& pw : work.pieces) calls.push_back(engine::OptimStepCall{pw.slot, pw.op.adam});
   auto results = engine_.OptimStep(calls);
+  FinishPass(work, started);
   for (size_t i = 0; i < work.pieces.size(); ++i) {
     const std::string& rid = work.pieces[i].op.request_id;
     if (i >= results.size()) {

@@ -117,18 +117,21 @@ class TrainLoop {
   bool BatchWindowOpenLocked(std::unique_lock<std::mutex>& lock);
   PassWork TakePassLocked(sched::Pass pass);
   void FailPlannedLocked(uint64_t plan_id, const Status& status);
-  // run: the pass on the engine, answering each piece.
-  void RunPass(PassWork& work);
-  void RunForwardBackwardPass(PassWork& work);
-  void RunOptimPass(PassWork& work);
+  // run: the pass on the engine, answering each piece (a forward_backward or
+  // optim pass after FinishPass, so that a client that has its answer also
+  // sees the pass in the metrics and the dashboard).
+  void RunPass(PassWork& work, Clock::time_point started);
+  void RunForwardBackwardPass(PassWork& work, Clock::time_point started);
+  void RunOptimPass(PassWork& work, Clock::time_point started);
   void RunCreateModel(TrainingOp& op);
   void RunSave(TrainingOp& op);            // save_weights: written and committed here
   void RunSaveForSampler(TrainingOp& op);  // the slot's snapshot, handed to the publisher
   void RunLoadWeights(TrainingOp& op);
   // Ends a piece on the engine thread: keeps or joins its output, answers the request.
   void FinishPiece(PieceWork& work, Result<engine::ForwardBackwardOutput> result);
-  // finish: the pass's metrics and log line (its usage is charged before it runs).
-  void FinishPass(const PassWork& work, double seconds);
+  // finish: the pass's metrics and log line (its usage is charged before it
+  // runs), once the engine is done.
+  void FinishPass(const PassWork& work, Clock::time_point started);
   // The tenants with a piece in the pass (each charged one pass).
   static std::set<std::string> PassOwners(const PassWork& work);
 
