@@ -79,6 +79,8 @@ SlotBank::SlotBank(int num_slots, int max_rank, at::Device device, const std::ve
     t.B.mutable_grad() = FactorView(flat_grad_, t, false);
   }
   scales_ = at::zeros({num_slots}, opts);
+  for (const LoraTarget& t : targets_)
+    if (t.is_expert()) group_has_experts_[static_cast<int>(t.group)] = true;
 }
 
 std::vector<int64_t> LoraTargetSpec::FactorShape(bool a, int64_t r) const {
@@ -365,12 +367,6 @@ PassFactors SlotBank::PassGroup(TargetGroup g, const at::Tensor& slots, at::Scal
   f.grad = at::zeros_like(f.cast);
   f.token = GradientFlushToken(anchor->A, f.grad, flat_grad_.narrow(1, begin, len), slots);
   return f;
-}
-
-bool SlotBank::GroupHasExperts(TargetGroup g) const {
-  for (const LoraTarget& t : targets_)
-    if (t.group == g && t.is_expert()) return true;
-  return false;
 }
 
 JointTarget SlotBank::CastFactors(const LoraTarget& t, const PassFactors& pass) const {

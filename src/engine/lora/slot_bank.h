@@ -254,8 +254,8 @@ class SlotBank {
   // without a training slot read an appended zero row). Rows >= a slot's rank
   // are zero in A and B, so the full R columns add exact zeros and their
   // gradients stay exactly zero; gradients reach only the grouped slots, in
-  // place, as Delta's do. x must have routing.rows rows. group_cast, when
-  // given, is PassGroup(t.group, routing.slots, ComputeType(x), ...) made once for
+  // place, as Delta's do. x must have routing.rows rows. pass, when given,
+  // is PassGroup(t.group, routing.slots, ComputeType(x), ...) made once for
   // the pass: t's factors are then views of it (no gather or cast per use).
   at::Tensor GroupedDelta(const LoraTarget& t, const at::Tensor& x, const LoraGroups& routing,
                           const PassFactors* pass = nullptr) const;
@@ -270,7 +270,7 @@ class SlotBank {
   PassFactors PassGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct, bool grads) const;
   // Whether group g holds expert targets (whose factors a pass never uses
   // through the grouped form: MoeForward routes them itself).
-  bool GroupHasExperts(TargetGroup g) const;
+  bool GroupHasExperts(TargetGroup g) const { return group_has_experts_[static_cast<int>(g)]; }
   // Plain target t's leaves and its factors (and gradient slots) as views of pass (PassGroup of t.group).
   JointTarget CastFactors(const LoraTarget& t, const PassFactors& pass) const;
 
@@ -284,6 +284,7 @@ class SlotBank {
   std::pair<int64_t, int64_t> group_cols_[3];
   at::Tensor scales_;
   bool lora_fp32_ = false;
+  bool group_has_experts_[3] = {false, false, false};
 };
 
 }  // namespace loom::engine

@@ -29,18 +29,38 @@ bool FusedOn(const at::Tensor& x, std::initializer_list<at::Tensor> same) {
 cudaStream_t Stream(const at::Tensor& x) { return at::cuda::getCurrentCUDAStream(x.device().index()).stream(); }
 #endif
 
+#if LOOM_CUDA_KERNELS
+// A custom node's inputs must all be defined: an absent optional one enters
+// as an empty tensor (numel 0), which the node reads back as absent.
+at::Tensor Present(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
+}
+at::Tensor Given(const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); }
+
+// The decode RmsNorm kernel over contiguous rows: {x + (o + delta) (undefined
+// without o), the normed rows, 1/rms [.., 1] fp32}; o and delta may be undefined.
+std::vector<at::Tensor> NormKernel(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta,
+                                   const at::Tensor& weight, double eps) {
+  const int64_t n = x.size(-1);
+  const at::Tensor sum = o.defined() ? at::empty_like(x) : at::Tensor(), y = at::empty_like(x);
+  std::vector<int64_t> inv_shape = x.sizes().vec();
+  inv_shape.back() = 1;
+  at::Tensor inv = at::empty(inv_shape, x.options().dtype(at::kFloat));
+  auto ptr = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
+  cuda::RmsNorm(x.scalar_type() == at::kBFloat16, x.data_ptr(), ptr(o), ptr(delta), ptr(sum), weight.data_ptr(),
+                y.data_ptr(), x.numel() / n, n, static_cast<float>(eps), Stream(x), inv.data_ptr<float>());
+  return {sum, y, inv};
+}
+#endif
+
 // The fused forward kernels' RMSNorm: y and 1/rms [.., 1] fp32 for
 // contiguous rows in the weight's dtype; false where it does not apply.
 bool FusedRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y, at::Tensor& inv) {
 #if LOOM_CUDA_KERNELS
   if (!FusedOn(x, {weight}) || !x.is_contiguous() || x.size(-1) > cuda::kMaxNormWidth || x.numel() == 0) return false;
-  const int64_t n = x.size(-1);
-  std::vector<int64_t> inv_shape = x.sizes().vec();
-  inv_shape.back() = 1;
-  y = at::empty_like(x);
-  inv = at::empty(inv_shape, x.options().dtype(at::kFloat));
-  cuda::RmsNorm(x.scalar_type() == at::kBFloat16, x.data_ptr(), nullptr, nullptr, nullptr, weight.data_ptr(),
-                y.data_ptr(), x.numel() / n, n, static_cast<float>(eps), Stream(x), inv.data_ptr<float>());
+  const std::vector<at::Tensor> r = NormKernel(x, at::Tensor(), at::Tensor(), weight, eps);
+  y = r[1];
+  inv = r[2];
   return true;
 #else
   (void)x, (void)weight, (void)eps, (void)y, (void)inv;
@@ -247,8 +267,7 @@ class QkvTailNode : public torch::autograd::Function<QkvTailNode> {
                                const at::Tensor& q_norm_in, const at::Tensor& k_norm_in, const at::Tensor& cos,
                                const at::Tensor& sin, const std::vector<int64_t>& shape, double eps) {
     c10::NoGradGuard no_grad;
-    const auto given = [](const at::Tensor& t) { return t.numel() > 0 ? t : at::Tensor(); };
-    const at::Tensor delta = given(delta_in), q_norm = given(q_norm_in), k_norm = given(k_norm_in);
+    const at::Tensor delta = Given(delta_in), q_norm = Given(q_norm_in), k_norm = Given(k_norm_in);
     const QkvShape s{shape[0], shape[1], shape[2]};
     at::Tensor sum, inv;
     QkvHeads out = QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, &sum, &inv);
@@ -289,27 +308,13 @@ class QkvTailNode : public torch::autograd::Function<QkvTailNode> {
 // x + (o + delta) and its RMSNorm as one node (AddRmsNormLean): the decode
 // RmsNorm kernel forward (it takes the residual add and the delta), and the
 // RMSNorm backward kernel with the residual stream's own gradient added.
-// {sum, normed, 1/rms} of the fused add and norm; delta empty (numel 0) when absent.
-std::vector<at::Tensor> FusedAddNorm(const at::Tensor& x, const at::Tensor& o, const at::Tensor& delta,
-                                     const at::Tensor& weight, double eps) {
-  const int64_t n = x.size(-1);
-  at::Tensor sum = at::empty_like(x), y = at::empty_like(x);
-  std::vector<int64_t> inv_shape = x.sizes().vec();
-  inv_shape.back() = 1;
-  at::Tensor inv = at::empty(inv_shape, x.options().dtype(at::kFloat));
-  cuda::RmsNorm(x.scalar_type() == at::kBFloat16, x.data_ptr(), o.data_ptr(),
-                delta.numel() > 0 ? delta.data_ptr() : nullptr, sum.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                x.numel() / n, n, static_cast<float>(eps), Stream(x), inv.data_ptr<float>());
-  return {sum, y, inv};
-}
-
 class AddRmsNormNode : public torch::autograd::Function<AddRmsNormNode> {
  public:
   // delta: empty (numel 0) when absent.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& o,
                                const at::Tensor& delta, const at::Tensor& weight, double eps) {
     c10::NoGradGuard no_grad;
-    const std::vector<at::Tensor> r = FusedAddNorm(x, o, delta, weight, eps);
+    const std::vector<at::Tensor> r = NormKernel(x, o, Given(delta), weight, eps);
     const at::Tensor &sum = r[0], &y = r[1], &inv = r[2];
     ctx->save_for_backward({sum, weight, inv});
     ctx->saved_data["delta"] = delta.numel() > 0;
@@ -396,10 +401,9 @@ QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::T
   if (FusedQkvOn(qkv, delta, q_norm, k_norm, cos, sin, s)) {
     const bool grad = c10::GradMode::is_enabled() && (qkv.requires_grad() || (delta.defined() && delta.requires_grad()));
     if (!grad) return QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, nullptr, nullptr);
-    // A custom node's inputs must all be defined: an absent one enters as an empty tensor.
-    const auto present = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, qkv.options()); };
-    const variable_list out = QkvTailNode::apply(qkv, present(delta), present(q_norm), present(k_norm), cos, sin,
-                                                 std::vector<int64_t>{heads, kv_heads, head_dim}, eps);
+    const variable_list out =
+        QkvTailNode::apply(qkv, Present(delta, qkv), Present(q_norm, qkv), Present(k_norm, qkv), cos, sin,
+                           std::vector<int64_t>{heads, kv_heads, head_dim}, eps);
     return QkvHeads{out[0], out[1], out[2]};
   }
 #endif
@@ -419,14 +423,13 @@ std::pair<at::Tensor, at::Tensor> AddRmsNormLean(const at::Tensor& x, const at::
                                                  const at::Tensor& weight, double eps) {
 #if LOOM_CUDA_KERNELS
   if (FusedAddNormOn(x, o, delta, weight)) {
-    const at::Tensor d = delta.defined() ? delta : at::empty({0}, x.options());
     const bool grad = c10::GradMode::is_enabled() &&
                       (x.requires_grad() || o.requires_grad() || (delta.defined() && delta.requires_grad()));
     if (!grad) {
-      const std::vector<at::Tensor> out = FusedAddNorm(x, o, d, weight, eps);
+      const std::vector<at::Tensor> out = NormKernel(x, o, delta, weight, eps);
       return {out[0], out[1]};
     }
-    const variable_list out = AddRmsNormNode::apply(x, o, d, weight, eps);
+    const variable_list out = AddRmsNormNode::apply(x, o, Present(delta, x), weight, eps);
     return {out[0], out[1]};
   }
 #endif
