@@ -126,12 +126,15 @@ __global__ void SwiGluGradVecKernel(const T* gate_up, const T* dy, T* out, int64
     LoadV<T, kSwiVec>(gate_up + at, g);
     LoadV<T, kSwiVec>(gate_up + at + inter, u);
     LoadV<T, kSwiVec>(dy + row * inter + col, d);
+    float dg[kSwiVec], du[kSwiVec];
 #pragma unroll
     for (int e = 0; e < kSwiVec; ++e) {
       const float s = 1.0f / (1.0f + expf(-g[e]));
-      out[at + e] = FromF<T>(d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s)));
-      out[at + inter + e] = FromF<T>(d[e] * (g[e] * s));
+      dg[e] = d[e] * u[e] * s * (1.0f + g[e] * (1.0f - s));
+      du[e] = d[e] * (g[e] * s);
     }
+    StoreV<T, kSwiVec>(out + at, dg);
+    StoreV<T, kSwiVec>(out + at + inter, du);
   }
 }
 

@@ -76,6 +76,28 @@ __device__ __forceinline__ void LoadV(const T* p, float* out) {
   }
 }
 
+// Stores V fp32 values as V consecutive T, each rounded once: 16-byte
+// stores when V * sizeof(T) is a multiple of 16 (aligned, as for LoadV).
+template <typename T, int V>
+__device__ __forceinline__ void StoreV(T* p, const float* in) {
+  constexpr int kPer = 16 / sizeof(T);
+  if constexpr (V % kPer == 0) {
+#pragma unroll
+    for (int c = 0; c < V; c += kPer) {
+      union {
+        uint4 u;
+        T e[kPer];
+      } w;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) w.e[k] = FromF<T>(in[c + k]);
+      *reinterpret_cast<uint4*>(p + c) = w.u;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = FromF<T>(in[k]);
+  }
+}
+
 // V consecutive T kept as loaded (one 16-byte load when V * sizeof(T) is
 // 16), converted to fp32 one element at a time where used.
 template <typename T, int V>

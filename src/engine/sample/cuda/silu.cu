@@ -29,7 +29,7 @@ __global__ void SiluMulKernel(const T* gate_up, const T* delta, T* out, int64_t 
   out[r * inter + c] = FromF<T>(silu * u);
 }
 
-// The same, 8 consecutive columns a thread (16-byte loads for bf16), for
+// The same, 8 consecutive columns a thread (16-byte loads and stores for bf16), for
 // inter a multiple of 8 and aligned buffers (the trainer's [T, 2I] rows).
 constexpr int kSiluVec = 8;
 
@@ -51,8 +51,10 @@ __global__ void SiluMulVecKernel(const T* gate_up, const T* delta, T* out, int64
       u[k] = AddDelta<T>(u[k], du[k]);
     }
   }
+  float y[kSiluVec];
 #pragma unroll
-  for (int k = 0; k < kSiluVec; ++k) out[r * inter + c + k] = FromF<T>(Round<T>(g[k] / (1.0f + expf(-g[k]))) * u[k]);
+  for (int k = 0; k < kSiluVec; ++k) y[k] = Round<T>(g[k] / (1.0f + expf(-g[k]))) * u[k];
+  StoreV<T, kSiluVec>(out + r * inter + c, y);
 }
 
 template <typename T>
