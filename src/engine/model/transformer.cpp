@@ -360,17 +360,17 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
 }
 
 at::Tensor Transformer::TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,
-                                       const SlotBank& bank, int64_t chunk_tokens) const {
+                                       const SlotBank& bank, int64_t chunk_tokens, UnembedMode mode) const {
   if (batch.uniform) {
     const LoraTarget* t = bank.find("lm_head");
     const int64_t len = batch.seq_begin.size() > 1 ? batch.seq_begin[1] : 1;
     const int64_t chunk = std::max<int64_t>(1, chunk_tokens / len) * len;  // whole sequences
     if (t && batch.uniform->unembed_on)
-      return UniformTargetLogprobs(hidden, targets, impl_->lm_head, t->A, t->B, batch.uniform->unembed, chunk);
-    return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, UnembedSpec{}, chunk);
+      return UniformTargetLogprobs(hidden, targets, impl_->lm_head, t->A, t->B, batch.uniform->unembed, chunk, mode);
+    return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, UnembedSpec{}, chunk, mode);
   }
   UnembedSpec spec = MakeUnembedSpec(bank, batch.seq_begin, batch.seq_slot);
-  return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, spec, chunk_tokens);
+  return ChunkedTargetLogprobs(hidden, targets, impl_->lm_head, spec, chunk_tokens, mode);
 }
 
 at::Tensor Transformer::Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const {

@@ -17,6 +17,7 @@
 #include "engine/lora/slot_bank.h"
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
+#include "engine/model/unembed.h"
 
 namespace loom::engine {
 
@@ -90,9 +91,12 @@ class Transformer {
   // Log-probabilities of target tokens under lm_head (+ unembed LoRA).
   // targets: [T] or [T, K] int64. Computed in chunks of tokens so that
   // full-vocabulary logits never exist for the whole batch. Returns fp32 of
-  // the targets' shape, differentiable into hidden and the bank.
+  // the targets' shape, differentiable into hidden and the bank. mode: how
+  // the chunks run (unembed.h); kKeep where the pass has memory for its
+  // logits in the model dtype until the backward.
   at::Tensor TargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const PackedBatch& batch,
-                            const SlotBank& bank, int64_t chunk_tokens = 1024) const;
+                            const SlotBank& bank, int64_t chunk_tokens = 1024,
+                            UnembedMode mode = UnembedMode::kRecompute) const;
 
   // Full logits [T, vocab] fp32 for a few rows (sampler, tests).
   at::Tensor Logits(const at::Tensor& hidden, const PackedBatch& batch, const SlotBank& bank) const;

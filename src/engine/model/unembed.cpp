@@ -5,8 +5,16 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 
 #include "engine/lora/lora_nodes.h"
+
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+
+#include "engine/model/cuda/unembed_kernels.h"
+#endif
 
 namespace loom::engine {
 namespace {
@@ -273,6 +281,242 @@ class UniformLogprobs : public torch::autograd::Function<UniformLogprobs> {
   }
 };
 
+
+#if LOOM_CUDA_KERNELS
+// The fused loss head (unembed.h, UnembedMode): logits in the model dtype
+// (base GEMM, then each LoRA added into them by one more GEMM), the
+// logsumexp and the targets read off them by one kernel, the gradient
+// written over them by another; nothing of [rows, vocab] in fp32.
+
+bool FusedApplies(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets) {
+  return hidden.is_cuda() && hidden.dim() == 2 && lm_head.is_cuda() && lm_head.scalar_type() == at::kBFloat16 &&
+         lm_head.dim() == 2 &&
+         lm_head.is_contiguous() && hidden.size(0) > 0 &&
+         (targets.dim() == 1 || targets.size(1) <= cuda::kMaxLogprobTargets);
+}
+
+cudaStream_t StreamOf(const at::Tensor& t) { return at::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// [T, K] int64 contiguous, from [T] or [T, K].
+at::Tensor Targets2d(const at::Tensor& targets) {
+  return (targets.dim() == 1 ? targets.unsqueeze(1) : targets).to(at::kLong).contiguous();
+}
+
+// How one chunk's LoRA enters its logits. Add: logits [n, V] += the chunk's
+// deltas, from hb [n, H] in the model dtype. Grad: from gl, the logits'
+// gradient, add the factors' gradients into the bank's .grad and, where gh
+// [n, H] is defined, the delta's input gradient into gh.
+struct ChunkLora {
+  std::function<void(const at::Tensor& hb, int64_t c0, at::Tensor& logits)> add;
+  std::function<void(const at::Tensor& hb, int64_t c0, const at::Tensor& gl, at::Tensor& gh, bool need_ab)> grad;
+};
+
+// The runs layout: one GEMM pair per run, each used slot's factors cast once.
+ChunkLora RunsChunkLora(const std::vector<Run>& runs, const Factors& f, at::ScalarType dtype, const at::Tensor& A,
+                        const at::Tensor& B) {
+  auto a = std::make_shared<std::vector<at::Tensor>>(), b = std::make_shared<std::vector<at::Tensor>>();
+  for (size_t k = 0; k < f.slot.size(); ++k) {
+    a->push_back(f.a[k].to(dtype));
+    b->push_back(f.b[k].to(dtype));
+  }
+  // The run's rows inside chunk [c0, c0 + n), relative to c0.
+  auto overlap = [runs](size_t i, int64_t c0, int64_t n) {
+    return std::pair<int64_t, int64_t>{std::max(runs[i].begin, c0) - c0, std::min(runs[i].end, c0 + n) - c0};
+  };
+  ChunkLora l;
+  l.add = [runs, f, a, b, overlap](const at::Tensor& hb, int64_t c0, at::Tensor& logits) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto [rb, re] = overlap(i, c0, hb.size(0));
+      if (re <= rb) continue;
+      const size_t k = f.of_run[i];
+      const at::Tensor u = at::mm(hb.narrow(0, rb, re - rb), (*a)[k].t());
+      logits.narrow(0, rb, re - rb).addmm_(u, (*b)[k].t(), 1.0, runs[i].scale);
+    }
+  };
+  l.grad = [runs, f, a, b, overlap, A, B](const at::Tensor& hb, int64_t c0, const at::Tensor& gl, at::Tensor& gh,
+                                          bool need_ab) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto [rb, re] = overlap(i, c0, hb.size(0));
+      if (re <= rb) continue;
+      const size_t k = f.of_run[i];
+      const double scale = runs[i].scale;
+      const at::Tensor h = hb.narrow(0, rb, re - rb), g = gl.narrow(0, rb, re - rb);
+      const at::Tensor gu = at::mm(g, (*b)[k]).mul_(scale);  // [len, r]: d/du of scale * u b^T
+      if (need_ab) {
+        const at::Tensor u = at::mm(h, (*a)[k].t());
+        FactorGrad(B).select(0, f.slot[k]).narrow(1, 0, f.rank[k]).add_(at::mm(g.t(), u), scale);
+        FactorGrad(A).select(0, f.slot[k]).narrow(0, 0, f.rank[k]).add_(at::mm(gu.t(), h));
+      }
+      if (gh.defined()) gh.narrow(0, rb, re - rb).addmm_(gu, (*a)[k]);
+    }
+  };
+  return l;
+}
+
+// The uniform layout: whole sequences of L rows per chunk, their factors
+// gathered by the device slots, one batched GEMM pair per chunk.
+ChunkLora UniformChunkLora(const at::Tensor& A, const at::Tensor& B, const at::Tensor& slots, const at::Tensor& scale,
+                           int64_t len, at::ScalarType dtype) {
+  struct Chunk {
+    at::Tensor sl, a, b, scale;  // [c], [c, R, H], [c, V, R] in dtype, [c, 1, 1] fp32
+  };
+  auto take = [A, B, slots, scale, len, dtype](int64_t c0, int64_t n) {
+    Chunk c;
+    c.sl = slots.narrow(0, c0 / len, n / len);
+    c.a = A.index_select(0, c.sl).to(dtype);
+    c.b = B.index_select(0, c.sl).to(dtype);
+    c.scale = scale.narrow(0, c0 / len, n / len);
+    return c;
+  };
+  // scale * (h a^T), rounded once to the model dtype: [c, L, R].
+  auto scaled_u = [len](const at::Tensor& hb, const Chunk& c) {
+    const at::Tensor u = at::bmm(hb.reshape({c.sl.size(0), len, hb.size(1)}), c.a.transpose(1, 2));
+    return (u.to(at::kFloat) * c.scale).to(u.scalar_type());
+  };
+  ChunkLora l;
+  l.add = [take, scaled_u, len](const at::Tensor& hb, int64_t c0, at::Tensor& logits) {
+    const Chunk c = take(c0, hb.size(0));
+    logits.view({c.sl.size(0), len, logits.size(1)}).baddbmm_(scaled_u(hb, c), c.b.transpose(1, 2));
+  };
+  l.grad = [take, scaled_u, len, A, B](const at::Tensor& hb, int64_t c0, const at::Tensor& gl, at::Tensor& gh,
+                                       bool need_ab) {
+    const Chunk c = take(c0, hb.size(0));
+    const int64_t S = c.sl.size(0);
+    const at::Tensor g = gl.view({S, len, gl.size(1)});
+    const at::Tensor gus = at::bmm(g, c.b);  // [c, L, R]
+    const at::Tensor gu = (gus.to(at::kFloat) * c.scale).to(gus.scalar_type());
+    if (need_ab) {
+      FactorGrad(B).index_add_(0, c.sl, at::bmm(g.transpose(1, 2), scaled_u(hb, c)).to(at::kFloat));
+      FactorGrad(A).index_add_(0, c.sl, at::bmm(gu.transpose(1, 2), hb.reshape({S, len, hb.size(1)})).to(at::kFloat));
+    }
+    if (gh.defined()) gh.view({S, len, gh.size(1)}).baddbmm_(gu, c.a);
+  };
+  return l;
+}
+
+// One chunk's logits [n, V] in the model dtype into out: the base GEMM, then
+// the LoRA added in place.
+void FusedChunkLogits(const at::Tensor& hb, int64_t c0, const at::Tensor& lm_head, const ChunkLora* lora,
+                      at::Tensor& out) {
+  at::mm_out(out, hb, lm_head.t());
+  if (lora) lora->add(hb, c0, out);
+}
+
+// The logits buffer of chunk [c0, c0 + n): a row block of the pass's kept
+// logits, or the start of one scratch buffer reused by every chunk.
+at::Tensor ChunkBuffer(at::Tensor& kept, at::Tensor& scratch, int64_t c0, int64_t n, int64_t chunk,
+                       const at::Tensor& lm_head) {
+  if (kept.defined()) return kept.narrow(0, c0, n);
+  if (!scratch.defined()) scratch = at::empty({chunk, lm_head.size(0)}, lm_head.options());
+  return scratch.narrow(0, 0, n);
+}
+
+// Forward: logprobs [T, K] fp32 and lse [T] fp32; the logits stay in kept
+// when it is defined ([T, V], filled here).
+std::pair<at::Tensor, at::Tensor> FusedForward(const at::Tensor& hidden, const at::Tensor& targets2,
+                                               const at::Tensor& lm_head, const ChunkLora* lora, int64_t chunk,
+                                               at::Tensor& kept) {
+  c10::NoGradGuard no_grad;
+  const int64_t T = hidden.size(0), V = lm_head.size(0), K = targets2.size(1);
+  const at::Tensor hb = hidden.to(lm_head.scalar_type());
+  at::Tensor lp = at::empty({T, K}, hidden.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({T}, hidden.options().dtype(at::kFloat));
+  at::Tensor scratch;
+  for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+    const int64_t n = std::min(chunk, T - c0);
+    at::Tensor logits = ChunkBuffer(kept, scratch, c0, n, chunk, lm_head);
+    FusedChunkLogits(hb.narrow(0, c0, n), c0, lm_head, lora, logits);
+    cuda::TargetLogprobs(true, logits.data_ptr(), targets2.narrow(0, c0, n).data_ptr<int64_t>(),
+                         lp.narrow(0, c0, n).data_ptr<float>(), lse.narrow(0, c0, n).data_ptr<float>(), n, V, K,
+                         StreamOf(hidden));
+  }
+  return {lp, lse};
+}
+
+// Backward: the gradient into hidden (fp32 [T, H], undefined without
+// need_h); the factors' into the bank's .grad (through lora). g [T, K].
+at::Tensor FusedBackward(const at::Tensor& hidden, const at::Tensor& targets2, const at::Tensor& lm_head,
+                         const ChunkLora* lora, int64_t chunk, at::Tensor kept, const at::Tensor& lse,
+                         const at::Tensor& g, bool need_h, bool need_ab) {
+  c10::NoGradGuard no_grad;
+  const int64_t T = hidden.size(0), V = lm_head.size(0), K = targets2.size(1);
+  const at::Tensor hb = hidden.to(lm_head.scalar_type());
+  const at::Tensor gk = g.to(at::kFloat).reshape({T, K}).contiguous();
+  at::Tensor grad_h = need_h ? at::empty(hidden.sizes(), hidden.options()) : at::Tensor();
+  at::Tensor scratch;
+  for (int64_t c0 = 0; c0 < T; c0 += chunk) {
+    const int64_t n = std::min(chunk, T - c0);
+    const at::Tensor h = hb.narrow(0, c0, n);
+    at::Tensor logits = ChunkBuffer(kept, scratch, c0, n, chunk, lm_head);
+    if (!kept.defined()) FusedChunkLogits(h, c0, lm_head, lora, logits);
+    cuda::TargetLogprobsGrad(true, logits.data_ptr(), lse.narrow(0, c0, n).data_ptr<float>(),
+                             targets2.narrow(0, c0, n).data_ptr<int64_t>(), gk.narrow(0, c0, n).data_ptr<float>(), n,
+                             V, K, StreamOf(hidden));
+    at::Tensor gh = need_h ? at::mm(logits, lm_head) : at::Tensor();
+    if (lora) lora->grad(h, c0, logits, gh, need_ab);
+    if (need_h) grad_h.narrow(0, c0, n).copy_(gh);
+  }
+  return grad_h;
+}
+
+at::Tensor Shaped(const at::Tensor& lp, const at::Tensor& targets) { return targets.dim() == 1 ? lp.squeeze(1) : lp; }
+
+// The pass's ChunkLora, from what the fused node saves: the uniform layout
+// where slots is defined (its device slots and scales, L rows a sequence),
+// else the runs (packed as PackRuns); null when nothing adds a LoRA.
+std::unique_ptr<ChunkLora> MakeChunkLora(const at::Tensor& A, const at::Tensor& B, const at::Tensor& slots,
+                                         const at::Tensor& scale, const std::vector<int64_t>& packed_runs,
+                                         const std::vector<double>& scales, int64_t len, at::ScalarType dtype) {
+  if (!A.defined() || A.numel() == 0) return nullptr;
+  if (slots.defined() && slots.numel() > 0)
+    return std::make_unique<ChunkLora>(UniformChunkLora(A, B, slots, scale, len, dtype));
+  if (scales.empty()) return nullptr;
+  const std::vector<Run> runs = UnpackRuns(packed_runs, scales);
+  return std::make_unique<ChunkLora>(RunsChunkLora(runs, SliceFactors(A, B, runs), dtype, A, B));
+}
+
+// The fused node of both layouts: saves hidden, the targets, lse and (kept)
+// the logits; the backward recomputes the logits unless kept. Absent tensors
+// (A, B, slots, scale) enter as empty ones.
+class FusedLogprobs : public torch::autograd::Function<FusedLogprobs> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& A,
+                            const at::Tensor& B, const at::Tensor& lm_head, const at::Tensor& targets,
+                            const at::Tensor& slots, const at::Tensor& scale, const std::vector<int64_t>& packed_runs,
+                            const std::vector<double>& scales, int64_t len, int64_t chunk, bool keep, bool need_ab) {
+    const at::Tensor t2 = Targets2d(targets);
+    at::Tensor kept = keep ? at::empty({hidden.size(0), lm_head.size(0)}, lm_head.options()) : at::Tensor();
+    const auto lora = MakeChunkLora(A, B, slots, scale, packed_runs, scales, len, lm_head.scalar_type());
+    auto [lp, lse] = FusedForward(hidden, t2, lm_head, lora.get(), chunk, kept);
+    ctx->save_for_backward({hidden, A, B, lm_head, t2, lse, slots, scale});
+    ctx->saved_data["kept"] = kept;
+    ctx->saved_data["runs"] = packed_runs;
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["len"] = len;
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["need_h"] = hidden.requires_grad();
+    ctx->saved_data["need_ab"] = need_ab;
+    return Shaped(lp, targets);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    torch::autograd::variable_list out(13);
+    const at::Tensor& g = grad_outputs[0];
+    if (!g.defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &hidden = saved[0], &A = saved[1], &B = saved[2], &lm_head = saved[3];
+    const auto lora = MakeChunkLora(A, B, saved[6], saved[7], ctx->saved_data["runs"].toIntVector(),
+                                    ctx->saved_data["scales"].toDoubleVector(), ctx->saved_data["len"].toInt(),
+                                    lm_head.scalar_type());
+    const at::Tensor kept = ctx->saved_data["kept"].toTensor();
+    ctx->saved_data.erase("kept");  // the logits go as soon as their gradient is used
+    out[0] = FusedBackward(hidden, saved[4], lm_head, lora.get(), ctx->saved_data["chunk"].toInt(), kept, saved[5],
+                           g, ctx->saved_data["need_h"].toBool(), ctx->saved_data["need_ab"].toBool());
+    return out;
+  }
+};
+#endif
 }  // namespace
 
 UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
@@ -296,9 +540,22 @@ UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& se
 }
 
 at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
-                                 const UnembedSpec& spec, int64_t chunk_tokens) {
+                                 const UnembedSpec& spec, int64_t chunk_tokens, UnembedMode mode) {
   const int64_t chunk = std::max<int64_t>(1, chunk_tokens);
   const bool lora_grad = spec.A.defined() && !spec.runs.empty() && spec.A.requires_grad();
+#if LOOM_CUDA_KERNELS
+  if (mode != UnembedMode::kPlain && FusedApplies(hidden, lm_head, targets)) {
+    std::vector<double> scales;
+    for (const Run& r : spec.runs) scales.push_back(r.scale);
+    const at::Tensor none = at::empty({0}, hidden.options());
+    const at::Tensor A = spec.A.defined() ? spec.A : none, B = spec.B.defined() ? spec.B : none;
+    const bool grad = c10::GradMode::is_enabled() && (hidden.requires_grad() || lora_grad);
+    return FusedLogprobs::apply(hidden, A, B, lm_head, targets, none, none, PackRuns(spec.runs), scales, int64_t{1},
+                                chunk, grad && mode == UnembedMode::kKeep, lora_grad);
+  }
+#else
+  (void)mode;
+#endif
   if (c10::GradMode::is_enabled() && (hidden.requires_grad() || lora_grad)) {
     std::vector<double> scales;
     for (const Run& r : spec.runs) scales.push_back(r.scale);
@@ -315,11 +572,22 @@ namespace loom::engine {
 
 at::Tensor UniformTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
                                  const at::Tensor& A, const at::Tensor& B, const LoraGroups& groups,
-                                 int64_t chunk_tokens) {
+                                 int64_t chunk_tokens, UnembedMode mode) {
   const int64_t len = groups.max_rows;
   TORCH_CHECK(len > 0 && chunk_tokens % len == 0 && hidden.size(0) == groups.rows,
               "UniformTargetLogprobs: chunk ", chunk_tokens, " is not a multiple of ", len, " or rows differ");
   const at::Tensor scale = groups.scale.view({-1, 1, 1});
+#if LOOM_CUDA_KERNELS
+  if (mode != UnembedMode::kPlain && FusedApplies(hidden, lm_head, targets)) {
+    const bool grad = c10::GradMode::is_enabled() && (hidden.requires_grad() || A.requires_grad());
+    const at::Tensor slots = groups.slots.defined() ? groups.slots : at::empty({0}, hidden.options().dtype(at::kLong));
+    return FusedLogprobs::apply(hidden, A, B, lm_head, targets, slots, scale, std::vector<int64_t>{},
+                                std::vector<double>{}, len, chunk_tokens, grad && mode == UnembedMode::kKeep,
+                                A.requires_grad());
+  }
+#else
+  (void)mode;
+#endif
   if (c10::GradMode::is_enabled() && (hidden.requires_grad() || A.requires_grad()))
     return UniformLogprobs::apply(hidden, A, B, lm_head, targets, groups.slots, scale, len, chunk_tokens);
   return UniformAllChunks(hidden, targets, lm_head, A, B, groups.slots, scale, len, chunk_tokens);

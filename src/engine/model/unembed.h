@@ -27,6 +27,15 @@ struct UnembedSpec {
   std::vector<Run> runs;  // sorted, disjoint; rows outside any run get no LoRA
 };
 
+// Which computation runs. On CUDA with a bf16 lm_head the fused one
+// (model/cuda/unembed_kernels.h): bf16 logits (the LoRA added into them by
+// GEMM), logsumexp and target gather in one kernel, the gradient written
+// over the logits by another, no fp32 [rows, vocab] tensor; kKeep keeps the
+// pass's logits (2 bytes x vocab a row) from the forward for the backward,
+// kRecompute recomputes them a chunk at a time. Elsewhere, and with kPlain
+// (the reference), logits in the model dtype then fp32 plus an fp32 LoRA.
+enum class UnembedMode { kRecompute, kKeep, kPlain };
+
 // The runs of sequences whose slot trains the unembed group.
 UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
                             const std::vector<int>& seq_slot);
@@ -38,7 +47,8 @@ UnembedSpec MakeUnembedSpec(const SlotBank& bank, const std::vector<int64_t>& se
 // spec's A and B: the used slots' gradient slices are added into A.grad and
 // B.grad in place (lora_nodes.h), no autograd gradient is returned for them.
 at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
-                                 const UnembedSpec& spec, int64_t chunk_tokens);
+                                 const UnembedSpec& spec, int64_t chunk_tokens,
+                                 UnembedMode mode = UnembedMode::kRecompute);
 
 // The same for the uniform layout (transformer.h, UniformLora): rows are S
 // sequences of L = groups.max_rows rows, sequence s adapted by the bank's
@@ -50,6 +60,6 @@ at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& tar
 // lora_nodes.h) and returns none for A and B.
 at::Tensor UniformTargetLogprobs(const at::Tensor& hidden, const at::Tensor& targets, const at::Tensor& lm_head,
                                  const at::Tensor& A, const at::Tensor& B, const LoraGroups& groups,
-                                 int64_t chunk_tokens);
+                                 int64_t chunk_tokens, UnembedMode mode = UnembedMode::kRecompute);
 
 }  // namespace loom::engine

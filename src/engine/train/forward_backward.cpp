@@ -127,7 +127,10 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     at::Tensor targets = PackTargets(all_data, k_cols).to(device);
     PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
     at::Tensor hidden = model.Hidden(batch, bank, recompute_layers);
-    at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank);
+    // With every layer kept the plan has room for the logits too (the
+    // calibration probes kept theirs: memory_plan.h).
+    at::Tensor logprobs = model.TargetLogprobs(hidden, targets, batch, bank, 1024,
+                                               recompute_layers == 0 ? UnembedMode::kKeep : UnembedMode::kRecompute);
 
     // 3. Per-call losses; one host sync for all of them.
     std::vector<at::Tensor> elementwise, losses;

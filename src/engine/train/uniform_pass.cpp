@@ -125,7 +125,7 @@ void UniformPass::Forward(const Transformer& model, const SlotBank& bank) {
   b.seq_slot.assign(static_cast<size_t>(S), -1);
   b.uniform = lora_;
   const at::Tensor hidden = model.Hidden(b, bank, /*recompute_layers=*/0);
-  const at::Tensor lp = model.TargetLogprobs(hidden, targets_, b, bank);
+  const at::Tensor lp = model.TargetLogprobs(hidden, targets_, b, bank, 1024, UnembedMode::kKeep);
   LossInputs in;
   in.weights = weights_;
   in.sampler_logprobs = sampler_lp_;
