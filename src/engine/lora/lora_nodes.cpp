@@ -224,9 +224,11 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
   // anchor: the first target's A (a leaf that requires grad, so that the
   // node is recorded even where x needs no gradient); the factors' own
   // gradients are added in place (FactorGrad), as GroupedNode's.
+  // weight (and bias), when not empty: the frozen base projection of the
+  // targets' columns, computed here too (ProjectedJointLora).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& anchor,
-                            const at::Tensor& token, const std::vector<JointTarget>* targets,
-                            const LoraGroups* routing, int64_t ct_in) {
+                            const at::Tensor& token, const at::Tensor& weight, const at::Tensor& bias,
+                            const std::vector<JointTarget>* targets, const LoraGroups* routing, int64_t ct_in) {
     c10::NoGradGuard no_grad;
     (void)anchor, (void)token;
     std::vector<at::Tensor> into;  // the targets' gradient views (B's, A's), or undefined; not saved (GroupedNode)
@@ -236,15 +238,22 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     for (const JointTarget& t : *targets) width += t.b.size(1);
     const at::Tensor xp = x.to(ct).view({U, L, d_in});
     const at::Tensor scale = routing->scale.to(ct);
-    at::Tensor y = at::empty({U, L, width}, xp.options());
-    variable_list keep{xp, scale, routing->slots};
+    const bool base = weight.numel() > 0;
+    // With the base, each delta is accumulated into its columns by the GEMM
+    // (beta 1): one rounding of base + delta, no delta tensor.
+    at::Tensor y = base ? at::linear(x, weight, bias.numel() > 0 ? bias : at::Tensor()).view({U, L, width})
+                        : at::empty({U, L, width}, xp.options());
+    variable_list keep{xp, scale, routing->slots, weight};
     std::vector<int64_t> widths;
     int64_t at = 0;
     for (const JointTarget& t : *targets) {
       const int64_t w = t.b.size(1);
       const at::Tensor h = at::bmm(xp, t.a.transpose(1, 2)) * scale;  // [U, L, R]
       at::Tensor cols = y.narrow(2, at, w);
-      at::bmm_out(cols, h, t.b.transpose(1, 2));
+      if (base)
+        cols.baddbmm_(h, t.b.transpose(1, 2));
+      else
+        at::bmm_out(cols, h, t.b.transpose(1, 2));
       keep.insert(keep.end(), {h, t.a, t.b, t.A, t.B});
       into.insert(into.end(), {t.gb, t.ga});
       widths.push_back(w);
@@ -261,20 +270,21 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto widths = ctx->saved_data["widths"].toIntVector();
-    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2];
+    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2], &weight = saved[3];
     const at::Tensor& g = grads[0];
-    variable_list out(6);  // one per apply() argument
+    variable_list out(8);  // one per apply() argument
     const auto into = ctx->saved_data["into"].toTensorList();
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
     const int64_t U = xp.size(0), L = xp.size(1);
     const at::Tensor gp = g.to(xp.scalar_type()).view({U, L, -1});
     const bool need_x = ctx->saved_data["need_x"].toBool();
-    at::Tensor gx;
+    // The base's input gradient first; the targets' accumulate into it.
+    at::Tensor gx = need_x && weight.numel() > 0 ? at::mm(g, weight).view({U, L, -1}) : at::Tensor();
     int64_t at = 0;
     for (size_t i = 0; i < widths.size(); ++i) {
-      const at::Tensor &h = saved[3 + 5 * i], &a = saved[4 + 5 * i], &b = saved[5 + 5 * i], &A = saved[6 + 5 * i],
-                       &B = saved[7 + 5 * i];
+      const at::Tensor &h = saved[4 + 5 * i], &a = saved[5 + 5 * i], &b = saved[6 + 5 * i], &A = saved[7 + 5 * i],
+                       &B = saved[8 + 5 * i];
       const at::Tensor gt = gp.narrow(2, at, widths[i]);
       at += widths[i];
       FactorGradOut(into.get(2 * i), B, slots, gt.transpose(1, 2), h);
@@ -329,7 +339,23 @@ at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTar
     for (const JointTarget& t : targets) parts.push_back(GroupedForward(x, t.A, t.B, routing, ct, t.b.size(1), t.a, t.b));
     return at::cat(parts, 1);
   }
-  return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), &targets, &routing, static_cast<int64_t>(ct));
+  const at::Tensor none = at::empty({0}, x.options());
+  return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), none, none, &targets, &routing,
+                                 static_cast<int64_t>(ct));
+}
+
+at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                              const std::vector<JointTarget>& targets, const LoraGroups& routing,
+                              const at::Tensor& token) {
+  int64_t width = 0;
+  for (const JointTarget& t : targets) width += t.b.size(1);
+  TORCH_CHECK(routing.identity && !routing.base_rows && !targets.empty() && x.size(0) == routing.rows &&
+                  Differentiable(targets[0].A) && weight.size(0) == width && targets[0].a.scalar_type() == x.scalar_type(),
+              "ProjectedJointLora: rows in padded order, every row in a group, factors in x's dtype, weight rows the "
+              "targets' columns");
+  return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), weight,
+                                 bias.defined() ? bias : at::empty({0}, x.options()), &targets, &routing,
+                                 static_cast<int64_t>(x.scalar_type()));
 }
 
 namespace {

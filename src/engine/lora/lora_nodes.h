@@ -72,4 +72,14 @@ at::Tensor GradientFlushToken(const at::Tensor& anchor, const at::Tensor& grad, 
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
                                  const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token = {});
 
+// The same with the frozen base projection inside the node: at::linear(x,
+// weight, bias) plus the targets' deltas (each accumulated into its columns
+// by its GEMM, one rounding), and in the backward x's gradient g weight plus
+// the targets', accumulated in the GEMMs: no delta tensor and no add either
+// way. weight [sum d_out, d_in] and x in the factors' compute type (the
+// model dtype); a recorded node only (the factors require grad).
+at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                              const std::vector<JointTarget>& targets, const LoraGroups& routing,
+                              const at::Tensor& token = {});
+
 }  // namespace loom::engine

@@ -334,9 +334,8 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   // and the bank's factors, all alive until the backward is done (the
   // engine runs the backward inside its forward_backward call).
   auto layer = [&m, &bank, &seq_begin, state, kernel, eps, attn_lora, mlp_lora](size_t i, const at::Tensor& x) {
-    auto lora = [&](size_t l, std::initializer_list<int> ks, const at::Tensor& in) {
-      return state->delta.Joint(l, ks, in);
-    };
+    auto lora = [&](size_t l, std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
+                    const at::Tensor& b, bool on) { return state->delta.Project(l, ks, in, w, b, on); };
     auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
       return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get(), &m.layers[l].attn);
     };

@@ -90,9 +90,8 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
                                   ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())
                                   : PaddedLayout{};
 
-  auto lora = [&](size_t layer, std::initializer_list<int> ks, const at::Tensor& in) {
-    return delta.Joint(layer, ks, in);
-  };
+  auto lora = [&](size_t layer, std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
+                  const at::Tensor& b, bool on) { return delta.Project(layer, ks, in, w, b, on); };
   // New tokens' keys and values go into the paged cache; a prefill attends
   // within its own rows (and its cached prefix), a decode row reads its
   // context back from the cache.

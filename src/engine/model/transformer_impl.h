@@ -137,11 +137,38 @@ class BatchLora {
     return at::cat(parts, 1);
   }
 
+  // The projection of layer `layer`'s targets ks (their fused base weight
+  // [sum d_out, d_in] and bias, or undefined) and, with `on`, its LoRA:
+  // {base, deltas} as at::linear and Joint give them, for the caller to add
+  // (fused into its next kernel where it can). On CUDA, in a recorded pass
+  // whose group has its factors cast once and its rows in padded order, one
+  // node instead (ProjectedJointLora): {base + deltas, undefined}, the
+  // deltas accumulated into the base GEMM's output and x's gradient into
+  // the base's, with no add kernel either way.
+  std::pair<at::Tensor, at::Tensor> Project(size_t layer, std::initializer_list<int> ks, const at::Tensor& x,
+                                            const at::Tensor& weight, const at::Tensor& bias, bool on) const {
+    if (!on) return {at::linear(x, weight, bias), at::Tensor()};
+    std::vector<const LoraTarget*> ts;
+    for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
+    const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
+    if (x.is_cuda() && c10::GradMode::is_enabled() && ts[0]->A.requires_grad() &&
+        bank_.ComputeType(x) == x.scalar_type()) {
+      const LoraGroups* routing = Identity(p, ts[0]->group);
+      if (const PassFactors* pass = routing ? Pass(p, x) : nullptr) {
+        std::vector<JointTarget> joint;
+        for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, *pass));
+        return {ProjectedJointLora(x, weight, bias, joint, *routing, pass->token), at::Tensor()};
+      }
+    }
+    return {at::linear(x, weight, bias), Joint(layer, ks, x)};
+  }
+
  private:
   struct Group {
     LoraForm form = LoraForm::kSegment;
     LoraRouting routed;
-    LoraGroups grouped;
+    mutable LoraGroups grouped;    // the segment form's one-slot identity too (Identity)
+    mutable bool single_made = false;
     mutable PassFactors pass;  // the grouped slots' factors in the compute type, made at first use (Pass)
   };
   // Few grouped slots' factors are cast once for the pass (SlotBank::PassGroup):
@@ -162,6 +189,19 @@ class BatchLora {
     if (!p.pass.cast.defined() || p.pass.cast.scalar_type() != bank_.ComputeType(x))
       p.pass = bank_.PassGroup(g, p.grouped.slots, bank_.ComputeType(x), pass_grads_ && c10::GradMode::is_enabled());
     return &p.pass;
+  }
+  // The group's routing as the grouped form's identity (rows in padded
+  // order, every row in a group), for Project; null where it is not one. A
+  // segment-form group of one slot over every row is one too (U = 1): its
+  // routing is made at first use.
+  const LoraGroups* Identity(const Group& p, TargetGroup g) const {
+    if (p.form == LoraForm::kSegment && !p.single_made) {
+      p.single_made = true;
+      LoraGroups one = bank_.Group(g, seg_begin_, seg_slot_);
+      if (one.num_slots() == 1 && one.identity && !one.base_rows) p.grouped = std::move(one);
+    }
+    if (p.form == LoraForm::kRouted || p.grouped.num_slots() == 0) return nullptr;
+    return p.grouped.identity && !p.grouped.base_rows ? &p.grouped : nullptr;
   }
   bool pass_grads_ = false;
   void Plan(TargetGroup g, Group& p) {
@@ -195,9 +235,12 @@ struct Rope {
 // Decoder layer i over token rows x [T, hidden]. The two forwards differ
 // only in how a layer attends and how LoRA is applied, so both are
 // arguments:
-//   lora(layer, {k...}, in)   the deltas of the layer's targets k...
-//                             (kLayerTargets) for input rows `in`, side by
-//                             side (BatchLora::Joint);
+//   lora(layer, {k...}, in, W, b, on)
+//                             the projection of input rows `in` onto the
+//                             layer's targets k... (kLayerTargets; fused
+//                             weight W and bias b) and, with `on`, their
+//                             LoRA: {base, deltas} or {base + deltas,
+//                             undefined} (BatchLora::Project);
 //   attend(layer, q, k, v)    attention [T, H * hd] for post-RoPE q [T, H, hd]
 //                             and k, v [T, KVH, hd];
 //   moe(layer, h)             an MoE layer's block output [T, hidden] for its
@@ -220,23 +263,22 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // strided and contiguous inputs (vector body vs scalar tail, which also
   // depends on the CPU's vector width), so a zero delta would not give the
   // base's bits.
-  const at::Tensor qkv = at::linear(h, l.qkv_w, l.qkv_b);
-  const at::Tensor delta = attn_lora ? lora(i, {0, 1, 2}, h) : at::Tensor();
+  const auto [qkv, delta] = lora(i, {0, 1, 2}, h, l.qkv_w, l.qkv_b, attn_lora);
   // Split into heads, q/k norms (qwen3) and RoPE: one kernel on CUDA.
   const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
   const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
   const at::Tensor attn = attend(i, q, k, v);
-  const at::Tensor o = at::linear(attn, l.o_w, l.o_b);
+  const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
   // The residual add and the MLP block's norm (one kernel each way on CUDA).
-  std::tie(x, h) = AddRmsNormLean(x, o, attn_lora ? lora(i, {3}, attn) : at::Tensor(), l.post_norm, eps);
+  std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
 
   // MLP block (SwiGLU, or the experts').
   if (l.moe.defined()) return x + moe(i, h);
-  at::Tensor gate_up = at::linear(h, l.gate_up_w);
-  if (mlp_lora) gate_up = gate_up + lora(i, {4, 5}, h);
+  auto [gate_up, gu_delta] = lora(i, {4, 5}, h, l.gate_up_w, at::Tensor(), mlp_lora);
+  if (gu_delta.defined()) gate_up = gate_up + gu_delta;
   const at::Tensor act = SwiGluLean(gate_up);
-  at::Tensor down = at::linear(act, l.down_w);
-  if (mlp_lora) down = down + lora(i, {6}, act);
+  auto [down, down_delta] = lora(i, {6}, act, l.down_w, at::Tensor(), mlp_lora);
+  if (down_delta.defined()) down = down + down_delta;
   return x + down;
 }
 
