@@ -234,8 +234,12 @@ TEST_F(SlotOptimizerTest, ErrorsFailOnlyTheirCallAndRepeatsStepTwice) {
 
 // The multi-tensor (_foreach_*) path against the row path on twin banks:
 // three rounds with clipping, a rank-4 attn-only slot and a slot listed twice.
-TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) {
-  SlotBank twin{3, 4, at::kCPU,
+// The foreach path on `device` (on CUDA, the AdamW kernel: adamw_kernels.h)
+// against the CPU rows path, over three rounds of four calls.
+void ExpectForeachMatchesRows(SlotOptimizerTest& f, at::Device device) {
+  SlotBank& bank = f.bank;
+  SlotOptimizer& opt = f.opt;
+  SlotBank twin{3, 4, device,
                 {{"q", TargetGroup::kAttn, 6, 5}, {"gate", TargetGroup::kMlp, 4, 7}, {"lm_head", TargetGroup::kUnembed, 6, 9}}};
   for (int s = 0; s < 3; ++s) ASSERT_TRUE(twin.Bind(s, bank.slot(s).config).ok());
   SlotOptimizer twin_opt{twin};
@@ -278,15 +282,22 @@ TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) {
     for (size_t i = 0; i < 3; ++i) {
       const auto& w = bank.targets()[i];
       const auto& g = twin.targets()[i];
-      ExpectNearVec(ToVec(g.A), ToVec(w.A), 1e-6, "A");
-      ExpectNearVec(ToVec(g.B), ToVec(w.B), 1e-6, "B");
-      ExpectNearVec(ToVec(twin_opt.b(i).exp_avg), ToVec(opt.b(i).exp_avg), 1e-6, "exp_avg");
-      ExpectNearVec(ToVec(twin_opt.a(i).exp_avg_sq), ToVec(opt.a(i).exp_avg_sq), 1e-6, "exp_avg_sq");
+      ExpectNearVec(ToVec(g.A.cpu()), ToVec(w.A), 1e-6, "A");
+      ExpectNearVec(ToVec(g.B.cpu()), ToVec(w.B), 1e-6, "B");
+      ExpectNearVec(ToVec(twin_opt.b(i).exp_avg.cpu()), ToVec(opt.b(i).exp_avg), 1e-6, "exp_avg");
+      ExpectNearVec(ToVec(twin_opt.a(i).exp_avg_sq.cpu()), ToVec(opt.a(i).exp_avg_sq), 1e-6, "exp_avg_sq");
       EXPECT_EQ(at::count_nonzero(g.A.grad()).item<int64_t>(), 0);
     }
   }
   // The update moved the weights at all (the comparison is not vacuous).
   EXPECT_GT(bank.slot(0).step, 3);
+}
+
+TEST_F(SlotOptimizerTest, ForeachPathMatchesRowPath) { ExpectForeachMatchesRows(*this, at::kCPU); }
+
+TEST_F(SlotOptimizerTest, CudaKernelMatchesRowPath) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  ExpectForeachMatchesRows(*this, at::Device(at::kCUDA, 0));
 }
 
 }  // namespace

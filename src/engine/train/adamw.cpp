@@ -4,6 +4,8 @@
 #include "engine/train/text.h"
 #if LOOM_CUDA_KERNELS
 #include <c10/cuda/CUDAStream.h>
+
+#include "engine/train/cuda/adamw_kernels.h"
 #endif
 
 #include <algorithm>
@@ -336,6 +338,19 @@ void SlotOptimizer::ForeachUpdate(SlotBank& bank, const std::vector<int64_t>& sl
   c10::NoGradGuard no_grad;
   ForeachLists l = BuildForeachLists(bank, slots, params, steps, scales, group);
   if (l.p.empty()) return;
+#if LOOM_CUDA_KERNELS
+  // On CUDA one kernel a span (adamw_kernels.h), the same arithmetic.
+  if (l.p[0].is_cuda()) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(l.p[0].device().index()).stream();
+    for (size_t e = 0; e < l.p.size(); ++e) {
+      cuda::AdamWFactors f;
+      for (int i = 0; i < 9; ++i) f.f[i] = l.f[i][e].toFloat();
+      cuda::AdamWStep(l.p[e].data_ptr<float>(), l.g[e].data_ptr<float>(), l.m[e].data_ptr<float>(),
+                      l.v[e].data_ptr<float>(), l.p[e].numel(), f, stream);
+    }
+    return;
+  }
+#endif
   ForeachAdamW(l.p, l.g, l.m, l.v, l.f, /*in_place=*/true);
 }
 
