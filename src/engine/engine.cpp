@@ -25,6 +25,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <set>
 #include <thread>
 
 #include <unistd.h>
@@ -309,7 +310,17 @@ class TrainingEngine final : public Engine {
     if (recompute_layers_ >= 0) return {true, recompute_layers_, 0};
     if (!model_->device().is_cuda()) return {true, 0, 0};
     if (!cost_.known()) return {true, info_.num_layers, 0};
-    return train::PlanPass(cost_, tokens, FreeForActivations());
+    std::set<int> slots;
+    for (const ForwardBackwardCall& c : calls)
+      if (!c.forward_only) slots.insert(c.slot);
+    return train::PlanPass(cost_, tokens, FreeForActivations() - CastOnceBytes(static_cast<int64_t>(slots.size())));
+  }
+
+  // What a pass of this many training slots casts once (PassGroup) beyond
+  // the calibration probes' two slots, which the measured costs include.
+  double CastOnceBytes(int64_t slots) const {
+    if (slots <= 2 || slots > SlotBank::kCastOncePerPassUpTo) return 0;
+    return static_cast<double>(slots - 2) * bank_.PassGroupBytes(model_->dtype());
   }
 
   std::vector<Result<ForwardBackwardOutput>> Refuse(const std::vector<ForwardBackwardCall>& calls,
@@ -330,7 +341,9 @@ class TrainingEngine final : public Engine {
   // holds about that much). Without a measured plan the packed path runs.
   bool RoomForGraph(int64_t tokens) const {
     if (!cost_.known()) return false;
-    const train::PassPlan p = train::PlanPass(cost_, tokens, FreeForActivations());
+    // A graph's slots are not known here: room for the most that cast once.
+    const train::PassPlan p =
+        train::PlanPass(cost_, tokens, FreeForActivations() - CastOnceBytes(SlotBank::kCastOncePerPassUpTo));
     return p.fits && p.recompute_layers == 0;
   }
 

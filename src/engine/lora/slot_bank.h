@@ -268,6 +268,19 @@ class SlotBank {
   // for a pass whose backward runs once over every LoRA node (no layer
   // recomputed: a recomputed layer's own backward would reach the token).
   PassFactors PassGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct, bool grads) const;
+  // The most distinct slots whose group factors a pass casts once
+  // (PassGroup); beyond it each target gathers and casts its own. What the
+  // casts cost past the two slots of the memory plan's probes is
+  // PassGroupBytes a slot (the engine's plan leaves room for it).
+  static constexpr int64_t kCastOncePerPassUpTo = 16;
+  // One slot's PassGroup copies of the attn and mlp groups in ct, with
+  // their gradient buffers: bytes (groups holding experts are never cast).
+  double PassGroupBytes(at::ScalarType ct) const {
+    double bytes = 0;
+    for (TargetGroup g : {TargetGroup::kAttn, TargetGroup::kMlp})
+      if (!GroupHasExperts(g)) bytes += 2.0 * static_cast<double>(GroupColumns(g).second) * at::elementSize(ct);
+    return bytes;
+  }
   // Whether group g holds expert targets (whose factors a pass never uses
   // through the grouped form: MoeForward routes them itself).
   bool GroupHasExperts(TargetGroup g) const { return group_has_experts_[static_cast<int>(g)]; }

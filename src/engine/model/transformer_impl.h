@@ -175,13 +175,13 @@ class BatchLora {
   // each target then needs no gather and cast of its own (4 kernels a use, as
   // many again in the backward), and, in a pass with a gradient buffer, writes
   // its gradients there (2 kernels a factor fewer; one flush per group).
-  // Beyond a few slots the copies (about 127 MB a slot each on qwen3-4b at
-  // rank 32) would outgrow what the memory plan's two-slot probes measured,
-  // so those gather per target.
-  static constexpr int64_t kCastOncePerPassUpTo = 4;
+  // Up to SlotBank::kCastOncePerPassUpTo slots (the copies are about 132 MB
+  // a slot on qwen3-4b at rank 32, as much again for the gradient buffer;
+  // the engine's plan leaves room for those past its probes' two); beyond,
+  // each target gathers its own.
   const PassFactors* Pass(const Group& p, const at::Tensor& x) const {
     const int64_t U = p.grouped.num_slots();
-    if (U == 0 || U > kCastOncePerPassUpTo) return nullptr;
+    if (U == 0 || U > SlotBank::kCastOncePerPassUpTo) return nullptr;
     const TargetGroup g = &p == &attn_ ? TargetGroup::kAttn : TargetGroup::kMlp;
     // An MoE model's mlp group is mostly its experts' factors (GiBs a slot at
     // real shapes), which only its dense layers' few targets would read here.
