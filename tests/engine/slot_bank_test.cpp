@@ -3,6 +3,8 @@
 // between slots.
 #include "engine/lora/slot_bank.h"
 
+#include "engine/lora/lora_nodes.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
@@ -597,6 +599,46 @@ TEST(SlotBank, FormSelectionRule) {
   // On this CPU bank (R = 8): 3 * 8 = 24 <= 64 routed; the choice follows the rule.
   EXPECT_EQ(bank.ChooseForm(TargetGroup::kAttn, c.seg_begin, c.seg_slot), LoraForm::kRouted);
   EXPECT_EQ(bank.ChooseForm(TargetGroup::kAttn, {0, 5, 9}, {0, 0}), LoraForm::kSegment);  // one run
+}
+
+
+// The projected node (ProjectedJointLora: the frozen base projection and the
+// targets' deltas as one node, each delta accumulated into the base GEMM's
+// output and x's gradient into the base's) against at::linear plus the
+// grouped delta over the same cast-once factors: the same values and the
+// same gradients into x, A and B, with and without a bias.
+TEST(SlotBank, ProjectedJointLoraIsTheBaseProjectionPlusTheDelta) {
+  const std::vector<int64_t> seg_begin = {0, 6, 12, 18};
+  const std::vector<int> seg_slot = {0, 1, 2};  // one equal run a slot: the identity routing
+  for (const bool with_bias : {false, true}) {
+    FormResult got[2];
+    for (int projected = 0; projected < 2; ++projected) {
+      SlotBank bank(4, 8, at::kCPU, SmallTargets());
+      ASSERT_TRUE(bank.Bind(0, Config(3, 6.0, 1)).ok());
+      ASSERT_TRUE(bank.Bind(1, Config(5, 4.0, 2)).ok());
+      ASSERT_TRUE(bank.Bind(2, Config(8, 9.0, 3)).ok());
+      at::manual_seed(31);
+      for (int s : {0, 1, 2}) RandomiseB(bank, s);
+      const LoraTarget& t = bank.targets()[0];  // q_proj, 16 -> 24
+      const at::Tensor w = at::randn({t.d_out, t.d_in}) * 0.2;
+      const at::Tensor b = with_bias ? at::randn({t.d_out}) : at::Tensor();
+      const at::Tensor x = at::randn({18, t.d_in}).requires_grad_();
+      const at::Tensor gy = at::randn({18, t.d_out});
+      const LoraGroups groups = bank.Group(t.group, seg_begin, seg_slot);
+      ASSERT_TRUE(groups.identity && !groups.base_rows);
+      const PassFactors pass = bank.PassGroup(t.group, groups.slots, bank.ComputeType(x), /*grads=*/true);
+      const at::Tensor y =
+          projected ? ProjectedJointLora(x, w, b, {bank.CastFactors(t, pass)}, groups, pass.token)
+                    : at::linear(x, w, b) + bank.GroupedDelta(t, x, groups, &pass);
+      (y * gy).sum().backward();
+      got[projected] = {{y.detach()}, {x.grad()}, {t.A.grad().clone()}, {t.B.grad().clone()}};
+    }
+    EXPECT_GT(got[0].grad_a[0].abs().max().item<double>(), 1e-2);
+    EXPECT_LT(RelErr(got[1].out[0], got[0].out[0]), 1e-6) << with_bias;
+    EXPECT_LT(RelErr(got[1].grad_x[0], got[0].grad_x[0]), 1e-6) << with_bias;
+    EXPECT_LT(RelErr(got[1].grad_a[0], got[0].grad_a[0]), 1e-6) << with_bias;
+    EXPECT_LT(RelErr(got[1].grad_b[0], got[0].grad_b[0]), 1e-6) << with_bias;
+  }
 }
 
 }  // namespace
