@@ -121,8 +121,7 @@ class BatchLora {
   // one node (JointGroupedLoraDelta) writes them into one tensor and gives x
   // one gradient, where the cat would copy and autograd add per target.
   at::Tensor Joint(size_t layer, std::initializer_list<int> ks, const at::Tensor& x) const {
-    std::vector<const LoraTarget*> ts;
-    for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
+    const std::vector<const LoraTarget*> ts = Targets(layer, ks);
     const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
     if (p.form == LoraForm::kGrouped && p.grouped.identity && !p.grouped.base_rows && ts.size() > 1) {
       if (const PassFactors* pass = Pass(p, x)) {
@@ -148,8 +147,7 @@ class BatchLora {
   std::pair<at::Tensor, at::Tensor> Project(size_t layer, std::initializer_list<int> ks, const at::Tensor& x,
                                             const at::Tensor& weight, const at::Tensor& bias, bool on) const {
     if (!on) return {at::linear(x, weight, bias), at::Tensor()};
-    std::vector<const LoraTarget*> ts;
-    for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
+    const std::vector<const LoraTarget*> ts = Targets(layer, ks);
     const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
     if (x.is_cuda() && c10::GradMode::is_enabled() && ts[0]->A.requires_grad() &&
         bank_.ComputeType(x) == x.scalar_type()) {
@@ -164,6 +162,11 @@ class BatchLora {
   }
 
  private:
+  std::vector<const LoraTarget*> Targets(size_t layer, std::initializer_list<int> ks) const {
+    std::vector<const LoraTarget*> ts;
+    for (int k : ks) ts.push_back(LayerTarget(bank_, layer, k));
+    return ts;
+  }
   struct Group {
     LoraForm form = LoraForm::kSegment;
     LoraRouting routed;

@@ -289,9 +289,8 @@ class UniformLogprobs : public torch::autograd::Function<UniformLogprobs> {
 // written over them by another; nothing of [rows, vocab] in fp32.
 
 bool FusedApplies(const at::Tensor& hidden, const at::Tensor& lm_head, const at::Tensor& targets) {
-  return hidden.is_cuda() && hidden.dim() == 2 && lm_head.is_cuda() && lm_head.scalar_type() == at::kBFloat16 &&
-         lm_head.dim() == 2 &&
-         lm_head.is_contiguous() && hidden.size(0) > 0 &&
+  return hidden.is_cuda() && hidden.dim() == 2 && hidden.size(0) > 0 && lm_head.is_cuda() &&
+         lm_head.scalar_type() == at::kBFloat16 && lm_head.dim() == 2 && lm_head.is_contiguous() &&
          (targets.dim() == 1 || targets.size(1) <= cuda::kMaxLogprobTargets);
 }
 
@@ -543,10 +542,10 @@ at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& tar
                                  const UnembedSpec& spec, int64_t chunk_tokens, UnembedMode mode) {
   const int64_t chunk = std::max<int64_t>(1, chunk_tokens);
   const bool lora_grad = spec.A.defined() && !spec.runs.empty() && spec.A.requires_grad();
+  std::vector<double> scales;
+  for (const Run& r : spec.runs) scales.push_back(r.scale);
 #if LOOM_CUDA_KERNELS
   if (mode != UnembedMode::kPlain && FusedApplies(hidden, lm_head, targets)) {
-    std::vector<double> scales;
-    for (const Run& r : spec.runs) scales.push_back(r.scale);
     const at::Tensor none = at::empty({0}, hidden.options());
     const at::Tensor A = spec.A.defined() ? spec.A : none, B = spec.B.defined() ? spec.B : none;
     const bool grad = c10::GradMode::is_enabled() && (hidden.requires_grad() || lora_grad);
@@ -556,12 +555,9 @@ at::Tensor ChunkedTargetLogprobs(const at::Tensor& hidden, const at::Tensor& tar
 #else
   (void)mode;
 #endif
-  if (c10::GradMode::is_enabled() && (hidden.requires_grad() || lora_grad)) {
-    std::vector<double> scales;
-    for (const Run& r : spec.runs) scales.push_back(r.scale);
+  if (c10::GradMode::is_enabled() && (hidden.requires_grad() || lora_grad))
     return CheckpointedLogprobs::apply(hidden, spec.A, spec.B, lm_head, targets, PackRuns(spec.runs), scales,
                                        chunk);
-  }
   const Factors f = spec.A.defined() ? SliceFactors(spec.A, spec.B, spec.runs) : Factors{};
   return AllChunks(hidden, targets, lm_head, spec.runs, f, chunk);
 }

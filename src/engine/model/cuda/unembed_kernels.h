@@ -1,4 +1,4 @@
-// The trainer's loss head on CUDA (model/unembed_fused.h): log-probabilities
+// The trainer's loss head on CUDA (model/unembed.h, UnembedMode): log-probabilities
 // of target tokens read straight off the logits in the model dtype, and
 // their gradient written over those logits, so that no fp32 copy of the
 // [rows, vocab] logits is ever made (HF computes the logits in the model
