@@ -2,6 +2,8 @@
 #include "engine/model/cuda/lean_kernels.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 
 #include "engine/sample/cuda/device.cuh"
 
@@ -77,8 +79,9 @@ __global__ void RmsNormGradVecKernel(const T* g, const T* x, const T* w, const f
 #pragma unroll
     for (int k = 0; k < kGradVec; ++k) {
       const float d = r * (dn[c][k] - nv[c][k] * mean);
-      dx[base + i + k] = FromF<T>(add ? Round<T>(d) + av[k] : d);
+      dn[c][k] = add ? Round<T>(d) + av[k] : d;
     }
+    StoreV<T, kGradVec>(dx + base + i, dn[c]);
   }
 }
 
@@ -160,13 +163,69 @@ void LaunchSwiGluGrad(const void* gate_up, const void* dy, void* out, int64_t ro
 // that lane l's RoPE partners (i +- hd/2) sit in lane l ^ 16, same slot.
 constexpr int kHeadWarps = 8;  // warps (heads) per block
 
-template <typename T, int V>
-__device__ __forceinline__ void StoreV(T* p, const float* v) {
+// A lane's V consecutive elements of a head as one access of V * sizeof(T)
+// bytes (4 or 8; 16 and 32 through LoadV and StoreV) where kWide, the
+// launcher having checked every buffer's alignment to it; else one by one.
+template <int Bytes>
+struct LaneWord;
+template <>
+struct LaneWord<4> {
+  using type = uint32_t;
+};
+template <>
+struct LaneWord<8> {
+  using type = uint2;
+};
+
+template <typename T, int V, bool kWide>
+__device__ __forceinline__ void LaneLoad(const T* p, float* out) {
+  constexpr int kBytes = V * static_cast<int>(sizeof(T));
+  if constexpr (kWide && kBytes % 16 == 0) {
+    LoadV<T, V>(p, out);
+  } else if constexpr (kWide) {
+    union {
+      typename LaneWord<kBytes>::type w;
+      T e[V];
+    } u;
+    u.w = *reinterpret_cast<const typename LaneWord<kBytes>::type*>(p);
 #pragma unroll
-  for (int k = 0; k < V; ++k) p[k] = FromF<T>(v[k]);
+    for (int k = 0; k < V; ++k) out[k] = ToF(u.e[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = ToF(p[k]);
+  }
 }
 
+template <typename T, int V, bool kWide>
+__device__ __forceinline__ void LaneStore(T* p, const float* v) {
+  constexpr int kBytes = V * static_cast<int>(sizeof(T));
+  if constexpr (kWide && kBytes % 16 == 0) {
+    StoreV<T, V>(p, v);
+  } else if constexpr (kWide) {
+    union {
+      typename LaneWord<kBytes>::type w;
+      T e[V];
+    } u;
+#pragma unroll
+    for (int k = 0; k < V; ++k) u.e[k] = FromF<T>(v[k]);
+    *reinterpret_cast<typename LaneWord<kBytes>::type*>(p) = u.w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) p[k] = FromF<T>(v[k]);
+  }
+}
+
+// Whether every non-null buffer is aligned to a lane's V * sizeof(T) bytes
+// (at most 16: wider vectors are pairs of 16-byte ones).
 template <typename T, int V>
+bool LanesAligned(std::initializer_list<const void*> ps) {
+  const uintptr_t a = std::min<uintptr_t>(16, V * sizeof(T));
+  for (const void* p : ps)
+    if (p && (reinterpret_cast<uintptr_t>(p) % a) != 0) return false;
+  return true;
+}
+
+template <typename T, int V, bool kWide>
 __global__ void QkvNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, const T* k_norm, const T* cos,
                                   const T* sin, T* sum_out, float* inv_out, T* q_out, T* k_out, T* v_out, int64_t rows,
                                   int heads, int kv_heads, float eps) {
@@ -178,45 +237,45 @@ __global__ void QkvNormRopeKernel(const T* qkv, const T* delta, const T* q_norm,
   const int h = static_cast<int>(pair % all), at0 = lane * V;
   const int64_t at = pair * hd + at0;
   float v[V];
-  LoadV<T, V>(qkv + at, v);
+  LaneLoad<T, V, kWide>(qkv + at, v);
   if (delta) {
     float d[V];
-    LoadV<T, V>(delta + at, d);
+    LaneLoad<T, V, kWide>(delta + at, d);
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] = AddDelta<T>(v[k], d[k]);
   }
   if (h >= heads + kv_heads) {  // a value head
-    StoreV<T, V>(v_out + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, v);
+    LaneStore<T, V, kWide>(v_out + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, v);
     return;
   }
   const bool is_q = h < heads;
   const T* norm_w = is_q ? q_norm : k_norm;
   if (norm_w) {
-    if (sum_out) StoreV<T, V>(sum_out + at, v);
+    if (sum_out) LaneStore<T, V, kWide>(sum_out + at, v);
     float ss = 0.0f;
 #pragma unroll
     for (int k = 0; k < V; ++k) ss += v[k] * v[k];
     const float inv = rsqrtf(WarpSum(ss) / static_cast<float>(hd) + eps);
     if (lane == 0 && inv_out) inv_out[s * (heads + kv_heads) + h] = inv;
     float w[V];
-    LoadV<T, V>(norm_w + at0, w);
+    LaneLoad<T, V, kWide>(norm_w + at0, w);
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] = Round<T>(w[k] * Round<T>(v[k] * inv));
   }
   float c[V], sn[V], out[V];
-  LoadV<T, V>(cos + s * hd + at0, c);
-  LoadV<T, V>(sin + s * hd + at0, sn);
+  LaneLoad<T, V, kWide>(cos + s * hd + at0, c);
+  LaneLoad<T, V, kWide>(sin + s * hd + at0, sn);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const float partner = __shfl_xor_sync(0xffffffffu, v[k], 16);
     const float rot = lane < 16 ? -partner : partner;
     out[k] = Round<T>(v[k] * c[k]) + Round<T>(rot * sn[k]);
   }
-  StoreV<T, V>(is_q ? q_out + (s * heads + h) * hd + at0 : k_out + (s * kv_heads + (h - heads)) * hd + at0, out);
+  LaneStore<T, V, kWide>(is_q ? q_out + (s * heads + h) * hd + at0 : k_out + (s * kv_heads + (h - heads)) * hd + at0, out);
 }
 
 // Its backward, same layout: RoPE's transpose, then the head's RMSNorm backward.
-template <typename T, int V>
+template <typename T, int V, bool kWide>
 __global__ void QkvNormRopeGradKernel(const T* sum, const T* q_norm, const T* k_norm, const float* inv,
                                       const T* cos, const T* sin, const T* dq, const T* dk, const T* dv, T* d_qkv,
                                       int64_t rows, int heads, int kv_heads) {
@@ -230,25 +289,25 @@ __global__ void QkvNormRopeGradKernel(const T* sum, const T* q_norm, const T* k_
   float d[V];
   if (h >= heads + kv_heads) {
     if (dv) {
-      LoadV<T, V>(dv + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, d);
+      LaneLoad<T, V, kWide>(dv + (s * kv_heads + (h - heads - kv_heads)) * hd + at0, d);
     } else {
 #pragma unroll
       for (int k = 0; k < V; ++k) d[k] = 0.0f;
     }
-    StoreV<T, V>(d_qkv + at, d);
+    LaneStore<T, V, kWide>(d_qkv + at, d);
     return;
   }
   const bool is_q = h < heads;
   const T* g_in = is_q ? dq : dk;
   float g[V], c[V], sn[V];
   if (g_in) {
-    LoadV<T, V>(g_in + (is_q ? (s * heads + h) * hd : (s * kv_heads + (h - heads)) * hd) + at0, g);
+    LaneLoad<T, V, kWide>(g_in + (is_q ? (s * heads + h) * hd : (s * kv_heads + (h - heads)) * hd) + at0, g);
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) g[k] = 0.0f;
   }
-  LoadV<T, V>(cos + s * hd + at0, c);
-  LoadV<T, V>(sin + s * hd + at0, sn);
+  LaneLoad<T, V, kWide>(cos + s * hd + at0, c);
+  LaneLoad<T, V, kWide>(sin + s * hd + at0, sn);
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const float gs = Round<T>(g[k] * sn[k]);
@@ -259,8 +318,8 @@ __global__ void QkvNormRopeGradKernel(const T* sum, const T* q_norm, const T* k_
   if (norm_w) {
     const float r = inv[s * (heads + kv_heads) + h];
     float w[V], x[V], dn[V], n[V], dot = 0.0f;
-    LoadV<T, V>(norm_w + at0, w);
-    LoadV<T, V>(sum + at, x);
+    LaneLoad<T, V, kWide>(norm_w + at0, w);
+    LaneLoad<T, V, kWide>(sum + at, x);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       dn[k] = Round<T>(d[k] * w[k]);
@@ -271,7 +330,7 @@ __global__ void QkvNormRopeGradKernel(const T* sum, const T* q_norm, const T* k_
 #pragma unroll
     for (int k = 0; k < V; ++k) d[k] = r * (dn[k] - n[k] * mean);
   }
-  StoreV<T, V>(d_qkv + at, d);
+  LaneStore<T, V, kWide>(d_qkv + at, d);
 }
 
 // The head widths the warp kernels take: 64, 128, 256 (V = 2, 4, 8).
@@ -294,7 +353,10 @@ struct QkvNormRopeLaunch {
   static void Run(const void* qkv, const void* delta, const void* q_norm, const void* k_norm, const void* cos,
                   const void* sin, void* sum_out, float* inv_out, void* q, void* k, void* v, int64_t rows,
                   int64_t heads, int64_t kv_heads, float eps, cudaStream_t stream) {
-    QkvNormRopeKernel<T, V><<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
+    auto kernel = LanesAligned<T, V>({qkv, delta, q_norm, k_norm, cos, sin, sum_out, q, k, v})
+                      ? QkvNormRopeKernel<T, V, true>
+                      : QkvNormRopeKernel<T, V, false>;
+    kernel<<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
         static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
         static_cast<const T*>(k_norm), static_cast<const T*>(cos), static_cast<const T*>(sin),
         static_cast<T*>(sum_out), inv_out, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v), rows,
@@ -307,7 +369,10 @@ struct QkvNormRopeGradLaunch {
   static void Run(const void* sum, const void* q_norm, const void* k_norm, const float* inv, const void* cos,
                   const void* sin, const void* dq, const void* dk, const void* dv, void* d_qkv, int64_t rows,
                   int64_t heads, int64_t kv_heads, cudaStream_t stream) {
-    QkvNormRopeGradKernel<T, V><<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
+    auto kernel = LanesAligned<T, V>({sum, q_norm, k_norm, cos, sin, dq, dk, dv, d_qkv})
+                      ? QkvNormRopeGradKernel<T, V, true>
+                      : QkvNormRopeGradKernel<T, V, false>;
+    kernel<<<HeadBlocks(rows, heads, kv_heads), 32 * kHeadWarps, 0, stream>>>(
         static_cast<const T*>(sum), static_cast<const T*>(q_norm), static_cast<const T*>(k_norm), inv,
         static_cast<const T*>(cos), static_cast<const T*>(sin), static_cast<const T*>(dq), static_cast<const T*>(dk),
         static_cast<const T*>(dv), static_cast<T*>(d_qkv), rows, static_cast<int>(heads), static_cast<int>(kv_heads));

@@ -36,6 +36,20 @@ union Vec {
   T e[kN];
 };
 
+// Over one row of `vocab` elements, strided over the block's threads:
+// vec(i) for each whole 16-byte vector i (kVector), then elem(i) for each
+// element past them (all of them without kVector).
+template <typename T, bool kVector, typename VecF, typename ElemF>
+__device__ __forceinline__ void OverRow(int64_t vocab, VecF&& vec, ElemF&& elem) {
+  int64_t tail = 0;
+  if constexpr (kVector) {
+    const int64_t n = vocab / Vec<T>::kN;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) vec(i);
+    tail = n * Vec<T>::kN;
+  }
+  for (int64_t i = tail + threadIdx.x; i < vocab; i += blockDim.x) elem(i);
+}
+
 // The block's merged pair, for every thread.
 __device__ MaxSum BlockMaxSum(MaxSum p) {
   __shared__ float ms[32], ss[32];
@@ -56,26 +70,23 @@ __global__ void TargetLogprobsKernel(const T* logits, const int64_t* targets, fl
                                      int64_t vocab, int64_t k) {
   const T* row = logits + static_cast<int64_t>(blockIdx.x) * vocab;
   MaxSum p;
-  int64_t tail = 0;
-  if constexpr (kVector) {
-    constexpr int kN = Vec<T>::kN;
-    const int64_t n = vocab / kN;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      Vec<T> v;
-      v.u = reinterpret_cast<const uint4*>(row)[i];
-      float top = ToF(v.e[0]);
+  constexpr int kN = Vec<T>::kN;
+  OverRow<T, kVector>(
+      vocab,
+      [&](int64_t i) {
+        Vec<T> v;
+        v.u = reinterpret_cast<const uint4*>(row)[i];
+        float top = ToF(v.e[0]);
 #pragma unroll
-      for (int j = 1; j < kN; ++j) top = fmaxf(top, ToF(v.e[j]));
-      if (top > p.m) {
-        p.s *= expf(p.m - top);
-        p.m = top;
-      }
+        for (int j = 1; j < kN; ++j) top = fmaxf(top, ToF(v.e[j]));
+        if (top > p.m) {
+          p.s *= expf(p.m - top);
+          p.m = top;
+        }
 #pragma unroll
-      for (int j = 0; j < kN; ++j) p.s += expf(ToF(v.e[j]) - p.m);
-    }
-    tail = n * kN;
-  }
-  for (int64_t i = tail + threadIdx.x; i < vocab; i += blockDim.x) p.Merge(ToF(row[i]), 1.0f);
+        for (int j = 0; j < kN; ++j) p.s += expf(ToF(v.e[j]) - p.m);
+      },
+      [&](int64_t i) { p.Merge(ToF(row[i]), 1.0f); });
   const MaxSum all = BlockMaxSum(p);
   const float lse = all.m + logf(all.s);
   if (threadIdx.x == 0) lse_out[blockIdx.x] = lse;
@@ -97,26 +108,22 @@ __global__ void TargetLogprobsGradKernel(T* logits, const float* lse, const int6
   for (int64_t j = threadIdx.x; j < k; j += blockDim.x) target_logit[j] = ToF(row[t[j]]);
   __syncthreads();
   const float l = lse[blockIdx.x];
-  int64_t tail = 0;
-  if constexpr (kVector) {
-    constexpr int kN = Vec<T>::kN;
-    const int64_t n = vocab / kN;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-      Vec<T> v;
-      if (total != 0.0f) {
-        v.u = reinterpret_cast<const uint4*>(row)[i];
+  constexpr int kN = Vec<T>::kN;
+  OverRow<T, kVector>(
+      vocab,
+      [&](int64_t i) {
+        Vec<T> v;
+        if (total != 0.0f) {
+          v.u = reinterpret_cast<const uint4*>(row)[i];
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v.e[j] = FromF<T>(-total * expf(ToF(v.e[j]) - l));
-      } else {
+          for (int j = 0; j < kN; ++j) v.e[j] = FromF<T>(-total * expf(ToF(v.e[j]) - l));
+        } else {
 #pragma unroll
-        for (int j = 0; j < kN; ++j) v.e[j] = FromF<T>(0.0f);
-      }
-      reinterpret_cast<uint4*>(row)[i] = v.u;
-    }
-    tail = n * kN;
-  }
-  for (int64_t i = tail + threadIdx.x; i < vocab; i += blockDim.x)
-    row[i] = FromF<T>(total != 0.0f ? -total * expf(ToF(row[i]) - l) : 0.0f);
+          for (int j = 0; j < kN; ++j) v.e[j] = FromF<T>(0.0f);
+        }
+        reinterpret_cast<uint4*>(row)[i] = v.u;
+      },
+      [&](int64_t i) { row[i] = FromF<T>(total != 0.0f ? -total * expf(ToF(row[i]) - l) : 0.0f); });
   __syncthreads();
   // Each target's element once more, with its own weights (duplicates write
   // the same value).

@@ -73,10 +73,8 @@ __global__ void RmsNormVecKernel(const T* x, const T* add, const T* add_delta, T
         for (int k = 0; k < kVec; ++k) a[k] = AddDelta<T>(a[k], d[k]);
       }
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        v[c][k] = Round<T>(v[c][k] + a[k]);
-        sum_out[base + i + k] = FromF<T>(v[c][k]);
-      }
+      for (int k = 0; k < kVec; ++k) v[c][k] = Round<T>(v[c][k] + a[k]);
+      StoreV<T, kVec>(sum_out + base + i, v[c]);
     }
 #pragma unroll
     for (int k = 0; k < kVec; ++k) ss += v[c][k] * v[c][k];
@@ -90,7 +88,8 @@ __global__ void RmsNormVecKernel(const T* x, const T* add, const T* add_delta, T
     float wv[kVec];
     LoadV<T, kVec>(w + i, wv);
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) out[base + i + k] = FromF<T>(wv[k] * Round<T>(v[c][k] * inv));
+    for (int k = 0; k < kVec; ++k) wv[k] *= Round<T>(v[c][k] * inv);
+    StoreV<T, kVec>(out + base + i, wv);
   }
 }
 
@@ -99,7 +98,7 @@ void LaunchRmsNorm(const void* x, const void* add, const void* add_delta, void* 
                    int64_t rows, int64_t n, float eps, cudaStream_t stream, float* inv_out) {
   const int64_t chunks = n / kVec;
   if (n % kVec == 0 && chunks <= 1024 * kVecChunks && Aligned16(x) && Aligned16(w) && Aligned16(out) &&
-      (!add || (Aligned16(add) && (!add_delta || Aligned16(add_delta))))) {
+      (!add || (Aligned16(add) && Aligned16(sum_out) && (!add_delta || Aligned16(add_delta))))) {
     const int64_t threads = std::min<int64_t>(1024, (chunks + 31) / 32 * 32);  // one chunk each up to n = 8192
     RmsNormVecKernel<T><<<static_cast<unsigned>(rows), static_cast<unsigned>(threads), 0,
                           stream>>>(static_cast<const T*>(x), static_cast<const T*>(add),
