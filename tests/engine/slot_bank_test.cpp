@@ -4,6 +4,7 @@
 #include "engine/lora/slot_bank.h"
 
 #include "engine/lora/lora_nodes.h"
+#include "engine/lora/slot_rows.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -638,6 +639,29 @@ TEST(SlotBank, ProjectedJointLoraIsTheBaseProjectionPlusTheDelta) {
     EXPECT_LT(RelErr(got[1].grad_x[0], got[0].grad_x[0]), 1e-6) << with_bias;
     EXPECT_LT(RelErr(got[1].grad_a[0], got[0].grad_a[0]), 1e-6) << with_bias;
     EXPECT_LT(RelErr(got[1].grad_b[0], got[0].grad_b[0]), 1e-6) << with_bias;
+  }
+}
+
+// The row copies of PassGroup and the gradient flush (slot_rows.h): on CUDA
+// one kernel each, which must give the ATen ops' bits, for the 16-byte path
+// (aligned columns) and the element-wise one (an odd column offset).
+TEST(SlotRows, CudaKernelsGiveTheAtenOpsBits) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  const at::Tensor flat = at::randn({7, 1030}, f32);
+  const at::Tensor slots = at::tensor(std::vector<int64_t>{5, 0, 3}, at::TensorOptions().dtype(at::kLong)).to(at::kCUDA);
+  for (const auto& [begin, len] : {std::pair<int64_t, int64_t>{4, 1024}, {1, 1021}}) {
+    const at::Tensor cols = flat.narrow(1, begin, len);
+    for (at::ScalarType ct : {at::kBFloat16, at::kFloat}) {
+      const at::Tensor got = GatherSlotRows(cols, slots, ct);
+      const at::Tensor want = cols.index_select(0, slots).to(ct);
+      EXPECT_TRUE(at::equal(got, want)) << "gather " << begin << " " << ct;
+      const at::Tensor rows = at::randn({3, len}, f32).to(ct);
+      at::Tensor into = flat.clone(), ref = flat.clone();
+      AddSlotRows(into.narrow(1, begin, len), slots, rows);
+      ref.narrow(1, begin, len).index_add_(0, slots, rows.to(at::kFloat));
+      EXPECT_TRUE(at::equal(into, ref)) << "add " << begin << " " << ct;
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include "common/hash.h"
 #include "engine/lora/lora_nodes.h"
+#include "engine/lora/slot_rows.h"
 
 namespace loom::engine {
 namespace {
@@ -384,13 +385,8 @@ JointTarget SlotBank::CastFactors(const LoraTarget& t, const PassFactors& pass) 
 }
 
 at::Tensor SlotBank::CastGroup(TargetGroup g, const at::Tensor& slots, at::ScalarType ct) const {
-  c10::NoGradGuard no_grad;
   const auto [begin, len] = GroupColumns(g);
-  const at::Tensor cols = flat_.narrow(1, begin, len);
-  at::Tensor out = at::empty({slots.size(0), len}, cols.options().dtype(ct));
-  // One slot at a time: the gather's fp32 copy is one row, not U.
-  for (int64_t u = 0; u < slots.size(0); ++u) out.select(0, u).copy_(cols.index_select(0, slots.narrow(0, u, 1)).squeeze(0));
-  return out;
+  return GatherSlotRows(flat_.narrow(1, begin, len), slots, ct);
 }
 
 }  // namespace loom::engine
