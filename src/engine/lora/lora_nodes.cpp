@@ -3,6 +3,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "engine/lora/slot_rows.h"
+
 namespace loom::engine {
 namespace {
 
@@ -217,6 +219,15 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
 };
 
 
+// The targets' cast a factors side by side, [U, sum R, d_in] (a copy of a
+// few MB; none for one target).
+at::Tensor JointA(const std::vector<JointTarget>& targets) {
+  if (targets.size() == 1) return targets[0].a;
+  std::vector<at::Tensor> as;
+  for (const JointTarget& t : targets) as.push_back(t.a);
+  return at::cat(as, 1);
+}
+
 // Several targets of one input over the grouped form with rows already in
 // padded order (routing.identity) and factors cast once (JointGroupedLoraDelta).
 class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
@@ -243,25 +254,32 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     // (beta 1): one rounding of base + delta, no delta tensor.
     at::Tensor y = base ? at::linear(x, weight, bias.numel() > 0 ? bias : at::Tensor()).view({U, L, width})
                         : at::empty({U, L, width}, xp.options());
-    variable_list keep{xp, scale, routing->slots, weight};
-    std::vector<int64_t> widths;
-    int64_t at = 0;
+    // One GEMM for every target's hidden (they read the same rows): the
+    // targets' a side by side, [U, sum R, d_in]; h [U, L, sum R].
+    const at::Tensor a_all = JointA(*targets);
+    const at::Tensor h_all = at::bmm(xp, a_all.transpose(1, 2)) * scale;
+    variable_list keep{xp, scale, routing->slots, weight, h_all};
+    std::vector<int64_t> widths, ranks;
+    int64_t at = 0, r_at = 0;
     for (const JointTarget& t : *targets) {
-      const int64_t w = t.b.size(1);
-      const at::Tensor h = at::bmm(xp, t.a.transpose(1, 2)) * scale;  // [U, L, R]
+      const int64_t w = t.b.size(1), r = t.a.size(1);
+      const at::Tensor h = h_all.narrow(2, r_at, r);  // [U, L, R]
       at::Tensor cols = y.narrow(2, at, w);
       if (base)
         cols.baddbmm_(h, t.b.transpose(1, 2));
       else
         at::bmm_out(cols, h, t.b.transpose(1, 2));
-      keep.insert(keep.end(), {h, t.a, t.b, t.A, t.B});
+      keep.insert(keep.end(), {t.a, t.b, t.A, t.B});
       into.insert(into.end(), {t.gb, t.ga});
       widths.push_back(w);
+      ranks.push_back(r);
       at += w;
+      r_at += r;
     }
     ctx->save_for_backward(keep);
     ctx->saved_data["into"] = c10::List<at::Tensor>(into);
     ctx->saved_data["widths"] = widths;
+    ctx->saved_data["ranks"] = ranks;
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["need_x"] = x.requires_grad();
     return y.view({U * L, width});
@@ -270,32 +288,59 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto widths = ctx->saved_data["widths"].toIntVector();
-    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2], &weight = saved[3];
+    const auto ranks = ctx->saved_data["ranks"].toIntVector();
+    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2], &weight = saved[3], &h_all = saved[4];
     const at::Tensor& g = grads[0];
     variable_list out(8);  // one per apply() argument
     const auto into = ctx->saved_data["into"].toTensorList();
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
     const int64_t U = xp.size(0), L = xp.size(1);
+    const size_t n = widths.size();
     const at::Tensor gp = g.to(xp.scalar_type()).view({U, L, -1});
     const bool need_x = ctx->saved_data["need_x"].toBool();
-    // The base's input gradient first; the targets' accumulate into it.
-    at::Tensor gx = need_x && weight.numel() > 0 ? at::mm(g, weight).view({U, L, -1}) : at::Tensor();
-    int64_t at = 0;
-    for (size_t i = 0; i < widths.size(); ++i) {
-      const at::Tensor &h = saved[4 + 5 * i], &a = saved[5 + 5 * i], &b = saved[6 + 5 * i], &A = saved[7 + 5 * i],
-                       &B = saved[8 + 5 * i];
+    const auto target = [&](size_t i, int k) -> const at::Tensor& { return saved[5 + 4 * i + k]; };  // a, b, A, B
+    // Per target: B's gradient and gh = g b; then, for all of them at once,
+    // gxa = gh scale [U, L, sum R], A's gradients and x's.
+    std::vector<at::Tensor> gh;
+    int64_t at = 0, r_at = 0;
+    for (size_t i = 0; i < n; ++i) {
       const at::Tensor gt = gp.narrow(2, at, widths[i]);
+      FactorGradOut(into.get(2 * i), target(i, 3), slots, gt.transpose(1, 2), h_all.narrow(2, r_at, ranks[i]));
+      gh.push_back(at::bmm(gt, target(i, 1)));
       at += widths[i];
-      FactorGradOut(into.get(2 * i), B, slots, gt.transpose(1, 2), h);
-      const at::Tensor gxa = at::bmm(gt, b) * scale;  // [U, L, R]
-      FactorGradOut(into.get(2 * i + 1), A, slots, gxa.transpose(1, 2), xp);
-      if (!need_x) continue;
-      // One input gradient for all the targets, accumulated inside the GEMMs.
-      if (gx.defined()) {
-        gx.baddbmm_(gxa, a);
+      r_at += ranks[i];
+    }
+    const at::Tensor gxa = (n == 1 ? gh[0] : at::cat(gh, 2)) * scale;  // [U, L, sum R]
+    bool all_into = true;
+    for (size_t i = 0; i < n; ++i) all_into = all_into && into.get(2 * i + 1).defined();
+    if (all_into && n > 1) {
+      // One GEMM over xp for every A, its rows then copied to their buffers.
+      const at::Tensor ga = at::bmm(gxa.transpose(1, 2), xp);  // [U, sum R, d_in]
+      r_at = 0;
+      for (size_t i = 0; i < n; ++i) {
+        into.get(2 * i + 1).copy_(ga.narrow(1, r_at, ranks[i]));
+        r_at += ranks[i];
+      }
+    } else {
+      r_at = 0;
+      for (size_t i = 0; i < n; ++i) {
+        FactorGradOut(into.get(2 * i + 1), target(i, 2), slots, gxa.narrow(2, r_at, ranks[i]).transpose(1, 2), xp);
+        r_at += ranks[i];
+      }
+    }
+    // One input gradient for all the targets, accumulated inside the GEMMs
+    // (the base's first, where there is one).
+    at::Tensor gx;
+    if (need_x) {
+      std::vector<at::Tensor> as;
+      for (size_t i = 0; i < n; ++i) as.push_back(target(i, 0));
+      const at::Tensor a_all = n == 1 ? as[0] : at::cat(as, 1);
+      if (weight.numel() > 0) {
+        gx = at::mm(g, weight).view({U, L, -1});
+        gx.baddbmm_(gxa, a_all);
       } else {
-        gx = at::bmm(gxa, a);
+        gx = at::bmm(gxa, a_all);
       }
     }
     if (gx.defined()) out[0] = gx.view({U * L, -1}).to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
@@ -373,9 +418,8 @@ class FlushNode : public torch::autograd::Function<FlushNode> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list) {
     c10::NoGradGuard no_grad;
-    at::Tensor into = ctx->saved_data["into"].toTensor();
-    const at::Tensor grad = ctx->saved_data["grad"].toTensor();
-    into.index_add_(0, ctx->saved_data["slots"].toTensor(), grad.to(into.scalar_type()));
+    AddSlotRows(ctx->saved_data["into"].toTensor(), ctx->saved_data["slots"].toTensor(),
+                ctx->saved_data["grad"].toTensor());
     return variable_list(4);
   }
 };
