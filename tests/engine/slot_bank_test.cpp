@@ -644,7 +644,8 @@ TEST(SlotBank, ProjectedJointLoraIsTheBaseProjectionPlusTheDelta) {
 
 // The row copies of PassGroup and the gradient flush (slot_rows.h): on CUDA
 // one kernel each, which must give the ATen ops' bits, for the 16-byte path
-// (aligned columns) and the element-wise one (an odd column offset).
+// (aligned columns) and the element-wise one (an odd column offset), and
+// add a repeated slot's rows without losing any (a race did, at first).
 TEST(SlotRows, CudaKernelsGiveTheAtenOpsBits) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
@@ -661,6 +662,15 @@ TEST(SlotRows, CudaKernelsGiveTheAtenOpsBits) {
       AddSlotRows(into.narrow(1, begin, len), slots, rows);
       ref.narrow(1, begin, len).index_add_(0, slots, rows.to(at::kFloat));
       EXPECT_TRUE(at::equal(into, ref)) << "add " << begin << " " << ct;
+      // A repeated slot (the uniform layout's sequences of one slot): its
+      // rows add in turn, as a sequential sum gives them.
+      const at::Tensor repeated = at::tensor(std::vector<int64_t>{5, 0, 5}, at::kLong).to(at::kCUDA);
+      into = flat.clone();
+      ref = flat.clone();
+      AddSlotRows(into.narrow(1, begin, len), repeated, rows);
+      for (int64_t u = 0; u < 3; ++u)
+        ref.narrow(1, begin, len).select(0, repeated[u].item<int64_t>()).add_(rows.select(0, u).to(at::kFloat));
+      EXPECT_TRUE(at::equal(into, ref)) << "repeated add " << begin << " " << ct;
     }
   }
 }

@@ -16,7 +16,8 @@ namespace loom::engine {
 at::Tensor GatherSlotRows(const at::Tensor& cols, const at::Tensor& slots, at::ScalarType ct);
 
 // into [N, len] fp32 (likewise) += rows [U, len] (any float type) at rows
-// slots, the slots distinct: into[slots[u]] += float(rows[u]). Without a graph.
+// slots: into[slots[u]] += float(rows[u]), a repeated slot's rows added in
+// turn (index_add_'s sum, to its order). Without a graph.
 void AddSlotRows(const at::Tensor& into, const at::Tensor& slots, const at::Tensor& rows);
 
 }  // namespace loom::engine

@@ -1,6 +1,6 @@
-// GatherSlotRows and AddSlotRows (slot_rows_kernels.h): a grid-stride loop
-// over each slot's row (blockIdx.y the slot), 4 elements a thread where the
-// row and its pointers allow 16-byte fp32 accesses.
+// GatherSlotRows and AddSlotRows (slot_rows_kernels.h): grid-stride loops,
+// 4 elements a thread where the rows and their pointers allow 16-byte fp32
+// accesses; the gather's blockIdx.y is the row.
 #include "engine/lora/cuda/slot_rows_kernels.h"
 
 #include <algorithm>
@@ -33,18 +33,23 @@ __global__ void GatherKernel(const float* flat, int64_t ld, const int64_t* slots
   }
 }
 
+// One thread adds every row's element j (or 4 of them), in row order: rows
+// of the same slot (the uniform layout's sequences) add one after another,
+// never racing.
 template <typename T, int V>
-__global__ void AddKernel(const T* rows, const int64_t* slots, int64_t len, float* flat, int64_t ld) {
-  float* dst = flat + slots[blockIdx.y] * ld;
-  const T* src = rows + static_cast<int64_t>(blockIdx.y) * len;
+__global__ void AddKernel(const T* rows, const int64_t* slots, int64_t U, int64_t len, float* flat, int64_t ld) {
   for (int64_t i = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) * V; i < len;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x * V) {
-    if constexpr (V == 4) {
-      float4 f = *reinterpret_cast<float4*>(dst + i);
-      f.x += ToF(src[i]), f.y += ToF(src[i + 1]), f.z += ToF(src[i + 2]), f.w += ToF(src[i + 3]);
-      *reinterpret_cast<float4*>(dst + i) = f;
-    } else {
-      dst[i] += ToF(src[i]);
+    for (int64_t u = 0; u < U; ++u) {
+      float* dst = flat + slots[u] * ld + i;
+      const T* src = rows + u * len + i;
+      if constexpr (V == 4) {
+        float4 f = *reinterpret_cast<float4*>(dst);
+        f.x += ToF(src[0]), f.y += ToF(src[1]), f.z += ToF(src[2]), f.w += ToF(src[3]);
+        *reinterpret_cast<float4*>(dst) = f;
+      } else {
+        dst[0] += ToF(src[0]);
+      }
     }
   }
 }
@@ -76,9 +81,9 @@ void LaunchAdd(const void* rows, const int64_t* slots, int64_t U, int64_t len, f
                cudaStream_t stream) {
   const T* r = static_cast<const T*>(rows);
   if (Wide(flat, ld, rows, len))
-    AddKernel<T, 4><<<Grid(len, 4, U), kThreads, 0, stream>>>(r, slots, len, flat, ld);
+    AddKernel<T, 4><<<Grid(len, 4, 1), kThreads, 0, stream>>>(r, slots, U, len, flat, ld);
   else
-    AddKernel<T, 1><<<Grid(len, 1, U), kThreads, 0, stream>>>(r, slots, len, flat, ld);
+    AddKernel<T, 1><<<Grid(len, 1, 1), kThreads, 0, stream>>>(r, slots, U, len, flat, ld);
 }
 
 }  // namespace

@@ -18,8 +18,10 @@ namespace loom::engine::cuda {
 void GatherSlotRows(bool bf16, const float* flat, int64_t ld, const int64_t* slots, int64_t U, int64_t len, void* out,
                     cudaStream_t stream);
 
-// flat[slots[u] * ld + j] += float(rows[u, j]), the U slots distinct (one
-// add an element: the bits of index_add_ with the rows cast to fp32).
+// flat[slots[u] * ld + j] += float(rows[u, j]). A slot may repeat (the
+// uniform layout routes each sequence, and a slot may have several): its
+// rows add in row order. With distinct slots, one add an element: the bits
+// of index_add_ with the rows cast to fp32.
 void AddSlotRows(bool bf16, const void* rows, const int64_t* slots, int64_t U, int64_t len, float* flat, int64_t ld,
                  cudaStream_t stream);
 
