@@ -5,7 +5,14 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#if LOOM_CUDA_KERNELS
+#include <c10/cuda/CUDAStream.h>
+
+#include "engine/train/cuda/adamw_kernels.h"
+#endif
+
 #include <cmath>
+#include <tuple>
 
 #include "engine/lora/slot_bank.h"
 #include "engine/train/adamw.h"
@@ -482,6 +489,27 @@ TEST_F(SlotOptimizerTest, HostMomentsMatchResidentMomentsBitForBit) {
   opt.Reset(0);
   EXPECT_TRUE(at::equal(host.a(0).exp_avg, opt.a(0).exp_avg));
 }
+
+
+#if LOOM_CUDA_KERNELS
+// The gradient norms' sums of squares on CUDA (SquaredSums), straight from
+// strided rows by slot id, on the 16-byte path and the element-wise one,
+// against the fp64 sum of squares of the gathered rows.
+TEST(SquaredSums, CudaKernelIsTheFp64SumOfSquares) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const at::Tensor slots = at::tensor(std::vector<int64_t>{4, 1, 1}, at::kLong).to(at::kCUDA);
+  for (const auto& [ld, begin, len] : {std::tuple<int64_t, int64_t, int64_t>{4096, 0, 4000}, {4099, 3, 1001}}) {
+    const at::Tensor x = at::randn({5, ld}, at::TensorOptions().device(at::kCUDA)) * 10;
+    at::Tensor partial = at::empty({3, cuda::SquaredSumBlocks(len)}, x.options().dtype(at::kDouble));
+    cuda::SquaredSums(x.data_ptr<float>() + begin, ld, slots.data_ptr<int64_t>(), 3, len, partial.data_ptr<double>(),
+                      c10::cuda::getCurrentCUDAStream().stream());
+    const at::Tensor got = partial.sum(1).cpu();
+    const at::Tensor want = x.narrow(1, begin, len).index_select(0, slots).to(at::kDouble).square().sum(1).cpu();
+    for (int u = 0; u < 3; ++u)
+      EXPECT_NEAR(got[u].item<double>(), want[u].item<double>(), 1e-12 * want[u].item<double>()) << ld << " " << u;
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace loom::engine::train

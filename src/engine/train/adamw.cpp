@@ -266,15 +266,32 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
   if (path_ == Path::kForeach) {
     // The live slots' flat gradient rows; per group (a column range), one
     // fp64-accumulated sum of squares, masked by whether the slot trains it.
-    const at::Tensor rows = bank.flat_grad().index_select(0, index);
+    // On CUDA straight from the rows (SquaredSums, fp64 partial sums added
+    // in a fixed order); elsewhere from a gathered copy.
     const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
-    for (TargetGroup g : groups) {
-      const auto [begin, len] = bank.GroupColumns(g);
-      if (len == 0) continue;
-      std::vector<double> mask;
+    const at::Tensor& flat_grad = bank.flat_grad();
+    at::Tensor rows;
+    std::vector<double> mask;  // [group][slot]: whether the slot trains the group
+    for (TargetGroup g : groups)
       for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), g) ? 1.0 : 0.0);
-      sq.add_(rows.narrow(1, begin, len).square().sum({1}, false, at::kDouble) *
-              at::tensor(mask, at::kDouble).to(device));
+    const at::Tensor masks = at::tensor(mask, at::kDouble).view({3, u}).to(device, /*non_blocking=*/true);
+    for (int gi = 0; gi < 3; ++gi) {
+      const auto [begin, len] = bank.GroupColumns(groups[gi]);
+      if (len == 0) continue;
+      at::Tensor sums;
+#if LOOM_CUDA_KERNELS
+      if (flat_grad.is_cuda() && index.is_contiguous() && index.scalar_type() == at::kLong) {
+        at::Tensor partial = at::empty({u, cuda::SquaredSumBlocks(len)}, sq.options());
+        cuda::SquaredSums(flat_grad.data_ptr<float>() + begin, flat_grad.stride(0), index.data_ptr<int64_t>(), u, len,
+                          partial.data_ptr<double>(), c10::cuda::getCurrentCUDAStream(device.index()).stream());
+        sums = partial.sum(1);
+      }
+#endif
+      if (!sums.defined()) {
+        if (!rows.defined()) rows = flat_grad.index_select(0, index);
+        sums = rows.narrow(1, begin, len).square().sum({1}, false, at::kDouble);
+      }
+      sq.add_(sums * masks[gi]);
     }
     return sq;
   }

@@ -45,7 +45,52 @@ unsigned GridFor(int64_t items) {
   return static_cast<unsigned>(std::clamp<int64_t>((items + 255) / 256, 1, 4096));
 }
 
+constexpr int kSumThreads = 256;
+
+// Block b of span blockIdx.y: a grid-stride share of the span, squared and
+// summed in fp64, then reduced over the block in a fixed order.
+template <bool kVector>
+__global__ void SquaredSumKernel(const float* x, int64_t ld, const int64_t* slots, int64_t len, double* partial) {
+  const float* row = x + slots[blockIdx.y] * ld;
+  double acc = 0.0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if constexpr (kVector) {
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    for (int64_t i = first; i < len / 4; i += stride) {
+      const float4 v = r4[i];
+      acc += static_cast<double>(v.x) * v.x + static_cast<double>(v.y) * v.y + static_cast<double>(v.z) * v.z +
+             static_cast<double>(v.w) * v.w;
+    }
+    for (int64_t i = len / 4 * 4 + first; i < len; i += stride) acc += static_cast<double>(row[i]) * row[i];
+  } else {
+    for (int64_t i = first; i < len; i += stride) acc += static_cast<double>(row[i]) * row[i];
+  }
+  __shared__ double part[kSumThreads];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) part[threadIdx.x] += part[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = part[0];
+}
+
 }  // namespace
+
+int64_t SquaredSumBlocks(int64_t len) {
+  return std::clamp<int64_t>((len / 4 + kSumThreads - 1) / kSumThreads, 1, 512);
+}
+
+void SquaredSums(const float* x, int64_t ld, const int64_t* slots, int64_t U, int64_t len, double* partial,
+                 cudaStream_t stream) {
+  if (U <= 0) return;
+  const dim3 grid(static_cast<unsigned>(SquaredSumBlocks(len)), static_cast<unsigned>(U));
+  if (Aligned16(x) && ld % 4 == 0)
+    SquaredSumKernel<true><<<grid, kSumThreads, 0, stream>>>(x, ld, slots, len, partial);
+  else
+    SquaredSumKernel<false><<<grid, kSumThreads, 0, stream>>>(x, ld, slots, len, partial);
+}
 
 void AdamWStep(float* p, const float* g, float* m, float* v, int64_t n, const AdamWFactors& f, cudaStream_t stream) {
   if (n <= 0) return;
