@@ -177,6 +177,13 @@ template <>
 struct LaneWord<8> {
   using type = uint2;
 };
+// V elements of T seen as one LaneWord (V * sizeof(T) of 4 or 8 bytes).
+template <typename T, int V>
+union LaneBits {
+  using Word = typename LaneWord<V * static_cast<int>(sizeof(T))>::type;
+  Word w;
+  T e[V];
+};
 
 template <typename T, int V, bool kWide>
 __device__ __forceinline__ void LaneLoad(const T* p, float* out) {
@@ -184,11 +191,8 @@ __device__ __forceinline__ void LaneLoad(const T* p, float* out) {
   if constexpr (kWide && kBytes % 16 == 0) {
     LoadV<T, V>(p, out);
   } else if constexpr (kWide) {
-    union {
-      typename LaneWord<kBytes>::type w;
-      T e[V];
-    } u;
-    u.w = *reinterpret_cast<const typename LaneWord<kBytes>::type*>(p);
+    LaneBits<T, V> u;
+    u.w = *reinterpret_cast<const typename LaneBits<T, V>::Word*>(p);
 #pragma unroll
     for (int k = 0; k < V; ++k) out[k] = ToF(u.e[k]);
   } else {
@@ -203,13 +207,10 @@ __device__ __forceinline__ void LaneStore(T* p, const float* v) {
   if constexpr (kWide && kBytes % 16 == 0) {
     StoreV<T, V>(p, v);
   } else if constexpr (kWide) {
-    union {
-      typename LaneWord<kBytes>::type w;
-      T e[V];
-    } u;
+    LaneBits<T, V> u;
 #pragma unroll
     for (int k = 0; k < V; ++k) u.e[k] = FromF<T>(v[k]);
-    *reinterpret_cast<typename LaneWord<kBytes>::type*>(p) = u.w;
+    *reinterpret_cast<typename LaneBits<T, V>::Word*>(p) = u.w;
   } else {
 #pragma unroll
     for (int k = 0; k < V; ++k) p[k] = FromF<T>(v[k]);
