@@ -11,6 +11,7 @@
 #include "common/durable.h"
 #include "common/hash.h"
 #include "engine/io/safetensors.h"
+#include "engine/model/family.h"
 
 // The generator's floating-point must be the same on every machine: forbid
 // fusing a*b+c into FMA (it would change last bits where FMA is available).
@@ -172,45 +173,6 @@ Status SetDtype(const std::string& dtype, const std::string& default_dtype, Mode
   return Status::Ok();
 }
 
-// gpt_oss presets. tiny: one sliding layer (window 4, under the test
-// sequences' lengths) and one full; 8 experts, top-2 (GptOssInitStd makes
-// the sinks, biases and expert pre-activations large enough to matter).
-// gpt-oss-20b: the real shapes (bf16 experts, no MXFP4).
-Result<ModelConfig> GptOssPreset(const std::string& preset, const std::string& dtype) {
-  ModelConfig c;
-  c.model_type = "gpt_oss";
-  c.initializer_range = 0.02;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 150000.0;
-  c.rope_type = "yarn";
-  c.rope_factor = 32.0;
-  c.yarn_beta_fast = 32.0, c.yarn_beta_slow = 1.0, c.yarn_truncate = false;
-  c.attention_bias = true, c.qk_norm = false, c.tie_word_embeddings = false;
-  std::string default_dtype = "bf16";
-  if (preset == "tiny") {
-    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 32, c.num_hidden_layers = 2;
-    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
-    c.num_experts = 8, c.num_experts_per_tok = 2, c.sliding_window = 4;
-    c.max_position_embeddings = 2048, c.rope_original_max_position = 64;
-    default_dtype = "fp32";
-  } else if (preset == "gpt-oss-20b") {
-    c.vocab_size = 201088, c.hidden_size = 2880, c.intermediate_size = 2880, c.num_hidden_layers = 24;
-    c.num_attention_heads = 64, c.num_key_value_heads = 8, c.head_dim = 64;
-    c.num_experts = 32, c.num_experts_per_tok = 4, c.sliding_window = 128;
-    c.max_position_embeddings = 131072, c.rope_original_max_position = 4096;
-  } else {
-    return Status::Invalid("preset '" + preset + "' is not one of tiny, gpt-oss-20b for arch gpt_oss");
-  }
-  c.moe_intermediate_size = c.intermediate_size;
-  c.norm_topk_prob = true;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
-    c.layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
-  if (Status s = SetDtype(dtype, default_dtype, &c); !s.ok()) return s;
-  c.bos_token_id = c.vocab_size - 1;
-  c.eos_token_id = c.vocab_size - 1;
-  return c;
-}
-
 // The normal init's std of one tensor: initializer_range, except in the
 // gpt_oss tiny preset, whose sinks (1.0), biases (0.5), router (0.5) and
 // gate_up experts (0.5: pre-activations of std about 4 on normed rows of
@@ -234,58 +196,14 @@ double InitStd(const ModelConfig& c, const std::string& preset, const std::strin
 // ------------------------------------------------------------ presets
 
 Result<ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype) {
-  if (arch != "qwen2" && arch != "qwen3" && arch != "qwen3_moe" && arch != "gpt_oss")
-    return Status::Invalid("arch '" + arch + "' is not one of qwen2, qwen3, qwen3_moe, gpt_oss");
-  if (arch == "gpt_oss") return GptOssPreset(preset, dtype);
-  const bool moe = arch == "qwen3_moe";
-  if (moe != (preset == "qwen3-30b-a3b") && preset != "tiny")
-    return Status::Invalid("preset '" + preset + "' is not one of " +
-                           (moe ? "tiny, qwen3-30b-a3b" : "tiny, small, qwen2.5-0.5b, qwen3-4b") + " for arch " + arch);
-  ModelConfig c;
-  c.model_type = arch;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000000.0;
-  c.initializer_range = 0.02;
-  std::string default_dtype = "bf16";
-  if (preset == "tiny" && moe) {
-    // Two MoE layers of 8 experts of width 32, top-2, renormalised (as
-    // Qwen3-30B-A3B, which has no dense layers either).
-    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 2;
-    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
-    c.max_position_embeddings = 2048, c.tie_word_embeddings = false;
-    c.num_experts = 8, c.num_experts_per_tok = 2, c.moe_intermediate_size = 32, c.norm_topk_prob = true;
-    default_dtype = "fp32";
-  } else if (preset == "tiny") {
-    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 2;
-    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.head_dim = 16;
-    c.max_position_embeddings = 2048, c.tie_word_embeddings = true;
-    default_dtype = "fp32";
-  } else if (preset == "qwen3-30b-a3b") {
-    c.vocab_size = 151936, c.hidden_size = 2048, c.intermediate_size = 6144, c.num_hidden_layers = 48;
-    c.num_attention_heads = 32, c.num_key_value_heads = 4, c.head_dim = 128;
-    c.max_position_embeddings = 40960, c.tie_word_embeddings = false;
-    c.num_experts = 128, c.num_experts_per_tok = 8, c.moe_intermediate_size = 768, c.norm_topk_prob = true;
-  } else if (preset == "small") {
-    c.vocab_size = 8192, c.hidden_size = 256, c.intermediate_size = 704, c.num_hidden_layers = 4;
-    c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 32;
-    c.max_position_embeddings = 4096, c.tie_word_embeddings = false;
-    default_dtype = "fp32";
-  } else if (preset == "qwen2.5-0.5b") {
-    c.vocab_size = 151936, c.hidden_size = 896, c.intermediate_size = 4864, c.num_hidden_layers = 24;
-    c.num_attention_heads = 14, c.num_key_value_heads = 2, c.head_dim = 64;
-    c.max_position_embeddings = 32768, c.tie_word_embeddings = true;
-  } else if (preset == "qwen3-4b") {
-    c.vocab_size = 151936, c.hidden_size = 2560, c.intermediate_size = 9728, c.num_hidden_layers = 36;
-    c.num_attention_heads = 32, c.num_key_value_heads = 8, c.head_dim = 128;
-    c.max_position_embeddings = 40960, c.tie_word_embeddings = true;
-  } else {
-    return Status::Invalid("preset '" + preset + "' is not one of tiny, small, qwen2.5-0.5b, qwen3-4b");
-  }
-  if (Status s = SetDtype(dtype, default_dtype, &c); !s.ok()) return s;
-  c.attention_bias = arch == "qwen2";
-  c.qk_norm = arch != "qwen2";
-  c.bos_token_id = c.vocab_size - 1;
-  c.eos_token_id = c.vocab_size - 1;
+  const engine::Family* family = engine::FindFamily(arch);
+  if (!family) return Status::Invalid("arch '" + arch + "' is not one of " + engine::FamilyNames());
+  std::string default_dtype;
+  Result<ModelConfig> c = family->preset(preset, &default_dtype);
+  if (!c.ok()) return Status::Invalid(c.status().message() + " for arch " + arch);
+  if (Status s = SetDtype(dtype, default_dtype, &*c); !s.ok()) return s;
+  c->bos_token_id = c->vocab_size - 1;
+  c->eos_token_id = c->vocab_size - 1;
   return c;
 }
 
@@ -350,11 +268,8 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
   if (options.layers < 0) return Status::Invalid("layers must be >= 0 (0: the preset's)");
   if (options.layers > 0) {
     cfg->num_hidden_layers = options.layers;
-    if (cfg->IsGptOss()) {  // keep the alternation over the new layer count
-      cfg->layer_types.clear();
-      for (int64_t i = 0; i < options.layers; ++i)
-        cfg->layer_types.push_back(i % 2 == 0 ? "sliding_attention" : "full_attention");
-    }
+    if (!cfg->layer_types.empty())  // keep the alternation over the new layer count (gpt_oss)
+      cfg->layer_types = engine::AlternatingLayerTypes(options.layers);
   }
   const ModelConfig& c = cfg.value();
   if (c.vocab_size < 258) return Status::Invalid("vocab_size must be at least 258 for a byte-level tokenizer");

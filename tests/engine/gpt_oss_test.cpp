@@ -17,7 +17,7 @@
 #include "engine/io/tensor_io.h"
 #include "engine/model/cached_batch.h"
 #include "engine/model/config.h"
-#include "engine/model/gpt_oss.h"
+#include "engine/model/families/gpt_oss.h"
 #include "engine/model/rope.h"
 #include "gpt_oss_reference.h"
 #include "testmodel/make_model.h"

@@ -9,7 +9,8 @@
 
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
-#include "engine/model/gpt_oss.h"
+#include "engine/model/families/gpt_oss.h"
+#include "engine/model/family.h"
 #include "engine/model/recompute.h"
 #include "engine/model/rope.h"
 #include "engine/model/transformer_impl.h"
@@ -34,14 +35,12 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// gpt_oss keeps its RMSNorm weights in fp32 in any model dtype (HF's
-// _keep_in_fp32_modules); lean_ops.h then scales in fp32.
-bool KeepsNormFp32(const ModelConfig& c, const std::string& name) {
-  return c.IsGptOss() && EndsWith(name, "norm.weight");
-}
+// A family may keep its RMSNorm weights in fp32 in any model dtype (HF's
+// _keep_in_fp32_modules; gpt_oss); lean_ops.h then scales in fp32.
+bool KeepsNormFp32(const Family& f, const std::string& name) { return f.norms_fp32 && EndsWith(name, "norm.weight"); }
 
-// A gpt_oss checkpoint's MXFP4 experts: X_blocks and X_scales stand for the
-// bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
+// MXFP4 experts (a family with mxfp4_experts: gpt_oss): X_blocks and
+// X_scales stand for the bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
 bool IsMxfp4Part(const std::string& name) { return EndsWith(name, "_blocks") || EndsWith(name, "_scales"); }
 
 // Checkpoint entries that carry no weights (old rotary caches).
@@ -52,15 +51,10 @@ Status ConfigError(const std::string& field, const std::string& why) {
 }
 
 Status CheckConfig(const ModelConfig& c) {
-  if (c.model_type != "qwen2" && c.model_type != "qwen3" && c.model_type != "qwen3_moe" && c.model_type != "gpt_oss")
-    return ConfigError("model_type", "'" + c.model_type + "' is not supported (qwen2, qwen3, qwen3_moe, gpt_oss)");
-  if ((c.model_type == "qwen3_moe" || c.IsGptOss()) &&
-      (c.num_experts <= 0 || c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts ||
-       c.moe_intermediate_size <= 0 || c.decoder_sparse_step <= 0))
-    return ConfigError("num_experts", "and num_experts_per_tok (<= num_experts), moe_intermediate_size and "
-                                      "decoder_sparse_step must be > 0 for qwen3_moe and gpt_oss");
-  if (c.IsGptOss() && static_cast<int64_t>(c.layer_types.size()) != c.num_hidden_layers)
-    return ConfigError("layer_types", "must name every layer's attention for gpt_oss");
+  const Family* family = FindFamily(c.model_type);
+  if (!family) return ConfigError("model_type", "'" + c.model_type + "' is not supported (" + FamilyNames() + ")");
+  if (family->check)
+    if (Status s = family->check(c); !s.ok()) return s;
   if (c.vocab_size <= 0) return ConfigError("vocab_size", "must be > 0");
   if (c.hidden_size <= 0) return ConfigError("hidden_size", "must be > 0");
   if (c.intermediate_size <= 0) return ConfigError("intermediate_size", "must be > 0");
@@ -77,6 +71,29 @@ Status CheckConfig(const ModelConfig& c) {
 }
 
 }  // namespace
+
+void LoadAttention(LayerLoad& l, bool o_bias) {
+  const ModelConfig& c = l.config;
+  const std::string& p = l.prefix;
+  DecoderLayerWeights& w = l.layer;
+  w.qkv_w = at::cat({l.get(p + "self_attn.q_proj.weight"), l.get(p + "self_attn.k_proj.weight"),
+                     l.get(p + "self_attn.v_proj.weight")}, 0);
+  if (c.attention_bias)
+    w.qkv_b = at::cat({l.get(p + "self_attn.q_proj.bias"), l.get(p + "self_attn.k_proj.bias"),
+                       l.get(p + "self_attn.v_proj.bias")}, 0);
+  if (c.qk_norm) {
+    w.q_norm = l.get(p + "self_attn.q_norm.weight");
+    w.k_norm = l.get(p + "self_attn.k_norm.weight");
+  }
+  w.o_w = l.get(p + "self_attn.o_proj.weight");
+  if (c.attention_bias && o_bias) w.o_b = l.get(p + "self_attn.o_proj.bias");
+}
+
+void LoadDenseMlp(LayerLoad& l) {
+  const std::string& p = l.prefix;
+  l.layer.gate_up_w = at::cat({l.get(p + "mlp.gate_proj.weight"), l.get(p + "mlp.up_proj.weight")}, 0);
+  l.layer.down_w = l.get(p + "mlp.down_proj.weight");
+}
 
 PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
                               at::Device device) {
@@ -120,7 +137,7 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
       t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB,
-                   /*hf_interleaved=*/c.IsGptOss()});
+                   /*hf_interleaved=*/FindFamily(c.model_type)->interleaved_gate_up});
       t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
       continue;
     }
@@ -157,8 +174,9 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   }
 
   c10::NoGradGuard no_grad;
-  auto get = [&](const std::string& name) {
-    return weights.at(name).detach().to(device, KeepsNormFp32(config, name) ? at::kFloat : dtype).contiguous();
+  const Family& family = *FindFamily(config.model_type);
+  const WeightGetter get = [&](const std::string& name) {
+    return weights.at(name).detach().to(device, KeepsNormFp32(family, name) ? at::kFloat : dtype).contiguous();
   };
   auto impl = std::make_shared<Impl>();
   impl->heads = config.num_attention_heads;
@@ -172,45 +190,11 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   impl->inv_freq = rope.inv_freq.to(device);
   impl->rope_scale = rope.scale;
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
-    const std::string p = LayerPrefix(i);
     Impl::Layer l;
-    l.input_norm = get(p + "input_layernorm.weight");
-    l.post_norm = get(p + "post_attention_layernorm.weight");
-    l.qkv_w = at::cat({get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
-                       get(p + "self_attn.v_proj.weight")}, 0);
-    if (config.attention_bias)
-      l.qkv_b = at::cat({get(p + "self_attn.q_proj.bias"), get(p + "self_attn.k_proj.bias"),
-                         get(p + "self_attn.v_proj.bias")}, 0);
-    if (config.qk_norm) {
-      l.q_norm = get(p + "self_attn.q_norm.weight");
-      l.k_norm = get(p + "self_attn.k_norm.weight");
-    }
-    l.o_w = get(p + "self_attn.o_proj.weight");
-    if (config.attention_bias && config.model_type != "qwen2") l.o_b = get(p + "self_attn.o_proj.bias");
-    if (config.IsGptOss()) {
-      GptOssLayerWeights g = LoadGptOssLayer(config, i, get);
-      l.attn = std::move(g.attn);
-      l.moe = std::move(g.moe);
-    } else if (config.IsMoeLayer(i)) {
-      // Experts stacked as HF's fused parameters: gate_up [E, 2I, H] (gate
-      // rows first), down [E, H, I].
-      MoeWeights& w = l.moe;
-      w.router = get(p + "mlp.gate.weight");
-      std::vector<at::Tensor> gate_up, down;
-      for (int64_t e = 0; e < config.num_experts; ++e) {
-        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-        gate_up.push_back(at::cat({get(x + "gate_proj.weight"), get(x + "up_proj.weight")}, 0));
-        down.push_back(get(x + "down_proj.weight"));
-      }
-      w.gate_up = at::stack(gate_up, 0);
-      gate_up.clear();
-      w.down = at::stack(down, 0);
-      w.top_k = config.num_experts_per_tok;
-      w.norm_topk = config.norm_topk_prob;
-    } else {
-      l.gate_up_w = at::cat({get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")}, 0);
-      l.down_w = get(p + "mlp.down_proj.weight");
-    }
+    LayerLoad load{config, i, LayerPrefix(i), get, l};
+    l.input_norm = get(load.prefix + "input_layernorm.weight");
+    l.post_norm = get(load.prefix + "post_attention_layernorm.weight");
+    if (Status s = family.load_layer(load); !s.ok()) return s;
     impl->layers.push_back(std::move(l));
   }
   std::unique_ptr<Transformer> t(new Transformer());
@@ -226,6 +210,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   Result<ModelConfig> config = ModelConfig::Load(model_dir);
   if (!config.ok()) return config.status();
   if (Status s = CheckConfig(*config); !s.ok()) return s;
+  const Family& family = *FindFamily(config->model_type);
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();
   // Check names and shapes on the mapped views first: a bad file fails
@@ -234,7 +219,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   std::map<std::string, at::Tensor> weights;
   for (const auto& [name, shape] : expected) {
     const TensorView* view = files->find(name);
-    if (!view && config->IsGptOss() && files->find(name + "_blocks") && files->find(name + "_scales"))
+    if (!view && family.mxfp4_experts && files->find(name + "_blocks") && files->find(name + "_scales"))
       continue;  // MXFP4: its shape is checked once dequantized (FromTensors)
     if (!view) return Status::Invalid("weight '" + name + "' is missing from " + model_dir);
     if (view->shape != shape)
@@ -244,13 +229,13 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   for (const auto& [name, view] : files->tensors()) {
     if (IsIgnorable(name)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
-    if (config->IsGptOss() && IsMxfp4Part(name)) continue;
-    Result<at::Tensor> t = LoadTensor(view, KeepsNormFp32(*config, name) ? at::kFloat : dtype, device);
+    if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
+    Result<at::Tensor> t = LoadTensor(view, KeepsNormFp32(family, name) ? at::kFloat : dtype, device);
     if (!t.ok()) return t.status();
     weights[name] = std::move(*t);
   }
   for (const auto& [name, shape] : expected) {
-    if (weights.count(name) || !config->IsGptOss()) continue;
+    if (weights.count(name) || !family.mxfp4_experts) continue;
     const TensorView *blocks = files->find(name + "_blocks"), *scales = files->find(name + "_scales");
     if (!blocks || !scales) continue;
     if (blocks->dtype != "U8" || scales->dtype != "U8" || blocks->shape.size() != 4 || blocks->shape.back() != 16 ||

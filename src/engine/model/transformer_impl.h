@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <tuple>
@@ -15,26 +16,51 @@
 
 #include "engine/lora/lora_nodes.h"
 #include "engine/model/attention.h"
+#include "engine/model/config.h"
 #include "engine/model/lean_ops.h"
 #include "engine/model/moe.h"
 #include "engine/model/transformer.h"
 
 namespace loom::engine {
 
-// The frozen base weights. q/k/v and gate/up are stored fused (one matmul
-// each per layer); their LoRA deltas are added to the matching slices.
+// One decoder layer's frozen weights in the layout the forwards use. q/k/v
+// and gate/up are stored fused (one matmul each per layer); their LoRA
+// deltas are added to the matching slices.
+struct DecoderLayerWeights {
+  at::Tensor input_norm, post_norm;
+  at::Tensor qkv_w, qkv_b;  // [(H + 2 KVH) * hd, hidden]; bias may be undefined
+  at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
+  at::Tensor o_w;             // [hidden, H * hd]
+  at::Tensor o_b;             // [hidden] (qwen3 with attention_bias, gpt_oss) or undefined
+  AttentionVariant attn;      // gpt_oss: sinks and the sliding window (attention.h); plain otherwise
+  at::Tensor gate_up_w;       // [2 * inter, hidden] (dense MLP; undefined in an MoE layer)
+  at::Tensor down_w;          // [hidden, inter]
+  MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
+};
+
+// A base weight by its HF name, on the model's device in the model dtype
+// (fp32 for the norms of a family that keeps them so).
+using WeightGetter = std::function<at::Tensor(const std::string& name)>;
+
+// What a family's load_layer (family.h) maps: layer `index` of `config`,
+// its tensors by name through `get`, into `layer` (its norms already set).
+struct LayerLoad {
+  const ModelConfig& config;
+  int64_t index;
+  std::string prefix;  // "model.layers.{index}."
+  const WeightGetter& get;
+  DecoderLayerWeights& layer;
+};
+
+// The shared blocks' loaders: the fused q/k/v (with biases when
+// attention_bias), o (its bias when attention_bias and o_bias), the q/k
+// norms when qk_norm; a dense SwiGLU MLP (fused gate/up, down).
+void LoadAttention(LayerLoad& l, bool o_bias);
+void LoadDenseMlp(LayerLoad& l);
+
+// The frozen base weights.
 struct Transformer::Impl {
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    at::Tensor qkv_w, qkv_b;  // [(H + 2 KVH) * hd, hidden]; bias may be undefined
-    at::Tensor q_norm, k_norm;  // [hd] (qwen3) or undefined
-    at::Tensor o_w;             // [hidden, H * hd]
-    at::Tensor o_b;             // [hidden] (qwen3 with attention_bias, gpt_oss) or undefined
-    AttentionVariant attn;      // gpt_oss: sinks and the sliding window (attention.h); plain otherwise
-    at::Tensor gate_up_w;       // [2 * inter, hidden] (dense MLP; undefined in an MoE layer)
-    at::Tensor down_w;          // [hidden, inter]
-    MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
-  };
+  using Layer = DecoderLayerWeights;
   at::Tensor embed;    // [vocab, hidden]
   at::Tensor norm;     // [hidden]
   at::Tensor lm_head;  // [vocab, hidden]; aliases embed when tied

@@ -1,4 +1,5 @@
-// gpt_oss (GPT-OSS-20B, transformers 5.17's modeling_gpt_oss): the family's
+// gpt_oss (GPT-OSS-20B, transformers 5.17's modeling_gpt_oss): the family
+// (family.h; its config fields, weights and presets in gpt_oss.cpp) and its
 // mapping from Hugging Face tensors onto loom's shared blocks. Everything
 // else about the family is a setting of those blocks:
 //   attention  AttentionVariant (attention.h): per-head sinks, and a sliding
@@ -16,23 +17,14 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include <functional>
 #include <string>
+#include <vector>
 
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
 #include "engine/model/moe.h"
 
 namespace loom::engine {
-
-// A base weight by its HF name, on the model's device in the model dtype.
-using WeightGetter = std::function<at::Tensor(const std::string& name)>;
-
-struct GptOssLayerWeights {
-  AttentionVariant attn;
-  MoeWeights moe;
-};
-GptOssLayerWeights LoadGptOssLayer(const ModelConfig& config, int64_t layer, const WeightGetter& get);
 
 // HF's interleaved gate_up [E, H, 2I] as [E, 2I, H], gate rows then up rows
 // (row j < I is HF column 2j, row I + j is column 2j + 1); the same
