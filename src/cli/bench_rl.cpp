@@ -50,6 +50,7 @@ struct RlOptions {
   int threads = 0;
   double lr = 1e-3;
   bool heavy_tenant = false;
+  const StepFlags* sampler_steps = nullptr;
 };
 
 constexpr int kHeavyFactor = 10;  // --heavy-tenant: tenant 0's group is this many times --group
@@ -242,6 +243,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.max_rank = o.rank;
   opt.threads = o.threads;
   opt.with_sampler = true;
+  opt.sampler_steps = o.sampler_steps;
   auto driver = ServiceDriver::Open(opt);
   if (!driver.ok()) return fail(driver.status());
   ServiceDriver& d = **driver;
@@ -313,6 +315,8 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->default_val(o.threads);
   app.add_option("--lr", o.lr, "AdamW learning rate")->default_val(o.lr)->check(CLI::Range(0.0, 10.0));
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
+  const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
+  o.sampler_steps = &step_flags;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -58,6 +58,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     samp.model_dir = model_dir;
     samp.max_rank = options.max_rank;
     samp.trainer_slots = options.max_slots;  // sampler_adapters auto: one per slot, memory permitting
+    if (options.sampler_steps) options.sampler_steps->Apply(&samp);
     auto opened = engine::Sampler::Open(shared, samp);
     if (!opened.ok()) return opened.status();
     sampler = std::move(*opened);

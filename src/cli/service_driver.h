@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/step_flags.h"
 #include "common/status.h"
 #include "engine/api.h"
 #include "service/service.h"
@@ -26,6 +27,7 @@ struct DriverOptions {
   int threads = 0;              // CPU intra-op threads, 0 = all cores
   int64_t token_budget = 8192;
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
+  const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults
 };
 
 struct Tenant {
