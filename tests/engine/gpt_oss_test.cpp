@@ -82,7 +82,7 @@ TEST(GptOssConfig, ParsesTheHubConfigAndRoundTrips) {
 TEST(GptOssConfig, RejectsWhatIsNotImplementedNamingTheField) {
   const std::vector<std::pair<std::function<void(nlohmann::json&)>, std::string>> cases = {
       {[](nlohmann::json& j) { j["swiglu_limit"] = 8.0; }, "swiglu_limit"},
-      {[](nlohmann::json& j) { j["rope_scaling"]["mscale"] = 1.0; }, "rope_scaling.mscale"},
+      {[](nlohmann::json& j) { j["rope_scaling"]["attention_factor"] = 1.0; }, "rope_scaling.attention_factor"},
       {[](nlohmann::json& j) { j["rope_scaling"]["rope_type"] = "linear"; }, "rope_scaling.rope_type"},
       {[](nlohmann::json& j) { j["layer_types"] = {"sliding_attention"}; }, "layer_types"},
       {[](nlohmann::json& j) { j["layer_types"][1] = "chunked_attention"; }, "layer_types"},

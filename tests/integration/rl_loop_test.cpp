@@ -1,5 +1,5 @@
 // The client-driven RL loop through the real `loom serve` (CPU, fp32; the
-// embedded tiny qwen3, and make-model's tiny qwen3_moe and gpt_oss with LoRA on their
+// embedded tiny qwen3, and make-model's tiny qwen3_moe, gpt_oss, deepseek_v2 and deepseek_v3 with LoRA on their
 // experts): 3 tenants, concurrently, 3 steps each of
 //   save_weights_and_get_sampling_client -> asample a group -> importance
 //   sampling forward_backward on it -> optim_step.
@@ -89,7 +89,7 @@ TEST_P(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
   std::filesystem::remove_all(data_dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss"));
+INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3"));
 
 }  // namespace
 }  // namespace loom

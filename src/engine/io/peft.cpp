@@ -164,10 +164,17 @@ Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::
   SafetensorsWriter writer;
   writer.SetMetadata("format", "pt");
   std::vector<std::string> modules, parameters;  // short names / expert parameters, first-seen order
+  // Beside experts, a dense MLP projection is a target_parameters entry by
+  // its full name: PEFT's transformers-v5 shim takes a gate_proj module
+  // target of an MoE model for the experts' fused tensor.
+  const bool moe = std::any_of(adapter.factors.begin(), adapter.factors.end(),
+                               [](const PeftAdapter::Factor& f) { return IsExpertModule(f.module); });
   for (const PeftAdapter::Factor& f : adapter.factors) {
     const bool expert = IsExpertModule(f.module);
-    const std::string name = expert ? PeftParameterName(f.module) : PeftShortName(f.module);
-    std::vector<std::string>& list = expert ? parameters : modules;
+    const bool dense_param = moe && !expert && IsDenseMlpParameter(f.module + ".weight");
+    const std::string name =
+        expert ? PeftParameterName(f.module) : dense_param ? f.module + ".weight" : PeftShortName(f.module);
+    std::vector<std::string>& list = expert || dense_param ? parameters : modules;
     if (std::find(list.begin(), list.end(), name) == list.end()) list.push_back(name);
     const auto [a, b] = expert ? ExpertsToPeft(f.A, f.B, f.hf_interleaved) : std::pair{f.A, f.B};
     if (Status s = AddTensor(writer, TensorName(f.module, true), a); !s.ok()) return s;
@@ -223,8 +230,15 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
   // Whether the config names target t (a module by its short name, an
   // expert parameter by its target_parameters entry).
   const auto named = [&](const LoraTarget& t) {
-    return t.is_expert() ? cfg->parameters.count(PeftParameterName(t.module)) > 0
-                         : modules.count(PeftShortName(t.module)) > 0;
+    if (t.is_expert()) return cfg->parameters.count(PeftParameterName(t.module)) > 0;
+    if (modules.count(PeftShortName(t.module))) return true;
+    // A dense MLP weight as a parameter entry: its full name or a suffix of it at a dot.
+    const std::string full = t.module + ".weight";
+    for (const std::string& p : cfg->parameters)
+      if (IsDenseMlpParameter(p) && full.size() >= p.size() && full.compare(full.size() - p.size(), p.size(), p) == 0 &&
+          (full.size() == p.size() || full[full.size() - p.size() - 1] == '.'))
+        return true;
+    return false;
   };
   std::set<std::string> expected;
   for (const LoraTarget& t : bank.targets()) {

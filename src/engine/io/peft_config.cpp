@@ -4,6 +4,16 @@
 
 namespace loom::engine {
 
+bool IsDenseMlpParameter(const std::string& name) {
+  for (const char* suffix : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) {
+    const std::string s = suffix;
+    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0 &&
+        (name.size() == s.size() || name[name.size() - s.size() - 1] == '.'))
+      return true;
+  }
+  return false;
+}
+
 Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, const std::string& path) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Status::Invalid(path + " is not a JSON object");
@@ -41,7 +51,8 @@ Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, co
   for (const auto& m : j["target_modules"]) {
     if (!m.is_string()) return bad("target_modules", "must hold strings");
     const std::string name = m.get<std::string>();
-    if (name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj")
+    if (name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj" || name == "q_a_proj" ||
+        name == "q_b_proj" || name == "kv_a_proj_with_mqa" || name == "kv_b_proj")
       config.train_attn = true;
     else if (name == "gate_proj" || name == "up_proj" || name == "down_proj")
       config.train_mlp = true;
@@ -53,15 +64,19 @@ Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, co
   }
   if (j.contains("target_parameters") && !j["target_parameters"].is_null()) {
     if (!j["target_parameters"].is_array()) return bad("target_parameters", "must be a list of parameter names");
+    int experts = 0;
     for (const auto& p : j["target_parameters"]) {
       if (!p.is_string()) return bad("target_parameters", "must hold strings");
       const std::string name = p.get<std::string>();
-      if (name != "mlp.experts.gate_up_proj" && name != "mlp.experts.down_proj")
+      const bool expert = name == "mlp.experts.gate_up_proj" || name == "mlp.experts.down_proj";
+      if (!expert && !IsDenseMlpParameter(name))
         return bad("target_parameters", "names '" + name +
-                                            "'; loom adapts mlp.experts.gate_up_proj and mlp.experts.down_proj");
+                                            "'; loom adapts mlp.experts.gate_up_proj and mlp.experts.down_proj, and "
+                                            "a dense MLP's <module>.{gate,up,down}_proj.weight");
+      experts += expert && !out.parameters.count(name);
       out.parameters.insert(name);
     }
-    if (out.parameters.size() == 1)
+    if (experts == 1)
       return bad("target_parameters", "must name both mlp.experts.gate_up_proj and mlp.experts.down_proj");
     if (!out.parameters.empty()) config.train_mlp = true;
   }

@@ -9,6 +9,19 @@
 namespace loom::engine {
 namespace {
 
+// Values narrower than the queries (MLA: v_head_dim < qk_nope + qk_rope):
+// every path below takes one head width, so the values get zero columns up
+// to it (their outputs are zero) and the output is narrowed back, as HF does
+// for its flash kernels. v [.., H, dv] -> [.., H, hd]; out [T, H * hd] -> [T, H * dv].
+at::Tensor PadValues(const at::Tensor& v, int64_t hd) {
+  std::vector<int64_t> shape = v.sizes().vec();
+  shape.back() = hd - v.size(-1);
+  return at::cat({v, at::zeros(shape, v.options())}, -1);
+}
+at::Tensor NarrowHeads(const at::Tensor& out, int64_t heads, int64_t hd, int64_t dv) {
+  return out.view({out.size(0), heads, hd}).narrow(-1, 0, dv).reshape({out.size(0), heads * dv});
+}
+
 // One sequence, math path. q [H, n, hd] (the last n positions), k/v [KVH,
 // L, hd]. Grouped-query attention by viewing the H query heads as [KVH,
 // group] and broadcasting the matmul over the group, so K and V are never
@@ -137,6 +150,9 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded, const AttentionVariant* variant) {
+  if (v.size(-1) != q.size(-1))
+    return NarrowHeads(PackedCausalAttention(q, k, PadValues(v, q.size(-1)), seq_begin, kernel, padded, variant),
+                       q.size(1), q.size(-1), v.size(-1));
   if (variant && variant->plain()) variant = nullptr;
   if (padded && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
   const int64_t heads = q.size(1), hd = q.size(2);
@@ -168,6 +184,9 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 
 at::Tensor PrefixCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  AttentionKernel kernel, const AttentionVariant* variant) {
+  if (v.size(-1) != q.size(-1))
+    return NarrowHeads(PrefixCausalAttention(q, k, PadValues(v, q.size(-1)), kernel, variant), q.size(1), q.size(-1),
+                       v.size(-1));
   if (variant && !variant->plain()) return VariantCausal(q, k, v, *variant);
   const int64_t n = q.size(0), heads = q.size(1), hd = q.size(2);
   // [n, H, hd] -> [H, n, hd]; [L, KVH, hd] -> [KVH, L, hd]

@@ -75,6 +75,9 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 // seq_begin: S+1 cumulative offsets with seq_begin.back() == T.
 // Returns [T, H * hd] in q's dtype; differentiable into q, k, v. A
 // non-plain variant takes the per-sequence math path (kernel and padded unused).
+// v may be narrower than q and k (MLA's v_head_dim: [T, KVH, dv], dv < hd):
+// the output is then [T, H * dv] (the values padded with zeros, the output
+// narrowed back); the softmax scale is 1/sqrt(hd) either way.
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded = nullptr,  // batched when given

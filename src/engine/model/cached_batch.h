@@ -17,19 +17,31 @@
 
 namespace loom::engine {
 
+// One token's row of a layer's pools: K [k_heads, k_dim] and V [v_heads,
+// v_dim]. Plain attention: [KVH, hd] each. MLA (mla.h): the latent row
+// [1, kv_lora_rank + qk_rope_head_dim] in K and nothing in V.
+struct KvRowShape {
+  int64_t k_heads = 0, k_dim = 0, v_heads = 0, v_dim = 0;
+  int64_t elements() const { return k_heads * k_dim + v_heads * v_dim; }
+};
+
 struct KvCache {
-  std::vector<at::Tensor> k, v;  // per layer [rows, KVH, hd], model dtype
+  std::vector<at::Tensor> k, v;  // per layer [rows, k_heads, k_dim] and [rows, v_heads, v_dim], model dtype
   int64_t rows() const { return k.empty() ? 0 : k[0].size(0); }
   // Zero-filled pools of `rows` token rows for a model of these sizes.
-  static KvCache Allocate(int64_t layers, int64_t rows, int64_t kv_heads, int64_t head_dim, at::Device device,
+  static KvCache Allocate(int64_t layers, int64_t rows, const KvRowShape& shape, at::Device device,
                           at::ScalarType dtype) {
     KvCache c;
     const auto opts = at::TensorOptions().dtype(dtype).device(device);
     for (int64_t i = 0; i < layers; ++i) {
-      c.k.push_back(at::zeros({rows, kv_heads, head_dim}, opts));
-      c.v.push_back(at::zeros({rows, kv_heads, head_dim}, opts));
+      c.k.push_back(at::zeros({rows, shape.k_heads, shape.k_dim}, opts));
+      c.v.push_back(at::zeros({rows, shape.v_heads, shape.v_dim}, opts));
     }
     return c;
+  }
+  static KvCache Allocate(int64_t layers, int64_t rows, int64_t kv_heads, int64_t head_dim, at::Device device,
+                          at::ScalarType dtype) {
+    return Allocate(layers, rows, KvRowShape{kv_heads, head_dim, kv_heads, head_dim}, device, dtype);
   }
 };
 

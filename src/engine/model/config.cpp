@@ -65,6 +65,8 @@ Status ParseRope(const json& j, const Family& family, ModelConfig* c) {
       else if (key == "truncate") s = GetBool(*rs, "truncate", &c->yarn_truncate);
       else if (key == "original_max_position_embeddings")
         s = GetInt(*rs, "original_max_position_embeddings", false, &c->rope_original_max_position);
+      else if (key == "mscale") s = GetDouble(*rs, "mscale", &c->yarn_mscale);
+      else if (key == "mscale_all_dim") s = GetDouble(*rs, "mscale_all_dim", &c->yarn_mscale_all_dim);
       else return Status::Invalid("config.json: '" + f + "." + key + "' is not supported for yarn");
       if (!s.ok()) return Status::Invalid("config.json: '" + f + "." + key + "' has the wrong type");
     }
@@ -82,7 +84,7 @@ bool ModelConfig::IsSlidingLayer(int64_t layer) const {
 }
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
-  if (num_experts <= 0) return false;
+  if (num_experts <= 0 || layer < first_k_dense_replace) return false;
   for (int64_t l : mlp_only_layers)
     if (l == layer) return false;
   return (layer + 1) % decoder_sparse_step == 0;
@@ -94,7 +96,11 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const
   if (!family) return w;
   w.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    AttentionWeightShapes(c, "model.layers." + std::to_string(i) + ".", family->o_bias, w);
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    if (family->mla)  // the family's layer_weights lists its own attention
+      w.push_back({p + "input_layernorm.weight", {c.hidden_size}});
+    else
+      AttentionWeightShapes(c, p, family->o_bias, w);
     family->layer_weights(c, i, w);
   }
   w.push_back({"model.norm.weight", {c.hidden_size}});
@@ -214,6 +220,8 @@ std::string ModelConfig::ToJson() const {
                          {"truncate", yarn_truncate},
                          {"original_max_position_embeddings",
                           rope_original_max_position > 0 ? rope_original_max_position : max_position_embeddings}};
+    if (yarn_mscale > 0) j["rope_scaling"]["mscale"] = yarn_mscale;
+    if (yarn_mscale_all_dim > 0) j["rope_scaling"]["mscale_all_dim"] = yarn_mscale_all_dim;
   } else {
     j["rope_scaling"] = nullptr;
   }

@@ -12,7 +12,7 @@
 namespace loom::engine {
 
 struct ModelConfig {
-  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe" | "gpt_oss"
+  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe" | "gpt_oss" | "deepseek_v2" | "deepseek_v3"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -40,7 +40,33 @@ struct ModelConfig {
   bool norm_topk_prob = false;        // renormalise the top-k probabilities to sum to 1
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
+  int64_t first_k_dense_replace = 0;  // deepseek: layers below it are dense whatever the above say
   bool IsMoeLayer(int64_t layer) const;
+
+  // DeepSeek (deepseek_v2, deepseek_v3): multi-head latent attention (MLA)
+  // when kv_lora_rank > 0. q is q_proj(h), or q_b_proj(norm(q_a_proj(h)))
+  // when q_lora_rank > 0, split per head into qk_nope_head_dim and
+  // qk_rope_head_dim; kv_a_proj_with_mqa(h) is the latent c (kv_lora_rank,
+  // normed) and one RoPE key shared by all heads (qk_rope_head_dim);
+  // kv_b_proj(c) gives each head its nope key and its value (v_head_dim).
+  // RoPE (over qk_rope_head_dim: head_dim is set to it) rotates adjacent
+  // pairs when rope_interleave. The sampler caches c and the RoPE key only.
+  int64_t q_lora_rank = 0, kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool rope_interleave = false;
+  bool IsMla() const { return kv_lora_rank > 0; }
+  // DeepSeek-style experts: n_shared_experts always-on experts (one dense
+  // SwiGLU of width moe_intermediate_size * n_shared_experts) beside the
+  // routed ones; the routing weights times routed_scaling_factor. Routing
+  // (moe.h): "softmax" scores, top-k over the topk_group best of n_group
+  // groups by their best score (deepseek_v2's greedy and
+  // group_limited_greedy); or "sigmoid" scores plus a correction bias for
+  // the choice only, groups ranked by their two best (deepseek_v3's noaux_tc).
+  int64_t n_shared_experts = 0;
+  double routed_scaling_factor = 1.0;
+  int64_t n_group = 1, topk_group = 1;
+  std::string scoring_func = "softmax";
+  std::string topk_method;  // as config.json states it (written back)
 
   // gpt_oss: every layer is MoE (moe_intermediate_size = intermediate_size,
   // the HF field), with a biased top-k-then-softmax router, interleaved
@@ -59,6 +85,11 @@ struct ModelConfig {
   double yarn_beta_fast = 32.0, yarn_beta_slow = 1.0;
   int64_t rope_original_max_position = 0;  // 0 = max_position_embeddings
   bool yarn_truncate = true;               // HF's default when the key is absent
+  // DeepSeek's YaRN keys (0: absent): the attention factor on cos and sin is
+  // mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim) when
+  // both are stated (HF's _compute_yarn_parameters), and deepseek_v3's
+  // softmax scale is multiplied by mscale(factor, yarn_mscale_all_dim)^2.
+  double yarn_mscale = 0, yarn_mscale_all_dim = 0;
 
   // Parse rejects (naming the field): unsupported model_type, a rope_scaling
   // (or non-default rope_parameters) other than gpt_oss's yarn, use_sliding_window true, hidden_act

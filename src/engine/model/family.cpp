@@ -9,9 +9,12 @@ extern const Family kQwen2Family;
 extern const Family kQwen3Family;
 extern const Family kQwen3MoeFamily;
 extern const Family kGptOssFamily;
+extern const Family kDeepseekV2Family;
+extern const Family kDeepseekV3Family;
 
 namespace {
-const Family* const kFamilies[] = {&kQwen2Family, &kQwen3Family, &kQwen3MoeFamily, &kGptOssFamily};
+const Family* const kFamilies[] = {&kQwen2Family,  &kQwen3Family,       &kQwen3MoeFamily,
+                                   &kGptOssFamily, &kDeepseekV2Family, &kDeepseekV3Family};
 }  // namespace
 
 const Family* FindFamily(const std::string& model_type) {

@@ -39,6 +39,7 @@ struct Family {
   bool interleaved_gate_up = false;  // the experts' gate/up columns interleave (so do PEFT's lora_B rows)
   bool o_bias = true;                // o_proj has a bias when attention_bias does (qwen2: never)
   bool writes_sliding = false;       // writes sliding_window itself (else use_sliding_window false, nulls)
+  bool mla = false;                  // multi-head latent attention: layer_weights lists the attention too (mla.h)
   // Config: defaults set before config.json is read (RoPE and the like);
   // its own fields read after the shared ones (Invalid naming the field);
   // its own fields written (after attention_bias's place); the checks of a
@@ -59,7 +60,7 @@ struct Family {
 
 // The family of model_type, or null.
 const Family* FindFamily(const std::string& model_type);
-// "qwen2, qwen3, qwen3_moe, gpt_oss": the supported model_types, for messages.
+// "qwen2, qwen3, qwen3_moe, gpt_oss, ...": the supported model_types, for messages.
 std::string FamilyNames();
 
 // gpt_oss's default layer_types (HF's): sliding on even layers, full on odd

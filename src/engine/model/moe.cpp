@@ -150,6 +150,27 @@ at::Tensor ClampedSwiGlu(const at::Tensor& gate_up) {
   return (up + 1) * (gate * at::sigmoid(gate * kAlpha));
 }
 
+// The grouped routers (moe.h): {weights [T, K] fp32, experts [T, K]} from
+// the fp32 logits.
+std::pair<at::Tensor, at::Tensor> GroupedRoute(const MoeWeights& w, const at::Tensor& logits) {
+  const int64_t T = logits.size(0), E = logits.size(1), G = w.groups;
+  const bool sigmoid = w.router_kind == MoeRouter::kGroupedSigmoid;
+  const at::Tensor scores = sigmoid ? logits.sigmoid() : at::softmax(logits, -1);
+  at::Tensor choice = sigmoid && w.score_bias.defined() ? scores + w.score_bias.to(at::kFloat).unsqueeze(0) : scores;
+  if (G > 1 && w.topk_groups < G) {
+    const at::Tensor by_group = choice.view({T, G, E / G});
+    const at::Tensor group_scores =
+        sigmoid ? std::get<0>(by_group.topk(std::min<int64_t>(2, E / G), -1)).sum(-1) : std::get<0>(by_group.max(-1));
+    const at::Tensor best = std::get<1>(group_scores.topk(w.topk_groups, -1));
+    const at::Tensor keep = at::zeros({T, G}, choice.options().dtype(at::kBool)).scatter_(1, best, true);
+    choice = choice.masked_fill(keep.unsqueeze(-1).expand({T, G, E / G}).reshape({T, E}).logical_not(), 0.0);
+  }
+  const at::Tensor experts = std::get<1>(choice.topk(w.top_k, -1));
+  at::Tensor weights = scores.gather(1, experts);
+  if (sigmoid && w.norm_topk) weights = weights / (weights.sum(-1, /*keepdim=*/true) + 1e-20);
+  return {weights * w.routed_scale, experts};
+}
+
 }  // namespace
 
 ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
@@ -214,9 +235,13 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
                       const LoraTarget* down, const ExpertLoraRouting* lora) {
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
   // Route (HF's order for each router kind; moe.h).
-  const at::Tensor logits = at::linear(h, w.router, w.router_bias);
+  const bool grouped = w.router_kind == MoeRouter::kGroupedSoftmax || w.router_kind == MoeRouter::kGroupedSigmoid;
+  const at::Tensor logits =
+      grouped ? at::linear(h.to(at::kFloat), w.router.to(at::kFloat)) : at::linear(h, w.router, w.router_bias);
   at::Tensor top_p, top_e;
-  if (w.router_kind == MoeRouter::kTopKSoftmax) {
+  if (grouped) {
+    std::tie(top_p, top_e) = GroupedRoute(w, logits);
+  } else if (w.router_kind == MoeRouter::kTopKSoftmax) {
     std::tie(top_p, top_e) = logits.topk(K, -1);
     top_p = at::softmax(top_p, -1, top_p.scalar_type());
   } else {
@@ -258,7 +283,7 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
   if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
-  at::Tensor out = pairs.Combine(y * weight);
+  at::Tensor out = pairs.Combine((y * weight).to(y.scalar_type()));  // the grouped routers' weights are fp32
   if (plan) out = out + DownDelta(*plan, *down, act, pairs, weight);
   return out;
 }

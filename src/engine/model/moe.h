@@ -7,6 +7,15 @@
 //     renormalised to sum 1 when norm_topk, cast back to the model dtype.
 //   kTopKSoftmax (gpt_oss): logits h W_r^T + b_r; top-k of the logits; a
 //     softmax over those k in the model dtype.
+//   kGroupedSoftmax (deepseek_v2): logits in fp32 (h and W_r cast); softmax
+//     over all E; the experts split into `groups` groups of E / groups, each
+//     ranked by its best score; top-k among the `topk_groups` best groups
+//     (others masked to 0); the chosen scores times routed_scale, in fp32
+//     (greedy: one group).
+//   kGroupedSigmoid (deepseek_v3): logits in fp32; sigmoid scores s; the
+//     choice ranks s + score_bias (the correction bias), groups by the sum
+//     of their two best; the weights are the chosen s, renormalised to sum
+//     1 (+1e-20) when norm_topk, times routed_scale, in fp32.
 // Each token's output is the routing-weighted sum of its k experts' MLPs
 // (gate_up [2I, H] with the gate rows first, down [H, I], each with an
 // optional per-expert bias added before the weighting, so the down bias is
@@ -39,7 +48,7 @@
 
 namespace loom::engine {
 
-enum class MoeRouter { kSoftmaxTopK, kTopKSoftmax };
+enum class MoeRouter { kSoftmaxTopK, kTopKSoftmax, kGroupedSoftmax, kGroupedSigmoid };
 enum class MoeActivation { kSwiGlu, kClampedSwiGlu };
 
 // One MoE layer's frozen weights (undefined router: a dense layer).
@@ -50,8 +59,11 @@ struct MoeWeights {
   at::Tensor gate_up_bias;  // [E, 2I] (gate then up) or undefined
   at::Tensor down;          // [E, H, I]
   at::Tensor down_bias;     // [E, H] or undefined
+  at::Tensor score_bias;    // [E] fp32 (kGroupedSigmoid's correction bias) or undefined
   int64_t top_k = 0;
-  bool norm_topk = false;   // kSoftmaxTopK only
+  bool norm_topk = false;   // kSoftmaxTopK and kGroupedSigmoid
+  int64_t groups = 1, topk_groups = 1;  // the grouped routers
+  double routed_scale = 1.0;            // the grouped routers
   MoeRouter router_kind = MoeRouter::kSoftmaxTopK;
   MoeActivation activation = MoeActivation::kSwiGlu;
   bool defined() const { return router.defined(); }

@@ -14,6 +14,8 @@ double CorrectionDim(double rotations, double dim, double base, double context) 
 
 }  // namespace
 
+double YarnMscale(double factor, double mscale) { return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0; }
+
 RopeFrequencies MakeRopeFrequencies(const ModelConfig& c, int64_t head_dim) {
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   // HF: base^(arange(0, hd, 2) / hd) in fp32.
@@ -42,7 +44,9 @@ RopeFrequencies MakeRopeFrequencies(const ModelConfig& c, int64_t head_dim) {
   const at::Tensor ramp = ((at::arange(head_dim / 2, f32) - low) / (high - low)).clamp(0, 1);
   const at::Tensor extrapolation_weight = 1 - ramp;
   r.inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight;
-  r.scale = factor <= 1 ? 1.0 : 0.1 * std::log(factor) + 1.0;
+  r.scale = YarnMscale(factor, 1.0);
+  if (c.yarn_mscale > 0 && c.yarn_mscale_all_dim > 0)
+    r.scale = YarnMscale(factor, c.yarn_mscale) / YarnMscale(factor, c.yarn_mscale_all_dim);
   return r;
 }
 

@@ -36,8 +36,11 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
 }
 
 // A family may keep its RMSNorm weights in fp32 in any model dtype (HF's
-// _keep_in_fp32_modules; gpt_oss); lean_ops.h then scales in fp32.
-bool KeepsNormFp32(const Family& f, const std::string& name) { return f.norms_fp32 && EndsWith(name, "norm.weight"); }
+// _keep_in_fp32_modules; gpt_oss); lean_ops.h then scales in fp32. An
+// expert router's correction bias is fp32 in every family (deepseek_v3).
+bool KeepsNormFp32(const Family& f, const std::string& name) {
+  return (f.norms_fp32 && EndsWith(name, "norm.weight")) || EndsWith(name, "e_score_correction_bias");
+}
 
 // MXFP4 experts (a family with mxfp4_experts: gpt_oss): X_blocks and
 // X_scales stand for the bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
@@ -128,22 +131,40 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
   const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
                 kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
   std::vector<LoraTargetSpec> t;
+  const auto mlp = [&](const std::string& p, int64_t width) {
+    t.push_back({p + "gate_proj", TargetGroup::kMlp, h, width});
+    t.push_back({p + "up_proj", TargetGroup::kMlp, h, width});
+    t.push_back({p + "down_proj", TargetGroup::kMlp, width, h});
+  };
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = LayerPrefix(i);
-    t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, q});
-    t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kv});
-    t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kv});
-    t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, q, h});
+    if (c.IsMla()) {  // engine/model/mla.h
+      const int64_t qk = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim);
+      if (c.q_lora_rank > 0) {
+        t.push_back({p + "self_attn.q_a_proj", TargetGroup::kAttn, h, c.q_lora_rank});
+        t.push_back({p + "self_attn.q_b_proj", TargetGroup::kAttn, c.q_lora_rank, qk});
+      } else {
+        t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, qk});
+      }
+      t.push_back({p + "self_attn.kv_a_proj_with_mqa", TargetGroup::kAttn, h, c.kv_lora_rank + c.qk_rope_head_dim});
+      t.push_back({p + "self_attn.kv_b_proj", TargetGroup::kAttn, c.kv_lora_rank,
+                   c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)});
+      t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * c.v_head_dim, h});
+    } else {
+      t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, q});
+      t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kv});
+      t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kv});
+      t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, q, h});
+    }
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
       t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB,
                    /*hf_interleaved=*/FindFamily(c.model_type)->interleaved_gate_up});
       t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
+      if (c.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", mi * c.n_shared_experts);
       continue;
     }
-    t.push_back({p + "mlp.gate_proj", TargetGroup::kMlp, h, inter});
-    t.push_back({p + "mlp.up_proj", TargetGroup::kMlp, h, inter});
-    t.push_back({p + "mlp.down_proj", TargetGroup::kMlp, inter, h});
+    mlp(p + "mlp.", inter);
   }
   t.push_back({"lm_head", TargetGroup::kUnembed, h, c.vocab_size});
   return t;
@@ -183,6 +204,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   impl->kv_heads = config.num_key_value_heads;
   impl->head_dim = HeadDim(config);
   impl->inter = config.intermediate_size;
+  impl->mla = config.IsMla();
   impl->embed = get("model.embed_tokens.weight");
   impl->norm = get("model.norm.weight");
   impl->lm_head = config.tie_word_embeddings ? impl->embed : get("lm_head.weight");
@@ -256,7 +278,9 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
   for (const Impl::Layer& l : m.layers)
     for (const at::Tensor& t :
          {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.attn.sinks, l.gate_up_w,
-          l.down_w, l.moe.router, l.moe.router_bias, l.moe.gate_up, l.moe.gate_up_bias, l.moe.down, l.moe.down_bias})
+          l.down_w, l.moe.router, l.moe.router_bias, l.moe.score_bias, l.moe.gate_up, l.moe.gate_up_bias, l.moe.down,
+          l.moe.down_bias, l.mla.q_w, l.mla.q_a_w, l.mla.q_a_b, l.mla.q_a_norm, l.mla.q_b_w, l.mla.kv_a_w, l.mla.kv_a_b,
+          l.mla.kv_a_norm, l.mla.kv_b_w})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -282,10 +306,9 @@ std::vector<at::Tensor> LayerLeaves(const SlotBank& bank, size_t layer, bool att
   std::vector<at::Tensor> leaves;
   const auto [gate_up, down] = ExpertTargets(bank, layer);
   const bool experts = gate_up != nullptr;
-  for (int k = 0; k < (experts ? 4 : 7); ++k) {
-    if (!(k < 4 ? attn : mlp)) continue;
+  for (int k = 0; k < kNumLayerTargets; ++k) {
     const LoraTarget* t = LayerTarget(bank, layer, k);
-    if (!t) continue;
+    if (!t || !(t->group == TargetGroup::kAttn ? attn : mlp)) continue;
     leaves.push_back(t->A);
     leaves.push_back(t->B);
   }
@@ -321,7 +344,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   auto layer = [&m, &bank, &seq_begin, state, kernel, eps, attn_lora, mlp_lora](size_t i, const at::Tensor& x) {
     auto lora = [&](size_t l, std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
                     const at::Tensor& b, bool on) { return state->delta.Project(l, ks, in, w, b, on); };
-    auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&) {
       return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get(), &m.layers[l].attn);
     };
     auto moe = [&](size_t l, const at::Tensor& h) {

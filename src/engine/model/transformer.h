@@ -1,4 +1,4 @@
-// Transformer: a Hugging Face decoder-only model (qwen2, qwen3, qwen3_moe, gpt_oss) with frozen
+// Transformer: a Hugging Face decoder-only model (qwen2, qwen3, qwen3_moe, gpt_oss, deepseek_v2/_v3) with frozen
 // base weights, run over a packed batch with per-sequence LoRA slots.
 //
 // A packed batch is one token axis across all sequences: no padding,
@@ -23,6 +23,7 @@ namespace loom::engine {
 
 struct CachedBatch;  // engine/model/cached_batch.h: the sampler's rows over a paged KV cache
 struct KvCache;
+struct KvRowShape;
 
 // A batch in the uniform layout (engine/train/uniform_pass.h): S sequences
 // of L rows each, back to back, each its own LoRA group, with each
@@ -106,6 +107,8 @@ class Transformer {
   // keys/values into cache, and returns final-normed hidden states
   // [new tokens, hidden] fp32. Same math as Hidden(); not differentiable.
   at::Tensor ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const;
+  // One token's row of each layer's KV pools for this config (cached_batch.h).
+  static KvRowShape KvShape(const ModelConfig& config);
 
   // Every frozen base tensor (tests, memory accounting). None requires grad.
   std::vector<at::Tensor> BaseWeights() const;

@@ -73,7 +73,37 @@ at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, con
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
 
+// The same for an MLA layer, whose pool holds latent rows (mla.h): each
+// row's cached latents are expanded through kv_b_proj with the row's slot's
+// LoRA, as the trainer computed its keys and values.
+at::Tensor MlaPrefillOverCachedPrefix(const MlaWeights& w, const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const at::Tensor& pool, const CachedBatch& batch,
+                                      AttentionKernel kernel, const SlotBank& bank, const LoraTarget* kv_b) {
+  std::vector<at::Tensor> outs;
+  int64_t rows_at = 0;
+  for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
+    const int64_t begin = batch.seq_begin[i], n = batch.seq_begin[i + 1] - begin, c = batch.seq_cached[i];
+    if (n == 0) continue;
+    const at::Tensor qs = q.narrow(0, begin, n), ks = k.narrow(0, begin, n), vs = v.narrow(0, begin, n);
+    if (c == 0) {
+      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel));
+      continue;
+    }
+    const at::Tensor lat = pool.index_select(0, batch.cached_rows.narrow(0, rows_at, c)).squeeze(1).to(q.scalar_type());
+    rows_at += c;
+    const auto [kc, vc] = MlaExpandLatent(w, lat, bank, kv_b, batch.seq_slot[i]);
+    outs.push_back(PrefixCausalAttention(qs, at::cat({kc, ks}, 0), at::cat({vc, vs}, 0), kernel));
+  }
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
+}
+
 }  // namespace
+
+KvRowShape Transformer::KvShape(const ModelConfig& c) {
+  if (c.IsMla()) return {1, c.kv_lora_rank + c.qk_rope_head_dim, 0, 0};
+  const int64_t hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;
+  return {c.num_key_value_heads, hd, c.num_key_value_heads, hd};
+}
 
 at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const {
   c10::NoGradGuard no_grad;
@@ -95,7 +125,17 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   // New tokens' keys and values go into the paged cache; a prefill attends
   // within its own rows (and its cached prefix), a decode row reads its
   // context back from the cache.
-  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& latent) {
+    if (latent.defined()) {  // MLA: the pool holds each token's latent row
+      const MlaWeights& w = m.layers[i].mla;
+      cache.k[i].index_copy_(0, batch.write_rows, latent.unsqueeze(1).to(cache.k[i].scalar_type()));
+      const LoraTarget* kv_b = attn_lora ? LayerTarget(bank, i, kTargetKvB) : nullptr;
+      if (over_prefix)
+        return MlaPrefillOverCachedPrefix(w, q, k, v, cache.k[i], batch, attention_kernel_, bank, kv_b);
+      return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get())
+                           : MlaDecodeAttention(w, q, cache.k[i], batch.context_rows, batch.context_mask, bank, kv_b,
+                                                batch.seq_slot);
+    }
     cache.k[i].index_copy_(0, batch.write_rows, k.to(cache.k[i].scalar_type()));
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));
     const AttentionVariant& variant = m.layers[i].attn;

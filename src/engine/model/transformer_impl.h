@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <cmath>
 #include <functional>
 #include <initializer_list>
 #include <string>
@@ -18,6 +19,7 @@
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
 #include "engine/model/lean_ops.h"
+#include "engine/model/mla.h"
 #include "engine/model/moe.h"
 #include "engine/model/transformer.h"
 
@@ -33,9 +35,10 @@ struct DecoderLayerWeights {
   at::Tensor o_w;             // [hidden, H * hd]
   at::Tensor o_b;             // [hidden] (qwen3 with attention_bias, gpt_oss) or undefined
   AttentionVariant attn;      // gpt_oss: sinks and the sliding window (attention.h); plain otherwise
-  at::Tensor gate_up_w;       // [2 * inter, hidden] (dense MLP; undefined in an MoE layer)
+  at::Tensor gate_up_w;       // [2 * inter, hidden]: the dense MLP, or an MoE layer's shared experts (or undefined)
   at::Tensor down_w;          // [hidden, inter]
   MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
+  MlaWeights mla;             // multi-head latent attention (mla.h) in place of qkv_w and the rest; or undefined
 };
 
 // A base weight by its HF name, on the model's device in the model dtype
@@ -68,6 +71,7 @@ struct Transformer::Impl {
   double rope_scale = 1.0;  // YaRN's attention factor on cos and sin (1: plain RoPE)
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  bool mla = false;  // the layers attend by MLA (head_dim is then its RoPE width)
 };
 
 // RMSNorm as Hugging Face computes it (lean_ops.h): normalise in fp32,
@@ -77,10 +81,17 @@ inline at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double 
   return RmsNormLean(x, weight, eps);
 }
 
-// The layer's LoRA targets in LoraTargets() order, as module-path suffixes.
-inline constexpr const char* kLayerTargets[7] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                 "self_attn.o_proj", "mlp.gate_proj",    "mlp.up_proj",
-                                                 "mlp.down_proj"};
+// The layer's LoRA targets as module-path suffixes: a dense layer's seven
+// in LoraTargets() order, then MLA's projections (mla.h) and an MoE layer's
+// shared experts.
+inline constexpr const char* kLayerTargets[] = {
+    "self_attn.q_proj",   "self_attn.k_proj",   "self_attn.v_proj",           "self_attn.o_proj",
+    "mlp.gate_proj",      "mlp.up_proj",        "mlp.down_proj",              "self_attn.q_a_proj",
+    "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "mlp.shared_experts.gate_proj",
+    "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"};
+inline constexpr int kNumLayerTargets = sizeof(kLayerTargets) / sizeof(kLayerTargets[0]);
+// Indices of kLayerTargets beyond the dense seven.
+inline constexpr int kTargetQa = 7, kTargetQb = 8, kTargetKvA = 9, kTargetKvB = 10, kTargetSharedGate = 11;
 
 // The bank's target for the layer's k-th LoRA target (kLayerTargets). Bank
 // targets are expected in LoraTargets() order (7 per dense layer); lookup by
@@ -90,7 +101,7 @@ inline const LoraTarget* LayerTarget(const SlotBank& bank, size_t layer, int k) 
   const std::string module = "model.layers." + std::to_string(layer) + "." + kLayerTargets[k];
   const size_t index = layer * 7 + static_cast<size_t>(k);
   const auto& ts = bank.targets();
-  if (index < ts.size() && ts[index].module == module) return &ts[index];
+  if (k < 7 && index < ts.size() && ts[index].module == module) return &ts[index];
   return bank.find(module);
 }
 
@@ -251,10 +262,12 @@ class BatchLora {
 // cast, as HF does).
 struct Rope {
   at::Tensor cos, sin;
+  at::Tensor cos32, sin32;  // MLA models: the same tables in fp32 (mla.h rotates in fp32, as HF)
   template <typename Model>
   static Rope Make(const Model& m, const at::Tensor& positions, at::ScalarType dtype) {
     const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    if (m.mla) return Rope{{}, {}, (emb.cos() * m.rope_scale).unsqueeze(1), (emb.sin() * m.rope_scale).unsqueeze(1)};
     if (m.rope_scale != 1.0)
       return Rope{(emb.cos() * m.rope_scale).to(dtype).unsqueeze(1), (emb.sin() * m.rope_scale).to(dtype).unsqueeze(1)};
     return Rope{emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
@@ -270,8 +283,12 @@ struct Rope {
 //                             weight W and bias b) and, with `on`, their
 //                             LoRA: {base, deltas} or {base + deltas,
 //                             undefined} (BatchLora::Project);
-//   attend(layer, q, k, v)    attention [T, H * hd] for post-RoPE q [T, H, hd]
-//                             and k, v [T, KVH, hd];
+//   attend(layer, q, k, v, latent)
+//                             attention [T, H * dv] for post-RoPE q [T, H, hd]
+//                             and k [T, KVH, hd], v [T, KVH, dv] (dv = hd but
+//                             in MLA layers); latent: an MLA layer's rows
+//                             [T, R + dr] for the sampler's cache (mla.h),
+//                             undefined otherwise;
 //   moe(layer, h)             an MoE layer's block output [T, hidden] for its
 //                             normed rows h (MoeForward with the batch's
 //                             expert LoRA).
@@ -285,6 +302,44 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   const auto& l = m.layers[i];
   // Attention block.
   at::Tensor h = RmsNorm(x, l.input_norm, eps);
+  // The projection of targets ks with its LoRA added (where Project left it apart).
+  const auto project = [&](std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
+                           const at::Tensor& b, bool on) {
+    auto [y, delta] = lora(i, ks, in, w, b, on);
+    return delta.defined() ? y + delta : y;
+  };
+  // The MLP block (dense SwiGLU, or an MoE layer's shared experts) on normed rows.
+  const auto dense_mlp = [&](int gate, const at::Tensor& in) {
+    const at::Tensor act = SwiGluLean(project({gate, gate + 1}, in, l.gate_up_w, at::Tensor(), mlp_lora));
+    return project({gate + 2}, act, l.down_w, at::Tensor(), mlp_lora);
+  };
+  if (l.mla.defined()) {
+    const MlaWeights& a = l.mla;
+    const int64_t T = h.size(0), H = a.heads;
+    const at::Tensor q =
+        (a.q_w.defined()
+             ? project({0}, h, a.q_w, at::Tensor(), attn_lora)
+             : project({kTargetQb}, RmsNorm(project({kTargetQa}, h, a.q_a_w, a.q_a_b, attn_lora), a.q_a_norm, eps),
+                       a.q_b_w, at::Tensor(), attn_lora))
+            .view({T, H, a.qk()});
+    const at::Tensor kv_a = project({kTargetKvA}, h, a.kv_a_w, a.kv_a_b, attn_lora);
+    const at::Tensor c = RmsNorm(kv_a.narrow(1, 0, a.rank).contiguous(), a.kv_a_norm, eps);
+    const at::Tensor k_rope = MlaRope(kv_a.narrow(1, a.rank, a.rope).unsqueeze(1), rope.cos32, rope.sin32, a.interleave);
+    const at::Tensor kv = project({kTargetKvB}, c, a.kv_b_w, at::Tensor(), attn_lora).view({T, H, a.nope + a.v});
+    at::Tensor qf = at::cat({q.narrow(-1, 0, a.nope), MlaRope(q.narrow(-1, a.nope, a.rope), rope.cos32, rope.sin32,
+                                                               a.interleave)}, -1);
+    // The attention paths scale by 1/sqrt(dn + dr); a larger scale goes into q.
+    const double extra = a.scale * std::sqrt(static_cast<double>(a.qk()));
+    if (std::abs(extra - 1.0) > 1e-12) qf = qf * extra;
+    const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope), k_rope.expand({T, H, a.rope})}, -1);
+    const at::Tensor attn = attend(i, qf, k, kv.narrow(-1, a.nope, a.v), at::cat({c, k_rope.squeeze(1)}, -1));
+    const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
+    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    if (!l.moe.defined()) return x + dense_mlp(4, h);
+    at::Tensor y = moe(i, h);
+    if (l.gate_up_w.defined()) y = y + dense_mlp(kTargetSharedGate, h);
+    return x + y;
+  }
   // The LoRA deltas are added to the fused projection before it is split,
   // never to the split views: q/k/v (and gate/up below) are then views of
   // one [T, n] tensor on both paths. Adding to a view makes a contiguous
@@ -296,19 +351,14 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // Split into heads, q/k norms (qwen3) and RoPE: one kernel on CUDA.
   const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
   const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
-  const at::Tensor attn = attend(i, q, k, v);
+  const at::Tensor attn = attend(i, q, k, v, at::Tensor());
   const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
   // The residual add and the MLP block's norm (one kernel each way on CUDA).
   std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
 
-  // MLP block (SwiGLU, or the experts').
-  if (l.moe.defined()) return x + moe(i, h);
-  auto [gate_up, gu_delta] = lora(i, {4, 5}, h, l.gate_up_w, at::Tensor(), mlp_lora);
-  if (gu_delta.defined()) gate_up = gate_up + gu_delta;
-  const at::Tensor act = SwiGluLean(gate_up);
-  auto [down, down_delta] = lora(i, {6}, act, l.down_w, at::Tensor(), mlp_lora);
-  if (down_delta.defined()) down = down + down_delta;
-  return x + down;
+  // MLP block (SwiGLU, or the experts' with any shared experts).
+  if (l.moe.defined()) return x + (l.gate_up_w.defined() ? moe(i, h) + dense_mlp(kTargetSharedGate, h) : moe(i, h));
+  return x + dense_mlp(4, h);
 }
 
 // The final norm, fp32 for the loss.

@@ -9,8 +9,6 @@
 namespace loom::engine::sample {
 namespace {
 
-int64_t HeadDim(const ModelConfig& c) { return c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads; }
-
 at::Tensor LongTensor(const std::vector<int64_t>& v, at::Device d) {
   return at::tensor(v, at::TensorOptions().dtype(at::kLong)).to(d);
 }
@@ -43,15 +41,14 @@ ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* ban
                          int64_t block_size, const DecodeOptions& decode)
     : model_(std::move(model)), bank_(bank), block_size_(block_size), fast_prefill_tokens_(decode.fast_prefill_tokens) {
   const ModelConfig& c = model_->config();
-  cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, c.num_key_value_heads, HeadDim(c),
+  cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, Transformer::KvShape(c),
                              model_->device(), model_->dtype());
   fast_ = MakeFastDecode(model_, bank_, &cache_, block_size_, num_blocks * block_size_, decode);
 }
 
 int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {
   const ModelConfig& c = model.config();
-  return 2 * c.num_hidden_layers * c.num_key_value_heads * HeadDim(c) *
-         static_cast<int64_t>(c10::elementSize(model.dtype()));
+  return c.num_hidden_layers * Transformer::KvShape(c).elements() * static_cast<int64_t>(c10::elementSize(model.dtype()));
 }
 
 int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {

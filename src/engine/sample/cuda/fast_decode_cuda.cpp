@@ -438,6 +438,7 @@ class CudaFastDecode final : public FastDecode {
 bool Supported(const Transformer& model) {
   if (!model.device().is_cuda()) return false;
   if (model.config().num_experts > 0) return false;  // MoE layers decode on the eager path
+  if (model.config().IsMla()) return false;          // so do MLA layers (their pools hold latents)
   if (model.dtype() != at::kBFloat16 && model.dtype() != at::kFloat) return false;
   const auto& m = model.weights();
   if (m.head_dim != 32 && m.head_dim != 64 && m.head_dim != 128 && m.head_dim != 256) return false;

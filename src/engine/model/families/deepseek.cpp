@@ -1,0 +1,391 @@
+// deepseek_v2 (DeepSeek-V2, V2-Lite) and deepseek_v3 (DeepSeek-V3 and the
+// text model of Kimi K2.5), as transformers' modeling_deepseek_v2/_v3:
+// multi-head latent attention (model/mla.h) in every layer; a dense SwiGLU
+// MLP in the first first_k_dense_replace layers, experts after (model/moe.h)
+// with n_shared_experts shared experts beside them. The two differ in the
+// router only: v2 ranks softmax scores (greedy, or group_limited_greedy over
+// n_group groups), v3 sigmoid scores plus a correction bias
+// (e_score_correction_bias, fp32) with groups ranked by their two best
+// scores, renormalised when norm_topk_prob. v2's RoPE always rotates
+// adjacent pairs (its complex form); v3 does when rope_interleave. v3 scales
+// the softmax by YaRN's mscale(factor, mscale_all_dim)^2, v2 does not.
+// The hub ships one tensor per expert and projection; they load stacked.
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+#include "engine/model/family.h"
+#include "engine/model/rope.h"
+#include "engine/model/transformer_impl.h"
+
+namespace loom::engine {
+namespace {
+
+using namespace config_json;
+
+bool IsV3(const ModelConfig& c) { return c.model_type == "deepseek_v3"; }
+
+void DefaultsV2(ModelConfig& c) {  // DeepseekV2Config's defaults where config.json states none
+  c.q_lora_rank = 1536, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128, c.qk_rope_head_dim = 64, c.v_head_dim = 128;
+  c.n_shared_experts = 2, c.first_k_dense_replace = 0, c.routed_scaling_factor = 1.0;
+  c.num_experts = 64, c.moe_intermediate_size = 1407;
+  c.topk_method = "greedy", c.scoring_func = "softmax";
+  c.rope_interleave = true;
+}
+
+void DefaultsV3(ModelConfig& c) {  // DeepseekV3Config's
+  c.q_lora_rank = 1536, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128, c.qk_rope_head_dim = 64, c.v_head_dim = 128;
+  c.n_shared_experts = 1, c.first_k_dense_replace = 3, c.routed_scaling_factor = 2.5;
+  c.num_experts = 256, c.num_experts_per_tok = 8, c.moe_intermediate_size = 2048;
+  c.n_group = 8, c.topk_group = 4, c.norm_topk_prob = true;
+  c.topk_method = "noaux_tc", c.scoring_func = "sigmoid";
+  c.rope_interleave = true;
+}
+
+// An optional positive integer that may be null (HF: None), read into *out.
+Status GetOptionalPositive(const nlohmann::json& j, const char* field, int64_t null_value, int64_t* out) {
+  if (auto it = j.find(field); it != j.end() && it->is_null()) {
+    *out = null_value;
+    return Status::Ok();
+  }
+  if (Status s = GetInt(j, field, false, out); !s.ok()) return s;
+  if (*out < 0 || (*out == 0 && null_value != 0)) return Positive(field, *out);
+  return Status::Ok();
+}
+
+// The rules of a config however it was made (Parse, or built in code).
+Status Check(const ModelConfig& c) {
+  if (Status s = CheckExperts(c); !s.ok()) return s;
+  const auto bad = [&](const std::string& field, const std::string& why) {
+    return Status::Invalid("config." + field + " " + why + " for " + c.model_type);
+  };
+  if (c.kv_lora_rank <= 0 || c.qk_nope_head_dim <= 0 || c.qk_rope_head_dim <= 0 || c.v_head_dim <= 0)
+    return bad("kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim", "must be > 0");
+  if (c.qk_rope_head_dim % 2 != 0) return bad("qk_rope_head_dim", "must be even");
+  if (c.head_dim != c.qk_rope_head_dim) return bad("head_dim", "must equal qk_rope_head_dim (its RoPE width)");
+  if (c.num_key_value_heads != c.num_attention_heads)
+    return bad("num_key_value_heads", "must equal num_attention_heads (MLA gives every head its key)");
+  if (c.q_lora_rank < 0) return bad("q_lora_rank", "must be >= 0 (0: no q compression)");
+  if (c.n_shared_experts < 0) return bad("n_shared_experts", "must be >= 0");
+  if (c.first_k_dense_replace < 0) return bad("first_k_dense_replace", "must be >= 0");
+  if (!(c.routed_scaling_factor > 0)) return bad("routed_scaling_factor", "must be > 0");
+  if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
+    return bad("n_group", std::to_string(c.n_group) + " must divide n_routed_experts " + std::to_string(c.num_experts));
+  if (c.topk_group <= 0 || c.topk_group > c.n_group) return bad("topk_group", "must be in [1, n_group]");
+  if (c.num_experts_per_tok > c.topk_group * (c.num_experts / c.n_group))
+    return bad("num_experts_per_tok", "must be at most the experts of topk_group groups");
+  if (IsV3(c) && c.num_experts / c.n_group < 2 && c.n_group > 1)
+    return bad("n_group", "must leave at least two experts a group (groups rank by their two best)");
+  return Status::Ok();
+}
+
+// The fields both read; v3's router fields and rope_interleave on top.
+Status Parse(const nlohmann::json& j, ModelConfig& c) {
+  if (Status s = GetBool(j, "attention_bias", &c.attention_bias); !s.ok()) return s;
+  if (Status s = GetOptionalPositive(j, "q_lora_rank", 0, &c.q_lora_rank); !s.ok()) return s;
+  for (auto [field, dst] : {std::pair{"kv_lora_rank", &c.kv_lora_rank}, std::pair{"qk_nope_head_dim", &c.qk_nope_head_dim},
+                            std::pair{"qk_rope_head_dim", &c.qk_rope_head_dim}, std::pair{"v_head_dim", &c.v_head_dim},
+                            std::pair{"moe_intermediate_size", &c.moe_intermediate_size},
+                            std::pair{"n_routed_experts", &c.num_experts}}) {
+    if (Status s = GetInt(j, field, false, dst); !s.ok()) return s;
+    if (Status s = Positive(field, *dst); !s.ok()) return s;
+  }
+  if (Status s = GetInt(j, "num_experts_per_tok", !IsV3(c), &c.num_experts_per_tok); !s.ok()) return s;
+  if (Status s = Positive("num_experts_per_tok", c.num_experts_per_tok); !s.ok()) return s;
+  if (Status s = GetOptionalPositive(j, "n_shared_experts", 0, &c.n_shared_experts); !s.ok()) return s;
+  if (Status s = GetInt(j, "first_k_dense_replace", false, &c.first_k_dense_replace); !s.ok()) return s;
+  if (Status s = GetDouble(j, "routed_scaling_factor", &c.routed_scaling_factor); !s.ok()) return s;
+  if (Status s = GetBool(j, "norm_topk_prob", &c.norm_topk_prob); !s.ok()) return s;
+  if (Status s = GetOptionalPositive(j, "n_group", 1, &c.n_group); !s.ok()) return s;
+  if (Status s = GetOptionalPositive(j, "topk_group", 1, &c.topk_group); !s.ok()) return s;
+  int64_t freq = 1;
+  if (Status s = GetInt(j, "moe_layer_freq", false, &freq); !s.ok()) return s;
+  if (freq != 1) return Status::Invalid("config.json: 'moe_layer_freq' " + std::to_string(freq) + " is not supported (1)");
+  if (auto it = j.find("topk_method"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return Status::Invalid("config.json: 'topk_method' must be a string");
+    c.topk_method = it->get<std::string>();
+  }
+  if (auto it = j.find("scoring_func"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return Status::Invalid("config.json: 'scoring_func' must be a string");
+    c.scoring_func = it->get<std::string>();
+  }
+  if (IsV3(c)) {
+    // HF's v3 router is noaux_tc with sigmoid scores whatever these say.
+    if (c.scoring_func != "sigmoid")
+      return Status::Invalid("config.json: 'scoring_func' \"" + c.scoring_func + "\" is not supported (sigmoid)");
+    if (Status s = GetBool(j, "rope_interleave", &c.rope_interleave); !s.ok()) return s;
+  } else {
+    if (c.scoring_func != "softmax")
+      return Status::Invalid("config.json: 'scoring_func' \"" + c.scoring_func + "\" is not supported (softmax)");
+    if (c.topk_method != "greedy" && c.topk_method != "group_limited_greedy")
+      return Status::Invalid("config.json: 'topk_method' \"" + c.topk_method +
+                             "\" is not supported (greedy, group_limited_greedy)");
+    if (c.topk_method == "greedy") c.n_group = c.topk_group = 1;  // HF's greedy ignores the groups
+  }
+  c.head_dim = c.qk_rope_head_dim;  // as HF's config: the RoPE width
+  c.num_key_value_heads = c.num_attention_heads;
+  return Check(c);
+}
+
+void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
+  j["attention_bias"] = c.attention_bias;
+  j["q_lora_rank"] = c.q_lora_rank > 0 ? nlohmann::ordered_json(c.q_lora_rank) : nlohmann::ordered_json();
+  j["kv_lora_rank"] = c.kv_lora_rank;
+  j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+  j["v_head_dim"] = c.v_head_dim;
+  j["n_routed_experts"] = c.num_experts;
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["moe_intermediate_size"] = c.moe_intermediate_size;
+  j["n_shared_experts"] = c.n_shared_experts > 0 ? nlohmann::ordered_json(c.n_shared_experts) : nlohmann::ordered_json();
+  j["first_k_dense_replace"] = c.first_k_dense_replace;
+  j["moe_layer_freq"] = 1;
+  j["routed_scaling_factor"] = c.routed_scaling_factor;
+  j["norm_topk_prob"] = c.norm_topk_prob;
+  j["topk_method"] = c.topk_method;
+  j["scoring_func"] = c.scoring_func;
+  j["n_group"] = c.n_group;
+  j["topk_group"] = c.topk_group;
+  if (IsV3(c)) j["rope_interleave"] = c.rope_interleave;
+  j["aux_loss_alpha"] = 0.001;
+  j["seq_aux"] = true;
+  j["mlp_bias"] = false;
+}
+
+void MlaWeightShapes(const ModelConfig& c, const std::string& p, WeightShapes& w) {
+  const int64_t h = c.hidden_size, H = c.num_attention_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
+  const std::string a = p + "self_attn.";
+  if (c.q_lora_rank > 0) {
+    w.push_back({a + "q_a_proj.weight", {c.q_lora_rank, h}});
+    if (c.attention_bias) w.push_back({a + "q_a_proj.bias", {c.q_lora_rank}});
+    w.push_back({a + "q_a_layernorm.weight", {c.q_lora_rank}});
+    w.push_back({a + "q_b_proj.weight", {H * qk, c.q_lora_rank}});
+  } else {
+    w.push_back({a + "q_proj.weight", {H * qk, h}});
+  }
+  w.push_back({a + "kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, h}});
+  if (c.attention_bias) w.push_back({a + "kv_a_proj_with_mqa.bias", {c.kv_lora_rank + c.qk_rope_head_dim}});
+  w.push_back({a + "kv_a_layernorm.weight", {c.kv_lora_rank}});
+  w.push_back({a + "kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}});
+  w.push_back({a + "o_proj.weight", {h, H * c.v_head_dim}});
+  if (c.attention_bias) w.push_back({a + "o_proj.bias", {h}});
+}
+
+void LayerWeights(const ModelConfig& c, int64_t layer, WeightShapes& w) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  MlaWeightShapes(c, p, w);
+  PostNormWeightShape(c, p, w);
+  if (!c.IsMoeLayer(layer)) return DenseMlpWeightShapes(c, p, c.intermediate_size, w);
+  const int64_t h = c.hidden_size, inter = c.moe_intermediate_size;
+  w.push_back({p + "mlp.gate.weight", {c.num_experts, h}});
+  if (IsV3(c)) w.push_back({p + "mlp.gate.e_score_correction_bias", {c.num_experts}});
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+    w.push_back({x + "gate_proj.weight", {inter, h}});
+    w.push_back({x + "up_proj.weight", {inter, h}});
+    w.push_back({x + "down_proj.weight", {h, inter}});
+  }
+  if (c.n_shared_experts > 0) {  // DenseMlpWeightShapes' three, under mlp.shared_experts
+    const std::string s = p + "mlp.shared_experts.";
+    const int64_t width = inter * c.n_shared_experts;
+    w.push_back({s + "gate_proj.weight", {width, h}});
+    w.push_back({s + "up_proj.weight", {width, h}});
+    w.push_back({s + "down_proj.weight", {h, width}});
+  }
+}
+
+Status LoadLayer(LayerLoad& l) {
+  const ModelConfig& c = l.config;
+  const std::string a = l.prefix + "self_attn.";
+  MlaWeights& m = l.layer.mla;
+  if (c.q_lora_rank > 0) {
+    m.q_a_w = l.get(a + "q_a_proj.weight");
+    if (c.attention_bias) m.q_a_b = l.get(a + "q_a_proj.bias");
+    m.q_a_norm = l.get(a + "q_a_layernorm.weight");
+    m.q_b_w = l.get(a + "q_b_proj.weight");
+  } else {
+    m.q_w = l.get(a + "q_proj.weight");
+  }
+  m.kv_a_w = l.get(a + "kv_a_proj_with_mqa.weight");
+  if (c.attention_bias) m.kv_a_b = l.get(a + "kv_a_proj_with_mqa.bias");
+  m.kv_a_norm = l.get(a + "kv_a_layernorm.weight");
+  m.kv_b_w = l.get(a + "kv_b_proj.weight");
+  l.layer.o_w = l.get(a + "o_proj.weight");
+  if (c.attention_bias) l.layer.o_b = l.get(a + "o_proj.bias");
+  m.heads = c.num_attention_heads, m.nope = c.qk_nope_head_dim, m.rope = c.qk_rope_head_dim;
+  m.v = c.v_head_dim, m.rank = c.kv_lora_rank;
+  m.interleave = IsV3(c) ? c.rope_interleave : true;
+  m.scale = 1.0 / std::sqrt(static_cast<double>(m.qk()));
+  if (IsV3(c) && c.rope_type == "yarn" && c.yarn_mscale_all_dim > 0) {
+    const double ms = YarnMscale(c.rope_factor, c.yarn_mscale_all_dim);
+    m.scale *= ms * ms;
+  }
+  if (!c.IsMoeLayer(l.index)) {
+    LoadDenseMlp(l);
+    return Status::Ok();
+  }
+  MoeWeights& w = l.layer.moe;
+  w.router = l.get(l.prefix + "mlp.gate.weight");
+  if (IsV3(c)) w.score_bias = l.get(l.prefix + "mlp.gate.e_score_correction_bias");
+  std::vector<at::Tensor> gate_up, down;
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    const std::string x = l.prefix + "mlp.experts." + std::to_string(e) + ".";
+    gate_up.push_back(at::cat({l.get(x + "gate_proj.weight"), l.get(x + "up_proj.weight")}, 0));
+    down.push_back(l.get(x + "down_proj.weight"));
+  }
+  w.gate_up = at::stack(gate_up, 0);
+  gate_up.clear();
+  w.down = at::stack(down, 0);
+  w.top_k = c.num_experts_per_tok;
+  w.norm_topk = c.norm_topk_prob;
+  w.router_kind = IsV3(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax;
+  w.groups = c.n_group, w.topk_groups = c.topk_group;
+  w.routed_scale = c.routed_scaling_factor;
+  if (c.n_shared_experts > 0) {
+    const std::string s = l.prefix + "mlp.shared_experts.";
+    l.layer.gate_up_w = at::cat({l.get(s + "gate_proj.weight"), l.get(s + "up_proj.weight")}, 0);
+    l.layer.down_w = l.get(s + "down_proj.weight");
+  }
+  return Status::Ok();
+}
+
+// The shapes both presets share.
+ModelConfig Base(const char* model_type) {
+  ModelConfig c;
+  c.model_type = model_type;
+  c.rms_norm_eps = 1e-6;
+  c.initializer_range = 0.02;
+  c.attention_bias = false;
+  c.tie_word_embeddings = false;
+  c.rope_theta = 10000.0;
+  return c;
+}
+
+void Mla(ModelConfig& c, int64_t heads, int64_t q_rank, int64_t kv_rank, int64_t nope, int64_t rope, int64_t v) {
+  c.num_attention_heads = c.num_key_value_heads = heads;
+  c.q_lora_rank = q_rank, c.kv_lora_rank = kv_rank, c.qk_nope_head_dim = nope, c.qk_rope_head_dim = rope;
+  c.v_head_dim = v;
+  c.head_dim = rope;
+}
+
+void Experts(ModelConfig& c, int64_t routed, int64_t k, int64_t width, int64_t shared, int64_t dense_first) {
+  c.num_experts = routed, c.num_experts_per_tok = k, c.moe_intermediate_size = width;
+  c.n_shared_experts = shared, c.first_k_dense_replace = dense_first;
+}
+
+void Yarn(ModelConfig& c, double factor, int64_t original, double mscale) {
+  c.rope_type = "yarn";
+  c.rope_factor = factor;
+  c.rope_original_max_position = original;
+  c.yarn_beta_fast = 32.0, c.yarn_beta_slow = 1.0;
+  c.yarn_mscale = c.yarn_mscale_all_dim = mscale;
+}
+
+// tiny: three layers, the first dense; q compression and group-limited
+// routing (4 groups, 2 chosen), two shared experts; deepseek-v2-lite and
+// deepseek-v2: the real shapes (docs/compatibility.md, "Model families").
+Result<ModelConfig> PresetV2(const std::string& name, std::string* default_dtype) {
+  ModelConfig c = Base("deepseek_v2");
+  c.scoring_func = "softmax";
+  c.rope_interleave = true;
+  *default_dtype = "bf16";
+  if (name == "tiny") {
+    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 3;
+    c.max_position_embeddings = 2048;
+    Mla(c, 4, 32, 32, 16, 8, 16);
+    Experts(c, 8, 2, 32, 2, 1);
+    c.topk_method = "group_limited_greedy", c.n_group = 4, c.topk_group = 2;
+    c.routed_scaling_factor = 1.5;
+    *default_dtype = "fp32";
+  } else if (name == "deepseek-v2-lite") {
+    c.vocab_size = 102400, c.hidden_size = 2048, c.intermediate_size = 10944, c.num_hidden_layers = 27;
+    c.max_position_embeddings = 163840;
+    Mla(c, 16, 0, 512, 128, 64, 128);
+    Experts(c, 64, 6, 1408, 2, 1);
+    c.topk_method = "greedy";
+    Yarn(c, 40.0, 4096, 0.707);
+  } else if (name == "deepseek-v2") {
+    c.vocab_size = 102400, c.hidden_size = 5120, c.intermediate_size = 12288, c.num_hidden_layers = 60;
+    c.max_position_embeddings = 163840;
+    Mla(c, 128, 1536, 512, 128, 64, 128);
+    Experts(c, 160, 6, 1536, 2, 1);
+    c.topk_method = "group_limited_greedy", c.n_group = 8, c.topk_group = 3;
+    c.routed_scaling_factor = 16.0;
+    Yarn(c, 40.0, 4096, 0.707);
+  } else {
+    return Status::Invalid("preset '" + name + "' is not one of tiny, deepseek-v2-lite, deepseek-v2");
+  }
+  return c;
+}
+
+// tiny: as v2's, without q compression (plain q_proj), sigmoid routing with
+// the correction bias over 2 groups (1 chosen), renormalised, one shared
+// expert; kimi-k2.5 (its text model) and deepseek-v3: the real shapes.
+Result<ModelConfig> PresetV3(const std::string& name, std::string* default_dtype) {
+  ModelConfig c = Base("deepseek_v3");
+  c.scoring_func = "sigmoid", c.topk_method = "noaux_tc";
+  c.rope_interleave = true;
+  c.norm_topk_prob = true;
+  *default_dtype = "bf16";
+  if (name == "tiny") {
+    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 3;
+    c.max_position_embeddings = 2048;
+    Mla(c, 4, 0, 32, 16, 8, 16);
+    Experts(c, 8, 2, 32, 1, 1);
+    c.n_group = 2, c.topk_group = 1;
+    c.routed_scaling_factor = 2.5;
+    *default_dtype = "fp32";
+  } else if (name == "kimi-k2.5") {
+    c.vocab_size = 163840, c.hidden_size = 7168, c.intermediate_size = 18432, c.num_hidden_layers = 61;
+    c.max_position_embeddings = 262144;
+    c.rope_theta = 50000.0;
+    Mla(c, 64, 1536, 512, 128, 64, 128);
+    Experts(c, 384, 8, 2048, 1, 1);
+    c.n_group = 1, c.topk_group = 1;
+    c.routed_scaling_factor = 2.827;
+    Yarn(c, 64.0, 4096, 1.0);
+  } else if (name == "deepseek-v3") {
+    c.vocab_size = 129280, c.hidden_size = 7168, c.intermediate_size = 18432, c.num_hidden_layers = 61;
+    c.max_position_embeddings = 163840;
+    Mla(c, 128, 1536, 512, 128, 64, 128);
+    Experts(c, 256, 8, 2048, 1, 3);
+    c.n_group = 8, c.topk_group = 4;
+    c.routed_scaling_factor = 2.5;
+    Yarn(c, 40.0, 4096, 1.0);
+  } else {
+    return Status::Invalid("preset '" + name + "' is not one of tiny, kimi-k2.5, deepseek-v3");
+  }
+  return c;
+}
+
+}  // namespace
+
+extern const Family kDeepseekV2Family;
+const Family kDeepseekV2Family{.model_type = "deepseek_v2",
+                               .architecture = "DeepseekV2ForCausalLM",
+                               .presets = "tiny, deepseek-v2-lite, deepseek-v2",
+                               .yarn = true,
+                               .mla = true,
+                               .defaults = DefaultsV2,
+                               .parse = Parse,
+                               .write = Write,
+                               .check = Check,
+                               .layer_weights = LayerWeights,
+                               .load_layer = LoadLayer,
+                               .preset = PresetV2};
+
+extern const Family kDeepseekV3Family;
+const Family kDeepseekV3Family{.model_type = "deepseek_v3",
+                               .architecture = "DeepseekV3ForCausalLM",
+                               .presets = "tiny, kimi-k2.5, deepseek-v3",
+                               .yarn = true,
+                               .mla = true,
+                               .defaults = DefaultsV3,
+                               .parse = Parse,
+                               .write = Write,
+                               .check = Check,
+                               .layer_weights = LayerWeights,
+                               .load_layer = LoadLayer,
+                               .preset = PresetV3};
+
+}  // namespace loom::engine

@@ -1,0 +1,311 @@
+// The DeepSeek families (deepseek_v2, deepseek_v3: engine/model/families/
+// deepseek.cpp over model/mla.h and model/moe.h): the packed forward with
+// several slots' LoRA against a plain reference written here from HF's
+// modeling code (values and LoRA gradients), the sampler's latent-space
+// decode and its prefix reuse against the trainer, the KV row, and the
+// config.json fields.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "engine/model/cached_batch.h"
+#include "testmodel/make_model.h"
+#include "tiny_model.h"
+
+namespace loom::engine {
+namespace {
+
+ModelConfig TinyDeepseek(const std::string& arch) {
+  auto c = testmodel::PresetConfig(arch, "tiny");
+  EXPECT_TRUE(c.ok()) << c.status().message();
+  return *c;
+}
+
+// HF's DeepSeek decoder, written out token by token where HF loops, with
+// each sequence's slot's LoRA (scale * (x A^T) B^T per target; the experts'
+// gate_up with one A and B per expert, down with A per expert and one B).
+class Reference {
+ public:
+  Reference(const ModelConfig& c, std::map<std::string, at::Tensor> w, const SlotBank& bank)
+      : c_(c), w_(std::move(w)), bank_(bank) {}
+
+  // Log-probabilities [L, vocab] of one sequence under slot (-1: base).
+  at::Tensor Logprobs(const std::vector<int32_t>& seq, int slot) const {
+    slot_ = slot;
+    const int64_t L = static_cast<int64_t>(seq.size()), H = c_.num_attention_heads;
+    const int64_t dn = c_.qk_nope_head_dim, dr = c_.qk_rope_head_dim, dv = c_.v_head_dim, R = c_.kv_lora_rank;
+    at::Tensor x = w_.at("model.embed_tokens.weight")
+                       .index_select(0, at::tensor(std::vector<int64_t>(seq.begin(), seq.end()), at::kLong));
+    // RoPE on adjacent pairs (DeepSeek's complex form): pair j turns by pos / theta^(2j / dr).
+    const at::Tensor inv = 1.0 / at::pow(c_.rope_theta, at::arange(0, dr, 2, at::kFloat) / double(dr));
+    const at::Tensor ang = at::arange(L, at::kFloat).unsqueeze(1) * inv.unsqueeze(0);  // [L, dr/2]
+    const auto rope = [&](const at::Tensor& t) {  // [L, n, dr]
+      const at::Tensor p = t.reshape({L, t.size(1), dr / 2, 2});
+      const at::Tensor a = p.select(-1, 0), b = p.select(-1, 1);
+      const at::Tensor cs = ang.cos().unsqueeze(1), sn = ang.sin().unsqueeze(1);
+      return at::stack({a * cs - b * sn, a * sn + b * cs}, -1).reshape({L, t.size(1), dr});
+    };
+    const at::Tensor mask = at::ones({L, L}).tril();
+    for (int64_t i = 0; i < c_.num_hidden_layers; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".";
+      const at::Tensor h = Rms(x, w_.at(p + "input_layernorm.weight"));
+      const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj",
+                                                     Rms(Lin(p + "self_attn.q_a_proj", h),
+                                                         w_.at(p + "self_attn.q_a_layernorm.weight")))
+                                               : Lin(p + "self_attn.q_proj", h))
+                               .view({L, H, dn + dr});
+      const at::Tensor kv_a = Lin(p + "self_attn.kv_a_proj_with_mqa", h);
+      const at::Tensor kv = Lin(p + "self_attn.kv_b_proj", Rms(kv_a.narrow(1, 0, R), w_.at(p + "self_attn.kv_a_layernorm.weight")))
+                                .view({L, H, dn + dv});
+      const at::Tensor q_rope = rope(q.narrow(2, dn, dr)), k_rope = rope(kv_a.narrow(1, R, dr).unsqueeze(1));
+      std::vector<at::Tensor> heads;
+      for (int64_t hh = 0; hh < H; ++hh) {
+        const at::Tensor qh = at::cat({q.select(1, hh).narrow(1, 0, dn), q_rope.select(1, hh)}, 1);
+        const at::Tensor kh = at::cat({kv.select(1, hh).narrow(1, 0, dn), k_rope.select(1, 0)}, 1);
+        at::Tensor s = at::matmul(qh, kh.t()) / std::sqrt(double(dn + dr));
+        s = s.masked_fill(mask == 0, -1e30);
+        heads.push_back(at::matmul(at::softmax(s, -1), kv.select(1, hh).narrow(1, dn, dv)));
+      }
+      x = x + Lin(p + "self_attn.o_proj", at::cat(heads, 1));
+      const at::Tensor h2 = Rms(x, w_.at(p + "post_attention_layernorm.weight"));
+      if (!c_.IsMoeLayer(i)) {
+        x = x + Mlp(p + "mlp.", h2);
+        continue;
+      }
+      x = x + Experts(p, h2) + Mlp(p + "mlp.shared_experts.", h2);
+    }
+    x = Rms(x, w_.at("model.norm.weight"));
+    return at::log_softmax(Lin("lm_head", x), -1);
+  }
+
+ private:
+  at::Tensor Rms(const at::Tensor& x, const at::Tensor& w) const {
+    return x * at::rsqrt(x.pow(2).mean(-1, true) + c_.rms_norm_eps) * w;
+  }
+  bool Trains(const LoraTarget* t) const { return t && slot_ >= 0 && bank_.trains(slot_, t->group); }
+  double Scale() const { return bank_.slot(slot_).config.alpha / bank_.slot(slot_).config.rank; }
+  int Rank() const { return bank_.slot(slot_).config.rank; }
+  at::Tensor Lin(const std::string& module, const at::Tensor& x) const {
+    at::Tensor y = at::matmul(x, w_.at(module + ".weight").t());
+    if (auto b = w_.find(module + ".bias"); b != w_.end()) y = y + b->second;
+    const LoraTarget* t = bank_.find(module);
+    if (!Trains(t)) return y;
+    const int r = Rank();
+    return y + Scale() * at::matmul(at::matmul(x, t->A[slot_].narrow(0, 0, r).t()), t->B[slot_].narrow(1, 0, r).t());
+  }
+  at::Tensor Mlp(const std::string& p, const at::Tensor& x) const {
+    const at::Tensor g = Lin(p + "gate_proj", x), u = Lin(p + "up_proj", x);
+    return Lin(p + "down_proj", g * at::sigmoid(g) * u);
+  }
+  // HF's routers: v2 softmax scores, groups ranked by their best; v3 sigmoid
+  // scores, the choice by scores + correction bias, groups by their two best,
+  // renormalised; then times routed_scaling_factor.
+  at::Tensor Experts(const std::string& p, const at::Tensor& h) const {
+    const int64_t E = c_.num_experts, G = c_.n_group, K = c_.num_experts_per_tok, I = c_.moe_intermediate_size;
+    const bool v3 = c_.model_type == "deepseek_v3";
+    const at::Tensor logits = at::matmul(h, w_.at(p + "mlp.gate.weight").t());
+    const LoraTarget* gu = bank_.find(p + "mlp.experts.gate_up_proj");
+    const LoraTarget* dn = bank_.find(p + "mlp.experts.down_proj");
+    std::vector<at::Tensor> rows;
+    for (int64_t t = 0; t < h.size(0); ++t) {
+      const at::Tensor scores = v3 ? at::sigmoid(logits[t]) : at::softmax(logits[t], 0);
+      at::Tensor choice = v3 ? scores + w_.at(p + "mlp.gate.e_score_correction_bias") : scores;
+      const at::Tensor groups = choice.view({G, E / G});
+      const at::Tensor rank = v3 ? std::get<0>(groups.topk(2, -1)).sum(-1) : std::get<0>(groups.max(-1));
+      const at::Tensor keep = at::zeros({G}).index_fill(0, std::get<1>(rank.topk(c_.topk_group)), 1.0);
+      choice = choice * keep.repeat_interleave(E / G);
+      const at::Tensor experts = std::get<1>(choice.topk(K));
+      at::Tensor weights = scores.index_select(0, experts);
+      if (v3 && c_.norm_topk_prob) weights = weights / (weights.sum() + 1e-20);
+      weights = weights * c_.routed_scaling_factor;
+      at::Tensor out = at::zeros({c_.hidden_size});
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t e = experts[k].item<int64_t>();
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        at::Tensor g = at::matmul(w_.at(x + "gate_proj.weight"), h[t]);
+        at::Tensor u = at::matmul(w_.at(x + "up_proj.weight"), h[t]);
+        if (Trains(gu)) {
+          const int r = Rank();
+          const at::Tensor d = Scale() * at::matmul(gu->B[slot_][e].narrow(1, 0, r), at::matmul(gu->A[slot_].narrow(0, 0, r), h[t]));
+          g = g + d.narrow(0, 0, I);
+          u = u + d.narrow(0, I, I);
+        }
+        const at::Tensor act = g * at::sigmoid(g) * u;
+        at::Tensor y = at::matmul(w_.at(x + "down_proj.weight"), act);
+        if (Trains(dn)) {
+          const int r = Rank();
+          y = y + Scale() * at::matmul(dn->B[slot_].narrow(1, 0, r), at::matmul(dn->A[slot_][e].narrow(0, 0, r), act));
+        }
+        out = out + weights[k] * y;
+      }
+      rows.push_back(out);
+    }
+    return at::stack(rows);
+  }
+
+  const ModelConfig& c_;
+  std::map<std::string, at::Tensor> w_;
+  const SlotBank& bank_;
+  mutable int slot_ = -1;
+};
+
+class DeepseekArch : public ::testing::TestWithParam<std::string> {};
+
+// Several sequences under different slots in one packed pass: the
+// reference's logprobs, and the same LoRA gradients of the summed loss.
+TEST_P(DeepseekArch, PackedPassMatchesThePlainReference) {
+  const ModelConfig c = TinyDeepseek(GetParam());
+  const auto weights = RandomWeights(c, 5);
+  auto model = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  auto bank = Bank(**model, 3, 4);
+  BindRandom(*bank, 0, 4, 8.0, 11);
+  BindRandom(*bank, 2, 2, 4.0, 12);
+  const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(6, 2), Seq(11, 3)};
+  const std::vector<int> slots = {0, -1, 2};
+  const PackedBatch batch = PackedBatch::Make(seqs, slots, at::kCPU);
+  const at::Tensor targets = NextTokens(seqs);
+  const at::Tensor lp = (*model)->TargetLogprobs((*model)->Hidden(batch, *bank), targets, batch, *bank);
+  (-lp.sum()).backward();
+  std::vector<at::Tensor> got;
+  for (auto& t : bank->targets()) {
+    got.push_back(t.A.grad().clone());
+    got.push_back(t.B.grad().clone());
+    t.A.mutable_grad().zero_();
+    t.B.mutable_grad().zero_();
+  }
+  const Reference ref(c, weights, *bank);
+  at::Tensor loss = at::zeros({});
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const at::Tensor want = ref.Logprobs(seqs[i], slots[i]);
+    const int64_t begin = batch.seq_begin[i], n = static_cast<int64_t>(seqs[i].size());
+    const at::Tensor tgt = targets.narrow(0, begin, n);
+    const at::Tensor picked = want.gather(1, tgt.unsqueeze(1)).squeeze(1);
+    EXPECT_LT(MaxDiff(lp.detach().narrow(0, begin, n), picked.detach()), 1e-4) << "seq " << i;
+    loss = loss - picked.sum();
+  }
+  loss.backward();
+  size_t k = 0;
+  int live = 0;
+  for (const auto& t : bank->targets()) {
+    for (const at::Tensor& g : {t.A.grad(), t.B.grad()}) {
+      EXPECT_LT(RelDiff(got[k], g), 1e-4) << t.module;
+      live += got[k].abs().max().item<double>() > 0;
+      ++k;
+    }
+  }
+  EXPECT_EQ(live, static_cast<int>(2 * bank->targets().size()));  // every target's LoRA was reached
+}
+
+// The sampler's cached forward: a prefill, a decode step in the latent
+// space, and a prefill over a cached prefix give the trainer's hidden states.
+TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
+  const ModelConfig c = TinyDeepseek(GetParam());
+  auto model = Transformer::FromTensors(c, RandomWeights(c, 6), at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok());
+  const Transformer& m = **model;
+  auto bank = Bank(m, 2, 4);
+  BindRandom(*bank, 1, 4, 8.0, 21);
+  const std::vector<int32_t> seq = Seq(12, 4);
+  c10::NoGradGuard no_grad;
+  const at::Tensor want = m.Hidden(PackedBatch::Make({seq}, {1}, at::kCPU), *bank);
+
+  const KvRowShape shape = Transformer::KvShape(c);
+  EXPECT_EQ(shape.k_heads, 1);
+  EXPECT_EQ(shape.k_dim, c.kv_lora_rank + c.qk_rope_head_dim);
+  EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim);  // the latent only
+  KvCache cache = KvCache::Allocate(c.num_hidden_layers, 32, shape, at::kCPU, at::kFloat);
+  const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
+  const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
+  CachedBatch prefill;
+  prefill.tokens = longs(std::vector<int64_t>(seq.begin(), seq.begin() + 8));
+  prefill.positions = range(0, 8);
+  prefill.seq_begin = {0, 8};
+  prefill.seq_slot = {1};
+  prefill.write_rows = range(0, 8);
+  prefill.prefill = true;
+  EXPECT_LT(MaxDiff(m.ForwardCached(prefill, cache, *bank), want.narrow(0, 0, 8)), 1e-5);
+  CachedBatch decode;
+  decode.tokens = longs({seq[8]});
+  decode.positions = longs({8});
+  decode.seq_begin = {0, 1};
+  decode.seq_slot = {1};
+  decode.write_rows = longs({8});
+  decode.context_rows = at::cat({range(0, 9), longs({0, 0})}).unsqueeze(0);  // two pad columns, masked
+  decode.context_mask = at::cat({at::ones({9}), at::zeros({2})}).to(at::kBool).unsqueeze(0);
+  EXPECT_LT(MaxDiff(m.ForwardCached(decode, cache, *bank), want.narrow(0, 8, 1)), 1e-5);
+  // Positions 9..11 over the cached 0..8, written elsewhere in the pool.
+  CachedBatch over;
+  over.tokens = longs(std::vector<int64_t>(seq.begin() + 9, seq.end()));
+  over.positions = range(9, 12);
+  over.seq_begin = {0, 3};
+  over.seq_slot = {1};
+  over.write_rows = range(20, 23);
+  over.prefill = true;
+  over.seq_cached = {9};
+  over.cached_rows = range(0, 9);
+  EXPECT_LT(MaxDiff(m.ForwardCached(over, cache, *bank), want.narrow(0, 9, 3)), 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch, ::testing::Values("deepseek_v2", "deepseek_v3"));
+
+// Every preset's config.json parses back to the same fields.
+TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
+  for (const auto& [arch, presets] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"deepseek_v2", {"tiny", "deepseek-v2-lite", "deepseek-v2"}},
+           {"deepseek_v3", {"tiny", "kimi-k2.5", "deepseek-v3"}}}) {
+    for (const std::string& preset : presets) {
+      auto c = testmodel::PresetConfig(arch, preset);
+      ASSERT_TRUE(c.ok()) << arch << " " << preset << ": " << c.status().message();
+      auto back = ModelConfig::Parse(c->ToJson());
+      ASSERT_TRUE(back.ok()) << arch << " " << preset << ": " << back.status().message();
+      EXPECT_EQ(back->q_lora_rank, c->q_lora_rank) << preset;
+      EXPECT_EQ(back->kv_lora_rank, c->kv_lora_rank) << preset;
+      EXPECT_EQ(back->head_dim, c->qk_rope_head_dim) << preset;
+      EXPECT_EQ(back->v_head_dim, c->v_head_dim) << preset;
+      EXPECT_EQ(back->num_experts, c->num_experts) << preset;
+      EXPECT_EQ(back->n_shared_experts, c->n_shared_experts) << preset;
+      EXPECT_EQ(back->first_k_dense_replace, c->first_k_dense_replace) << preset;
+      EXPECT_EQ(back->n_group, c->n_group) << preset;
+      EXPECT_EQ(back->topk_group, c->topk_group) << preset;
+      EXPECT_EQ(back->routed_scaling_factor, c->routed_scaling_factor) << preset;
+      EXPECT_EQ(back->norm_topk_prob, c->norm_topk_prob) << preset;
+      EXPECT_EQ(back->rope_type, c->rope_type) << preset;
+      EXPECT_EQ(back->yarn_mscale_all_dim, c->yarn_mscale_all_dim) << preset;
+      EXPECT_FALSE(back->IsMoeLayer(0)) << preset;  // every preset's first layer is dense
+      EXPECT_TRUE(back->IsMoeLayer(back->num_hidden_layers - 1)) << preset;
+    }
+  }
+}
+
+// Fields loom cannot honour are refused by name.
+TEST(DeepseekConfig, RefusalsNameTheField) {
+  const auto with = [](const std::string& arch, const char* field, const nlohmann::json& v) {
+    nlohmann::json j = nlohmann::json::parse(TinyDeepseek(arch).ToJson());
+    j[field] = v;
+    return ModelConfig::Parse(j.dump());
+  };
+  for (const auto& [arch, field, value] : std::vector<std::tuple<std::string, const char*, nlohmann::json>>{
+           {"deepseek_v2", "topk_method", "noaux_tc"},
+           {"deepseek_v2", "scoring_func", "sigmoid"},
+           {"deepseek_v3", "scoring_func", "softmax"},
+           {"deepseek_v2", "n_group", 3},
+           {"deepseek_v2", "topk_group", 5},
+           {"deepseek_v2", "moe_layer_freq", 2},
+           {"deepseek_v3", "kv_lora_rank", 0},
+           {"deepseek_v3", "qk_rope_head_dim", 7}}) {
+    auto r = with(arch, field, value);
+    ASSERT_FALSE(r.ok()) << arch << " " << field;
+    EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
+  }
+  // greedy ignores the groups, as HF's does.
+  auto greedy = with("deepseek_v2", "topk_method", "greedy");
+  ASSERT_TRUE(greedy.ok()) << greedy.status().message();
+  EXPECT_EQ(greedy->n_group, 1);
+}
+
+}  // namespace
+}  // namespace loom::engine
