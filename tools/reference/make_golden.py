@@ -40,12 +40,22 @@ SDPA for GPT-OSS), with the sinks; the run fails unless a sliding layer's
 window is shorter than the longest sequence and some gate/up pre-activation
 passes the +-7 clamp.
 
+deepseek_v2, deepseek_v3: the qwen3_moe path with multi-head latent
+attention and shared experts. Module targets are the attention's q_proj (or
+q_a_proj and q_b_proj when q_lora_rank is set), kv_a_proj_with_mqa, kv_b_proj,
+o_proj, and lm_head; target_parameters are the fused experts as for
+qwen3_moe, the dense layers' (below first_k_dense_replace) gate/up/down_proj
+weights, and each MoE layer's mlp.shared_experts gate/up/down_proj weights.
+The router (mlp.gate; deepseek_v3's with e_score_correction_bias) and the
+shared experts are checked against the checkpoint, and the batch has eight
+sequences so that group-limited routing reaches every expert.
+
 Usage (see README.md):
   python3 tools/reference/make_golden.py --model DIR --out tests/golden/qwen3
 Self-checking: it fails (non-zero exit) if any LoRA weight is zero, any
 gradient is non-finite or all-zero, the adapters do not change the
-logprobs, or the output exceeds 1 MB; for qwen3_moe also if any assumption
-about HF's or PEFT's layout does not hold at run time (see README.md).
+logprobs, or the output exceeds 1 MB; for the MoE families also if any
+assumption about HF's or PEFT's layout does not hold at run time (see README.md).
 """
 import argparse
 import inspect
@@ -69,16 +79,25 @@ A_STD_SCALE = 1.0   # lora_A ~ N(0, A_STD_SCALE^2 / d_in)
 B_STD = 0.01        # lora_B ~ N(0, B_STD^2)
 MAX_BYTES = 1 << 20
 
-# qwen3_moe. Gate/up/down stay out of target_modules in every spelling:
-# PEFT's transformers-v5 shim (peft/utils/transformers_weight_conversion.py)
+# The MoE families. Gate/up/down stay out of target_modules in every spelling:
+# PEFT's transformers-v5 shim (peft/utils/transformers_weight_conversion.py;
+# it maps deepseek_v2/v3 to qwen2_moe's conversion, as qwen3_moe)
 # rewrites target_modules entries equal to or ending in ".gate_proj",
 # ".up_proj", ".down_proj" (and a regex, after resolving it to leaf names)
 # into target_parameters gate_up_proj/down_proj at rank 2r. So the dense-MLP
 # layers' projections are targeted as parameters by full name: a ParamWrapper
 # on a 2-D [out, in] weight is plain LoRA (A [r, in], B [out, r], the same
 # saved keys as a module target).
-MOE_TYPES = ("qwen3_moe", "gpt_oss")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_TYPES
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
+# deepseek's multi-head latent attention: q_proj when q_lora_rank is null,
+# else q_a_proj and q_b_proj (q_a_layernorm between them is no target); the
+# adapters target those of the model (DEEPSEEK_ATTENTION[q_lora_rank is set])
+# and lm_head. The shared experts' gate/up/down are target_parameters by full
+# name, as the dense-MLP layers' (see above).
+DEEPSEEK_ATTENTION = {False: ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+                      True: ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]}
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
 # Each expert target stores E slices of both factors, so ranks are halved
@@ -87,9 +106,15 @@ MOE_ADAPTERS = [("a0", 2, 16), ("a1", 4, 8), ("a2", 4, 16)]
 # Longer than SEQ_LENGTHS so that every expert of every MoE layer gets a token
 # (checked); change these, not SEED, which would move the dense goldens too.
 MOE_SEQ_LENGTHS = [9, 15, 7, 13]
-# gpt_oss's tiny router (biased, top-2 of 8) needs more tokens to reach all
-# eight experts: [9, 15, 7, 13] hit 7 of them in layer 0.
-GPT_OSS_SEQ_LENGTHS = MOE_SEQ_LENGTHS + [11, 16, 6, 14]
+# Eight sequences (adapters a0 a1 a0 a2 twice) for the deepseek families,
+# whose group-limited routing needs more tokens for every expert of every MoE
+# layer to be hit. These four extra lengths were gpt_oss's
+# GPT_OSS_SEQ_LENGTHS, but make_batch zipped them with the four SEQ_ADAPTERS,
+# so gpt_oss's goldens have always had MOE_SEQ_LENGTHS' four sequences (its
+# tiny embeddings were made larger instead, so that every expert is routed
+# to); batch_plan keeps it so.
+LONG_MOE_SEQ_LENGTHS = MOE_SEQ_LENGTHS + [11, 16, 6, 14]
+LONG_SEQ_ADAPTERS = SEQ_ADAPTERS * 2
 RELOAD_TOL = 1e-5   # |logprob| after PeftModel.from_pretrained of the saved adapter
 
 
@@ -187,9 +212,20 @@ def load_base(model_dir, device, dtype=torch.float32):
     return model
 
 
-def make_batch(rng, vocab, lengths):
+def batch_plan(model_type):
+    """(lengths, adapters) of the golden batch's sequences for a model_type."""
+    if model_type in DEEPSEEK_TYPES:
+        return LONG_MOE_SEQ_LENGTHS, LONG_SEQ_ADAPTERS
+    if model_type in MOE_TYPES:
+        return MOE_SEQ_LENGTHS, SEQ_ADAPTERS
+    return SEQ_LENGTHS, SEQ_ADAPTERS
+
+
+def make_batch(rng, vocab, lengths, adapters):
+    if len(lengths) != len(adapters):
+        fail(f"{len(lengths)} sequence lengths for {len(adapters)} sequence adapters")
     seqs = []
-    for length, adapter in zip(lengths, SEQ_ADAPTERS):
+    for length, adapter in zip(lengths, adapters):
         tokens = rng.integers(0, vocab, size=length).tolist()
         last_target = int(rng.integers(0, vocab))
         seqs.append({"tokens": [int(t) for t in tokens],
@@ -243,29 +279,105 @@ def gpt_oss_layout(model, ckpt, mlps):
         moe["experts"][layer] = experts
     window = getattr(cfg, "sliding_window", None)
     sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
-    if not sliding or not window or window >= max(GPT_OSS_SEQ_LENGTHS):
+    longest = max(batch_plan(cfg.model_type)[0])
+    if not sliding or not window or window >= longest:
         fail(f"layer_types {cfg.layer_types}, sliding_window {window}: no sliding layer whose window is "
-             f"shorter than the longest sequence ({max(GPT_OSS_SEQ_LENGTHS)})")
+             f"shorter than the longest sequence ({longest})")
     sinks = [m.sinks for n, m in model.named_modules() if hasattr(m, "sinks")]
     if len(sinks) != cfg.num_hidden_layers or min(s.abs().max().item() for s in sinks) < 0.1:
         fail("expected sinks of O(1) in every attention layer (make-model's tiny preset)")
     return moe
 
 
+def module_targets(model, moe, names, absent=()):
+    """Sets moe["target_modules"] (names: the per-layer module targets, then
+    lm_head) and moe["linear_targets"] (the nn.Linear modules they name),
+    failing unless every layer holds each per-layer name once, there is one
+    lm_head, and no module is named in `absent` (deepseek: the q projections
+    of the other q_lora_rank)."""
+    per_layer = sorted(n for n in names if n != "lm_head")
+    short = set(names) | set(absent)
+    found = sorted(n for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in short)
+    by_layer, outside = {}, []
+    for n in found:
+        hit = re.search(r"(?:^|\.)layers\.(\d+)\.", n)
+        (by_layer.setdefault(int(hit.group(1)), []) if hit else outside).append(n.split(".")[-1])
+    layers = list(range(model.config.num_hidden_layers))
+    if sorted(by_layer) != layers or any(sorted(by_layer[L]) != per_layer for L in layers) \
+            or outside != ["lm_head"]:
+        fail(f"expected {per_layer} in each of {len(layers)} layers and one lm_head, found {found}")
+    moe["target_modules"] = list(names)
+    moe["linear_targets"] = found
+
+
+def deepseek_extras(moe, layer, name, mlp, stored, cfg):
+    """deepseek's MoE layer beside the routed experts, checked against the
+    checkpoint: the router mlp.gate (weight [E, H] and no bias, an nn.Linear
+    or a router module; deepseek_v3's also holds e_score_correction_bias [E],
+    a parameter or buffer, compared with the checkpoint wherever HF holds
+    one), and the shared experts mlp.shared_experts, an MLP of nn.Linear
+    gate/up/down_proj of width moe_intermediate_size * n_shared_experts
+    (recorded in moe["shared_layers"])."""
+    E, H, I = moe["num_experts"], int(cfg.hidden_size), int(cfg.moe_intermediate_size)
+    router = mlp.gate
+    if getattr(router, "bias", None) is not None:
+        fail(f"{name}: the router mlp.gate has a bias; deepseek's has none")
+    bias = getattr(router, "e_score_correction_bias", None)
+    if cfg.model_type == "deepseek_v3" and not torch.is_tensor(bias):
+        fail(f"{name}: deepseek_v3's router {type(router).__name__} holds no e_score_correction_bias")
+    with torch.no_grad():
+        if torch.is_tensor(bias):
+            if tuple(bias.shape) != (E,):
+                fail(f"{name}: gate.e_score_correction_bias is {tuple(bias.shape)}, expected ({E},)")
+            if not torch.equal(bias, stored(f"{name}.gate.e_score_correction_bias", bias)):
+                fail(f"{name}: gate.e_score_correction_bias differs from the checkpoint")
+        shared_count = int(getattr(cfg, "n_shared_experts", 0) or 0)
+        shared = getattr(mlp, "shared_experts", None)
+        if shared_count == 0:
+            if shared is not None:
+                fail(f"{name}: config.json has n_shared_experts {cfg.n_shared_experts}, HF built shared_experts")
+            return
+        S = I * shared_count
+        want = {"gate_proj": (S, H), "up_proj": (S, H), "down_proj": (H, S)}
+        got = {p: tuple(getattr(shared, p).weight.shape) for p in DENSE_MLP
+               if isinstance(getattr(shared, p, None), torch.nn.Linear)}
+        if got != want:
+            fail(f"{name}: shared_experts {got} (nn.Linear weights), expected {want} "
+                 f"(moe_intermediate_size {I} * n_shared_experts {shared_count})")
+        for p in DENSE_MLP:
+            w = getattr(shared, p).weight
+            if not torch.equal(w, stored(f"{name}.shared_experts.{p}.weight", w)):
+                fail(f"{name}: shared_experts.{p}.weight differs from the checkpoint")
+    moe["shared_layers"].append(layer)
+
+
 def moe_layout(model, model_dir):
-    """qwen3_moe's layers as HF built them, checked against the config and the
-    checkpoint: each MoE layer's fused experts must hold the hub's per-expert
-    weights (gate rows first, then up; [E, out, in]). None for a dense model."""
+    """An MoE model's layers as HF built them, checked against the config and
+    the checkpoint: each MoE layer's fused experts must hold the hub's
+    per-expert weights (gate rows first, then up; [E, out, in]); gpt_oss's
+    its own layout (gpt_oss_layout); deepseek's also its router and shared
+    experts (deepseek_extras). None for a dense model."""
     cfg = model.config
     if cfg.model_type not in MOE_TYPES:
         return None
+    deepseek = cfg.model_type in DEEPSEEK_TYPES
     if cfg.model_type == "gpt_oss":
         E = K = I = H = 0
+    elif deepseek:
+        E, K = int(cfg.n_routed_experts), int(cfg.num_experts_per_tok)
+        I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
     else:
         E, K = int(cfg.num_experts), int(cfg.num_experts_per_tok)
         I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+    if deepseek:
+        # HF's DeepseekV2/V3DecoderLayer: dense MLP below first_k_dense_replace, MoE from it on.
+        first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+        is_dense = lambda layer: layer < first_dense  # noqa: E731
+    else:
+        step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+        dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
+        is_dense = lambda layer: layer in dense_only or E == 0 or (layer + 1) % step != 0  # noqa: E731
     mlps = {}
     for name, m in model.named_modules():
         hit = re.fullmatch(r"(?:.*\.)?layers\.(\d+)\.mlp", name)
@@ -280,23 +392,26 @@ def moe_layout(model, model_dir):
 
     if cfg.model_type == "gpt_oss":
         moe = gpt_oss_layout(model, ckpt, mlps)
-        moe["linear_targets"] = sorted(n for n, m in model.named_modules()
-                                       if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in MOE_TARGET_MODULES)
-        if len(moe["linear_targets"]) != 4 * len(mlps) + 1:
-            fail(f"expected q/k/v/o_proj in each of {len(mlps)} layers and one lm_head, found {moe['linear_targets']}")
+        moe["model_type"] = cfg.model_type
+        module_targets(model, moe, MOE_TARGET_MODULES)
         return moe
 
     def stored(key, like):
         if key not in ckpt:
-            fail(f"{model_dir} has no tensor {key} (make-model should write the hub's per-expert keys)")
+            fail(f"{model_dir} has no tensor {key} (make-model should write the hub's names, "
+                 f"per expert for the routed experts)")
         return ckpt[key].to(like.device, like.dtype)
 
-    moe = {"num_experts": E, "top_k": K, "moe_layers": [], "dense_layers": [], "mlp": {}, "experts": {}}
+    moe = {"model_type": cfg.model_type, "num_experts": E, "top_k": K, "moe_layers": [], "dense_layers": [],
+           "mlp": {}, "experts": {}}
+    if deepseek:
+        moe["shared_layers"] = []
     for layer in sorted(mlps):
         name, mlp = mlps[layer]
         moe["mlp"][layer] = name
-        if layer in dense_only or E == 0 or (layer + 1) % step != 0:
-            if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in DENSE_MLP):
+        if is_dense(layer):
+            if not all(isinstance(getattr(mlp, p, None), torch.nn.Linear) for p in DENSE_MLP) \
+                    or getattr(mlp, "experts", None) is not None:
                 fail(f"{name}: config.json makes layer {layer} dense, but HF built {type(mlp).__name__}")
             moe["dense_layers"].append(layer)
             continue
@@ -322,20 +437,32 @@ def moe_layout(model, model_dir):
                 fail(f"{name}: the router differs from {name}.gate.weight in the checkpoint")
         moe["moe_layers"].append(layer)
         moe["experts"][layer] = experts
+        if deepseek:
+            deepseek_extras(moe, layer, name, mlp, stored, cfg)
     if not moe["moe_layers"]:
         fail(f"config.json says {cfg.model_type} but no layer is MoE")
-    moe["linear_targets"] = sorted(n for n, m in model.named_modules()
-                                   if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in MOE_TARGET_MODULES)
-    if len(moe["linear_targets"]) != 4 * len(mlps) + 1:
-        fail(f"expected q/k/v/o_proj in each of {len(mlps)} layers and one lm_head, found {moe['linear_targets']}")
+    if deepseek:
+        q_rank = getattr(cfg, "q_lora_rank", None)
+        if q_rank is not None and int(q_rank) <= 0:
+            fail(f"q_lora_rank {q_rank}: HF builds q_a_proj/q_b_proj for any non-null q_lora_rank; "
+                 f"no q compression is null")
+        module_targets(model, moe, DEEPSEEK_ATTENTION[q_rank is not None] + ["lm_head"],
+                       absent=DEEPSEEK_ATTENTION[q_rank is None])
+    else:
+        module_targets(model, moe, MOE_TARGET_MODULES)
     return moe
 
 
 def moe_targets(moe):
-    """(target_modules, target_parameters) of a qwen3_moe adapter (see MOE_TYPES)."""
+    """(target_modules, target_parameters) of an MoE adapter (see MOE_TYPES):
+    the module targets moe_layout found; the experts' two fused parameters;
+    every dense-MLP layer's and every shared-experts MLP's gate/up/down_proj
+    weight by full name."""
     params = [f"mlp.experts.{p}" for p in EXPERT_PARAMS]
     params += [f"{moe['mlp'][layer]}.{p}.weight" for layer in moe["dense_layers"] for p in DENSE_MLP]
-    return list(MOE_TARGET_MODULES), params
+    params += [f"{moe['mlp'][layer]}.shared_experts.{p}.weight" for layer in moe.get("shared_layers", [])
+               for p in DENSE_MLP]
+    return list(moe["target_modules"]), params
 
 
 def config_drift(got, want):
@@ -371,7 +498,7 @@ def check_wrapped(layers, moe, adapters):
     """Every intended target, and nothing else, carries every adapter at its
     rank and alpha: module LoRA on attention and lm_head; a ParamWrapper on
     both expert parameters of each MoE layer (E experts) and on each dense-MLP
-    weight (one)."""
+    and shared-experts weight (one)."""
     from peft.tuners.lora import Linear, ParamWrapper
 
     want = {(n, None): 1 for n in moe["linear_targets"]}
@@ -379,6 +506,8 @@ def check_wrapped(layers, moe, adapters):
         want.update({(f"{moe['mlp'][layer]}.experts", p): moe["num_experts"] for p in EXPERT_PARAMS})
     for layer in moe["dense_layers"]:
         want.update({(f"{moe['mlp'][layer]}.{p}", "weight"): 1 for p in DENSE_MLP})
+    for layer in moe.get("shared_layers", []):
+        want.update({(f"{moe['mlp'][layer]}.shared_experts.{p}", "weight"): 1 for p in DENSE_MLP})
     got = {}
     for mod_name, m in layers:
         path = mod_name.removeprefix("base_model.model.").replace(".base_layer", "")
@@ -511,7 +640,7 @@ def check_routes(moe, seqs, seq_routes, recorder):
         hit = expert_hits(seqs, seq_routes, layer)
         if hit != set(range(moe["num_experts"])):
             fail(f"layer {layer}: the batch hits experts {sorted(hit)} of {moe['num_experts']}; "
-                 f"lengthen MOE_SEQ_LENGTHS (GPT_OSS_SEQ_LENGTHS for gpt_oss) so that every expert gets a token")
+                 f"lengthen the sequences of batch_plan({moe['model_type']!r}) so that every expert gets a token")
     if recorder.weights_without_grad:
         fail(f"layers {sorted(recorder.weights_without_grad)}: the routing weights have no gradient")
 
@@ -570,11 +699,16 @@ def moe_record(moe, layers, targets, saved_keys, seq_routes):
         for kind in ("lora_A", "lora_B") if param else ():
             expert_keys[f"{mod_name}.{kind}.weight"] = {"layer": layer_of(mod_name), "parameter": param,
                                                         "factor": kind, "shared": shared[param] == kind}
-    return {
+    record = {
         "num_experts": moe["num_experts"],
         "top_k": moe["top_k"],
         "moe_layers": moe["moe_layers"],
         "dense_mlp_layers": moe["dense_layers"],
+    }
+    if "shared_layers" in moe:  # deepseek only: the other families' batch.json stays as it was
+        record["shared_expert_layers"] = moe["shared_layers"]
+    return {
+        **record,
         "target_modules": targets["target_modules"],
         "target_parameters": targets["target_parameters"],
         "expert_lora": "lora_A [E*r, in]: expert e in rows e*r+k; lora_B [out, r*E]: expert e in columns k*E+e; "
@@ -613,9 +747,7 @@ def main():
     targets = {"target_modules": target_modules, "target_parameters": target_parameters}
     vocab = int(model.config.vocab_size)
     rng = np.random.default_rng(SEED)
-    lengths = (SEQ_LENGTHS if moe is None else
-               GPT_OSS_SEQ_LENGTHS if config_model_type(args.model) == "gpt_oss" else MOE_SEQ_LENGTHS)
-    seqs = make_batch(rng, vocab, lengths)
+    seqs = make_batch(rng, vocab, *batch_plan(model.config.model_type))
 
     # Base-only logprobs, to prove later that the adapters matter.
     with torch.no_grad():
