@@ -9,7 +9,7 @@
 # model's parameters a token runs through (a tied embedding counted once; for MoE the active
 # parameters: k of E experts), against 989 TFLOP/s (dense bf16, H100/H200).
 #
-# MoE models (config num_experts > 0, e.g. qwen3_moe): the experts are fused 3-D tensors in
+# MoE models (config num_experts > 0, e.g. qwen3_moe, deepseek_v2): the experts are fused 3-D tensors in
 # transformers 5, so their LoRA is PEFT's target_parameters (mlp.experts.gate_up_proj and
 # down_proj, rank r each), with attention and lm_head as modules; naming gate_proj/up_proj in
 # target_modules would make PEFT's v5 shim retarget them at rank 2r.
@@ -47,14 +47,23 @@ def main():
                                                      attn_implementation=attn).cuda()
         params_by_name = {id(p): (n, p) for n, p in model.named_parameters()}.values()
         n_base = sum(p.numel() for _, p in params_by_name)
-        experts = getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0) or 0
+        experts = (getattr(model.config, "num_experts", 0) or getattr(model.config, "num_local_experts", 0)
+                   or getattr(model.config, "n_routed_experts", 0) or 0)
         if experts:
             k = model.config.num_experts_per_tok
             n_expert = sum(p.numel() for n, p in params_by_name if ".mlp.experts." in n)
             n_base = n_base - n_expert + n_expert * k // experts
+            # loom's targets: the attention's projections (MLA's q_a/q_b, kv_a_proj_with_mqa and
+            # kv_b_proj where the model has them), lm_head; the experts; and, by full name (the v5
+            # shim again), any dense-MLP layer's and shared experts' gate/up/down weights.
+            attention = sorted({n.split(".")[-1] for n, m in model.named_modules() if ".self_attn." in n
+                                and isinstance(m, torch.nn.Linear)})
+            dense = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                     and n.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in n]
             lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0,
-                              target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
-                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+                              target_modules=attention + ["lm_head"],
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] + dense)
+            out["targets"] = {"modules": attention + ["lm_head"], "dense_mlp_weights": len(dense)}
         else:
             lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0, target_modules=TARGETS)
         out["moe_experts"] = experts

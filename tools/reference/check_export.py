@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from make_golden import add_precision_args, config_drift, config_model_type, load_base, precision
 
-MOE_TYPES = ("qwen3_moe", "gpt_oss")
+MOE_TYPES = ("qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")
 VLLM_KEY = re.compile(r"^base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
                       r"mlp\.(gate|up|down)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)\.lora_[AB]\.weight$")
 
