@@ -1,5 +1,7 @@
-// The DeepSeek families (deepseek_v2, deepseek_v3: engine/model/families/
-// deepseek.cpp over model/mla.h and model/moe.h): the packed forward with
+// The families with DeepSeek-style experts (deepseek_v2, deepseek_v3 with
+// multi-head latent attention: engine/model/families/deepseek.cpp over
+// model/mla.h; glm4_moe with partial RoPE: families/glm4_moe.cpp; their
+// experts: families/deepseek_moe.h over model/moe.h): the packed forward with
 // several slots' LoRA against a plain reference written here from HF's
 // modeling code (values and LoRA gradients), the sampler's latent-space
 // decode and its prefix reuse against the trainer, the KV row, and the
@@ -52,6 +54,9 @@ class Reference {
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) {
       const std::string p = "model.layers." + std::to_string(i) + ".";
       const at::Tensor h = Rms(x, w_.at(p + "input_layernorm.weight"));
+      if (!c_.IsMla()) {
+        x = x + Gqa(p, h, mask);
+      } else {
       const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj",
                                                      Rms(Lin(p + "self_attn.q_a_proj", h),
                                                          w_.at(p + "self_attn.q_a_layernorm.weight")))
@@ -70,6 +75,7 @@ class Reference {
         heads.push_back(at::matmul(at::softmax(s, -1), kv.select(1, hh).narrow(1, dn, dv)));
       }
       x = x + Lin(p + "self_attn.o_proj", at::cat(heads, 1));
+      }
       const at::Tensor h2 = Rms(x, w_.at(p + "post_attention_layernorm.weight"));
       if (!c_.IsMoeLayer(i)) {
         x = x + Mlp(p + "mlp.", h2);
@@ -84,6 +90,36 @@ class Reference {
  private:
   at::Tensor Rms(const at::Tensor& x, const at::Tensor& w) const {
     return x * at::rsqrt(x.pow(2).mean(-1, true) + c_.rms_norm_eps) * w;
+  }
+  // glm4_moe's attention: q/k/v with their biases, q/k RMSNorm per head
+  // (use_qk_norm), RoPE on the first head_dim * partial_rotary_factor dims
+  // (pairs j, j + rd/2), grouped-query heads, o_proj.
+  at::Tensor Gqa(const std::string& p, const at::Tensor& h, const at::Tensor& mask) const {
+    const int64_t L = h.size(0), H = c_.num_attention_heads, KV = c_.num_key_value_heads, hd = c_.head_dim;
+    const int64_t rd = c_.RotaryDim();
+    at::Tensor q = Lin(p + "self_attn.q_proj", h).view({L, H, hd});
+    at::Tensor k = Lin(p + "self_attn.k_proj", h).view({L, KV, hd});
+    const at::Tensor v = Lin(p + "self_attn.v_proj", h).view({L, KV, hd});
+    if (c_.qk_norm) {
+      q = Rms(q, w_.at(p + "self_attn.q_norm.weight"));
+      k = Rms(k, w_.at(p + "self_attn.k_norm.weight"));
+    }
+    const at::Tensor inv = 1.0 / at::pow(c_.rope_theta, at::arange(0, rd, 2, at::kFloat) / double(rd));
+    const at::Tensor ang = (at::arange(L, at::kFloat).unsqueeze(1) * inv.unsqueeze(0)).unsqueeze(1);  // [L, 1, rd/2]
+    const auto rope = [&](const at::Tensor& t) {
+      const at::Tensor a = t.narrow(2, 0, rd / 2), b = t.narrow(2, rd / 2, rd / 2);
+      return at::cat({a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin(), t.narrow(2, rd, hd - rd)}, 2);
+    };
+    q = rope(q);
+    k = rope(k);
+    std::vector<at::Tensor> heads;
+    for (int64_t hh = 0; hh < H; ++hh) {
+      const int64_t g = hh / (H / KV);
+      at::Tensor s = at::matmul(q.select(1, hh), k.select(1, g).t()) / std::sqrt(double(hd));
+      s = s.masked_fill(mask == 0, -1e30);
+      heads.push_back(at::matmul(at::softmax(s, -1), v.select(1, g)));
+    }
+    return Lin(p + "self_attn.o_proj", at::cat(heads, 1));
   }
   bool Trains(const LoraTarget* t) const { return t && slot_ >= 0 && bank_.trains(slot_, t->group); }
   double Scale() const { return bank_.slot(slot_).config.alpha / bank_.slot(slot_).config.rank; }
@@ -105,7 +141,7 @@ class Reference {
   // renormalised; then times routed_scaling_factor.
   at::Tensor Experts(const std::string& p, const at::Tensor& h) const {
     const int64_t E = c_.num_experts, G = c_.n_group, K = c_.num_experts_per_tok, I = c_.moe_intermediate_size;
-    const bool v3 = c_.model_type == "deepseek_v3";
+    const bool v3 = c_.model_type != "deepseek_v2";  // deepseek_v3 and glm4_moe route alike
     const at::Tensor logits = at::matmul(h, w_.at(p + "mlp.gate.weight").t());
     const LoraTarget* gu = bank_.find(p + "mlp.experts.gate_up_proj");
     const LoraTarget* dn = bank_.find(p + "mlp.experts.down_proj");
@@ -214,9 +250,11 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
   const at::Tensor want = m.Hidden(PackedBatch::Make({seq}, {1}, at::kCPU), *bank);
 
   const KvRowShape shape = Transformer::KvShape(c);
-  EXPECT_EQ(shape.k_heads, 1);
-  EXPECT_EQ(shape.k_dim, c.kv_lora_rank + c.qk_rope_head_dim);
-  EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim);  // the latent only
+  if (c.IsMla()) {
+    EXPECT_EQ(shape.k_heads, 1);
+    EXPECT_EQ(shape.k_dim, c.kv_lora_rank + c.qk_rope_head_dim);
+    EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim);  // the latent only
+  }
   KvCache cache = KvCache::Allocate(c.num_hidden_layers, 32, shape, at::kCPU, at::kFloat);
   const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
   const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
@@ -250,13 +288,14 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
   EXPECT_LT(MaxDiff(m.ForwardCached(over, cache, *bank), want.narrow(0, 9, 3)), 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch, ::testing::Values("deepseek_v2", "deepseek_v3"));
+INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch, ::testing::Values("deepseek_v2", "deepseek_v3", "glm4_moe"));
 
 // Every preset's config.json parses back to the same fields.
 TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
   for (const auto& [arch, presets] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"deepseek_v2", {"tiny", "deepseek-v2-lite", "deepseek-v2"}},
-           {"deepseek_v3", {"tiny", "kimi-k2.5", "deepseek-v3"}}}) {
+           {"deepseek_v3", {"tiny", "kimi-k2.5", "deepseek-v3"}},
+           {"glm4_moe", {"tiny", "glm-4.5-air"}}}) {
     for (const std::string& preset : presets) {
       auto c = testmodel::PresetConfig(arch, preset);
       ASSERT_TRUE(c.ok()) << arch << " " << preset << ": " << c.status().message();
@@ -264,7 +303,7 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
       ASSERT_TRUE(back.ok()) << arch << " " << preset << ": " << back.status().message();
       EXPECT_EQ(back->q_lora_rank, c->q_lora_rank) << preset;
       EXPECT_EQ(back->kv_lora_rank, c->kv_lora_rank) << preset;
-      EXPECT_EQ(back->head_dim, c->qk_rope_head_dim) << preset;
+      EXPECT_EQ(back->head_dim, c->IsMla() ? c->qk_rope_head_dim : c->head_dim) << preset;
       EXPECT_EQ(back->v_head_dim, c->v_head_dim) << preset;
       EXPECT_EQ(back->num_experts, c->num_experts) << preset;
       EXPECT_EQ(back->n_shared_experts, c->n_shared_experts) << preset;
@@ -275,6 +314,9 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
       EXPECT_EQ(back->norm_topk_prob, c->norm_topk_prob) << preset;
       EXPECT_EQ(back->rope_type, c->rope_type) << preset;
       EXPECT_EQ(back->yarn_mscale_all_dim, c->yarn_mscale_all_dim) << preset;
+      EXPECT_EQ(back->partial_rotary_factor, c->partial_rotary_factor) << preset;
+      EXPECT_EQ(back->qk_norm, c->qk_norm) << preset;
+      EXPECT_EQ(back->num_nextn_predict_layers, c->num_nextn_predict_layers) << preset;
       EXPECT_FALSE(back->IsMoeLayer(0)) << preset;  // every preset's first layer is dense
       EXPECT_TRUE(back->IsMoeLayer(back->num_hidden_layers - 1)) << preset;
     }
@@ -296,7 +338,9 @@ TEST(DeepseekConfig, RefusalsNameTheField) {
            {"deepseek_v2", "topk_group", 5},
            {"deepseek_v2", "moe_layer_freq", 2},
            {"deepseek_v3", "kv_lora_rank", 0},
-           {"deepseek_v3", "qk_rope_head_dim", 7}}) {
+           {"deepseek_v3", "qk_rope_head_dim", 7},
+           {"glm4_moe", "partial_rotary_factor", 1.5},
+           {"glm4_moe", "n_group", 3}}) {
     auto r = with(arch, field, value);
     ASSERT_FALSE(r.ok()) << arch << " " << field;
     EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();

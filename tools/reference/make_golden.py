@@ -89,7 +89,13 @@ MAX_BYTES = 1 << 20
 # on a 2-D [out, in] weight is plain LoRA (A [r, in], B [out, r], the same
 # saved keys as a module target).
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_TYPES
+# DeepSeek-style experts (router mlp.gate, shared experts, dense layers below
+# first_k_dense_replace): the deepseek families and glm4_moe, whose attention
+# is plain q/k/v/o (MOE_TARGET_MODULES) and whose router holds the
+# correction bias as deepseek_v3's.
+DEEPSEEK_MOE_TYPES = DEEPSEEK_TYPES + ("glm4_moe",)
+CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe")
+MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_MOE_TYPES
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 # deepseek's multi-head latent attention: q_proj when q_lora_rank is null,
 # else q_a_proj and q_b_proj (q_a_layernorm between them is no target); the
@@ -214,7 +220,7 @@ def load_base(model_dir, device, dtype=torch.float32):
 
 def batch_plan(model_type):
     """(lengths, adapters) of the golden batch's sequences for a model_type."""
-    if model_type in DEEPSEEK_TYPES:
+    if model_type in DEEPSEEK_MOE_TYPES:
         return LONG_MOE_SEQ_LENGTHS, LONG_SEQ_ADAPTERS
     if model_type in MOE_TYPES:
         return MOE_SEQ_LENGTHS, SEQ_ADAPTERS
@@ -324,8 +330,8 @@ def deepseek_extras(moe, layer, name, mlp, stored, cfg):
     if getattr(router, "bias", None) is not None:
         fail(f"{name}: the router mlp.gate has a bias; deepseek's has none")
     bias = getattr(router, "e_score_correction_bias", None)
-    if cfg.model_type == "deepseek_v3" and not torch.is_tensor(bias):
-        fail(f"{name}: deepseek_v3's router {type(router).__name__} holds no e_score_correction_bias")
+    if cfg.model_type in CORRECTION_BIAS_TYPES and not torch.is_tensor(bias):
+        fail(f"{name}: {cfg.model_type}'s router {type(router).__name__} holds no e_score_correction_bias")
     with torch.no_grad():
         if torch.is_tensor(bias):
             if tuple(bias.shape) != (E,):
@@ -361,7 +367,7 @@ def moe_layout(model, model_dir):
     cfg = model.config
     if cfg.model_type not in MOE_TYPES:
         return None
-    deepseek = cfg.model_type in DEEPSEEK_TYPES
+    deepseek = cfg.model_type in DEEPSEEK_MOE_TYPES
     if cfg.model_type == "gpt_oss":
         E = K = I = H = 0
     elif deepseek:
@@ -441,7 +447,7 @@ def moe_layout(model, model_dir):
             deepseek_extras(moe, layer, name, mlp, stored, cfg)
     if not moe["moe_layers"]:
         fail(f"config.json says {cfg.model_type} but no layer is MoE")
-    if deepseek:
+    if cfg.model_type in DEEPSEEK_TYPES:
         q_rank = getattr(cfg, "q_lora_rank", None)
         if q_rank is not None and int(q_rank) <= 0:
             fail(f"q_lora_rank {q_rank}: HF builds q_a_proj/q_b_proj for any non-null q_lora_rank; "

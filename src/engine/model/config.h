@@ -12,7 +12,7 @@
 namespace loom::engine {
 
 struct ModelConfig {
-  std::string model_type;          // "qwen2" | "qwen3" | "qwen3_moe" | "gpt_oss" | "deepseek_v2" | "deepseek_v3"
+  std::string model_type;          // a family's model_type (model/family.h: FamilyNames())
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -40,7 +40,11 @@ struct ModelConfig {
   bool norm_topk_prob = false;        // renormalise the top-k probabilities to sum to 1
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
-  int64_t first_k_dense_replace = 0;  // deepseek: layers below it are dense whatever the above say
+  int64_t first_k_dense_replace = 0;  // deepseek, glm4_moe: layers below it are dense whatever the above say
+  // Multi-token-prediction layers a checkpoint may carry after the last
+  // layer (deepseek_v3, glm4_moe: model.layers.{num_hidden_layers}...): not
+  // used for training or sampling, skipped at load as HF does.
+  int64_t num_nextn_predict_layers = 0;
   bool IsMoeLayer(int64_t layer) const;
 
   // DeepSeek (deepseek_v2, deepseek_v3): multi-head latent attention (MLA)
@@ -79,6 +83,10 @@ struct ModelConfig {
   bool IsSlidingLayer(int64_t layer) const;
   bool IsGptOss() const { return model_type == "gpt_oss"; }
 
+  // RoPE over the first head_dim * partial_rotary_factor dims of each head
+  // (glm4_moe: 0.5), the rest passed through; halves layout within them.
+  double partial_rotary_factor = 1.0;
+  int64_t RotaryDim() const { return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor); }
   // RoPE scaling: "default" (none) or "yarn" (gpt_oss) with its parameters.
   std::string rope_type = "default";
   double rope_factor = 1.0;

@@ -11,10 +11,11 @@ extern const Family kQwen3MoeFamily;
 extern const Family kGptOssFamily;
 extern const Family kDeepseekV2Family;
 extern const Family kDeepseekV3Family;
+extern const Family kGlm4MoeFamily;
 
 namespace {
-const Family* const kFamilies[] = {&kQwen2Family,  &kQwen3Family,       &kQwen3MoeFamily,
-                                   &kGptOssFamily, &kDeepseekV2Family, &kDeepseekV3Family};
+const Family* const kFamilies[] = {&kQwen2Family,      &kQwen3Family,      &kQwen3MoeFamily, &kGptOssFamily,
+                                   &kDeepseekV2Family, &kDeepseekV3Family, &kGlm4MoeFamily};
 }  // namespace
 
 const Family* FindFamily(const std::string& model_type) {

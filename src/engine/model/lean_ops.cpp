@@ -358,6 +358,9 @@ at::Tensor RopePlain(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 }
 
 at::Tensor RopeLean(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rd = cos.size(-1), hd = x.size(-1);
+  if (rd < hd)  // partial RoPE (glm4_moe): the first rd dims turn, the rest pass through
+    return at::cat({RopeLean(x.narrow(-1, 0, rd), cos, sin), x.narrow(-1, rd, hd - rd)}, -1);
   if (!c10::GradMode::is_enabled() || !x.requires_grad()) return RopePlain(x, cos, sin);
   return RopeNode::apply(x, cos, sin);
 }

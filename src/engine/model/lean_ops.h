@@ -14,6 +14,8 @@
 //   RopeLean      x * cos + rotate_half(x) * sin; keeps cos and sin only,
 //                 and its backward is g * cos + rotate_half^T(g * sin), where
 //                 the graph makes a dense zero gradient per half slice.
+//                 Tables narrower than x (partial RoPE) turn its first
+//                 cos.size(-1) dims only.
 //   SplitLean     column blocks of one [T, n] tensor (the fused q/k/v
 //                 projection) as views; the backward is one cat of the
 //                 blocks' gradients, where the graph makes a dense zero

@@ -3,6 +3,8 @@
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <set>
 #include <string>
 #include <utility>
@@ -46,8 +48,14 @@ bool KeepsNormFp32(const Family& f, const std::string& name) {
 // X_scales stand for the bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
 bool IsMxfp4Part(const std::string& name) { return EndsWith(name, "_blocks") || EndsWith(name, "_scales"); }
 
-// Checkpoint entries that carry no weights (old rotary caches).
-bool IsIgnorable(const std::string& name) { return EndsWith(name, "rotary_emb.inv_freq"); }
+// Checkpoint entries that carry no weights (old rotary caches), or weights
+// loom does not use: the multi-token-prediction layers after the last one.
+bool IsIgnorable(const std::string& name, const ModelConfig& c) {
+  if (EndsWith(name, "rotary_emb.inv_freq")) return true;
+  if (c.num_nextn_predict_layers <= 0 || name.rfind("model.layers.", 0) != 0) return false;
+  const int64_t layer = std::atoll(name.c_str() + std::strlen("model.layers."));
+  return layer >= c.num_hidden_layers && layer < c.num_hidden_layers + c.num_nextn_predict_layers;
+}
 
 Status ConfigError(const std::string& field, const std::string& why) {
   return Status::Invalid("config." + field + " " + why);
@@ -67,6 +75,8 @@ Status CheckConfig(const ModelConfig& c) {
     return ConfigError("num_key_value_heads", "must be > 0 and divide num_attention_heads");
   const int64_t hd = HeadDim(c);
   if (hd <= 0 || hd % 2 != 0) return ConfigError("head_dim", "must be a positive even number");
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.RotaryDim() % 2 != 0 || c.RotaryDim() <= 0)
+    return ConfigError("partial_rotary_factor", "must be in (0, 1] with head_dim * it a positive even number");
   if (c.head_dim <= 0 && c.hidden_size % c.num_attention_heads != 0)
     return ConfigError("hidden_size", "must be a multiple of num_attention_heads when head_dim is absent");
   if (!(c.rope_theta > 0)) return ConfigError("rope_theta", "must be > 0");
@@ -188,7 +198,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
                              ", expected " + ShapeText(shape));
   }
   for (const auto& [name, tensor] : weights) {
-    if (wanted.count(name) || IsIgnorable(name)) continue;
+    if (wanted.count(name) || IsIgnorable(name, config)) continue;
     // A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
     if (name == "lm_head.weight" && config.tie_word_embeddings) continue;
     return Status::Invalid("weight '" + name + "' is not expected by " + config.model_type + " with this config");
@@ -208,7 +218,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   impl->embed = get("model.embed_tokens.weight");
   impl->norm = get("model.norm.weight");
   impl->lm_head = config.tie_word_embeddings ? impl->embed : get("lm_head.weight");
-  const RopeFrequencies rope = MakeRopeFrequencies(config, impl->head_dim);
+  const RopeFrequencies rope = MakeRopeFrequencies(config, config.IsMla() ? impl->head_dim : config.RotaryDim());
   impl->inv_freq = rope.inv_freq.to(device);
   impl->rope_scale = rope.scale;
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
@@ -249,7 +259,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
                              ShapeText(shape));
   }
   for (const auto& [name, view] : files->tensors()) {
-    if (IsIgnorable(name)) continue;
+    if (IsIgnorable(name, *config)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
     if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
     Result<at::Tensor> t = LoadTensor(view, KeepsNormFp32(family, name) ? at::kFloat : dtype, device);

@@ -14,6 +14,7 @@
 
 #include <cmath>
 
+#include "engine/model/families/deepseek_moe.h"
 #include "engine/model/family.h"
 #include "engine/model/rope.h"
 #include "engine/model/transformer_impl.h"
@@ -42,20 +43,9 @@ void DefaultsV3(ModelConfig& c) {  // DeepseekV3Config's
   c.rope_interleave = true;
 }
 
-// An optional positive integer that may be null (HF: None), read into *out.
-Status GetOptionalPositive(const nlohmann::json& j, const char* field, int64_t null_value, int64_t* out) {
-  if (auto it = j.find(field); it != j.end() && it->is_null()) {
-    *out = null_value;
-    return Status::Ok();
-  }
-  if (Status s = GetInt(j, field, false, out); !s.ok()) return s;
-  if (*out < 0 || (*out == 0 && null_value != 0)) return Positive(field, *out);
-  return Status::Ok();
-}
-
 // The rules of a config however it was made (Parse, or built in code).
 Status Check(const ModelConfig& c) {
-  if (Status s = CheckExperts(c); !s.ok()) return s;
+  if (Status s = CheckDeepseekMoe(c); !s.ok()) return s;
   const auto bad = [&](const std::string& field, const std::string& why) {
     return Status::Invalid("config." + field + " " + why + " for " + c.model_type);
   };
@@ -66,41 +56,26 @@ Status Check(const ModelConfig& c) {
   if (c.num_key_value_heads != c.num_attention_heads)
     return bad("num_key_value_heads", "must equal num_attention_heads (MLA gives every head its key)");
   if (c.q_lora_rank < 0) return bad("q_lora_rank", "must be >= 0 (0: no q compression)");
-  if (c.n_shared_experts < 0) return bad("n_shared_experts", "must be >= 0");
-  if (c.first_k_dense_replace < 0) return bad("first_k_dense_replace", "must be >= 0");
-  if (!(c.routed_scaling_factor > 0)) return bad("routed_scaling_factor", "must be > 0");
-  if (c.n_group <= 0 || c.num_experts % c.n_group != 0)
-    return bad("n_group", std::to_string(c.n_group) + " must divide n_routed_experts " + std::to_string(c.num_experts));
-  if (c.topk_group <= 0 || c.topk_group > c.n_group) return bad("topk_group", "must be in [1, n_group]");
-  if (c.num_experts_per_tok > c.topk_group * (c.num_experts / c.n_group))
-    return bad("num_experts_per_tok", "must be at most the experts of topk_group groups");
-  if (IsV3(c) && c.num_experts / c.n_group < 2 && c.n_group > 1)
-    return bad("n_group", "must leave at least two experts a group (groups rank by their two best)");
   return Status::Ok();
 }
 
 // The fields both read; v3's router fields and rope_interleave on top.
 Status Parse(const nlohmann::json& j, ModelConfig& c) {
   if (Status s = GetBool(j, "attention_bias", &c.attention_bias); !s.ok()) return s;
-  if (Status s = GetOptionalPositive(j, "q_lora_rank", 0, &c.q_lora_rank); !s.ok()) return s;
+  if (auto it = j.find("q_lora_rank"); it != j.end() && it->is_null()) {
+    c.q_lora_rank = 0;  // HF's None: no q compression
+  } else {
+    if (Status s = GetInt(j, "q_lora_rank", false, &c.q_lora_rank); !s.ok()) return s;
+    if (Status s = Positive("q_lora_rank", c.q_lora_rank); !s.ok()) return s;
+  }
   for (auto [field, dst] : {std::pair{"kv_lora_rank", &c.kv_lora_rank}, std::pair{"qk_nope_head_dim", &c.qk_nope_head_dim},
-                            std::pair{"qk_rope_head_dim", &c.qk_rope_head_dim}, std::pair{"v_head_dim", &c.v_head_dim},
-                            std::pair{"moe_intermediate_size", &c.moe_intermediate_size},
-                            std::pair{"n_routed_experts", &c.num_experts}}) {
+                            std::pair{"qk_rope_head_dim", &c.qk_rope_head_dim}, std::pair{"v_head_dim", &c.v_head_dim}}) {
     if (Status s = GetInt(j, field, false, dst); !s.ok()) return s;
     if (Status s = Positive(field, *dst); !s.ok()) return s;
   }
-  if (Status s = GetInt(j, "num_experts_per_tok", !IsV3(c), &c.num_experts_per_tok); !s.ok()) return s;
-  if (Status s = Positive("num_experts_per_tok", c.num_experts_per_tok); !s.ok()) return s;
-  if (Status s = GetOptionalPositive(j, "n_shared_experts", 0, &c.n_shared_experts); !s.ok()) return s;
-  if (Status s = GetInt(j, "first_k_dense_replace", false, &c.first_k_dense_replace); !s.ok()) return s;
-  if (Status s = GetDouble(j, "routed_scaling_factor", &c.routed_scaling_factor); !s.ok()) return s;
-  if (Status s = GetBool(j, "norm_topk_prob", &c.norm_topk_prob); !s.ok()) return s;
-  if (Status s = GetOptionalPositive(j, "n_group", 1, &c.n_group); !s.ok()) return s;
-  if (Status s = GetOptionalPositive(j, "topk_group", 1, &c.topk_group); !s.ok()) return s;
-  int64_t freq = 1;
-  if (Status s = GetInt(j, "moe_layer_freq", false, &freq); !s.ok()) return s;
-  if (freq != 1) return Status::Invalid("config.json: 'moe_layer_freq' " + std::to_string(freq) + " is not supported (1)");
+  if (!IsV3(c) && j.find("num_experts_per_tok") == j.end())
+    return Status::Invalid("config.json: missing required field 'num_experts_per_tok'");
+  if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
   if (auto it = j.find("topk_method"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return Status::Invalid("config.json: 'topk_method' must be a string");
     c.topk_method = it->get<std::string>();
@@ -134,14 +109,8 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
   j["qk_nope_head_dim"] = c.qk_nope_head_dim;
   j["qk_rope_head_dim"] = c.qk_rope_head_dim;
   j["v_head_dim"] = c.v_head_dim;
-  j["n_routed_experts"] = c.num_experts;
-  j["num_experts_per_tok"] = c.num_experts_per_tok;
-  j["moe_intermediate_size"] = c.moe_intermediate_size;
-  j["n_shared_experts"] = c.n_shared_experts > 0 ? nlohmann::ordered_json(c.n_shared_experts) : nlohmann::ordered_json();
-  j["first_k_dense_replace"] = c.first_k_dense_replace;
+  WriteDeepseekMoe(c, j);
   j["moe_layer_freq"] = 1;
-  j["routed_scaling_factor"] = c.routed_scaling_factor;
-  j["norm_topk_prob"] = c.norm_topk_prob;
   j["topk_method"] = c.topk_method;
   j["scoring_func"] = c.scoring_func;
   j["n_group"] = c.n_group;
@@ -175,23 +144,7 @@ void LayerWeights(const ModelConfig& c, int64_t layer, WeightShapes& w) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   MlaWeightShapes(c, p, w);
   PostNormWeightShape(c, p, w);
-  if (!c.IsMoeLayer(layer)) return DenseMlpWeightShapes(c, p, c.intermediate_size, w);
-  const int64_t h = c.hidden_size, inter = c.moe_intermediate_size;
-  w.push_back({p + "mlp.gate.weight", {c.num_experts, h}});
-  if (IsV3(c)) w.push_back({p + "mlp.gate.e_score_correction_bias", {c.num_experts}});
-  for (int64_t e = 0; e < c.num_experts; ++e) {
-    const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-    w.push_back({x + "gate_proj.weight", {inter, h}});
-    w.push_back({x + "up_proj.weight", {inter, h}});
-    w.push_back({x + "down_proj.weight", {h, inter}});
-  }
-  if (c.n_shared_experts > 0) {  // DenseMlpWeightShapes' three, under mlp.shared_experts
-    const std::string s = p + "mlp.shared_experts.";
-    const int64_t width = inter * c.n_shared_experts;
-    w.push_back({s + "gate_proj.weight", {width, h}});
-    w.push_back({s + "up_proj.weight", {width, h}});
-    w.push_back({s + "down_proj.weight", {h, width}});
-  }
+  DeepseekMoeWeightShapes(c, layer, IsV3(c), w);
 }
 
 Status LoadLayer(LayerLoad& l) {
@@ -220,32 +173,7 @@ Status LoadLayer(LayerLoad& l) {
     const double ms = YarnMscale(c.rope_factor, c.yarn_mscale_all_dim);
     m.scale *= ms * ms;
   }
-  if (!c.IsMoeLayer(l.index)) {
-    LoadDenseMlp(l);
-    return Status::Ok();
-  }
-  MoeWeights& w = l.layer.moe;
-  w.router = l.get(l.prefix + "mlp.gate.weight");
-  if (IsV3(c)) w.score_bias = l.get(l.prefix + "mlp.gate.e_score_correction_bias");
-  std::vector<at::Tensor> gate_up, down;
-  for (int64_t e = 0; e < c.num_experts; ++e) {
-    const std::string x = l.prefix + "mlp.experts." + std::to_string(e) + ".";
-    gate_up.push_back(at::cat({l.get(x + "gate_proj.weight"), l.get(x + "up_proj.weight")}, 0));
-    down.push_back(l.get(x + "down_proj.weight"));
-  }
-  w.gate_up = at::stack(gate_up, 0);
-  gate_up.clear();
-  w.down = at::stack(down, 0);
-  w.top_k = c.num_experts_per_tok;
-  w.norm_topk = c.norm_topk_prob;
-  w.router_kind = IsV3(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax;
-  w.groups = c.n_group, w.topk_groups = c.topk_group;
-  w.routed_scale = c.routed_scaling_factor;
-  if (c.n_shared_experts > 0) {
-    const std::string s = l.prefix + "mlp.shared_experts.";
-    l.layer.gate_up_w = at::cat({l.get(s + "gate_proj.weight"), l.get(s + "up_proj.weight")}, 0);
-    l.layer.down_w = l.get(s + "down_proj.weight");
-  }
+  LoadDeepseekMoe(l, IsV3(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax, IsV3(c));
   return Status::Ok();
 }
 
