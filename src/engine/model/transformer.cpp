@@ -108,6 +108,18 @@ void LoadDenseMlp(LayerLoad& l) {
   l.layer.down_w = l.get(p + "mlp.down_proj.weight");
 }
 
+void LoadHubExperts(LayerLoad& l) {
+  std::vector<at::Tensor> gate_up, down;
+  for (int64_t e = 0; e < l.config.num_experts; ++e) {
+    const std::string x = l.prefix + "mlp.experts." + std::to_string(e) + ".";
+    gate_up.push_back(at::cat({l.get(x + "gate_proj.weight"), l.get(x + "up_proj.weight")}, 0));
+    down.push_back(l.get(x + "down_proj.weight"));
+  }
+  l.layer.moe.gate_up = at::stack(gate_up, 0);
+  gate_up.clear();
+  l.layer.moe.down = at::stack(down, 0);
+}
+
 PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
                               at::Device device) {
   PackedBatch b;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -49,11 +50,13 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
 }
 
 // A prefill where some rows continue a cached prefix: each such row's new
-// queries attend to its cached K/V (read back from the pools) followed by
-// its own new keys; rows without one take the packed causal path.
+// queries attend to its cached keys and values, cached(i, rows) for row i's
+// cache rows (read back from the pools), followed by its own new keys; rows
+// without one take the packed causal path.
+using CachedKv = std::function<std::pair<at::Tensor, at::Tensor>(size_t row, const at::Tensor& rows)>;
 at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                   const at::Tensor& k_pool, const at::Tensor& v_pool, const CachedBatch& batch,
-                                   AttentionKernel kernel, const AttentionVariant& variant) {
+                                   const CachedBatch& batch, AttentionKernel kernel, const AttentionVariant& variant,
+                                   const CachedKv& cached) {
   std::vector<at::Tensor> outs;
   int64_t rows_at = 0;
   for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
@@ -64,35 +67,10 @@ at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, con
       outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel, nullptr, &variant));
       continue;
     }
-    const at::Tensor rows = batch.cached_rows.narrow(0, rows_at, c);
+    const auto [kc, vc] = cached(i, batch.cached_rows.narrow(0, rows_at, c));
     rows_at += c;
-    const at::Tensor kc = at::cat({k_pool.index_select(0, rows).to(ks.scalar_type()), ks}, 0);
-    const at::Tensor vc = at::cat({v_pool.index_select(0, rows).to(vs.scalar_type()), vs}, 0);
-    outs.push_back(PrefixCausalAttention(qs, kc, vc, kernel, &variant));
-  }
-  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
-}
-
-// The same for an MLA layer, whose pool holds latent rows (mla.h): each
-// row's cached latents are expanded through kv_b_proj with the row's slot's
-// LoRA, as the trainer computed its keys and values.
-at::Tensor MlaPrefillOverCachedPrefix(const MlaWeights& w, const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, const at::Tensor& pool, const CachedBatch& batch,
-                                      AttentionKernel kernel, const SlotBank& bank, const LoraTarget* kv_b) {
-  std::vector<at::Tensor> outs;
-  int64_t rows_at = 0;
-  for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
-    const int64_t begin = batch.seq_begin[i], n = batch.seq_begin[i + 1] - begin, c = batch.seq_cached[i];
-    if (n == 0) continue;
-    const at::Tensor qs = q.narrow(0, begin, n), ks = k.narrow(0, begin, n), vs = v.narrow(0, begin, n);
-    if (c == 0) {
-      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel));
-      continue;
-    }
-    const at::Tensor lat = pool.index_select(0, batch.cached_rows.narrow(0, rows_at, c)).squeeze(1).to(q.scalar_type());
-    rows_at += c;
-    const auto [kc, vc] = MlaExpandLatent(w, lat, bank, kv_b, batch.seq_slot[i]);
-    outs.push_back(PrefixCausalAttention(qs, at::cat({kc, ks}, 0), at::cat({vc, vs}, 0), kernel));
+    outs.push_back(PrefixCausalAttention(qs, at::cat({kc.to(ks.scalar_type()), ks}, 0),
+                                         at::cat({vc.to(vs.scalar_type()), vs}, 0), kernel, &variant));
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
@@ -130,8 +108,13 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
       const MlaWeights& w = m.layers[i].mla;
       cache.k[i].index_copy_(0, batch.write_rows, latent.unsqueeze(1).to(cache.k[i].scalar_type()));
       const LoraTarget* kv_b = attn_lora ? LayerTarget(bank, i, kTargetKvB) : nullptr;
-      if (over_prefix)
-        return MlaPrefillOverCachedPrefix(w, q, k, v, cache.k[i], batch, attention_kernel_, bank, kv_b);
+      if (over_prefix)  // the prefix's latents expanded as the trainer computed its keys and values
+        return PrefillOverCachedPrefix(q, k, v, batch, attention_kernel_, m.layers[i].attn,
+                                       [&](size_t row, const at::Tensor& rows) {
+                                         const at::Tensor lat = cache.k[i].index_select(0, rows).squeeze(1);
+                                         return MlaExpandLatent(w, lat.to(q.scalar_type()), bank, kv_b,
+                                                                batch.seq_slot[row]);
+                                       });
       return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get())
                            : MlaDecodeAttention(w, q, cache.k[i], batch.context_rows, batch.context_mask, bank, kv_b,
                                                 batch.seq_slot);
@@ -140,7 +123,9 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));
     const AttentionVariant& variant = m.layers[i].attn;
     if (over_prefix)
-      return PrefillOverCachedPrefix(q, k, v, cache.k[i], cache.v[i], batch, attention_kernel_, variant);
+      return PrefillOverCachedPrefix(q, k, v, batch, attention_kernel_, variant, [&](size_t, const at::Tensor& rows) {
+        return std::pair{cache.k[i].index_select(0, rows), cache.v[i].index_select(0, rows)};
+      });
     return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get(), &variant)
                          : DecodeAttention(q, cache.k[i], cache.v[i], batch.context_rows, batch.context_mask,
                                            variant, batch.positions);

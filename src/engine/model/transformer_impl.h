@@ -60,6 +60,11 @@ struct LayerLoad {
 // norms when qk_norm; a dense SwiGLU MLP (fused gate/up, down).
 void LoadAttention(LayerLoad& l, bool o_bias);
 void LoadDenseMlp(LayerLoad& l);
+// An MoE layer's experts from the hub's one tensor per expert and projection
+// (mlp.experts.{e}.gate_proj/up_proj/down_proj), stacked as HF 5 fuses them:
+// gate_up [E, 2I, H] (gate rows first), down [E, H, I]; router and routing
+// settings are the family's.
+void LoadHubExperts(LayerLoad& l);
 
 // The frozen base weights.
 struct Transformer::Impl {

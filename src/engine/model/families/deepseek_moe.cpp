@@ -102,15 +102,7 @@ void LoadDeepseekMoe(LayerLoad& l, MoeRouter router, bool correction_bias) {
   MoeWeights& w = l.layer.moe;
   w.router = l.get(l.prefix + "mlp.gate.weight");
   if (correction_bias) w.score_bias = l.get(l.prefix + "mlp.gate.e_score_correction_bias");
-  std::vector<at::Tensor> gate_up, down;
-  for (int64_t e = 0; e < c.num_experts; ++e) {
-    const std::string x = l.prefix + "mlp.experts." + std::to_string(e) + ".";
-    gate_up.push_back(at::cat({l.get(x + "gate_proj.weight"), l.get(x + "up_proj.weight")}, 0));
-    down.push_back(l.get(x + "down_proj.weight"));
-  }
-  w.gate_up = at::stack(gate_up, 0);
-  gate_up.clear();
-  w.down = at::stack(down, 0);
+  LoadHubExperts(l);
   w.top_k = c.num_experts_per_tok;
   w.norm_topk = c.norm_topk_prob;
   w.router_kind = router;

@@ -75,15 +75,7 @@ Status LoadLayer(LayerLoad& l) {
   // first), down [E, H, I].
   MoeWeights& w = l.layer.moe;
   w.router = l.get(l.prefix + "mlp.gate.weight");
-  std::vector<at::Tensor> gate_up, down;
-  for (int64_t e = 0; e < l.config.num_experts; ++e) {
-    const std::string x = l.prefix + "mlp.experts." + std::to_string(e) + ".";
-    gate_up.push_back(at::cat({l.get(x + "gate_proj.weight"), l.get(x + "up_proj.weight")}, 0));
-    down.push_back(l.get(x + "down_proj.weight"));
-  }
-  w.gate_up = at::stack(gate_up, 0);
-  gate_up.clear();
-  w.down = at::stack(down, 0);
+  LoadHubExperts(l);
   w.top_k = l.config.num_experts_per_tok;
   w.norm_topk = l.config.norm_topk_prob;
   return Status::Ok();
