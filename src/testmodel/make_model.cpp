@@ -182,13 +182,14 @@ Status SetDtype(const std::string& dtype, const std::string& default_dtype, Mode
 // embeddings in the residual every token's normed row, and its route, is
 // nearly the same (at 0.02 embeddings, HF's batch reached 3, then 7, of the
 // 8 experts of layer 0).
-// The tiny presets with DeepSeek-style experts (deepseek_v2/v3, glm4_moe:
-// shared experts) have routers of 0.1 (logits of std about 0.8 on normed
+// The tiny presets with DeepSeek-style experts (deepseek_v2/v3, glm4_moe,
+// mimo_v2_flash: shared experts or sigmoid routing) have routers of 0.1 (logits of std about 0.8 on normed
 // rows of width 64) that spread their tokens over every expert, where at
 // 0.02 the correction bias (0.02) rivals the scores' spread and HF's batch
 // reached 5 of deepseek_v3's 8 experts.
 double InitStd(const ModelConfig& c, const std::string& preset, const std::string& name) {
-  if (c.n_shared_experts > 0 && preset == "tiny" && EndsWith(name, "mlp.gate.weight")) return 0.1;
+  if ((c.n_shared_experts > 0 || c.scoring_func == "sigmoid") && preset == "tiny" && EndsWith(name, "mlp.gate.weight"))
+    return 0.1;
   if (!c.IsGptOss() || preset != "tiny") return c.initializer_range;
   if (EndsWith(name, "self_attn.sinks") || EndsWith(name, "embed_tokens.weight")) return 1.0;
   if (EndsWith(name, "v_proj.bias") || EndsWith(name, "o_proj.bias")) return c.initializer_range;

@@ -55,7 +55,7 @@ class Reference {
       const std::string p = "model.layers." + std::to_string(i) + ".";
       const at::Tensor h = Rms(x, w_.at(p + "input_layernorm.weight"));
       if (!c_.IsMla()) {
-        x = x + Gqa(p, h, mask);
+        x = x + Gqa(i, h, mask);
       } else {
       const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj",
                                                      Rms(Lin(p + "self_attn.q_a_proj", h),
@@ -81,7 +81,8 @@ class Reference {
         x = x + Mlp(p + "mlp.", h2);
         continue;
       }
-      x = x + Experts(p, h2) + Mlp(p + "mlp.shared_experts.", h2);
+      x = x + Experts(p, h2);
+      if (c_.n_shared_experts > 0) x = x + Mlp(p + "mlp.shared_experts.", h2);
     }
     x = Rms(x, w_.at("model.norm.weight"));
     return at::log_softmax(Lin("lm_head", x), -1);
@@ -91,20 +92,32 @@ class Reference {
   at::Tensor Rms(const at::Tensor& x, const at::Tensor& w) const {
     return x * at::rsqrt(x.pow(2).mean(-1, true) + c_.rms_norm_eps) * w;
   }
-  // glm4_moe's attention: q/k/v with their biases, q/k RMSNorm per head
-  // (use_qk_norm), RoPE on the first head_dim * partial_rotary_factor dims
-  // (pairs j, j + rd/2), grouped-query heads, o_proj.
-  at::Tensor Gqa(const std::string& p, const at::Tensor& h, const at::Tensor& mask) const {
-    const int64_t L = h.size(0), H = c_.num_attention_heads, KV = c_.num_key_value_heads, hd = c_.head_dim;
-    const int64_t rd = c_.RotaryDim();
+  // glm4_moe's and mimo_v2_flash's attention: q/k/v with their biases, q/k
+  // RMSNorm per head (use_qk_norm), RoPE on the first head_dim *
+  // partial_rotary_factor dims (pairs j, j + rd/2; mimo's sliding layers
+  // with their own theta), grouped-query heads (mimo: twice as many on
+  // sliding layers), values of v_head_dim times attention_value_scale, a
+  // sliding window and per-head sink logits on mimo's sliding layers, o_proj.
+  at::Tensor Gqa(int64_t layer, const at::Tensor& h, const at::Tensor& causal) const {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    const bool sliding = c_.IsSlidingLayer(layer);
+    const int64_t L = h.size(0), H = c_.num_attention_heads, KV = c_.KvHeads(layer), hd = c_.head_dim;
+    const int64_t rd = c_.RotaryDim(), dv = c_.ValueDim();
     at::Tensor q = Lin(p + "self_attn.q_proj", h).view({L, H, hd});
     at::Tensor k = Lin(p + "self_attn.k_proj", h).view({L, KV, hd});
-    const at::Tensor v = Lin(p + "self_attn.v_proj", h).view({L, KV, hd});
+    at::Tensor v = Lin(p + "self_attn.v_proj", h).view({L, KV, dv});
+    if (c_.attention_value_scale != 0) v = v * c_.attention_value_scale;
+    at::Tensor mask = causal;
+    if (sliding) {  // key j seen from query i when i - window < j
+      const at::Tensor i = at::arange(L).unsqueeze(1), j = at::arange(L).unsqueeze(0);
+      mask = mask * (j > i - c_.sliding_window).to(at::kFloat);
+    }
+    const double theta = sliding && c_.rope_theta_sliding > 0 ? c_.rope_theta_sliding : c_.rope_theta;
     if (c_.qk_norm) {
       q = Rms(q, w_.at(p + "self_attn.q_norm.weight"));
       k = Rms(k, w_.at(p + "self_attn.k_norm.weight"));
     }
-    const at::Tensor inv = 1.0 / at::pow(c_.rope_theta, at::arange(0, rd, 2, at::kFloat) / double(rd));
+    const at::Tensor inv = 1.0 / at::pow(theta, at::arange(0, rd, 2, at::kFloat) / double(rd));
     const at::Tensor ang = (at::arange(L, at::kFloat).unsqueeze(1) * inv.unsqueeze(0)).unsqueeze(1);  // [L, 1, rd/2]
     const auto rope = [&](const at::Tensor& t) {
       const at::Tensor a = t.narrow(2, 0, rd / 2), b = t.narrow(2, rd / 2, rd / 2);
@@ -117,7 +130,14 @@ class Reference {
       const int64_t g = hh / (H / KV);
       at::Tensor s = at::matmul(q.select(1, hh), k.select(1, g).t()) / std::sqrt(double(hd));
       s = s.masked_fill(mask == 0, -1e30);
-      heads.push_back(at::matmul(at::softmax(s, -1), v.select(1, g)));
+      at::Tensor probs;
+      if (sliding && c_.model_type == "mimo_v2_flash") {  // one more softmax column, the head's sink, dropped after
+        const at::Tensor sink = w_.at(p + "self_attn.attention_sink_bias")[hh].expand({L, 1});
+        probs = at::softmax(at::cat({s, sink}, 1), -1).narrow(1, 0, L);
+      } else {
+        probs = at::softmax(s, -1);
+      }
+      heads.push_back(at::matmul(probs, v.select(1, g)));
     }
     return Lin(p + "self_attn.o_proj", at::cat(heads, 1));
   }
@@ -249,13 +269,19 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
   c10::NoGradGuard no_grad;
   const at::Tensor want = m.Hidden(PackedBatch::Make({seq}, {1}, at::kCPU), *bank);
 
-  const KvRowShape shape = Transformer::KvShape(c);
+  const KvRowShape shape = Transformer::KvShape(c, 0);
+  if (c.model_type == "mimo_v2_flash") {  // a sliding layer: twice the heads; values narrower than keys
+    const KvRowShape sliding = Transformer::KvShape(c, 1);
+    EXPECT_EQ(sliding.k_heads, 2 * c.num_key_value_heads);
+    EXPECT_EQ(sliding.v_dim, c.v_head_dim);
+    EXPECT_EQ(shape.k_heads, c.num_key_value_heads);
+  }
   if (c.IsMla()) {
     EXPECT_EQ(shape.k_heads, 1);
     EXPECT_EQ(shape.k_dim, c.kv_lora_rank + c.qk_rope_head_dim);
     EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim);  // the latent only
   }
-  KvCache cache = KvCache::Allocate(c.num_hidden_layers, 32, shape, at::kCPU, at::kFloat);
+  KvCache cache = KvCache::Allocate(Transformer::KvShapes(c), 32, at::kCPU, at::kFloat);
   const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
   const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
   CachedBatch prefill;
@@ -288,14 +314,16 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
   EXPECT_LT(MaxDiff(m.ForwardCached(over, cache, *bank), want.narrow(0, 9, 3)), 1e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch, ::testing::Values("deepseek_v2", "deepseek_v3", "glm4_moe"));
+INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch,
+                         ::testing::Values("deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash"));
 
 // Every preset's config.json parses back to the same fields.
 TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
   for (const auto& [arch, presets] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"deepseek_v2", {"tiny", "deepseek-v2-lite", "deepseek-v2"}},
            {"deepseek_v3", {"tiny", "kimi-k2.5", "deepseek-v3"}},
-           {"glm4_moe", {"tiny", "glm-4.5-air"}}}) {
+           {"glm4_moe", {"tiny", "glm-4.5-air"}},
+           {"mimo_v2_flash", {"tiny", "mimo-v2-flash"}}}) {
     for (const std::string& preset : presets) {
       auto c = testmodel::PresetConfig(arch, preset);
       ASSERT_TRUE(c.ok()) << arch << " " << preset << ": " << c.status().message();
@@ -317,6 +345,12 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
       EXPECT_EQ(back->partial_rotary_factor, c->partial_rotary_factor) << preset;
       EXPECT_EQ(back->qk_norm, c->qk_norm) << preset;
       EXPECT_EQ(back->num_nextn_predict_layers, c->num_nextn_predict_layers) << preset;
+      EXPECT_EQ(back->layer_types, c->layer_types) << preset;
+      EXPECT_EQ(back->sliding_window, c->sliding_window) << preset;
+      EXPECT_EQ(back->rope_theta_sliding, c->rope_theta_sliding) << preset;
+      EXPECT_EQ(back->attention_value_scale, c->attention_value_scale) << preset;
+      EXPECT_EQ(back->KvHeads(1), c->KvHeads(1)) << preset;
+      EXPECT_EQ(back->ValueDim(), c->ValueDim()) << preset;
       EXPECT_FALSE(back->IsMoeLayer(0)) << preset;  // every preset's first layer is dense
       EXPECT_TRUE(back->IsMoeLayer(back->num_hidden_layers - 1)) << preset;
     }
@@ -340,7 +374,9 @@ TEST(DeepseekConfig, RefusalsNameTheField) {
            {"deepseek_v3", "kv_lora_rank", 0},
            {"deepseek_v3", "qk_rope_head_dim", 7},
            {"glm4_moe", "partial_rotary_factor", 1.5},
-           {"glm4_moe", "n_group", 3}}) {
+           {"glm4_moe", "n_group", 3},
+           {"mimo_v2_flash", "mlp_layer_types", nlohmann::json::array({"dense"})},
+           {"mimo_v2_flash", "layer_types", nlohmann::json::array({"full_attention"})}}) {
     auto r = with(arch, field, value);
     ASSERT_FALSE(r.ok()) << arch << " " << field;
     EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();

@@ -106,7 +106,7 @@ TEST_P(PeftMergeTest, MergedModelGivesTheAdaptersLogprobs) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, PeftMergeTest, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe"));
+INSTANTIATE_TEST_SUITE_P(Archs, PeftMergeTest, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash"));
 
 TEST_F(PeftExportTest, MergeRefusesAnAdapterOfAnotherModelAndWritesNothing) {
   Made dense = Make("qwen3", "dense");

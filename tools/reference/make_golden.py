@@ -93,8 +93,11 @@ DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # first_k_dense_replace): the deepseek families and glm4_moe, whose attention
 # is plain q/k/v/o (MOE_TARGET_MODULES) and whose router holds the
 # correction bias as deepseek_v3's.
-DEEPSEEK_MOE_TYPES = DEEPSEEK_TYPES + ("glm4_moe",)
-CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe")
+# mimo_v2_flash routes as they do, with no shared experts and its dense
+# layers named by mlp_layer_types (its attention, q/k/v/o with sinks on the
+# sliding layers, is plain module targets too).
+DEEPSEEK_MOE_TYPES = DEEPSEEK_TYPES + ("glm4_moe", "mimo_v2_flash")
+CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash")
 MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_MOE_TYPES
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 # deepseek's multi-head latent attention: q_proj when q_lora_rank is null,
@@ -338,7 +341,8 @@ def deepseek_extras(moe, layer, name, mlp, stored, cfg):
                 fail(f"{name}: gate.e_score_correction_bias is {tuple(bias.shape)}, expected ({E},)")
             if not torch.equal(bias, stored(f"{name}.gate.e_score_correction_bias", bias)):
                 fail(f"{name}: gate.e_score_correction_bias differs from the checkpoint")
-        shared_count = int(getattr(cfg, "n_shared_experts", 0) or 0)
+        # MiMoV2FlashConfig drops n_shared_experts (its class attribute is an AttributeError instance).
+        shared_count = 0 if cfg.model_type == "mimo_v2_flash" else int(getattr(cfg, "n_shared_experts", 0) or 0)
         shared = getattr(mlp, "shared_experts", None)
         if shared_count == 0:
             if shared is not None:
@@ -378,8 +382,11 @@ def moe_layout(model, model_dir):
         I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
     if deepseek:
         # HF's DeepseekV2/V3DecoderLayer: dense MLP below first_k_dense_replace, MoE from it on.
-        first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
-        is_dense = lambda layer: layer < first_dense  # noqa: E731
+        if cfg.model_type == "mimo_v2_flash":  # dense where mlp_layer_types says so
+            is_dense = lambda layer: cfg.mlp_layer_types[layer] == "dense"  # noqa: E731
+        else:
+            first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
+            is_dense = lambda layer: layer < first_dense  # noqa: E731
     else:
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])

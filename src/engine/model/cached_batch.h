@@ -28,12 +28,11 @@ struct KvRowShape {
 struct KvCache {
   std::vector<at::Tensor> k, v;  // per layer [rows, k_heads, k_dim] and [rows, v_heads, v_dim], model dtype
   int64_t rows() const { return k.empty() ? 0 : k[0].size(0); }
-  // Zero-filled pools of `rows` token rows for a model of these sizes.
-  static KvCache Allocate(int64_t layers, int64_t rows, const KvRowShape& shape, at::Device device,
-                          at::ScalarType dtype) {
+  // Zero-filled pools of `rows` token rows, one layer per shape.
+  static KvCache Allocate(const std::vector<KvRowShape>& layers, int64_t rows, at::Device device, at::ScalarType dtype) {
     KvCache c;
     const auto opts = at::TensorOptions().dtype(dtype).device(device);
-    for (int64_t i = 0; i < layers; ++i) {
+    for (const KvRowShape& shape : layers) {
       c.k.push_back(at::zeros({rows, shape.k_heads, shape.k_dim}, opts));
       c.v.push_back(at::zeros({rows, shape.v_heads, shape.v_dim}, opts));
     }
@@ -41,7 +40,8 @@ struct KvCache {
   }
   static KvCache Allocate(int64_t layers, int64_t rows, int64_t kv_heads, int64_t head_dim, at::Device device,
                           at::ScalarType dtype) {
-    return Allocate(layers, rows, KvRowShape{kv_heads, head_dim, kv_heads, head_dim}, device, dtype);
+    return Allocate(std::vector<KvRowShape>(layers, KvRowShape{kv_heads, head_dim, kv_heads, head_dim}), rows, device,
+                    dtype);
   }
 };
 

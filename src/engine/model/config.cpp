@@ -100,7 +100,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const
     if (family->mla)  // the family's layer_weights lists its own attention
       w.push_back({p + "input_layernorm.weight", {c.hidden_size}});
     else
-      AttentionWeightShapes(c, p, family->o_bias, w);
+      AttentionWeightShapes(c, i, family->o_bias, w);
     family->layer_weights(c, i, w);
   }
   w.push_back({"model.norm.weight", {c.hidden_size}});

@@ -83,6 +83,19 @@ struct ModelConfig {
   bool IsSlidingLayer(int64_t layer) const;
   bool IsGptOss() const { return model_type == "gpt_oss"; }
 
+  // mimo_v2_flash's attention: sliding layers with sliding_key_value_heads
+  // key/value heads (0: num_key_value_heads) and RoPE theta
+  // rope_theta_sliding (0: rope_theta); values of v_head_dim (0: head_dim;
+  // MLA's field too) scaled by attention_value_scale (0: none).
+  int64_t sliding_key_value_heads = 0;
+  double rope_theta_sliding = 0;
+  double attention_value_scale = 0;
+  // Layer `layer`'s key/value heads, and the value width of the plain attention.
+  int64_t KvHeads(int64_t layer) const {
+    return IsSlidingLayer(layer) && sliding_key_value_heads > 0 ? sliding_key_value_heads : num_key_value_heads;
+  }
+  int64_t ValueDim() const { return v_head_dim > 0 && !IsMla() ? v_head_dim : head_dim; }
+
   // RoPE over the first head_dim * partial_rotary_factor dims of each head
   // (glm4_moe: 0.5), the rest passed through; halves layout within them.
   double partial_rotary_factor = 1.0;

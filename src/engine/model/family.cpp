@@ -12,10 +12,11 @@ extern const Family kGptOssFamily;
 extern const Family kDeepseekV2Family;
 extern const Family kDeepseekV3Family;
 extern const Family kGlm4MoeFamily;
+extern const Family kMimoV2FlashFamily;
 
 namespace {
 const Family* const kFamilies[] = {&kQwen2Family,      &kQwen3Family,      &kQwen3MoeFamily, &kGptOssFamily,
-                                   &kDeepseekV2Family, &kDeepseekV3Family, &kGlm4MoeFamily};
+                                   &kDeepseekV2Family, &kDeepseekV3Family, &kGlm4MoeFamily, &kMimoV2FlashFamily};
 }  // namespace
 
 const Family* FindFamily(const std::string& model_type) {
@@ -30,15 +31,16 @@ std::string FamilyNames() {
   return s;
 }
 
-void AttentionWeightShapes(const ModelConfig& c, const std::string& p, bool o_bias, WeightShapes& w) {
+void AttentionWeightShapes(const ModelConfig& c, int64_t layer, bool o_bias, WeightShapes& w) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
   const int64_t h = c.hidden_size, hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;
-  const int64_t q = c.num_attention_heads * hd, kv = c.num_key_value_heads * hd;
+  const int64_t q = c.num_attention_heads * hd, k = c.KvHeads(layer) * hd, v = c.KvHeads(layer) * c.ValueDim();
   w.push_back({p + "input_layernorm.weight", {h}});
-  for (auto [name, rows] : {std::pair{"q_proj", q}, std::pair{"k_proj", kv}, std::pair{"v_proj", kv}}) {
+  for (auto [name, rows] : {std::pair{"q_proj", q}, std::pair{"k_proj", k}, std::pair{"v_proj", v}}) {
     w.push_back({p + "self_attn." + name + ".weight", {rows, h}});
     if (c.attention_bias) w.push_back({p + "self_attn." + name + ".bias", {rows}});
   }
-  w.push_back({p + "self_attn.o_proj.weight", {h, q}});
+  w.push_back({p + "self_attn.o_proj.weight", {h, c.num_attention_heads * c.ValueDim()}});
   if (c.attention_bias && o_bias) w.push_back({p + "self_attn.o_proj.bias", {h}});
 }
 
@@ -100,6 +102,25 @@ Status GetBool(const json& j, const char* field, bool* out) {
 
 Status Positive(const char* field, int64_t v) {
   if (v <= 0) return Status::Invalid(std::string("config.json: '") + field + "' must be positive, got " + std::to_string(v));
+  return Status::Ok();
+}
+
+Status LayerTypes(const json& j, std::vector<std::string> defaults, ModelConfig* c) {
+  auto it = j.find("layer_types");
+  if (it == j.end() || it->is_null()) {
+    c->layer_types = std::move(defaults);
+    return Status::Ok();
+  }
+  if (!it->is_array() || static_cast<int64_t>(it->size()) != c->num_hidden_layers)
+    return Status::Invalid("config.json: 'layer_types' must be a list of " + std::to_string(c->num_hidden_layers) +
+                           " entries");
+  c->layer_types.clear();
+  for (const json& v : *it) {
+    if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
+      return Status::Invalid("config.json: 'layer_types' entries must be \"sliding_attention\" or "
+                             "\"full_attention\", got " + v.dump());
+    c->layer_types.push_back(v.get<std::string>());
+  }
   return Status::Ok();
 }
 

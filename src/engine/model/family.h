@@ -70,7 +70,7 @@ std::vector<std::string> AlternatingLayerTypes(int64_t layers);
 // The shared blocks' weights, in file order: the input norm, q/k/v (with
 // their biases when attention_bias), o (with its bias when o_bias); the
 // post-attention norm; a dense SwiGLU MLP of width `inter`.
-void AttentionWeightShapes(const ModelConfig& c, const std::string& prefix, bool o_bias, WeightShapes& w);
+void AttentionWeightShapes(const ModelConfig& c, int64_t layer, bool o_bias, WeightShapes& w);
 void QkNormWeightShapes(const ModelConfig& c, const std::string& prefix, WeightShapes& w);
 void PostNormWeightShape(const ModelConfig& c, const std::string& prefix, WeightShapes& w);
 void DenseMlpWeightShapes(const ModelConfig& c, const std::string& prefix, int64_t inter, WeightShapes& w);
@@ -88,6 +88,9 @@ Status Positive(const char* field, int64_t v);
 // num_experts (or its alias num_local_experts, named `count_field` in
 // messages) and num_experts_per_tok: both positive, k <= E.
 Status ExpertCounts(const nlohmann::json& j, const char* count_field, ModelConfig* c);
+// layer_types: one "sliding_attention" or "full_attention" per layer, or
+// absent/null for `defaults` (AlternatingLayerTypes and the like).
+Status LayerTypes(const nlohmann::json& j, std::vector<std::string> defaults, ModelConfig* c);
 }  // namespace config_json
 
 }  // namespace loom::engine

@@ -398,10 +398,11 @@ at::Tensor SwiGluLean(const at::Tensor& gate_up) {
 
 QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm,
                       const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                      int64_t kv_heads, int64_t head_dim, double eps) {
+                      int64_t kv_heads, int64_t head_dim, double eps, int64_t v_dim) {
   const QkvShape s{heads, kv_heads, head_dim};
+  if (v_dim <= 0) v_dim = head_dim;
 #if LOOM_CUDA_KERNELS
-  if (FusedQkvOn(qkv, delta, q_norm, k_norm, cos, sin, s)) {
+  if (v_dim == head_dim && FusedQkvOn(qkv, delta, q_norm, k_norm, cos, sin, s)) {
     const bool grad = c10::GradMode::is_enabled() && (qkv.requires_grad() || (delta.defined() && delta.requires_grad()));
     if (!grad) return QkvTailFused(qkv, delta, q_norm, k_norm, cos, sin, s, eps, nullptr, nullptr);
     const variable_list out =
@@ -411,10 +412,10 @@ QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::T
   }
 #endif
   const int64_t T = qkv.size(0), qn = heads * head_dim, kvn = kv_heads * head_dim;
-  const std::vector<at::Tensor> split = SplitLean(delta.defined() ? qkv + delta : qkv, {qn, kvn, kvn});
+  const std::vector<at::Tensor> split = SplitLean(delta.defined() ? qkv + delta : qkv, {qn, kvn, kv_heads * v_dim});
   at::Tensor q = split[0].reshape({T, heads, head_dim});
   at::Tensor k = split[1].reshape({T, kv_heads, head_dim});
-  at::Tensor v = split[2].reshape({T, kv_heads, head_dim});
+  at::Tensor v = split[2].reshape({T, kv_heads, v_dim});
   if (q_norm.defined()) {
     q = RmsNormLean(q, q_norm, eps);
     k = RmsNormLean(k, k_norm, eps);

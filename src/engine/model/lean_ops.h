@@ -75,8 +75,10 @@ std::pair<at::Tensor, at::Tensor> AddRmsNormLean(const at::Tensor& x, const at::
 struct QkvHeads {
   at::Tensor q, k, v;
 };
+// v_dim: the values' width when it differs from head_dim (mimo_v2_flash;
+// 0: head_dim); such a split takes the plain path.
 QkvHeads QkvTailLean(const at::Tensor& qkv, const at::Tensor& delta, const at::Tensor& q_norm,
                      const at::Tensor& k_norm, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                     int64_t kv_heads, int64_t head_dim, double eps);
+                     int64_t kv_heads, int64_t head_dim, double eps, int64_t v_dim = 0);
 
 }  // namespace loom::engine

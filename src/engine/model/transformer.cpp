@@ -150,8 +150,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Transformer::ExpectedW
 
 std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
   const ModelConfig& c = config_;
-  const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd,
-                kv = c.num_key_value_heads * hd, inter = c.intermediate_size;
+  const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd, inter = c.intermediate_size;
   std::vector<LoraTargetSpec> t;
   const auto mlp = [&](const std::string& p, int64_t width) {
     t.push_back({p + "gate_proj", TargetGroup::kMlp, h, width});
@@ -173,10 +172,11 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
                    c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)});
       t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * c.v_head_dim, h});
     } else {
+      const int64_t kvh = c.KvHeads(i), vd = c.ValueDim();
       t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, q});
-      t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kv});
-      t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kv});
-      t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, q, h});
+      t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kvh * hd});
+      t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kvh * vd});
+      t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * vd, h});
     }
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
@@ -233,8 +233,17 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   const RopeFrequencies rope = MakeRopeFrequencies(config, config.IsMla() ? impl->head_dim : config.RotaryDim());
   impl->inv_freq = rope.inv_freq.to(device);
   impl->rope_scale = rope.scale;
+  if (config.rope_theta_sliding > 0) {  // mimo_v2_flash: the sliding layers' own theta
+    ModelConfig sliding = config;
+    sliding.rope_theta = config.rope_theta_sliding;
+    impl->inv_freq_sliding = MakeRopeFrequencies(sliding, config.RotaryDim()).inv_freq.to(device);
+  }
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
     Impl::Layer l;
+    l.kv_heads = config.KvHeads(i);
+    l.v_dim = config.ValueDim();
+    l.v_scale = config.attention_value_scale;
+    l.rope_sliding = impl->inv_freq_sliding.defined() && config.IsSlidingLayer(i);
     LayerLoad load{config, i, LayerPrefix(i), get, l};
     l.input_norm = get(load.prefix + "input_layernorm.weight");
     l.post_norm = get(load.prefix + "post_attention_layernorm.weight");

@@ -107,8 +107,10 @@ class Transformer {
   // keys/values into cache, and returns final-normed hidden states
   // [new tokens, hidden] fp32. Same math as Hidden(); not differentiable.
   at::Tensor ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const;
-  // One token's row of each layer's KV pools for this config (cached_batch.h).
-  static KvRowShape KvShape(const ModelConfig& config);
+  // One token's row of layer `layer`'s KV pools for this config
+  // (cached_batch.h), and every layer's.
+  static KvRowShape KvShape(const ModelConfig& config, int64_t layer);
+  static std::vector<KvRowShape> KvShapes(const ModelConfig& config);
 
   // Every frozen base tensor (tests, memory accounting). None requires grad.
   std::vector<at::Tensor> BaseWeights() const;

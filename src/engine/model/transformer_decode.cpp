@@ -28,10 +28,10 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
                            const at::Tensor& rows, at::Tensor mask, const AttentionVariant& variant,
                            const at::Tensor& positions) {
   const int64_t S = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_pool.size(1), L = rows.size(1);
-  const int64_t group = H / KVH;
+  const int64_t group = H / KVH, dv = v_pool.size(2);
   const at::Tensor flat = rows.reshape({-1});
   const at::Tensor k = k_pool.index_select(0, flat).view({S, L, KVH, hd});
-  const at::Tensor v = v_pool.index_select(0, flat).view({S, L, KVH, hd});
+  const at::Tensor v = v_pool.index_select(0, flat).view({S, L, KVH, dv});
   const at::Tensor qg = q.reshape({S, KVH, group, 1, hd});
   // [S, KVH, 1, hd, L]
   const at::Tensor kt = k.permute({0, 2, 3, 1}).unsqueeze(2);
@@ -45,8 +45,8 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
       variant.sinks.defined()
           ? SinkSoftmax(scores, variant.sinks.to(scores.scalar_type()).view({1, KVH, group, 1, 1}))
           : at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  const at::Tensor vv = v.permute({0, 2, 1, 3}).unsqueeze(2);  // [S, KVH, 1, L, hd]
-  return at::matmul(probs, vv).reshape({S, H * hd});
+  const at::Tensor vv = v.permute({0, 2, 1, 3}).unsqueeze(2);  // [S, KVH, 1, L, dv]
+  return at::matmul(probs, vv).reshape({S, H * dv});
 }
 
 // A prefill where some rows continue a cached prefix: each such row's new
@@ -77,10 +77,16 @@ at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, con
 
 }  // namespace
 
-KvRowShape Transformer::KvShape(const ModelConfig& c) {
+KvRowShape Transformer::KvShape(const ModelConfig& c, int64_t layer) {
   if (c.IsMla()) return {1, c.kv_lora_rank + c.qk_rope_head_dim, 0, 0};
   const int64_t hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;
-  return {c.num_key_value_heads, hd, c.num_key_value_heads, hd};
+  return {c.KvHeads(layer), hd, c.KvHeads(layer), c.ValueDim()};
+}
+
+std::vector<KvRowShape> Transformer::KvShapes(const ModelConfig& c) {
+  std::vector<KvRowShape> shapes;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) shapes.push_back(KvShape(c, i));
+  return shapes;
 }
 
 at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, const SlotBank& bank) const {

@@ -39,6 +39,9 @@ struct DecoderLayerWeights {
   at::Tensor down_w;          // [hidden, inter]
   MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
   MlaWeights mla;             // multi-head latent attention (mla.h) in place of qkv_w and the rest; or undefined
+  int64_t kv_heads = 0, v_dim = 0;  // this layer's key/value heads and value width (ModelConfig::KvHeads, ValueDim)
+  double v_scale = 0;               // values times this after the projection (mimo_v2_flash; 0: none)
+  bool rope_sliding = false;        // RoPE from the sliding layers' tables (Rope::cos_sliding)
 };
 
 // A base weight by its HF name, on the model's device in the model dtype
@@ -72,7 +75,8 @@ struct Transformer::Impl {
   at::Tensor embed;    // [vocab, hidden]
   at::Tensor norm;     // [hidden]
   at::Tensor lm_head;  // [vocab, hidden]; aliases embed when tied
-  at::Tensor inv_freq; // [hd / 2] fp32
+  at::Tensor inv_freq; // [rotary dim / 2] fp32
+  at::Tensor inv_freq_sliding;  // the sliding layers' own (mimo_v2_flash), or undefined
   double rope_scale = 1.0;  // YaRN's attention factor on cos and sin (1: plain RoPE)
   std::vector<Layer> layers;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
@@ -268,14 +272,22 @@ class BatchLora {
 struct Rope {
   at::Tensor cos, sin;
   at::Tensor cos32, sin32;  // MLA models: the same tables in fp32 (mla.h rotates in fp32, as HF)
+  at::Tensor cos_sliding, sin_sliding;  // the sliding layers' (Model::inv_freq_sliding), or undefined
   template <typename Model>
   static Rope Make(const Model& m, const at::Tensor& positions, at::ScalarType dtype) {
     const at::Tensor freqs = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq.unsqueeze(0);  // [T, hd/2]
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
     if (m.mla) return Rope{{}, {}, (emb.cos() * m.rope_scale).unsqueeze(1), (emb.sin() * m.rope_scale).unsqueeze(1)};
-    if (m.rope_scale != 1.0)
-      return Rope{(emb.cos() * m.rope_scale).to(dtype).unsqueeze(1), (emb.sin() * m.rope_scale).to(dtype).unsqueeze(1)};
-    return Rope{emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
+    Rope r = m.rope_scale != 1.0 ? Rope{(emb.cos() * m.rope_scale).to(dtype).unsqueeze(1),
+                                        (emb.sin() * m.rope_scale).to(dtype).unsqueeze(1)}
+                                 : Rope{emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)};
+    if (m.inv_freq_sliding.defined()) {
+      const at::Tensor f = positions.to(at::kFloat).unsqueeze(1) * m.inv_freq_sliding.unsqueeze(0);
+      const at::Tensor e = at::cat({f, f}, -1);
+      r.cos_sliding = e.cos().to(dtype).unsqueeze(1);
+      r.sin_sliding = e.sin().to(dtype).unsqueeze(1);
+    }
+    return r;
   }
 };
 
@@ -354,8 +366,11 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // base's bits.
   const auto [qkv, delta] = lora(i, {0, 1, 2}, h, l.qkv_w, l.qkv_b, attn_lora);
   // Split into heads, q/k norms (qwen3) and RoPE: one kernel on CUDA.
-  const QkvHeads heads = QkvTailLean(qkv, delta, l.q_norm, l.k_norm, rope.cos, rope.sin, m.heads, m.kv_heads, hd, eps);
-  const at::Tensor &q = heads.q, &k = heads.k, &v = heads.v;
+  const QkvHeads heads =
+      QkvTailLean(qkv, delta, l.q_norm, l.k_norm, l.rope_sliding ? rope.cos_sliding : rope.cos,
+                  l.rope_sliding ? rope.sin_sliding : rope.sin, m.heads, l.kv_heads, hd, eps, l.v_dim);
+  const at::Tensor &q = heads.q, &k = heads.k;
+  const at::Tensor v = l.v_scale != 0 ? heads.v * l.v_scale : heads.v;
   const at::Tensor attn = attend(i, q, k, v, at::Tensor());
   const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
   // The residual add and the MLP block's norm (one kernel each way on CUDA).

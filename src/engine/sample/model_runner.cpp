@@ -41,14 +41,15 @@ ModelRunner::ModelRunner(std::shared_ptr<const Transformer> model, SlotBank* ban
                          int64_t block_size, const DecodeOptions& decode)
     : model_(std::move(model)), bank_(bank), block_size_(block_size), fast_prefill_tokens_(decode.fast_prefill_tokens) {
   const ModelConfig& c = model_->config();
-  cache_ = KvCache::Allocate(c.num_hidden_layers, (num_blocks + 1) * block_size, Transformer::KvShape(c),
-                             model_->device(), model_->dtype());
+  cache_ = KvCache::Allocate(Transformer::KvShapes(c), (num_blocks + 1) * block_size, model_->device(), model_->dtype());
   fast_ = MakeFastDecode(model_, bank_, &cache_, block_size_, num_blocks * block_size_, decode);
 }
 
 int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {
   const ModelConfig& c = model.config();
-  return c.num_hidden_layers * Transformer::KvShape(c).elements() * static_cast<int64_t>(c10::elementSize(model.dtype()));
+  int64_t elements = 0;
+  for (const KvRowShape& shape : Transformer::KvShapes(c)) elements += shape.elements();
+  return elements * static_cast<int64_t>(c10::elementSize(model.dtype()));
 }
 
 int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {

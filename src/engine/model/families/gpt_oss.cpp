@@ -75,19 +75,7 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
   if (auto it = j.find("sliding_window"); it != j.end() && it->is_null()) c.sliding_window = 0;
   if (Status s = GetInt(j, "sliding_window", false, &c.sliding_window); !s.ok()) return s;
   if (c.sliding_window < 0) return Status::Invalid("config.json: 'sliding_window' must be positive or null");
-  if (auto it = j.find("layer_types"); it != j.end() && !it->is_null()) {
-    if (!it->is_array() || static_cast<int64_t>(it->size()) != c.num_hidden_layers)
-      return Status::Invalid("config.json: 'layer_types' must be a list of " + std::to_string(c.num_hidden_layers) +
-                             " entries");
-    for (const nlohmann::json& v : *it) {
-      if (!v.is_string() || (v != "sliding_attention" && v != "full_attention"))
-        return Status::Invalid("config.json: 'layer_types' entries must be \"sliding_attention\" or "
-                               "\"full_attention\", got " + v.dump());
-      c.layer_types.push_back(v.get<std::string>());
-    }
-  } else {
-    c.layer_types = AlternatingLayerTypes(c.num_hidden_layers);
-  }
+  if (Status s = LayerTypes(j, AlternatingLayerTypes(c.num_hidden_layers), &c); !s.ok()) return s;
   // HF's bf16 experts clamp at 7.0 whatever the config says (only its MXFP4
   // kernels read the field), so another value has no single meaning.
   if (Status s = GetDouble(j, "swiglu_limit", &c.swiglu_limit); !s.ok()) return s;
