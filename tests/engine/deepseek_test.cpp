@@ -347,7 +347,10 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
       EXPECT_EQ(back->num_nextn_predict_layers, c->num_nextn_predict_layers) << preset;
       EXPECT_EQ(back->layer_types, c->layer_types) << preset;
       EXPECT_EQ(back->sliding_window, c->sliding_window) << preset;
+      EXPECT_EQ(back->rope_theta, c->rope_theta) << preset;
       EXPECT_EQ(back->rope_theta_sliding, c->rope_theta_sliding) << preset;
+      if (arch == "mimo_v2_flash")  // its thetas only in the per-type rope_parameters, as HF's class reads them
+        EXPECT_EQ(nlohmann::json::parse(c->ToJson()).count("rope_scaling"), 0u) << preset;
       EXPECT_EQ(back->attention_value_scale, c->attention_value_scale) << preset;
       EXPECT_EQ(back->KvHeads(1), c->KvHeads(1)) << preset;
       EXPECT_EQ(back->ValueDim(), c->ValueDim()) << preset;

@@ -121,6 +121,10 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
                                   {"partial_rotary_factor", c.partial_rotary_factor}};
   };
   j["rope_parameters"] = {{"full_attention", rope(c.rope_theta)}, {"sliding_attention", rope(c.rope_theta_sliding)}};
+  // transformers 5 reads a rope_scaling key (even null) as rope_parameters, over
+  // the per-type dict: HF's MiMo config then had none (its rotary init failed).
+  j.erase("rope_scaling");
+  j.erase("rope_theta");
   std::vector<std::string> mlp;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) mlp.push_back(c.IsMoeLayer(i) ? "sparse" : "dense");
   j["mlp_layer_types"] = mlp;
