@@ -128,13 +128,9 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
   std::vector<std::string> mlp;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) mlp.push_back(c.IsMoeLayer(i) ? "sparse" : "dense");
   j["mlp_layer_types"] = mlp;
-  j["n_routed_experts"] = c.num_experts;
-  j["num_experts_per_tok"] = c.num_experts_per_tok;
-  j["moe_intermediate_size"] = c.moe_intermediate_size;
-  j["routed_scaling_factor"] = c.routed_scaling_factor;
-  j["norm_topk_prob"] = c.norm_topk_prob;
-  j["n_group"] = c.n_group;
-  j["topk_group"] = c.topk_group;
+  WriteDeepseekMoe(c, j);
+  for (const char* dropped : {"n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"})
+    j.erase(dropped);  // fields HF's class drops (mlp_layer_types says which layers are dense)
 }
 
 void LayerWeights(const ModelConfig& c, int64_t layer, WeightShapes& w) {
