@@ -53,7 +53,8 @@ PassGraphs::~PassGraphs() = default;
 
 std::optional<UniformResult> PassGraphs::Run(const Transformer& model, SlotBank& bank, const LossSpec& spec,
                                              const std::vector<const Datum*>& data, const std::vector<int>& slots) {
-  if (model.config().num_experts > 0) return std::nullopt;  // MoE passes run in the packed layout
+  // MoE and MLA passes run in the packed layout (the graphs' layers are the dense attention's).
+  if (model.config().num_experts > 0 || model.config().IsMla()) return std::nullopt;
   std::vector<int64_t> lengths;
   for (const Datum* d : data) lengths.push_back(static_cast<int64_t>(d->tokens.size()));
   const auto shape = UniformShapeFor(lengths, options_.max_tokens);
