@@ -67,8 +67,9 @@ std::string FamilyNames();
 // ones (families/gpt_oss.cpp).
 std::vector<std::string> AlternatingLayerTypes(int64_t layers);
 
-// The shared blocks' weights, in file order: the input norm, q/k/v (with
-// their biases when attention_bias), o (with its bias when o_bias); the
+// The shared blocks' weights, in file order: layer `layer`'s input norm,
+// q/k/v (with their biases when attention_bias; k and v of the layer's
+// key/value heads, v of ValueDim()), o (with its bias when o_bias); the
 // post-attention norm; a dense SwiGLU MLP of width `inter`.
 void AttentionWeightShapes(const ModelConfig& c, int64_t layer, bool o_bias, WeightShapes& w);
 void QkNormWeightShapes(const ModelConfig& c, const std::string& prefix, WeightShapes& w);
