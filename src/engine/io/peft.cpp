@@ -233,11 +233,8 @@ Result<PeftAdapter> ReadPeft(const SlotBank& bank, const std::string& dir) {
     if (t.is_expert()) return cfg->parameters.count(PeftParameterName(t.module)) > 0;
     if (modules.count(PeftShortName(t.module))) return true;
     // A dense MLP weight as a parameter entry: its full name or a suffix of it at a dot.
-    const std::string full = t.module + ".weight";
     for (const std::string& p : cfg->parameters)
-      if (IsDenseMlpParameter(p) && full.size() >= p.size() && full.compare(full.size() - p.size(), p.size(), p) == 0 &&
-          (full.size() == p.size() || full[full.size() - p.size() - 1] == '.'))
-        return true;
+      if (IsDenseMlpParameter(p) && EndsWithAtDot(t.module + ".weight", p)) return true;
     return false;
   };
   std::set<std::string> expected;

@@ -4,13 +4,14 @@
 
 namespace loom::engine {
 
+bool EndsWithAtDot(const std::string& name, const std::string& suffix) {
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         (name.size() == suffix.size() || name[name.size() - suffix.size() - 1] == '.');
+}
+
 bool IsDenseMlpParameter(const std::string& name) {
-  for (const char* suffix : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) {
-    const std::string s = suffix;
-    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0 &&
-        (name.size() == s.size() || name[name.size() - s.size() - 1] == '.'))
-      return true;
-  }
+  for (const char* suffix : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"})
+    if (EndsWithAtDot(name, suffix)) return true;
   return false;
 }
 

@@ -27,6 +27,9 @@ struct PeftConfig {
 // Whether a target_parameters entry names a dense MLP projection's weight
 // ("<path>.gate_proj.weight", up_proj, down_proj; the path may be empty).
 bool IsDenseMlpParameter(const std::string& name);
+// Whether name is suffix or ends with "." + suffix: "layers.0.mlp.gate_proj.weight"
+// ends so with "mlp.gate_proj.weight", not with "lp.gate_proj.weight".
+bool EndsWithAtDot(const std::string& name, const std::string& suffix);
 
 // Parses the text of an adapter_config.json; `path` names it in errors
 // ("<path>: r 40 must be in [1, 32]"). r must be in [1, max_rank]; every

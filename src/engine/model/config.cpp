@@ -173,6 +173,8 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
     }
   }
   if (Status s = family->parse(j, c); !s.ok()) return s;
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.RotaryDim() % 2 != 0 || c.RotaryDim() <= 0)
+    return Status::Invalid("config.json: 'partial_rotary_factor' must be in (0, 1] and give a positive even rotary width");
 
   for (const char* field : {"torch_dtype", "dtype"}) {
     auto it = j.find(field);

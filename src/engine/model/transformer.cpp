@@ -40,7 +40,7 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
 // A family may keep its RMSNorm weights in fp32 in any model dtype (HF's
 // _keep_in_fp32_modules; gpt_oss); lean_ops.h then scales in fp32. An
 // expert router's correction bias is fp32 in every family (deepseek_v3).
-bool KeepsNormFp32(const Family& f, const std::string& name) {
+bool KeepsFp32(const Family& f, const std::string& name) {
   return (f.norms_fp32 && EndsWith(name, "norm.weight")) || EndsWith(name, "e_score_correction_bias");
 }
 
@@ -219,7 +219,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   c10::NoGradGuard no_grad;
   const Family& family = *FindFamily(config.model_type);
   const WeightGetter get = [&](const std::string& name) {
-    return weights.at(name).detach().to(device, KeepsNormFp32(family, name) ? at::kFloat : dtype).contiguous();
+    return weights.at(name).detach().to(device, KeepsFp32(family, name) ? at::kFloat : dtype).contiguous();
   };
   auto impl = std::make_shared<Impl>();
   impl->heads = config.num_attention_heads;
@@ -283,7 +283,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
     if (IsIgnorable(name, *config)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
     if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
-    Result<at::Tensor> t = LoadTensor(view, KeepsNormFp32(family, name) ? at::kFloat : dtype, device);
+    Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, device);
     if (!t.ok()) return t.status();
     weights[name] = std::move(*t);
   }

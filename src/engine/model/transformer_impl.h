@@ -325,10 +325,16 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     auto [y, delta] = lora(i, ks, in, w, b, on);
     return delta.defined() ? y + delta : y;
   };
-  // The MLP block (dense SwiGLU, or an MoE layer's shared experts) on normed rows.
+  // A dense SwiGLU (the layer's MLP, or an MoE layer's shared experts) on normed rows.
   const auto dense_mlp = [&](int gate, const at::Tensor& in) {
     const at::Tensor act = SwiGluLean(project({gate, gate + 1}, in, l.gate_up_w, at::Tensor(), mlp_lora));
     return project({gate + 2}, act, l.down_w, at::Tensor(), mlp_lora);
+  };
+  // The MLP block after the attention: SwiGLU, or the experts' with any shared experts.
+  const auto mlp_block = [&](const at::Tensor& in) {
+    if (!l.moe.defined()) return dense_mlp(4, in);
+    const at::Tensor y = moe(i, in);
+    return l.gate_up_w.defined() ? y + dense_mlp(kTargetSharedGate, in) : y;
   };
   if (l.mla.defined()) {
     const MlaWeights& a = l.mla;
@@ -352,10 +358,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const at::Tensor attn = attend(i, qf, k, kv.narrow(-1, a.nope, a.v), at::cat({c, k_rope.squeeze(1)}, -1));
     const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
     std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
-    if (!l.moe.defined()) return x + dense_mlp(4, h);
-    at::Tensor y = moe(i, h);
-    if (l.gate_up_w.defined()) y = y + dense_mlp(kTargetSharedGate, h);
-    return x + y;
+    return x + mlp_block(h);
   }
   // The LoRA deltas are added to the fused projection before it is split,
   // never to the split views: q/k/v (and gate/up below) are then views of
@@ -376,9 +379,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // The residual add and the MLP block's norm (one kernel each way on CUDA).
   std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
 
-  // MLP block (SwiGLU, or the experts' with any shared experts).
-  if (l.moe.defined()) return x + (l.gate_up_w.defined() ? moe(i, h) + dense_mlp(kTargetSharedGate, h) : moe(i, h));
-  return x + dense_mlp(4, h);
+  return x + mlp_block(h);
 }
 
 // The final norm, fp32 for the loss.

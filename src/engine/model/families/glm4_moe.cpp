@@ -32,8 +32,6 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
   if (Status s = GetDouble(j, "partial_rotary_factor", &c.partial_rotary_factor); !s.ok()) return s;
   if (auto rp = j.find("rope_parameters"); rp != j.end() && rp->is_object())  // transformers 5 keeps it there
     if (Status s = GetDouble(*rp, "partial_rotary_factor", &c.partial_rotary_factor); !s.ok()) return s;
-  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.RotaryDim() % 2 != 0)
-    return Status::Invalid("config.json: 'partial_rotary_factor' must be in (0, 1] and give an even rotary width");
   if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
   return Check(c);
 }

@@ -89,8 +89,6 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
                              "supported (one for both)");
     c.partial_rotary_factor = partial_full;
   }
-  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || c.RotaryDim() % 2 != 0 || c.RotaryDim() <= 0)
-    return Status::Invalid("config.json: 'partial_rotary_factor' must be in (0, 1] and give an even rotary width");
   if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
   c.n_shared_experts = 0, c.first_k_dense_replace = 0;  // fields HF's class drops
   c.mlp_only_layers.clear();
