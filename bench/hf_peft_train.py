@@ -56,8 +56,9 @@ def main():
             # loom's targets: the attention's projections (MLA's q_a/q_b, kv_a_proj_with_mqa and
             # kv_b_proj where the model has them), lm_head; the experts; and, by full name (the v5
             # shim again), any dense-MLP layer's and shared experts' gate/up/down weights.
+            # (glm_moe_dsa's sparse-attention indexer, self_attn.indexer.*, is frozen in loom: no target).
             attention = sorted({n.split(".")[-1] for n, m in model.named_modules() if ".self_attn." in n
-                                and isinstance(m, torch.nn.Linear)})
+                                and ".indexer." not in n and isinstance(m, torch.nn.Linear)})
             dense = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                      and n.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in n]
             lora = LoraConfig(r=a.rank, lora_alpha=a.alpha, lora_dropout=0.0,

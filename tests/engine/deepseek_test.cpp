@@ -10,10 +10,13 @@
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "engine/model/cached_batch.h"
+#include "engine/model/dsa.h"
 #include "testmodel/make_model.h"
 #include "tiny_model.h"
 
@@ -44,24 +47,31 @@ class Reference {
     // RoPE on adjacent pairs (DeepSeek's complex form): pair j turns by pos / theta^(2j / dr).
     const at::Tensor inv = 1.0 / at::pow(c_.rope_theta, at::arange(0, dr, 2, at::kFloat) / double(dr));
     const at::Tensor ang = at::arange(L, at::kFloat).unsqueeze(1) * inv.unsqueeze(0);  // [L, dr/2]
+    const at::Tensor cs = ang.cos().unsqueeze(1), sn = ang.sin().unsqueeze(1);
     const auto rope = [&](const at::Tensor& t) {  // [L, n, dr]
+      if (c_.model_type == "glm_moe_dsa") {  // halves: pair (j, j + dr/2), as GLM's rotate_half
+        const at::Tensor a = t.narrow(2, 0, dr / 2), b = t.narrow(2, dr / 2, dr / 2);
+        return at::cat({a * cs - b * sn, b * cs + a * sn}, 2);
+      }
       const at::Tensor p = t.reshape({L, t.size(1), dr / 2, 2});
       const at::Tensor a = p.select(-1, 0), b = p.select(-1, 1);
-      const at::Tensor cs = ang.cos().unsqueeze(1), sn = ang.sin().unsqueeze(1);
       return at::stack({a * cs - b * sn, a * sn + b * cs}, -1).reshape({L, t.size(1), dr});
     };
     const at::Tensor mask = at::ones({L, L}).tril();
+    at::Tensor chosen;  // glm_moe_dsa: the keys the last full layer's indexer kept, [L, L]
     for (int64_t i = 0; i < c_.num_hidden_layers; ++i) {
       const std::string p = "model.layers." + std::to_string(i) + ".";
       const at::Tensor h = Rms(x, w_.at(p + "input_layernorm.weight"));
       if (!c_.IsMla()) {
         x = x + Gqa(i, h, mask);
       } else {
-      const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj",
-                                                     Rms(Lin(p + "self_attn.q_a_proj", h),
-                                                         w_.at(p + "self_attn.q_a_layernorm.weight")))
-                                               : Lin(p + "self_attn.q_proj", h))
+      const at::Tensor q_resid =
+          c_.q_lora_rank > 0 ? Rms(Lin(p + "self_attn.q_a_proj", h), w_.at(p + "self_attn.q_a_layernorm.weight"))
+                             : at::Tensor();
+      const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj", q_resid) : Lin(p + "self_attn.q_proj", h))
                                .view({L, H, dn + dr});
+      if (c_.IsDsa() && (i == 0 || c_.indexer_types[i] == "full")) chosen = IndexerChoice(p, h, q_resid, rope, mask);
+      const at::Tensor keep = c_.IsDsa() ? chosen : mask;
       const at::Tensor kv_a = Lin(p + "self_attn.kv_a_proj_with_mqa", h);
       const at::Tensor kv = Lin(p + "self_attn.kv_b_proj", Rms(kv_a.narrow(1, 0, R), w_.at(p + "self_attn.kv_a_layernorm.weight")))
                                 .view({L, H, dn + dv});
@@ -71,7 +81,7 @@ class Reference {
         const at::Tensor qh = at::cat({q.select(1, hh).narrow(1, 0, dn), q_rope.select(1, hh)}, 1);
         const at::Tensor kh = at::cat({kv.select(1, hh).narrow(1, 0, dn), k_rope.select(1, 0)}, 1);
         at::Tensor s = at::matmul(qh, kh.t()) / std::sqrt(double(dn + dr));
-        s = s.masked_fill(mask == 0, -1e30);
+        s = s.masked_fill(keep == 0, -1e30);
         heads.push_back(at::matmul(at::softmax(s, -1), kv.select(1, hh).narrow(1, dn, dv)));
       }
       x = x + Lin(p + "self_attn.o_proj", at::cat(heads, 1));
@@ -140,6 +150,31 @@ class Reference {
       heads.push_back(at::matmul(probs, v.select(1, g)));
     }
     return Lin(p + "self_attn.o_proj", at::cat(heads, 1));
+  }
+  // GLM's lightning indexer (HF's GlmMoeDsaIndexer): per head q = wq_b(q
+  // resid), one k = LayerNorm(wk(h)), both with RoPE on their first dr dims;
+  // score(s, t) = sum_h relu(q_h(s) . k(t) / sqrt(Di)) w_h(s), w = weights_proj(h)
+  // / sqrt(Hi); each query keeps the index_topk best of the causal keys
+  // (top-k over all keys with the future at -inf, then the causal mask).
+  template <typename Rope>
+  at::Tensor IndexerChoice(const std::string& p, const at::Tensor& h, const at::Tensor& q_resid, const Rope& rope,
+                           const at::Tensor& causal) const {
+    const int64_t L = h.size(0), Hi = c_.index_n_heads, Di = c_.index_head_dim, dr = c_.qk_rope_head_dim;
+    const std::string x = p + "self_attn.indexer.";
+    at::Tensor q = at::matmul(q_resid, w_.at(x + "wq_b.weight").t()).view({L, Hi, Di});
+    q = at::cat({rope(q.narrow(2, 0, dr)), q.narrow(2, dr, Di - dr)}, 2);
+    at::Tensor k = at::layer_norm(at::matmul(h, w_.at(x + "wk.weight").t()), {Di}, w_.at(x + "k_norm.weight"),
+                                  w_.at(x + "k_norm.bias"), 1e-6);
+    k = at::cat({rope(k.narrow(1, 0, dr).unsqueeze(1)).squeeze(1), k.narrow(1, dr, Di - dr)}, 1);
+    const at::Tensor weights = at::matmul(h, w_.at(x + "weights_proj.weight").t()) / std::sqrt(double(Hi));
+    at::Tensor scores = at::zeros({L, L});
+    for (int64_t hh = 0; hh < Hi; ++hh)
+      scores += at::relu(at::matmul(q.select(1, hh), k.t()) / std::sqrt(double(Di))) * weights.select(1, hh).unsqueeze(1);
+    scores = scores.masked_fill(causal == 0, -std::numeric_limits<float>::infinity());
+    // Ties (exact zeros, where every head's relu is 0) to the earlier key, as loom breaks them.
+    const at::Tensor best =
+        std::get<1>(at::sort(scores, /*stable=*/true, -1, /*descending=*/true)).narrow(1, 0, std::min<int64_t>(c_.index_topk, L));
+    return at::zeros({L, L}).scatter_(1, best, 1.0) * causal;
   }
   bool Trains(const LoraTarget* t) const { return t && slot_ >= 0 && bank_.trains(slot_, t->group); }
   double Scale() const { return bank_.slot(slot_).config.alpha / bank_.slot(slot_).config.rank; }
@@ -279,7 +314,9 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
   if (c.IsMla()) {
     EXPECT_EQ(shape.k_heads, 1);
     EXPECT_EQ(shape.k_dim, c.kv_lora_rank + c.qk_rope_head_dim);
-    EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim);  // the latent only
+    // The latent only; a DSA layer that indexes also its indexer key, a shared one not.
+    EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim + (c.IsDsa() ? c.index_head_dim : 0));
+    if (c.IsDsa()) EXPECT_EQ(Transformer::KvShape(c, 1).elements(), c.kv_lora_rank + c.qk_rope_head_dim);
   }
   KvCache cache = KvCache::Allocate(Transformer::KvShapes(c), 32, at::kCPU, at::kFloat);
   const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
@@ -315,7 +352,41 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch,
-                         ::testing::Values("deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash"));
+                         ::testing::Values("deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash", "glm_moe_dsa"));
+
+// glm_moe_dsa's indexer is what the tests above check: with a key budget
+// past every sequence the same weights give other logprobs wherever a query
+// sees more keys than the tiny preset's 5, and the same up to there.
+TEST(DsaAttention, TheIndexerChoosesTheKeysPastItsBudget) {
+  ModelConfig c = TinyDeepseek("glm_moe_dsa");
+  ASSERT_EQ(c.index_topk, 5);
+  const auto weights = RandomWeights(c, 7);
+  auto sparse = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  c.index_topk = 64;
+  auto dense = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  ASSERT_TRUE(sparse.ok() && dense.ok());
+  auto bank = Bank(**sparse, 1, 4);
+  c10::NoGradGuard no_grad;
+  const PackedBatch batch = PackedBatch::Make({Seq(12, 5)}, {-1}, at::kCPU);
+  const at::Tensor a = (*sparse)->Hidden(batch, *bank), b = (*dense)->Hidden(batch, *bank);
+  EXPECT_LT(MaxDiff(a.narrow(0, 0, 5), b.narrow(0, 0, 5)), 1e-6);
+  for (int64_t t = 5; t < 12; ++t) EXPECT_GT(MaxDiff(a.narrow(0, t, 1), b.narrow(0, t, 1)), 1e-4) << "position " << t;
+}
+
+// The choice: the best-scoring visible keys, all of them within the budget.
+TEST(DsaAttention, ChooseKeepsTheBestVisibleKeys) {
+  const at::Tensor scores = at::tensor({0.5f, 3.0f, -1.0f, 2.0f, 9.0f}).view({1, 5});
+  const at::Tensor visible = at::tensor({1, 1, 1, 1, 0}).to(at::kBool).view({1, 5});
+  EXPECT_TRUE(at::equal(DsaChoose(scores, visible, 2), at::tensor({0, 1, 0, 1, 0}).to(at::kBool).view({1, 5})));
+  // Equal scores: the earlier keys, whatever the row's padding.
+  const at::Tensor ties = at::tensor({0.0f, 0.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f}).view({1, 7});
+  const at::Tensor first5 = at::tensor({1, 1, 1, 1, 1, 0, 0}).to(at::kBool).view({1, 7});
+  EXPECT_TRUE(at::equal(DsaChoose(ties, first5, 3), at::tensor({1, 1, 1, 0, 0, 0, 0}).to(at::kBool).view({1, 7})));
+  EXPECT_TRUE(at::equal(DsaChoose(ties.narrow(1, 0, 5), first5.narrow(1, 0, 5), 3),
+                        at::tensor({1, 1, 1, 0, 0}).to(at::kBool).view({1, 5})));
+  EXPECT_TRUE(at::equal(DsaChoose(scores, visible, 4), visible));
+  EXPECT_TRUE(at::equal(DsaChoose(scores, visible, 9), visible));
+}
 
 // Every preset's config.json parses back to the same fields.
 TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
@@ -323,7 +394,8 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
            {"deepseek_v2", {"tiny", "deepseek-v2-lite", "deepseek-v2"}},
            {"deepseek_v3", {"tiny", "kimi-k2.5", "deepseek-v3"}},
            {"glm4_moe", {"tiny", "glm-4.5-air"}},
-           {"mimo_v2_flash", {"tiny", "mimo-v2-flash"}}}) {
+           {"mimo_v2_flash", {"tiny", "mimo-v2-flash"}},
+           {"glm_moe_dsa", {"tiny", "glm-5.2"}}}) {
     for (const std::string& preset : presets) {
       auto c = testmodel::PresetConfig(arch, preset);
       ASSERT_TRUE(c.ok()) << arch << " " << preset << ": " << c.status().message();
@@ -354,6 +426,11 @@ TEST(DeepseekConfig, PresetsRoundTripThroughConfigJson) {
       EXPECT_EQ(back->attention_value_scale, c->attention_value_scale) << preset;
       EXPECT_EQ(back->KvHeads(1), c->KvHeads(1)) << preset;
       EXPECT_EQ(back->ValueDim(), c->ValueDim()) << preset;
+      EXPECT_EQ(back->index_topk, c->index_topk) << preset;
+      EXPECT_EQ(back->index_head_dim, c->index_head_dim) << preset;
+      EXPECT_EQ(back->index_n_heads, c->index_n_heads) << preset;
+      EXPECT_EQ(back->indexer_types, c->indexer_types) << preset;
+      EXPECT_EQ(back->rope_interleave, c->rope_interleave) << preset;
       EXPECT_FALSE(back->IsMoeLayer(0)) << preset;  // every preset's first layer is dense
       EXPECT_TRUE(back->IsMoeLayer(back->num_hidden_layers - 1)) << preset;
     }
@@ -379,11 +456,32 @@ TEST(DeepseekConfig, RefusalsNameTheField) {
            {"glm4_moe", "partial_rotary_factor", 1.5},
            {"glm4_moe", "n_group", 3},
            {"mimo_v2_flash", "mlp_layer_types", nlohmann::json::array({"dense"})},
-           {"mimo_v2_flash", "layer_types", nlohmann::json::array({"full_attention"})}}) {
+           {"mimo_v2_flash", "layer_types", nlohmann::json::array({"full_attention"})},
+           {"glm_moe_dsa", "index_topk", 0},
+           {"glm_moe_dsa", "index_head_dim", 4},
+           {"glm_moe_dsa", "q_lora_rank", nlohmann::json()},
+           {"glm_moe_dsa", "indexer_types", nlohmann::json::array({"full", "sparse", "full"})},
+           {"glm_moe_dsa", "indexer_types", nlohmann::json::array({"full"})},
+           {"glm_moe_dsa", "mlp_layer_types", nlohmann::json::array({"dense", "sparse"})}}) {
     auto r = with(arch, field, value);
     ASSERT_FALSE(r.ok()) << arch << " " << field;
     EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
   }
+  // GLM-5.2's pattern as HF derives it when indexer_types is absent.
+  nlohmann::json glm = nlohmann::json::parse(TinyDeepseek("glm_moe_dsa").ToJson());
+  glm.erase("indexer_types");
+  glm["index_topk_pattern"] = "FSS";
+  auto pattern = ModelConfig::Parse(glm.dump());
+  ASSERT_TRUE(pattern.ok()) << pattern.status().message();
+  EXPECT_EQ(pattern->indexer_types, (std::vector<std::string>{"full", "shared", "shared"}));
+  EXPECT_EQ(pattern->DsaSource(2), 0);
+  glm.erase("index_topk_pattern");
+  auto all = ModelConfig::Parse(glm.dump());
+  ASSERT_TRUE(all.ok()) << all.status().message();
+  EXPECT_EQ(all->indexer_types, (std::vector<std::string>{"full", "full", "full"}));
+  auto real = testmodel::PresetConfig("glm_moe_dsa", "glm-5.2");
+  ASSERT_TRUE(real.ok());
+  EXPECT_EQ(std::count(real->indexer_types.begin(), real->indexer_types.end(), "full"), 21);
   // greedy ignores the groups, as HF's does.
   auto greedy = with("deepseek_v2", "topk_method", "greedy");
   ASSERT_TRUE(greedy.ok()) << greedy.status().message();

@@ -106,7 +106,8 @@ TEST_P(PeftMergeTest, MergedModelGivesTheAdaptersLogprobs) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Archs, PeftMergeTest, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash"));
+INSTANTIATE_TEST_SUITE_P(Archs, PeftMergeTest, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash",
+                                           "glm_moe_dsa"));
 
 TEST_F(PeftExportTest, MergeRefusesAnAdapterOfAnotherModelAndWritesNothing) {
   Made dense = Make("qwen3", "dense");

@@ -89,7 +89,8 @@ TEST_P(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
   std::filesystem::remove_all(data_dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash"));
+INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash",
+                                           "glm_moe_dsa"));
 
 }  // namespace
 }  // namespace loom

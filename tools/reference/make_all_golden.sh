@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates tests/golden/{qwen2,qwen3,qwen3_moe,gpt_oss,deepseek_v2,deepseek_v3,glm4_moe,mimo_v2_flash}
+# Regenerates tests/golden/{qwen2,qwen3,qwen3_moe,gpt_oss,deepseek_v2,deepseek_v3,glm4_moe,mimo_v2_flash,glm_moe_dsa}
 # with HF transformers + PEFT.
 # Needs: a built `loom` (for make-model) and python3 with torch, transformers,
 # peft, safetensors, numpy. Usage, from the repository root:
@@ -13,7 +13,7 @@ device=${2:-cpu}
 shift $(( $# < 2 ? $# : 2 ))
 archs=("$@")
 if [ ${#archs[@]} -eq 0 ]; then
-  archs=(qwen2 qwen3 qwen3_moe gpt_oss deepseek_v2 deepseek_v3 glm4_moe mimo_v2_flash)
+  archs=(qwen2 qwen3 qwen3_moe gpt_oss deepseek_v2 deepseek_v3 glm4_moe mimo_v2_flash glm_moe_dsa)
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

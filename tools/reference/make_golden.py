@@ -88,7 +88,10 @@ MAX_BYTES = 1 << 20
 # layers' projections are targeted as parameters by full name: a ParamWrapper
 # on a 2-D [out, in] weight is plain LoRA (A [r, in], B [out, r], the same
 # saved keys as a module target).
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+# glm_moe_dsa (GLM-5.2) is MLA too, with deepseek_v3's router and a frozen
+# sparse-attention indexer (self_attn.indexer: wq_b, wk, k_norm,
+# weights_proj), no target; its dense layers are named by mlp_layer_types.
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "glm_moe_dsa")
 # DeepSeek-style experts (router mlp.gate, shared experts, dense layers below
 # first_k_dense_replace): the deepseek families and glm4_moe, whose attention
 # is plain q/k/v/o (MOE_TARGET_MODULES) and whose router holds the
@@ -97,7 +100,7 @@ DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # layers named by mlp_layer_types (its attention, q/k/v/o with sinks on the
 # sliding layers, is plain module targets too).
 DEEPSEEK_MOE_TYPES = DEEPSEEK_TYPES + ("glm4_moe", "mimo_v2_flash")
-CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash")
+CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash", "glm_moe_dsa")
 MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_MOE_TYPES
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 # deepseek's multi-head latent attention: q_proj when q_lora_rank is null,
@@ -382,7 +385,7 @@ def moe_layout(model, model_dir):
         I, H = int(cfg.moe_intermediate_size), int(cfg.hidden_size)
     if deepseek:
         # HF's DeepseekV2/V3DecoderLayer: dense MLP below first_k_dense_replace, MoE from it on.
-        if cfg.model_type == "mimo_v2_flash":  # dense where mlp_layer_types says so
+        if cfg.model_type in ("mimo_v2_flash", "glm_moe_dsa"):  # dense where mlp_layer_types says so
             is_dense = lambda layer: cfg.mlp_layer_types[layer] == "dense"  # noqa: E731
         else:
             first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)

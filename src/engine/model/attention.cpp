@@ -52,7 +52,7 @@ at::Tensor MathCausalBatched(const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 // One sequence with a non-plain variant: q [n, H, hd] are the last n
-// positions of k, v [L, KVH, hd]; explicit causal (and window) mask, sinks.
+// positions of k, v [L, KVH, hd]; explicit causal (and window, and keep) mask, sinks.
 at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionVariant& var) {
   const int64_t n = q.size(0), heads = q.size(1), hd = q.size(2), L = k.size(0), kv_heads = k.size(1);
   const int64_t group = heads / kv_heads;
@@ -63,6 +63,7 @@ at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const at::Tensor i = (at::arange(n, longs) + (L - n)).unsqueeze(1), j = at::arange(L, longs).unsqueeze(0);
   at::Tensor hidden = j > i;
   if (var.window > 0) hidden = hidden.logical_or(j <= i - var.window);
+  if (var.keep.defined()) hidden = hidden.logical_or(var.keep.logical_not());
   scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
   at::Tensor probs;
   if (var.sinks.defined())

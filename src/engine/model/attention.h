@@ -20,10 +20,15 @@ namespace loom::engine {
 // one sequence at a time, whatever the kernel or padded layout asked for:
 // slower than SDPA or the batched padded path (a [n, L] score matrix per
 // sequence, no fused kernel), but one obviously-correct route.
+// A call may also name the keys each query keeps (`keep` [n, L] bool, on
+// top of the causal rule: DSA's choice, dsa.h); that is per sequence, so
+// it is set on a copy made for one PrefixCausalAttention call, never on a
+// layer's own variant.
 struct AttentionVariant {
   at::Tensor sinks;    // [H] in the model dtype, or undefined
   int64_t window = 0;  // 0 = every earlier key
-  bool plain() const { return !sinks.defined() && window == 0; }
+  at::Tensor keep;     // [n, L] bool (one sequence's queries over its keys), or undefined
+  bool plain() const { return !sinks.defined() && window == 0 && !keep.defined(); }
 };
 
 // Softmax over the last dimension of scores [.., n, L] with the sink logits

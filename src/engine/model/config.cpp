@@ -83,6 +83,11 @@ bool ModelConfig::IsSlidingLayer(int64_t layer) const {
          layer_types[layer] == "sliding_attention";
 }
 
+int64_t ModelConfig::DsaSource(int64_t layer) const {
+  while (layer > 0 && layer < static_cast<int64_t>(indexer_types.size()) && indexer_types[layer] == "shared") --layer;
+  return layer;
+}
+
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
   if (num_experts <= 0 || layer < first_k_dense_replace) return false;
   for (int64_t l : mlp_only_layers)

@@ -66,6 +66,19 @@ struct ModelConfig {
   // groups by their best score (deepseek_v2's greedy and
   // group_limited_greedy); or "sigmoid" scores plus a correction bias for
   // the choice only, groups ranked by their two best (deepseek_v3's noaux_tc).
+  // DeepSeek sparse attention (glm_moe_dsa, GLM-5.2; model/dsa.h) when
+  // index_topk > 0: each MLA layer's lightning indexer (index_n_heads heads
+  // of index_head_dim) scores every earlier key of the sequence and the
+  // query attends to the index_topk best only. indexer_types[i] is "full"
+  // (layer i runs its indexer) or "shared" (it reuses the choice of the
+  // nearest full layer below it); empty: all full.
+  int64_t index_topk = 0, index_head_dim = 0, index_n_heads = 0;
+  std::vector<std::string> indexer_types;
+  bool IsDsa() const { return index_topk > 0; }
+  // The layer whose indexer chooses layer `layer`'s keys (itself when full;
+  // a shared first layer runs its own, as HF's has no choice to reuse).
+  int64_t DsaSource(int64_t layer) const;
+
   int64_t n_shared_experts = 0;
   double routed_scaling_factor = 1.0;
   int64_t n_group = 1, topk_group = 1;

@@ -13,10 +13,12 @@ extern const Family kDeepseekV2Family;
 extern const Family kDeepseekV3Family;
 extern const Family kGlm4MoeFamily;
 extern const Family kMimoV2FlashFamily;
+extern const Family kGlmMoeDsaFamily;
 
 namespace {
-const Family* const kFamilies[] = {&kQwen2Family,      &kQwen3Family,      &kQwen3MoeFamily, &kGptOssFamily,
-                                   &kDeepseekV2Family, &kDeepseekV3Family, &kGlm4MoeFamily, &kMimoV2FlashFamily};
+const Family* const kFamilies[] = {&kQwen2Family,       &kQwen3Family,      &kQwen3MoeFamily,
+                                   &kGptOssFamily,      &kDeepseekV2Family, &kDeepseekV3Family,
+                                   &kGlm4MoeFamily,     &kMimoV2FlashFamily, &kGlmMoeDsaFamily};
 }  // namespace
 
 const Family* FindFamily(const std::string& model_type) {

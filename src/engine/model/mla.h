@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "engine/lora/slot_bank.h"
+#include "engine/model/dsa.h"
 
 namespace loom::engine {
 
@@ -39,6 +40,7 @@ struct MlaWeights {
   int64_t heads = 0, nope = 0, rope = 0, v = 0, rank = 0;
   double scale = 0;         // the softmax scale (1/sqrt(dn + dr), times deepseek_v3's YaRN mscale^2)
   bool interleave = true;   // RoPE on adjacent pairs (else on halves)
+  DsaIndexerWeights indexer;  // glm_moe_dsa's sparse attention (dsa.h), or undefined
   bool defined() const { return kv_a_w.defined(); }
   int64_t qk() const { return nope + rope; }
 };

@@ -41,7 +41,8 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
 // _keep_in_fp32_modules; gpt_oss); lean_ops.h then scales in fp32. An
 // expert router's correction bias is fp32 in every family (deepseek_v3).
 bool KeepsFp32(const Family& f, const std::string& name) {
-  return (f.norms_fp32 && EndsWith(name, "norm.weight")) || EndsWith(name, "e_score_correction_bias");
+  return (f.norms_fp32 && EndsWith(name, "norm.weight")) || EndsWith(name, "e_score_correction_bias") ||
+         EndsWith(name, "indexer.weights_proj.weight");  // HF's _keep_in_fp32_modules (glm_moe_dsa)
 }
 
 // MXFP4 experts (a family with mxfp4_experts: gpt_oss): X_blocks and
@@ -311,7 +312,8 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
          {l.input_norm, l.post_norm, l.qkv_w, l.qkv_b, l.q_norm, l.k_norm, l.o_w, l.o_b, l.attn.sinks, l.gate_up_w,
           l.down_w, l.moe.router, l.moe.router_bias, l.moe.score_bias, l.moe.gate_up, l.moe.gate_up_bias, l.moe.down,
           l.moe.down_bias, l.mla.q_w, l.mla.q_a_w, l.mla.q_a_b, l.mla.q_a_norm, l.mla.q_b_w, l.mla.kv_a_w, l.mla.kv_a_b,
-          l.mla.kv_a_norm, l.mla.kv_b_w})
+          l.mla.kv_a_norm, l.mla.kv_b_w, l.mla.indexer.wq_b, l.mla.indexer.wk, l.mla.indexer.k_norm_w,
+          l.mla.indexer.k_norm_b, l.mla.indexer.weights_proj})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -330,6 +332,7 @@ struct PassState {
   PaddedLayout padded;
   Rope rope;
   ExpertLoraRouting experts;  // MoE models whose batch trains the mlp group
+  std::vector<std::vector<at::Tensor>> dsa;  // DSA models: each indexing layer's choice per sequence (dsa.h)
 };
 
 // The LoRA leaves layer i's graph reaches for the groups this pass trains.
@@ -367,6 +370,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   state->rope = Rope::Make(m, batch.positions, dtype_);
   if (mlp_lora && config_.num_experts > 0)
     state->experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());
+  if (config_.IsDsa()) state->dsa.resize(m.layers.size());
   const AttentionKernel kernel = attention_kernel_;
   const std::vector<int64_t>& seq_begin = batch.seq_begin;
   // One layer of this pass. It reads only the pass state, the frozen weights
@@ -375,7 +379,10 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   auto layer = [&m, &bank, &seq_begin, state, kernel, eps, attn_lora, mlp_lora](size_t i, const at::Tensor& x) {
     auto lora = [&](size_t l, std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
                     const at::Tensor& b, bool on) { return state->delta.Project(l, ks, in, w, b, on); };
-    auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&) {
+    auto attend = [&](size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor&,
+                      const DsaIndex* index) {
+      if (const DsaIndexerWeights& dsa = m.layers[l].mla.indexer; dsa.defined())
+        return DsaPackedAttention(q, k, v, seq_begin, kernel, state->padded.get(), dsa, index, l, state->dsa);
       return PackedCausalAttention(q, k, v, seq_begin, kernel, state->padded.get(), &m.layers[l].attn);
     };
     auto moe = [&](size_t l, const at::Tensor& h) {

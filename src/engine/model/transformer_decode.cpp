@@ -53,24 +53,31 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // queries attend to its cached keys and values, cached(i, rows) for row i's
 // cache rows (read back from the pools), followed by its own new keys; rows
 // without one take the packed causal path.
+// A DSA layer's choice for row i (dsa.h), given the cache rows of its
+// cached prefix (none: empty), over that prefix and its new tokens, or undefined.
 using CachedKv = std::function<std::pair<at::Tensor, at::Tensor>(size_t row, const at::Tensor& rows)>;
+using RowChoice = std::function<at::Tensor(size_t row, const at::Tensor& rows)>;
 at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const CachedBatch& batch, AttentionKernel kernel, const AttentionVariant& variant,
-                                   const CachedKv& cached) {
+                                   const CachedKv& cached, const RowChoice& choice = nullptr) {
   std::vector<at::Tensor> outs;
   int64_t rows_at = 0;
   for (size_t i = 0; i + 1 < batch.seq_begin.size(); ++i) {
     const int64_t begin = batch.seq_begin[i], n = batch.seq_begin[i + 1] - begin, c = batch.seq_cached[i];
     if (n == 0) continue;
     const at::Tensor qs = q.narrow(0, begin, n), ks = k.narrow(0, begin, n), vs = v.narrow(0, begin, n);
+    const at::Tensor rows = batch.cached_rows.narrow(0, rows_at, c);
+    rows_at += c;
+    const at::Tensor keep = choice ? choice(i, rows) : at::Tensor();
     if (c == 0) {
-      outs.push_back(PackedCausalAttention(qs, ks, vs, {0, n}, kernel, nullptr, &variant));
+      outs.push_back(keep.defined() ? DsaAttention(qs, ks, vs, keep, kernel)
+                                    : PackedCausalAttention(qs, ks, vs, {0, n}, kernel, nullptr, &variant));
       continue;
     }
-    const auto [kc, vc] = cached(i, batch.cached_rows.narrow(0, rows_at, c));
-    rows_at += c;
-    outs.push_back(PrefixCausalAttention(qs, at::cat({kc.to(ks.scalar_type()), ks}, 0),
-                                         at::cat({vc.to(vs.scalar_type()), vs}, 0), kernel, &variant));
+    const auto [kc, vc] = cached(i, rows);
+    const at::Tensor kall = at::cat({kc.to(ks.scalar_type()), ks}, 0), vall = at::cat({vc.to(vs.scalar_type()), vs}, 0);
+    outs.push_back(keep.defined() ? DsaAttention(qs, kall, vall, keep, kernel)
+                                  : PrefixCausalAttention(qs, kall, vall, kernel, &variant));
   }
   return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
@@ -78,7 +85,10 @@ at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, con
 }  // namespace
 
 KvRowShape Transformer::KvShape(const ModelConfig& c, int64_t layer) {
-  if (c.IsMla()) return {1, c.kv_lora_rank + c.qk_rope_head_dim, 0, 0};
+  if (c.IsMla()) {  // the latent row; a DSA layer that runs its indexer also its keys (dsa.h)
+    const bool indexes = c.IsDsa() && c.DsaSource(layer) == layer;
+    return {1, c.kv_lora_rank + c.qk_rope_head_dim, indexes ? 1 : 0, indexes ? c.index_head_dim : 0};
+  }
   const int64_t hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;
   return {c.KvHeads(layer), hd, c.KvHeads(layer), c.ValueDim()};
 }
@@ -109,21 +119,54 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   // New tokens' keys and values go into the paged cache; a prefill attends
   // within its own rows (and its cached prefix), a decode row reads its
   // context back from the cache.
-  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& latent) {
+  // DSA models: each indexing layer's choice, per row (dsa.h; a decode
+  // step's one entry is all rows' [S, L]); a shared layer reads its source's.
+  std::vector<std::vector<at::Tensor>> choices(config_.IsDsa() ? m.layers.size() : 0);
+  auto attend = [&](size_t i, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& latent,
+                    const DsaIndex* index) {
     if (latent.defined()) {  // MLA: the pool holds each token's latent row
       const MlaWeights& w = m.layers[i].mla;
+      const DsaIndexerWeights& dsa = w.indexer;
       cache.k[i].index_copy_(0, batch.write_rows, latent.unsqueeze(1).to(cache.k[i].scalar_type()));
+      if (index) cache.v[i].index_copy_(0, batch.write_rows, index->k.unsqueeze(1).to(cache.v[i].scalar_type()));
       const LoraTarget* kv_b = attn_lora ? LayerTarget(bank, i, kTargetKvB) : nullptr;
-      if (over_prefix)  // the prefix's latents expanded as the trainer computed its keys and values
+      if (over_prefix) {  // the prefix's latents expanded as the trainer computed its keys and values
+        RowChoice choice;
+        if (dsa.defined()) {
+          if (index) choices[i].assign(batch.seq_begin.size() - 1, at::Tensor());
+          choice = [&](size_t row, const at::Tensor& rows) {
+            if (index) {  // this row's queries over its cached indexer keys and its own
+              const int64_t begin = batch.seq_begin[row], n = batch.seq_begin[row + 1] - begin;
+              const at::Tensor own = index->k.narrow(0, begin, n);
+              const at::Tensor keys = at::cat({cache.v[i].index_select(0, rows).squeeze(1).to(own.scalar_type()), own});
+              choices[i][row] = DsaCausalChoice(index->Rows(begin, n), keys, dsa.topk);
+            }
+            return choices[static_cast<size_t>(index ? i : dsa.source)][row];
+          };
+        }
         return PrefillOverCachedPrefix(q, k, v, batch, attention_kernel_, m.layers[i].attn,
                                        [&](size_t row, const at::Tensor& rows) {
                                          const at::Tensor lat = cache.k[i].index_select(0, rows).squeeze(1);
                                          return MlaExpandLatent(w, lat.to(q.scalar_type()), bank, kv_b,
                                                                 batch.seq_slot[row]);
-                                       });
-      return batch.prefill ? PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get())
-                           : MlaDecodeAttention(w, q, cache.k[i], batch.context_rows, batch.context_mask, bank, kv_b,
-                                                batch.seq_slot);
+                                       },
+                                       choice);
+      }
+      if (batch.prefill)
+        return dsa.defined() ? DsaPackedAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get(), dsa, index,
+                                                  i, choices)
+                             : PackedCausalAttention(q, k, v, batch.seq_begin, attention_kernel_, padded.get());
+      at::Tensor mask = batch.context_mask;
+      if (dsa.defined()) {  // each row's choice over its whole cached context
+        if (index) {
+          const int64_t S = batch.context_rows.size(0), L = batch.context_rows.size(1);
+          const at::Tensor keys = cache.v[i].index_select(0, batch.context_rows.reshape({-1})).view({S, L, dsa.dim});
+          choices[i] = {DsaChoose(DsaScores(index->q.unsqueeze(1), index->w.unsqueeze(1), keys).squeeze(1), mask,
+                                  dsa.topk)};
+        }
+        mask = choices[static_cast<size_t>(index ? i : dsa.source)].at(0);
+      }
+      return MlaDecodeAttention(w, q, cache.k[i], batch.context_rows, mask, bank, kv_b, batch.seq_slot);
     }
     cache.k[i].index_copy_(0, batch.write_rows, k.to(cache.k[i].scalar_type()));
     cache.v[i].index_copy_(0, batch.write_rows, v.to(cache.v[i].scalar_type()));

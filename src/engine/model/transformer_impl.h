@@ -300,12 +300,15 @@ struct Rope {
 //                             weight W and bias b) and, with `on`, their
 //                             LoRA: {base, deltas} or {base + deltas,
 //                             undefined} (BatchLora::Project);
-//   attend(layer, q, k, v, latent)
+//   attend(layer, q, k, v, latent, index)
 //                             attention [T, H * dv] for post-RoPE q [T, H, hd]
 //                             and k [T, KVH, hd], v [T, KVH, dv] (dv = hd but
 //                             in MLA layers); latent: an MLA layer's rows
 //                             [T, R + dr] for the sampler's cache (mla.h),
-//                             undefined otherwise;
+//                             undefined otherwise; index: the rows' DSA
+//                             indexer (dsa.h) where the layer runs its own,
+//                             else null (a shared DSA layer's attend takes
+//                             the choice of its indexer.source layer);
 //   moe(layer, h)             an MoE layer's block output [T, hidden] for its
 //                             normed rows h (MoeForward with the batch's
 //                             expert LoRA).
@@ -339,12 +342,13 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   if (l.mla.defined()) {
     const MlaWeights& a = l.mla;
     const int64_t T = h.size(0), H = a.heads;
-    const at::Tensor q =
-        (a.q_w.defined()
-             ? project({0}, h, a.q_w, at::Tensor(), attn_lora)
-             : project({kTargetQb}, RmsNorm(project({kTargetQa}, h, a.q_a_w, a.q_a_b, attn_lora), a.q_a_norm, eps),
-                       a.q_b_w, at::Tensor(), attn_lora))
-            .view({T, H, a.qk()});
+    const at::Tensor q_resid =  // q's compressed rows (q compression only)
+        a.q_w.defined() ? at::Tensor() : RmsNorm(project({kTargetQa}, h, a.q_a_w, a.q_a_b, attn_lora), a.q_a_norm, eps);
+    const at::Tensor q = (a.q_w.defined() ? project({0}, h, a.q_w, at::Tensor(), attn_lora)
+                                          : project({kTargetQb}, q_resid, a.q_b_w, at::Tensor(), attn_lora))
+                             .view({T, H, a.qk()});
+    const bool indexes = a.indexer.defined() && a.indexer.source == static_cast<int64_t>(i);
+    const DsaIndex index = indexes ? DsaIndexRows(a.indexer, h, q_resid, rope.cos32, rope.sin32) : DsaIndex{};
     const at::Tensor kv_a = project({kTargetKvA}, h, a.kv_a_w, a.kv_a_b, attn_lora);
     const at::Tensor c = RmsNorm(kv_a.narrow(1, 0, a.rank).contiguous(), a.kv_a_norm, eps);
     const at::Tensor k_rope = MlaRope(kv_a.narrow(1, a.rank, a.rope).unsqueeze(1), rope.cos32, rope.sin32, a.interleave);
@@ -355,7 +359,8 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const double extra = a.scale * std::sqrt(static_cast<double>(a.qk()));
     if (std::abs(extra - 1.0) > 1e-12) qf = qf * extra;
     const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope), k_rope.expand({T, H, a.rope})}, -1);
-    const at::Tensor attn = attend(i, qf, k, kv.narrow(-1, a.nope, a.v), at::cat({c, k_rope.squeeze(1)}, -1));
+    const at::Tensor attn = attend(i, qf, k, kv.narrow(-1, a.nope, a.v), at::cat({c, k_rope.squeeze(1)}, -1),
+                                   indexes ? &index : nullptr);
     const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
     std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
     return x + mlp_block(h);
@@ -374,7 +379,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
                   l.rope_sliding ? rope.sin_sliding : rope.sin, m.heads, l.kv_heads, hd, eps, l.v_dim);
   const at::Tensor &q = heads.q, &k = heads.k;
   const at::Tensor v = l.v_scale != 0 ? heads.v * l.v_scale : heads.v;
-  const at::Tensor attn = attend(i, q, k, v, at::Tensor());
+  const at::Tensor attn = attend(i, q, k, v, at::Tensor(), nullptr);
   const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
   // The residual add and the MLP block's norm (one kernel each way on CUDA).
   std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);

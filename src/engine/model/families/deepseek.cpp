@@ -10,8 +10,14 @@
 // adjacent pairs (its complex form); v3 does when rope_interleave. v3 scales
 // the softmax by YaRN's mscale(factor, mscale_all_dim)^2, v2 does not.
 // The hub ships one tensor per expert and projection; they load stacked.
+// glm_moe_dsa (GLM-5, GLM-5.2; modeling_glm_moe_dsa) is deepseek_v3's
+// router over MLA with q compression, RoPE on halves, layers dense by
+// mlp_layer_types, plus DeepSeek sparse attention: a lightning indexer per
+// layer choosing each query's keys (model/dsa.h), shared layers reusing the
+// choice of the full layer below (indexer_types).
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 
 #include "engine/model/families/deepseek_moe.h"
@@ -25,6 +31,9 @@ namespace {
 using namespace config_json;
 
 bool IsV3(const ModelConfig& c) { return c.model_type == "deepseek_v3"; }
+bool IsDsaFamily(const ModelConfig& c) { return c.model_type == "glm_moe_dsa"; }
+// Sigmoid scores plus the fp32 correction bias (deepseek_v3's router).
+bool Sigmoid(const ModelConfig& c) { return c.model_type != "deepseek_v2"; }
 
 void DefaultsV2(ModelConfig& c) {  // DeepseekV2Config's defaults where config.json states none
   c.q_lora_rank = 1536, c.kv_lora_rank = 512, c.qk_nope_head_dim = 128, c.qk_rope_head_dim = 64, c.v_head_dim = 128;
@@ -43,6 +52,67 @@ void DefaultsV3(ModelConfig& c) {  // DeepseekV3Config's
   c.rope_interleave = true;
 }
 
+void DefaultsDsa(ModelConfig& c) {  // GlmMoeDsaConfig's (GLM-5)
+  c.q_lora_rank = 2048, c.kv_lora_rank = 512, c.qk_nope_head_dim = 192, c.qk_rope_head_dim = 64, c.v_head_dim = 256;
+  c.n_shared_experts = 1, c.first_k_dense_replace = 3, c.routed_scaling_factor = 2.5;
+  c.num_experts = 256, c.num_experts_per_tok = 8, c.moe_intermediate_size = 2048;
+  c.n_group = 1, c.topk_group = 1, c.norm_topk_prob = true;
+  c.scoring_func = "sigmoid", c.topk_method = "noaux_tc";
+  c.rope_interleave = false;
+  c.index_topk = 2048, c.index_head_dim = 128, c.index_n_heads = 32;
+}
+
+// The indexer's fields (dsa.h); its checks.
+Status CheckDsa(const ModelConfig& c) {
+  const auto bad = [&](const std::string& field, const std::string& why) {
+    return Status::Invalid("config." + field + " " + why + " for " + c.model_type);
+  };
+  if (c.index_topk <= 0 || c.index_n_heads <= 0) return bad("index_topk and index_n_heads", "must be > 0");
+  if (c.index_head_dim < c.qk_rope_head_dim)
+    return bad("index_head_dim", "must be at least qk_rope_head_dim " + std::to_string(c.qk_rope_head_dim) +
+                                     " (its first dims turn by RoPE)");
+  if (c.q_lora_rank <= 0) return bad("q_lora_rank", "must be > 0 (the indexer reads q's compressed rows)");
+  if (c.rope_interleave) return bad("rope_interleave", "must be false (GLM's RoPE turns halves)");
+  if (!c.indexer_types.empty() && static_cast<int64_t>(c.indexer_types.size()) != c.num_hidden_layers)
+    return bad("indexer_types", "must have one entry a layer (" + std::to_string(c.num_hidden_layers) + ")");
+  for (const std::string& t : c.indexer_types)
+    if (t != "full" && t != "shared") return bad("indexer_types", "entries must be \"full\" or \"shared\", got \"" + t + "\"");
+  return Status::Ok();
+}
+
+// indexer_types as HF's GlmMoeDsaConfig derives it: stated; or from
+// index_topk_pattern ("FSS..." or a list of "full"/"shared"); or from
+// index_topk_freq and index_skip_topk_offset (layer i full when
+// max(i - offset + 1, 0) % freq == 0); or all full.
+Status ParseIndexerTypes(const nlohmann::json& j, ModelConfig& c) {
+  c.indexer_types.clear();
+  const auto list = [&](const nlohmann::json& v, const char* field) {
+    if (!v.is_array()) return Status::Invalid(std::string("config.json: '") + field + "' must be a list or a string");
+    for (const nlohmann::json& t : v) {
+      if (!t.is_string()) return Status::Invalid(std::string("config.json: '") + field + "' entries must be strings");
+      c.indexer_types.push_back(t.get<std::string>());
+    }
+    return Status::Ok();
+  };
+  if (auto it = j.find("indexer_types"); it != j.end() && !it->is_null()) return list(*it, "indexer_types");
+  if (auto it = j.find("index_topk_pattern"); it != j.end() && !it->is_null()) {
+    if (!it->is_string()) return list(*it, "index_topk_pattern");
+    for (char ch : it->get<std::string>()) {
+      if (ch != 'F' && ch != 'S')
+        return Status::Invalid("config.json: 'index_topk_pattern' letters must be F or S, got '" + std::string(1, ch) + "'");
+      c.indexer_types.push_back(ch == 'F' ? "full" : "shared");
+    }
+    return Status::Ok();
+  }
+  int64_t freq = 1, offset = 2;
+  if (Status s = GetInt(j, "index_topk_freq", false, &freq); !s.ok()) return s;
+  if (Status s = GetInt(j, "index_skip_topk_offset", false, &offset); !s.ok()) return s;
+  freq = std::max<int64_t>(freq, 1);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    c.indexer_types.push_back(std::max<int64_t>(i - offset + 1, 0) % freq == 0 ? "full" : "shared");
+  return Status::Ok();
+}
+
 // The rules of a config however it was made (Parse, or built in code).
 Status Check(const ModelConfig& c) {
   if (Status s = CheckDeepseekMoe(c); !s.ok()) return s;
@@ -56,6 +126,8 @@ Status Check(const ModelConfig& c) {
   if (c.num_key_value_heads != c.num_attention_heads)
     return bad("num_key_value_heads", "must equal num_attention_heads (MLA gives every head its key)");
   if (c.q_lora_rank < 0) return bad("q_lora_rank", "must be >= 0 (0: no q compression)");
+  if (IsDsaFamily(c)) return CheckDsa(c);
+  if (c.IsDsa()) return bad("index_topk", "is glm_moe_dsa's (sparse attention)");
   return Status::Ok();
 }
 
@@ -73,9 +145,22 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
     if (Status s = GetInt(j, field, false, dst); !s.ok()) return s;
     if (Status s = Positive(field, *dst); !s.ok()) return s;
   }
-  if (!IsV3(c) && j.find("num_experts_per_tok") == j.end())
+  if (!Sigmoid(c) && j.find("num_experts_per_tok") == j.end())
     return Status::Invalid("config.json: missing required field 'num_experts_per_tok'");
   if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
+  if (IsDsaFamily(c)) {  // HF's GLM class has no router method fields and RoPE on halves
+    bool stated = false;
+    if (Status s = ParseMlpLayerTypes(j, c, &stated); !s.ok()) return s;
+    for (auto [field, dst] : {std::pair{"index_topk", &c.index_topk}, std::pair{"index_head_dim", &c.index_head_dim},
+                              std::pair{"index_n_heads", &c.index_n_heads}}) {
+      if (Status s = GetInt(j, field, false, dst); !s.ok()) return s;
+      if (Status s = Positive(field, *dst); !s.ok()) return s;
+    }
+    if (Status s = ParseIndexerTypes(j, c); !s.ok()) return s;
+    c.head_dim = c.qk_rope_head_dim;
+    c.num_key_value_heads = c.num_attention_heads;
+    return Check(c);
+  }
   if (auto it = j.find("topk_method"); it != j.end() && !it->is_null()) {
     if (!it->is_string()) return Status::Invalid("config.json: 'topk_method' must be a string");
     c.topk_method = it->get<std::string>();
@@ -110,6 +195,17 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
   j["qk_rope_head_dim"] = c.qk_rope_head_dim;
   j["v_head_dim"] = c.v_head_dim;
   WriteDeepseekMoe(c, j);
+  if (IsDsaFamily(c)) {
+    j["mlp_layer_types"] = MlpLayerTypes(c);
+    j["index_topk"] = c.index_topk;
+    j["index_head_dim"] = c.index_head_dim;
+    j["index_n_heads"] = c.index_n_heads;
+    std::vector<std::string> types = c.indexer_types;
+    if (types.empty()) types.assign(static_cast<size_t>(c.num_hidden_layers), "full");
+    j["indexer_types"] = types;
+    j["mlp_bias"] = false;
+    return;
+  }
   j["moe_layer_freq"] = 1;
   j["topk_method"] = c.topk_method;
   j["scoring_func"] = c.scoring_func;
@@ -138,13 +234,20 @@ void MlaWeightShapes(const ModelConfig& c, const std::string& p, WeightShapes& w
   w.push_back({a + "kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}});
   w.push_back({a + "o_proj.weight", {h, H * c.v_head_dim}});
   if (c.attention_bias) w.push_back({a + "o_proj.bias", {h}});
+  if (!c.IsDsa()) return;
+  const std::string x = a + "indexer.";  // HF builds one in every layer; shared layers leave theirs unused
+  w.push_back({x + "wq_b.weight", {c.index_n_heads * c.index_head_dim, c.q_lora_rank}});
+  w.push_back({x + "wk.weight", {c.index_head_dim, h}});
+  w.push_back({x + "k_norm.weight", {c.index_head_dim}});
+  w.push_back({x + "k_norm.bias", {c.index_head_dim}});
+  w.push_back({x + "weights_proj.weight", {c.index_n_heads, h}});
 }
 
 void LayerWeights(const ModelConfig& c, int64_t layer, WeightShapes& w) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   MlaWeightShapes(c, p, w);
   PostNormWeightShape(c, p, w);
-  DeepseekMoeWeightShapes(c, layer, IsV3(c), w);
+  DeepseekMoeWeightShapes(c, layer, Sigmoid(c), w);
 }
 
 Status LoadLayer(LayerLoad& l) {
@@ -167,13 +270,24 @@ Status LoadLayer(LayerLoad& l) {
   if (c.attention_bias) l.layer.o_b = l.get(a + "o_proj.bias");
   m.heads = c.num_attention_heads, m.nope = c.qk_nope_head_dim, m.rope = c.qk_rope_head_dim;
   m.v = c.v_head_dim, m.rank = c.kv_lora_rank;
-  m.interleave = IsV3(c) ? c.rope_interleave : true;
+  m.interleave = Sigmoid(c) ? c.rope_interleave : true;
   m.scale = 1.0 / std::sqrt(static_cast<double>(m.qk()));
   if (IsV3(c) && c.rope_type == "yarn" && c.yarn_mscale_all_dim > 0) {
     const double ms = YarnMscale(c.rope_factor, c.yarn_mscale_all_dim);
     m.scale *= ms * ms;
   }
-  LoadDeepseekMoe(l, IsV3(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax, IsV3(c));
+  if (c.IsDsa()) {
+    DsaIndexerWeights& x = m.indexer;
+    const std::string p = a + "indexer.";
+    x.wq_b = l.get(p + "wq_b.weight");
+    x.wk = l.get(p + "wk.weight");
+    x.k_norm_w = l.get(p + "k_norm.weight");
+    x.k_norm_b = l.get(p + "k_norm.bias");
+    x.weights_proj = l.get(p + "weights_proj.weight");
+    x.heads = c.index_n_heads, x.dim = c.index_head_dim, x.rope = c.qk_rope_head_dim, x.topk = c.index_topk;
+    x.source = c.DsaSource(l.index);
+  }
+  LoadDeepseekMoe(l, Sigmoid(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax, Sigmoid(c));
   return Status::Ok();
 }
 
@@ -286,7 +400,57 @@ Result<ModelConfig> PresetV3(const std::string& name, std::string* default_dtype
   return c;
 }
 
+// tiny: three layers, the first dense (mlp_layer_types), q compression,
+// an indexer of 8 heads of 12 keeping 5 keys (so the tests' longer
+// sequences attend sparsely), the second layer sharing the first's choice;
+// glm-5.2: the real shapes (21 of 78 layers index: GLM-5.2's pattern, HF's
+// index_topk_freq 4 with index_skip_topk_offset 3).
+Result<ModelConfig> PresetDsa(const std::string& name, std::string* default_dtype) {
+  ModelConfig c = Base("glm_moe_dsa");
+  DefaultsDsa(c);
+  c.rms_norm_eps = 1e-5;
+  *default_dtype = "bf16";
+  int64_t freq = 1, offset = 2;
+  if (name == "tiny") {
+    c.vocab_size = 512, c.hidden_size = 64, c.intermediate_size = 128, c.num_hidden_layers = 3;
+    c.max_position_embeddings = 2048;
+    Mla(c, 4, 32, 32, 16, 8, 16);
+    Experts(c, 8, 2, 32, 1, 1);
+    c.n_group = 2, c.topk_group = 1;
+    c.index_topk = 5, c.index_head_dim = 12, c.index_n_heads = 8;
+    c.indexer_types = {"full", "shared", "full"};
+    *default_dtype = "fp32";
+  } else if (name == "glm-5.2") {
+    c.vocab_size = 154880, c.hidden_size = 6144, c.intermediate_size = 12288, c.num_hidden_layers = 78;
+    c.max_position_embeddings = 1048576;
+    c.rope_theta = 1000000.0;
+    Mla(c, 64, 2048, 512, 192, 64, 256);
+    Experts(c, 256, 8, 2048, 1, 3);
+    c.num_nextn_predict_layers = 1;
+    freq = 4, offset = 3;
+  } else {
+    return Status::Invalid("preset '" + name + "' is not one of tiny, glm-5.2");
+  }
+  if (c.indexer_types.empty())
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.indexer_types.push_back(std::max<int64_t>(i - offset + 1, 0) % freq == 0 ? "full" : "shared");
+  return c;
+}
+
 }  // namespace
+
+extern const Family kGlmMoeDsaFamily;
+const Family kGlmMoeDsaFamily{.model_type = "glm_moe_dsa",
+                              .architecture = "GlmMoeDsaForCausalLM",
+                              .presets = "tiny, glm-5.2",
+                              .mla = true,
+                              .defaults = DefaultsDsa,
+                              .parse = Parse,
+                              .write = Write,
+                              .check = Check,
+                              .layer_weights = LayerWeights,
+                              .load_layer = LoadLayer,
+                              .preset = PresetDsa};
 
 extern const Family kDeepseekV2Family;
 const Family kDeepseekV2Family{.model_type = "deepseek_v2",

@@ -44,6 +44,29 @@ Status ParseDeepseekMoe(const nlohmann::json& j, ModelConfig& c) {
   return Status::Ok();
 }
 
+Status ParseMlpLayerTypes(const nlohmann::json& j, ModelConfig& c, bool* stated) {
+  const auto it = j.find("mlp_layer_types");
+  *stated = it != j.end() && !it->is_null();
+  if (!*stated) return Status::Ok();
+  if (!it->is_array() || static_cast<int64_t>(it->size()) != c.num_hidden_layers)
+    return Status::Invalid("config.json: 'mlp_layer_types' must be a list of " + std::to_string(c.num_hidden_layers) +
+                           " entries");
+  c.mlp_only_layers.clear();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const nlohmann::json& v = (*it)[i];
+    if (v != "dense" && v != "sparse")
+      return Status::Invalid("config.json: 'mlp_layer_types' entries must be \"dense\" or \"sparse\", got " + v.dump());
+    if (v == "dense") c.mlp_only_layers.push_back(i);
+  }
+  return Status::Ok();
+}
+
+std::vector<std::string> MlpLayerTypes(const ModelConfig& c) {
+  std::vector<std::string> types;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) types.push_back(c.IsMoeLayer(i) ? "sparse" : "dense");
+  return types;
+}
+
 Status CheckDeepseekMoe(const ModelConfig& c) {
   if (Status s = CheckExperts(c); !s.ok()) return s;
   const auto bad = [&](const std::string& field, const std::string& why) {

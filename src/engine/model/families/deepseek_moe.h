@@ -22,6 +22,11 @@ namespace loom::engine {
 // are 1), over the family's defaults; and their checks, naming the field.
 Status ParseDeepseekMoe(const nlohmann::json& j, ModelConfig& c);
 Status CheckDeepseekMoe(const ModelConfig& c);
+// mlp_layer_types (mimo_v2_flash, glm_moe_dsa): one "dense" or "sparse" per
+// layer, the dense ones into mlp_only_layers; *stated false when absent or
+// null (mlp_only_layers then untouched).
+Status ParseMlpLayerTypes(const nlohmann::json& j, ModelConfig& c, bool* stated);
+std::vector<std::string> MlpLayerTypes(const ModelConfig& c);
 void WriteDeepseekMoe(const ModelConfig& c, nlohmann::ordered_json& j);
 // Layer `layer`'s MLP weights in file order: a dense SwiGLU below
 // first_k_dense_replace, else the router (its correction bias when

@@ -91,20 +91,9 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
   }
   if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
   c.n_shared_experts = 0, c.first_k_dense_replace = 0;  // fields HF's class drops
-  c.mlp_only_layers.clear();
-  if (auto it = j.find("mlp_layer_types"); it != j.end() && !it->is_null()) {
-    if (!it->is_array() || static_cast<int64_t>(it->size()) != c.num_hidden_layers)
-      return Status::Invalid("config.json: 'mlp_layer_types' must be a list of " +
-                             std::to_string(c.num_hidden_layers) + " entries");
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      const nlohmann::json& v = (*it)[i];
-      if (v != "dense" && v != "sparse")
-        return Status::Invalid("config.json: 'mlp_layer_types' entries must be \"dense\" or \"sparse\", got " + v.dump());
-      if (v == "dense") c.mlp_only_layers.push_back(i);
-    }
-  } else {
-    c.mlp_only_layers = {0};  // HF's default: the first layer dense
-  }
+  bool stated = false;
+  if (Status s = ParseMlpLayerTypes(j, c, &stated); !s.ok()) return s;
+  if (!stated) c.mlp_only_layers = {0};  // HF's default: the first layer dense
   return Check(c);
 }
 
@@ -123,9 +112,7 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
   // the per-type dict: HF's MiMo config then had none (its rotary init failed).
   j.erase("rope_scaling");
   j.erase("rope_theta");
-  std::vector<std::string> mlp;
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) mlp.push_back(c.IsMoeLayer(i) ? "sparse" : "dense");
-  j["mlp_layer_types"] = mlp;
+  j["mlp_layer_types"] = MlpLayerTypes(c);
   WriteDeepseekMoe(c, j);
   for (const char* dropped : {"n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"})
     j.erase(dropped);  // fields HF's class drops (mlp_layer_types says which layers are dense)
