@@ -71,7 +71,8 @@ TEST(PresetShapes, MatchTheModelCards) {
                            Card{"deepseek_v3", "kimi-k2.5", 1000, 0, 32},
                            Card{"glm4_moe", "glm-4.5-air", 106, 0, 12},
                            Card{"mimo_v2_flash", "mimo-v2-flash", 309, 0, 15},
-                           Card{"glm_moe_dsa", "glm-5.2", 744, 0, 40}}) {
+                           Card{"glm_moe_dsa", "glm-5.2", 744, 0, 40},
+                           Card{"qwen3_5_moe_text", "qwen3.5-35b-a3b", 35, 0, 3}}) {
     auto cfg = testmodel::PresetConfig(card.arch, card.preset);
     ASSERT_TRUE(cfg.ok()) << card.preset;
     const ModelConfig& c = cfg.value();

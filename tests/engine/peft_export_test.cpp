@@ -107,7 +107,7 @@ TEST_P(PeftMergeTest, MergedModelGivesTheAdaptersLogprobs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, PeftMergeTest, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash",
-                                           "glm_moe_dsa"));
+                                           "glm_moe_dsa", "qwen3_5_moe_text"));
 
 TEST_F(PeftExportTest, MergeRefusesAnAdapterOfAnotherModelAndWritesNothing) {
   Made dense = Make("qwen3", "dense");

@@ -90,7 +90,7 @@ TEST_P(RlLoop, ThreeTenantsSampleTrainAndPublishEachStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, RlLoop, ::testing::Values("qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "mimo_v2_flash",
-                                           "glm_moe_dsa"));
+                                           "glm_moe_dsa", "qwen3_5_moe_text"));
 
 }  // namespace
 }  // namespace loom

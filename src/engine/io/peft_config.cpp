@@ -53,7 +53,9 @@ Result<PeftConfig> ParsePeftConfig(const std::string& text, int64_t max_rank, co
     if (!m.is_string()) return bad("target_modules", "must hold strings");
     const std::string name = m.get<std::string>();
     if (name == "q_proj" || name == "k_proj" || name == "v_proj" || name == "o_proj" || name == "q_a_proj" ||
-        name == "q_b_proj" || name == "kv_a_proj_with_mqa" || name == "kv_b_proj")
+        name == "q_b_proj" || name == "kv_a_proj_with_mqa" || name == "kv_b_proj" ||
+        name == "in_proj_qkv" || name == "in_proj_z" || name == "in_proj_b" || name == "in_proj_a" ||
+        name == "out_proj")  // the last five: a Gated DeltaNet layer's (qwen3_5_moe)
       config.train_attn = true;
     else if (name == "gate_proj" || name == "up_proj" || name == "down_proj")
       config.train_mlp = true;

@@ -16,6 +16,7 @@
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
 #include "engine/model/config.h"
+#include "engine/model/family.h"
 
 namespace loom::engine {
 namespace {
@@ -132,6 +133,14 @@ Result<Plan> PlanMerge(const ModelConfig& config, const Shards& base, const Peft
     const std::string experts_prefix = f.module.substr(0, f.module.rfind('.'));  // "...mlp.experts"
     const bool gate_up = B.dim() == 3;  // gate_up: A [r, H] shared, B [E, 2I, r]; down: A [E, r, I], B [H, r] shared
     const int64_t E = gate_up ? B.size(0) : A.size(0);
+    const Family* family = FindFamily(config.model_type);
+    if (base.find(f.module) != nullptr && family && !family->experts_in_out) {  // fused [E, out, in] (qwen3_5_moe)
+      const auto delta = [A, B, scale] { return at::matmul(B, A).mul_(scale); };  // [E, 2I, H] or [E, H, I]
+      const std::vector<int64_t> shape =
+          gate_up ? std::vector<int64_t>{E, B.size(1), A.size(1)} : std::vector<int64_t>{E, B.size(0), A.size(2)};
+      if (Status s = fold(f.module, f.module, f.module, shape, delta); !s.ok()) return s;
+      continue;
+    }
     if (base.find(f.module) != nullptr) {  // fused [E, in, out] (gpt_oss)
       if (gate_up) {
         const int64_t two_i = B.size(1), H = A.size(1);

@@ -102,7 +102,7 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> BaseWeightShapes(const
   w.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = "model.layers." + std::to_string(i) + ".";
-    if (family->mla)  // the family's layer_weights lists its own attention
+    if (family->mla || family->own_attention)  // the family's layer_weights lists its own attention
       w.push_back({p + "input_layernorm.weight", {c.hidden_size}});
     else
       AttentionWeightShapes(c, i, family->o_bias, w);
@@ -125,6 +125,20 @@ Result<ModelConfig> ModelConfig::Parse(const std::string& json_text) {
   ModelConfig c;
   auto mt = j.find("model_type");
   if (mt == j.end() || !mt->is_string()) return Status::Invalid("config.json: missing required field 'model_type'");
+  // A multimodal wrapper whose text model loom reads (its weights under
+  // model.language_model., Transformer::Load): the text_config, as HF's
+  // text-only class takes it.
+  if (*mt == "qwen3_5_moe") {
+    auto text = j.find("text_config");
+    if (text == j.end() || !text->is_object())
+      return Status::Invalid("config.json: 'text_config' (an object) is required for model_type qwen3_5_moe");
+    json inner = *text;
+    inner["model_type"] = "qwen3_5_moe_text";
+    if (!inner.contains("tie_word_embeddings") && j.contains("tie_word_embeddings"))
+      inner["tie_word_embeddings"] = j["tie_word_embeddings"];
+    j = std::move(inner);
+    mt = j.find("model_type");
+  }
   c.model_type = mt->get<std::string>();
   const Family* family = FindFamily(c.model_type);
   if (!family)

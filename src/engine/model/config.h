@@ -109,6 +109,27 @@ struct ModelConfig {
   }
   int64_t ValueDim() const { return v_head_dim > 0 && !IsMla() ? v_head_dim : head_dim; }
 
+  // qwen3_5_moe (Qwen3.5/3.6-35B-A3B; model/gated_deltanet.h): layer_types[i]
+  // "linear_attention" is a Gated DeltaNet layer (linear_num_key_heads key
+  // heads of linear_key_head_dim, linear_num_value_heads value heads of
+  // linear_value_head_dim, a causal conv of linear_conv_kernel_dim taps),
+  // "full_attention" a gated attention layer: q_proj emits, per head, the
+  // query and then as many gate rows, and the attention's output is
+  // multiplied by sigmoid(gate) before o_proj (attn_output_gate). Its MoE
+  // layers add a shared expert of shared_expert_intermediate_size behind a
+  // sigmoid gate (mlp.shared_expert_gate).
+  int64_t linear_conv_kernel_dim = 0, linear_key_head_dim = 0, linear_value_head_dim = 0;
+  int64_t linear_num_key_heads = 0, linear_num_value_heads = 0;
+  int64_t shared_expert_intermediate_size = 0;
+  bool attn_output_gate = false;
+  bool IsLinearLayer(int64_t layer) const {
+    return layer >= 0 && layer < static_cast<int64_t>(layer_types.size()) && layer_types[layer] == "linear_attention";
+  }
+  // The Gated DeltaNet's conv channels: q and k (heads x key width each), v.
+  int64_t LinearConvDim() const {
+    return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
+  }
+
   // RoPE over the first head_dim * partial_rotary_factor dims of each head
   // (glm4_moe: 0.5), the rest passed through; halves layout within them.
   double partial_rotary_factor = 1.0;

@@ -14,11 +14,13 @@ extern const Family kDeepseekV3Family;
 extern const Family kGlm4MoeFamily;
 extern const Family kMimoV2FlashFamily;
 extern const Family kGlmMoeDsaFamily;
+extern const Family kQwen35MoeFamily;
 
 namespace {
 const Family* const kFamilies[] = {&kQwen2Family,       &kQwen3Family,      &kQwen3MoeFamily,
                                    &kGptOssFamily,      &kDeepseekV2Family, &kDeepseekV3Family,
-                                   &kGlm4MoeFamily,     &kMimoV2FlashFamily, &kGlmMoeDsaFamily};
+                                   &kGlm4MoeFamily,     &kMimoV2FlashFamily, &kGlmMoeDsaFamily,
+                                   &kQwen35MoeFamily};
 }  // namespace
 
 const Family* FindFamily(const std::string& model_type) {

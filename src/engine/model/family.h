@@ -37,9 +37,12 @@ struct Family {
   bool norms_fp32 = false;           // RMSNorm weights kept fp32 in any dtype (HF's _keep_in_fp32_modules)
   bool mxfp4_experts = false;        // expert params may ship as MXFP4 _blocks and _scales
   bool interleaved_gate_up = false;  // the experts' gate/up columns interleave (so do PEFT's lora_B rows)
+  bool experts_in_out = false;       // fused expert params stored [E, in, out] (gpt_oss); else [E, out, in] where fused
   bool o_bias = true;                // o_proj has a bias when attention_bias does (qwen2: never)
   bool writes_sliding = false;       // writes sliding_window itself (else use_sliding_window false, nulls)
   bool mla = false;                  // multi-head latent attention: layer_weights lists the attention too (mla.h)
+  bool own_attention = false;        // layer_weights lists the attention too (qwen3_5_moe's two kinds of layer)
+  bool norm_offset = false;          // RMSNorms scale by (1 + w): 1 is added to their weights at load
   // Config: defaults set before config.json is read (RoPE and the like);
   // its own fields read after the shared ones (Invalid naming the field);
   // its own fields written (after attention_bias's place); the checks of a

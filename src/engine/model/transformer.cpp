@@ -45,6 +45,24 @@ bool KeepsFp32(const Family& f, const std::string& name) {
          EndsWith(name, "indexer.weights_proj.weight");  // HF's _keep_in_fp32_modules (glm_moe_dsa)
 }
 
+// A family whose RMSNorms scale by (1 + w) (qwen3_5_moe: HF stores w
+// zero-initialised) has 1 added to those weights at load (in fp32, where
+// they are kept), so every norm here scales by its weight; the Gated
+// DeltaNet's output norm is a plain x * w one.
+bool OffsetNorm(const Family& f, const std::string& name) {
+  return f.norm_offset && EndsWith(name, "norm.weight") && !EndsWith(name, "linear_attn.norm.weight");
+}
+
+// A multimodal checkpoint's text model (qwen3_5_moe: model.language_model.*
+// beside model.visual.* and an mtp.* layer): the name loom reads it by, or
+// "" for a tensor it skips. Other checkpoints' names are themselves.
+const std::string kWrappedText = "model.language_model.";
+std::string TextName(const std::string& name) {
+  if (name.rfind(kWrappedText, 0) == 0) return "model." + name.substr(kWrappedText.size());
+  if (name.rfind("model.visual.", 0) == 0 || name.rfind("mtp.", 0) == 0) return "";
+  return name;
+}
+
 // MXFP4 experts (a family with mxfp4_experts: gpt_oss): X_blocks and
 // X_scales stand for the bf16 param X (gpt_oss.h: DequantizeMxfp4, then [E, in, out]).
 bool IsMxfp4Part(const std::string& name) { return EndsWith(name, "_blocks") || EndsWith(name, "_scales"); }
@@ -172,9 +190,16 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
       t.push_back({p + "self_attn.kv_b_proj", TargetGroup::kAttn, c.kv_lora_rank,
                    c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)});
       t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * c.v_head_dim, h});
+    } else if (c.IsLinearLayer(i)) {  // engine/model/gated_deltanet.h
+      const int64_t v = c.linear_num_value_heads * c.linear_value_head_dim;
+      t.push_back({p + "linear_attn.in_proj_qkv", TargetGroup::kAttn, h, c.LinearConvDim()});
+      t.push_back({p + "linear_attn.in_proj_z", TargetGroup::kAttn, h, v});
+      t.push_back({p + "linear_attn.in_proj_b", TargetGroup::kAttn, h, c.linear_num_value_heads});
+      t.push_back({p + "linear_attn.in_proj_a", TargetGroup::kAttn, h, c.linear_num_value_heads});
+      t.push_back({p + "linear_attn.out_proj", TargetGroup::kAttn, v, h});
     } else {
       const int64_t kvh = c.KvHeads(i), vd = c.ValueDim();
-      t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, q});
+      t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, c.attn_output_gate ? 2 * q : q});
       t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kvh * hd});
       t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kvh * vd});
       t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * vd, h});
@@ -185,6 +210,7 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
                    /*hf_interleaved=*/FindFamily(c.model_type)->interleaved_gate_up});
       t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
       if (c.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", mi * c.n_shared_experts);
+      if (c.shared_expert_intermediate_size > 0) mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size);
       continue;
     }
     mlp(p + "mlp.", inter);
@@ -220,7 +246,8 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   c10::NoGradGuard no_grad;
   const Family& family = *FindFamily(config.model_type);
   const WeightGetter get = [&](const std::string& name) {
-    return weights.at(name).detach().to(device, KeepsFp32(family, name) ? at::kFloat : dtype).contiguous();
+    const at::Tensor w = weights.at(name).detach().to(device, KeepsFp32(family, name) ? at::kFloat : dtype);
+    return (OffsetNorm(family, name) ? w + 1.0 : w).contiguous();
   };
   auto impl = std::make_shared<Impl>();
   impl->heads = config.num_attention_heads;
@@ -273,6 +300,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   std::map<std::string, at::Tensor> weights;
   for (const auto& [name, shape] : expected) {
     const TensorView* view = files->find(name);
+    if (!view && name.rfind("model.", 0) == 0) view = files->find(kWrappedText + name.substr(6));
     if (!view && family.mxfp4_experts && files->find(name + "_blocks") && files->find(name + "_scales"))
       continue;  // MXFP4: its shape is checked once dequantized (FromTensors)
     if (!view) return Status::Invalid("weight '" + name + "' is missing from " + model_dir);
@@ -280,8 +308,9 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
       return Status::Invalid("weight '" + name + "' has shape " + ShapeText(view->shape) + ", expected " +
                              ShapeText(shape));
   }
-  for (const auto& [name, view] : files->tensors()) {
-    if (IsIgnorable(name, *config)) continue;
+  for (const auto& [file_name, view] : files->tensors()) {
+    const std::string name = TextName(file_name);
+    if (name.empty() || IsIgnorable(name, *config)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
     if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
     Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, device);
@@ -313,7 +342,8 @@ std::vector<at::Tensor> Transformer::BaseWeights() const {
           l.down_w, l.moe.router, l.moe.router_bias, l.moe.score_bias, l.moe.gate_up, l.moe.gate_up_bias, l.moe.down,
           l.moe.down_bias, l.mla.q_w, l.mla.q_a_w, l.mla.q_a_b, l.mla.q_a_norm, l.mla.q_b_w, l.mla.kv_a_w, l.mla.kv_a_b,
           l.mla.kv_a_norm, l.mla.kv_b_w, l.mla.indexer.wq_b, l.mla.indexer.wk, l.mla.indexer.k_norm_w,
-          l.mla.indexer.k_norm_b, l.mla.indexer.weights_proj})
+          l.mla.indexer.k_norm_b, l.mla.indexer.weights_proj, l.gdn.in_qkv_w, l.gdn.in_z_w, l.gdn.in_b_w,
+          l.gdn.in_a_w, l.gdn.out_w, l.gdn.conv_w, l.gdn.A_log, l.gdn.dt_bias, l.gdn.norm_w, l.shared_gate})
       if (t.defined()) w.push_back(t);
   return w;
 }
@@ -389,7 +419,10 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
       const auto [gate_up, down] = ExpertTargets(bank, l);
       return MoeForward(m.layers[l].moe, h, bank, gate_up, down, &state->experts);
     };
-    return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend, moe);
+    auto mix = [&](size_t l, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b) {
+      return GdnMix(m.layers[l].gdn, mixed, a, b, seq_begin);
+    };
+    return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend, moe, mix);
   };
   at::Tensor x = at::embedding(m.embed, batch.tokens);
   const bool recompute = c10::GradMode::is_enabled() && (attn_lora || mlp_lora);

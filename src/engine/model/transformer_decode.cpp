@@ -89,6 +89,8 @@ KvRowShape Transformer::KvShape(const ModelConfig& c, int64_t layer) {
     const bool indexes = c.IsDsa() && c.DsaSource(layer) == layer;
     return {1, c.kv_lora_rank + c.qk_rope_head_dim, indexes ? 1 : 0, indexes ? c.index_head_dim : 0};
   }
+  // A Gated DeltaNet layer: each token's pre-conv in_proj_qkv output and its a and b rows (gated_deltanet.h).
+  if (c.IsLinearLayer(layer)) return {1, c.LinearConvDim() + 2 * c.linear_num_value_heads, 0, 0};
   const int64_t hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;
   return {c.KvHeads(layer), hd, c.KvHeads(layer), c.ValueDim()};
 }
@@ -186,8 +188,47 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
     const auto [gate_up, down] = ExpertTargets(bank, i);
     return MoeForward(m.layers[i].moe, h, bank, gate_up, down, &experts);
   };
+  // A Gated DeltaNet layer's pool holds each token's [mixed | a | b] row;
+  // the mixing runs again over each sequence's whole context (cached rows,
+  // then the new ones) from zero state, as the trainer runs it, and keeps
+  // the new rows' outputs: exact, and O(context) a decode step (a state
+  // carried per sequence is the faster form to come).
+  auto mix = [&](size_t i, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b) {
+    const GdnWeights& w = m.layers[i].gdn;
+    const int64_t C = mixed.size(1), Hv = w.value_heads;
+    const at::Tensor rows = at::cat({mixed, a, b}, 1);
+    cache.k[i].index_copy_(0, batch.write_rows, rows.unsqueeze(1).to(cache.k[i].scalar_type()));
+    if (batch.prefill && !over_prefix) return GdnMix(w, mixed, a, b, batch.seq_begin);
+    // Each row's context rows in position order, packed: the cached prefix
+    // and the new tokens (prefill), or the context through the new token (decode).
+    std::vector<int64_t> ctx_begin{0}, last_n;
+    std::vector<at::Tensor> parts;
+    const int64_t S = static_cast<int64_t>(batch.seq_begin.size()) - 1;
+    int64_t cached_at = 0;
+    for (int64_t r = 0; r < S; ++r) {
+      const int64_t begin = batch.seq_begin[r], n = batch.seq_begin[r + 1] - begin;
+      at::Tensor ctx;
+      if (batch.prefill) {
+        const int64_t c = batch.seq_cached.empty() ? 0 : batch.seq_cached[r];
+        ctx = at::cat({cache.k[i].index_select(0, batch.cached_rows.narrow(0, cached_at, c)).squeeze(1).to(rows.scalar_type()),
+                       rows.narrow(0, begin, n)});
+        cached_at += c;
+      } else {
+        ctx = cache.k[i].index_select(0, batch.context_rows[r].masked_select(batch.context_mask[r])).squeeze(1)
+                  .to(rows.scalar_type());
+      }
+      parts.push_back(ctx);
+      ctx_begin.push_back(ctx_begin.back() + ctx.size(0));
+      last_n.push_back(n);
+    }
+    const at::Tensor all = at::cat(parts);
+    const at::Tensor out = GdnMix(w, all.narrow(1, 0, C), all.narrow(1, C, Hv), all.narrow(1, C + Hv, Hv), ctx_begin);
+    std::vector<at::Tensor> mine;
+    for (int64_t r = 0; r < S; ++r) mine.push_back(out.narrow(0, ctx_begin[r + 1] - last_n[r], last_n[r]));
+    return at::cat(mine);
+  };
   return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,
-                      lora, attend, moe);
+                      lora, attend, moe, mix);
 }
 
 }  // namespace loom::engine

@@ -18,6 +18,7 @@
 #include "engine/lora/lora_nodes.h"
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
+#include "engine/model/gated_deltanet.h"
 #include "engine/model/lean_ops.h"
 #include "engine/model/mla.h"
 #include "engine/model/moe.h"
@@ -39,6 +40,10 @@ struct DecoderLayerWeights {
   at::Tensor down_w;          // [hidden, inter]
   MoeWeights moe;             // an MoE layer's router and experts (moe.h); undefined when dense
   MlaWeights mla;             // multi-head latent attention (mla.h) in place of qkv_w and the rest; or undefined
+  GdnWeights gdn;             // a Gated DeltaNet layer (gated_deltanet.h) in place of the attention; or undefined
+  bool gated_q = false;       // q_proj's rows per head are [query | gate], the output times sigmoid(gate) (qwen3_5_moe)
+  at::Tensor shared_gate;     // [1, hidden]: the shared expert's output times sigmoid(h shared_gate^T) (qwen3_5_moe), or undefined
+  int shared_target = 11;     // kLayerTargets index of the shared experts' gate_proj (kTargetSharedGate or kTargetSharedExpertGate)
   int64_t kv_heads = 0, v_dim = 0;  // this layer's key/value heads and value width (ModelConfig::KvHeads, ValueDim)
   double v_scale = 0;               // values times this after the projection (mimo_v2_flash; 0: none)
   bool rope_sliding = false;        // RoPE from the sliding layers' tables (Rope::cos_sliding)
@@ -97,10 +102,15 @@ inline constexpr const char* kLayerTargets[] = {
     "self_attn.q_proj",   "self_attn.k_proj",   "self_attn.v_proj",           "self_attn.o_proj",
     "mlp.gate_proj",      "mlp.up_proj",        "mlp.down_proj",              "self_attn.q_a_proj",
     "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "mlp.shared_experts.gate_proj",
-    "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"};
+    "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj", "linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b", "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"};
 inline constexpr int kNumLayerTargets = sizeof(kLayerTargets) / sizeof(kLayerTargets[0]);
-// Indices of kLayerTargets beyond the dense seven.
+// Indices of kLayerTargets beyond the dense seven: MLA's, deepseek's shared
+// experts, a Gated DeltaNet layer's, qwen3_5_moe's shared expert.
 inline constexpr int kTargetQa = 7, kTargetQb = 8, kTargetKvA = 9, kTargetKvB = 10, kTargetSharedGate = 11;
+inline constexpr int kTargetGdnQkv = 14, kTargetGdnZ = 15, kTargetGdnB = 16, kTargetGdnA = 17, kTargetGdnOut = 18;
+inline constexpr int kTargetSharedExpertGate = 19;
 
 // The bank's target for the layer's k-th LoRA target (kLayerTargets). Bank
 // targets are expected in LoraTargets() order (7 per dense layer); lookup by
@@ -311,13 +321,17 @@ struct Rope {
 //                             the choice of its indexer.source layer);
 //   moe(layer, h)             an MoE layer's block output [T, hidden] for its
 //                             normed rows h (MoeForward with the batch's
-//                             expert LoRA).
+//                             expert LoRA);
+//   mix(layer, mixed, a, b)   a Gated DeltaNet layer's token mixing [T, Hv, dv]
+//                             for its rows' projections (GdnMix over the
+//                             pass's sequences; the sampler over their
+//                             cached rows too).
 // Invariant: the op order and dtypes are the same for every caller, so a token
 // gets the same hidden state from either forward (to float rounding).
 // (Model is Transformer::Impl, deduced: the type is private to Transformer.)
-template <typename Model, typename Lora, typename Attend, typename Moe>
+template <typename Model, typename Lora, typename Attend, typename Moe, typename Mix>
 at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope, double eps, bool attn_lora,
-                        bool mlp_lora, Lora&& lora, Attend&& attend, Moe&& moe) {
+                        bool mlp_lora, Lora&& lora, Attend&& attend, Moe&& moe, Mix&& mix) {
   const int64_t hd = m.head_dim;
   const auto& l = m.layers[i];
   // Attention block.
@@ -337,8 +351,36 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   const auto mlp_block = [&](const at::Tensor& in) {
     if (!l.moe.defined()) return dense_mlp(4, in);
     const at::Tensor y = moe(i, in);
-    return l.gate_up_w.defined() ? y + dense_mlp(kTargetSharedGate, in) : y;
+    if (!l.gate_up_w.defined()) return y;
+    const at::Tensor shared = dense_mlp(l.shared_target, in);
+    return y + (l.shared_gate.defined() ? at::sigmoid(at::linear(in, l.shared_gate)) * shared : shared);
   };
+  if (l.gdn.defined()) {  // Gated DeltaNet (gated_deltanet.h)
+    const GdnWeights& g = l.gdn;
+    const int64_t T = h.size(0);
+    const at::Tensor mixed = project({kTargetGdnQkv}, h, g.in_qkv_w, at::Tensor(), attn_lora);
+    const at::Tensor z = project({kTargetGdnZ}, h, g.in_z_w, at::Tensor(), attn_lora);
+    const at::Tensor b = project({kTargetGdnB}, h, g.in_b_w, at::Tensor(), attn_lora);
+    const at::Tensor a = project({kTargetGdnA}, h, g.in_a_w, at::Tensor(), attn_lora);
+    const at::Tensor core = mix(i, mixed, a, b);  // [T, Hv, dv]
+    const at::Tensor y = GatedRmsNorm(core, z.view({T, g.value_heads, g.value_dim}), g.norm_w, eps)
+                             .reshape({T, g.value_heads * g.value_dim});
+    const auto [o, o_delta] = lora(i, {kTargetGdnOut}, y, g.out_w, at::Tensor(), attn_lora);
+    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    return x + mlp_block(h);
+  }
+  if (l.gated_q) {  // q_proj's rows per head [query | gate]; the output gated (qwen3_5_moe)
+    const int64_t T = h.size(0), H = m.heads, kvh = l.kv_heads;
+    const at::Tensor qkv = project({0, 1, 2}, h, l.qkv_w, l.qkv_b, attn_lora);
+    const at::Tensor qg = qkv.narrow(1, 0, 2 * H * hd).view({T, H, 2 * hd});
+    const at::Tensor gate = qg.narrow(2, hd, hd).reshape({T, H * hd});
+    const at::Tensor plain = at::cat({qg.narrow(2, 0, hd).reshape({T, H * hd}), qkv.narrow(1, 2 * H * hd, 2 * kvh * hd)}, 1);
+    const QkvHeads heads = QkvTailLean(plain, at::Tensor(), l.q_norm, l.k_norm, rope.cos, rope.sin, H, kvh, hd, eps);
+    const at::Tensor attn = attend(i, heads.q, heads.k, heads.v, at::Tensor(), nullptr) * at::sigmoid(gate);
+    const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
+    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    return x + mlp_block(h);
+  }
   if (l.mla.defined()) {
     const MlaWeights& a = l.mla;
     const int64_t T = h.size(0), H = a.heads;
@@ -395,13 +437,13 @@ at::Tensor FinalNorm(const Model& m, const at::Tensor& x, double eps) {
 
 // The whole stack: embeddings x [T, hidden] at `positions` [T] in,
 // final-normed hidden states (fp32) out.
-template <typename Model, typename Lora, typename Attend, typename Moe>
+template <typename Model, typename Lora, typename Attend, typename Moe, typename Mix>
 at::Tensor DecoderStack(const Model& m, at::Tensor x, const at::Tensor& positions,
                         at::ScalarType dtype, double eps, bool attn_lora, bool mlp_lora, Lora&& lora,
-                        Attend&& attend, Moe&& moe) {
+                        Attend&& attend, Moe&& moe, Mix&& mix) {
   const Rope rope = Rope::Make(m, positions, dtype);
   for (size_t i = 0; i < m.layers.size(); ++i)
-    x = DecoderLayer(m, i, std::move(x), rope, eps, attn_lora, mlp_lora, lora, attend, moe);
+    x = DecoderLayer(m, i, std::move(x), rope, eps, attn_lora, mlp_lora, lora, attend, moe, mix);
   return FinalNorm(m, x, eps);
 }
 
