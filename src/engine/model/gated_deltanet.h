@@ -30,10 +30,11 @@
 //
 // A packed batch is one token axis over several sequences, seq_begin its
 // S+1 cumulative offsets (PackedBatch); no sequence ever reads another's
-// rows. The sampler carries two states per sequence and layer: the conv
-// state, the last K-1 inputs of the conv [C, K-1] in the model dtype (HF's
-// cache keeps K columns, the oldest never read), and the recurrent state
-// [Hv, dk, dv] in fp32.
+// rows. The sampler today caches each token's pre-conv row and a, b, and
+// runs GdnMix again over a sequence's whole context (transformer_decode.cpp);
+// the states below (the conv's last K-1 inputs [C, K-1] in the model dtype,
+// the recurrent state [Hv, dk, dv] in fp32) are what a sampler carrying them
+// per sequence would keep, and the functions take and return them for that.
 //
 // Threading: pure functions of their arguments; the engine or sampler thread.
 #pragma once
