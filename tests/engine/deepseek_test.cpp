@@ -255,40 +255,8 @@ TEST_P(DeepseekArch, PackedPassMatchesThePlainReference) {
   auto bank = Bank(**model, 3, 4);
   BindRandom(*bank, 0, 4, 8.0, 11);
   BindRandom(*bank, 2, 2, 4.0, 12);
-  const std::vector<std::vector<int32_t>> seqs = {Seq(9, 1), Seq(6, 2), Seq(11, 3)};
-  const std::vector<int> slots = {0, -1, 2};
-  const PackedBatch batch = PackedBatch::Make(seqs, slots, at::kCPU);
-  const at::Tensor targets = NextTokens(seqs);
-  const at::Tensor lp = (*model)->TargetLogprobs((*model)->Hidden(batch, *bank), targets, batch, *bank);
-  (-lp.sum()).backward();
-  std::vector<at::Tensor> got;
-  for (auto& t : bank->targets()) {
-    got.push_back(t.A.grad().clone());
-    got.push_back(t.B.grad().clone());
-    t.A.mutable_grad().zero_();
-    t.B.mutable_grad().zero_();
-  }
-  const Reference ref(c, weights, *bank);
-  at::Tensor loss = at::zeros({});
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    const at::Tensor want = ref.Logprobs(seqs[i], slots[i]);
-    const int64_t begin = batch.seq_begin[i], n = static_cast<int64_t>(seqs[i].size());
-    const at::Tensor tgt = targets.narrow(0, begin, n);
-    const at::Tensor picked = want.gather(1, tgt.unsqueeze(1)).squeeze(1);
-    EXPECT_LT(MaxDiff(lp.detach().narrow(0, begin, n), picked.detach()), 1e-4) << "seq " << i;
-    loss = loss - picked.sum();
-  }
-  loss.backward();
-  size_t k = 0;
-  int live = 0;
-  for (const auto& t : bank->targets()) {
-    for (const at::Tensor& g : {t.A.grad(), t.B.grad()}) {
-      EXPECT_LT(RelDiff(got[k], g), 1e-4) << t.module;
-      live += got[k].abs().max().item<double>() > 0;
-      ++k;
-    }
-  }
-  EXPECT_EQ(live, static_cast<int>(2 * bank->targets().size()));  // every target's LoRA was reached
+  ExpectPackedPassMatches(**model, *bank, Reference(c, weights, *bank), {Seq(9, 1), Seq(6, 2), Seq(11, 3)}, {0, -1, 2},
+                          1e-4, 1e-4);
 }
 
 // The sampler's cached forward: a prefill, a decode step in the latent

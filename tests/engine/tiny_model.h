@@ -121,4 +121,42 @@ inline double RelDiff(const at::Tensor& a, const at::Tensor& ref) {
   return MaxDiff(a, ref) / std::max(1.0, ref.abs().max().item<double>());
 }
 
+// One packed pass of several sequences under their slots (-1: base) against
+// a plain reference (ref.Logprobs(seq, slot): [L, vocab] log-probabilities):
+// each sequence's next-token logprobs within lp_tol, and every LoRA target's
+// gradients of the summed loss within grad_tol relative, each non-zero.
+template <typename Ref>
+void ExpectPackedPassMatches(const Transformer& model, SlotBank& bank, const Ref& ref,
+                             const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
+                             double lp_tol, double grad_tol) {
+  const PackedBatch batch = PackedBatch::Make(seqs, slots, at::kCPU);
+  const at::Tensor targets = NextTokens(seqs);
+  const at::Tensor lp = model.TargetLogprobs(model.Hidden(batch, bank), targets, batch, bank);
+  (-lp.sum()).backward();
+  std::vector<at::Tensor> got;
+  for (auto& t : bank.targets()) {
+    got.push_back(t.A.grad().clone());
+    got.push_back(t.B.grad().clone());
+    t.A.mutable_grad().zero_();
+    t.B.mutable_grad().zero_();
+  }
+  at::Tensor loss = at::zeros({});
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const at::Tensor want = ref.Logprobs(seqs[i], slots[i]);
+    const int64_t begin = batch.seq_begin[i], n = static_cast<int64_t>(seqs[i].size());
+    const at::Tensor picked = want.gather(1, targets.narrow(0, begin, n).unsqueeze(1)).squeeze(1);
+    EXPECT_LT(MaxDiff(lp.detach().narrow(0, begin, n), picked.detach()), lp_tol) << "seq " << i;
+    loss = loss - picked.sum();
+  }
+  loss.backward();
+  size_t k = 0;
+  for (const auto& t : bank.targets()) {
+    for (const at::Tensor& g : {t.A.grad(), t.B.grad()}) {
+      EXPECT_LT(RelDiff(got[k], g), grad_tol) << t.module;
+      EXPECT_GT(got[k].abs().max().item<double>(), 0) << t.module << " got no gradient";
+      ++k;
+    }
+  }
+}
+
 }  // namespace loom::engine
