@@ -9,10 +9,11 @@
 # model's parameters a token runs through (a tied embedding counted once; for MoE the active
 # parameters: k of E experts), against 989 TFLOP/s (dense bf16, H100/H200).
 #
-# MoE models (config num_experts > 0, e.g. qwen3_moe, deepseek_v2): the experts are fused 3-D tensors in
-# transformers 5, so their LoRA is PEFT's target_parameters (mlp.experts.gate_up_proj and
-# down_proj, rank r each), with attention and lm_head as modules; naming gate_proj/up_proj in
-# target_modules would make PEFT's v5 shim retarget them at rank 2r.
+# MoE models (config num_experts > 0, e.g. qwen3_moe, deepseek_v2, qwen3_5_moe_text): the experts are
+# fused 3-D tensors in transformers 5, so their LoRA is PEFT's target_parameters (mlp.experts.gate_up_proj
+# and down_proj, rank r each), with attention (qwen3_5_moe_text: also its Gated DeltaNet layers'
+# linear_attn projections) and lm_head as modules; naming gate_proj/up_proj in target_modules would
+# make PEFT's v5 shim retarget them at rank 2r.
 # A frozen base does no weight-gradient matmuls, so forward (2N) + input gradients (2N); attention
 # and the LoRA factors are left out.
 import argparse, json, sys, time
@@ -54,10 +55,13 @@ def main():
             n_expert = sum(p.numel() for n, p in params_by_name if ".mlp.experts." in n)
             n_base = n_base - n_expert + n_expert * k // experts
             # loom's targets: the attention's projections (MLA's q_a/q_b, kv_a_proj_with_mqa and
-            # kv_b_proj where the model has them), lm_head; the experts; and, by full name (the v5
-            # shim again), any dense-MLP layer's and shared experts' gate/up/down weights.
+            # kv_b_proj where the model has them; the Gated DeltaNet layers' linear_attn in_proj_qkv,
+            # in_proj_z, in_proj_b, in_proj_a and out_proj), lm_head; the experts; and, by full name
+            # (the v5 shim again), any dense-MLP layer's and shared experts' gate/up/down weights
+            # (qwen3_5_moe_text's mlp.shared_expert too; its shared_expert_gate is frozen).
             # (glm_moe_dsa's sparse-attention indexer, self_attn.indexer.*, is frozen in loom: no target).
-            attention = sorted({n.split(".")[-1] for n, m in model.named_modules() if ".self_attn." in n
+            attention = sorted({n.split(".")[-1] for n, m in model.named_modules()
+                                if (".self_attn." in n or ".linear_attn." in n)
                                 and ".indexer." not in n and isinstance(m, torch.nn.Linear)})
             dense = [f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                      and n.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") and ".experts." not in n]

@@ -50,6 +50,17 @@ The router (mlp.gate; deepseek_v3's with e_score_correction_bias) and the
 shared experts are checked against the checkpoint, and the batch has eight
 sequences so that group-limited routing reaches every expert.
 
+qwen3_5_moe_text (Qwen3.5/3.6-35B-A3B's text model): Gated DeltaNet and gated
+full-attention layers (config.layer_types), every layer MoE. Module targets
+are the linear layers' linear_attn in_proj_qkv, in_proj_z, in_proj_b,
+in_proj_a and out_proj, the full layers' self_attn q/k/v/o_proj (each name
+only in its own layers), and lm_head; target_parameters are the experts as
+for qwen3_moe and each layer's mlp.shared_expert gate/up/down_proj weights by
+full name. The checkpoint stores the experts fused, compared with HF's as
+they are; the router (mlp.gate, a weight without bias) and
+mlp.shared_expert_gate are checked and frozen. The batch is deepseek's eight
+sequences.
+
 Usage (see README.md):
   python3 tools/reference/make_golden.py --model DIR --out tests/golden/qwen3
 Self-checking: it fails (non-zero exit) if any LoRA weight is zero, any
@@ -101,7 +112,21 @@ DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "glm_moe_dsa")
 # sliding layers, is plain module targets too).
 DEEPSEEK_MOE_TYPES = DEEPSEEK_TYPES + ("glm4_moe", "mimo_v2_flash")
 CORRECTION_BIAS_TYPES = ("deepseek_v3", "glm4_moe", "mimo_v2_flash", "glm_moe_dsa")
-MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_MOE_TYPES
+# qwen3_5_moe_text (Qwen3.5/3.6-35B-A3B's text model, Qwen3_5MoeForCausalLM):
+# hybrid layers by config.layer_types, Gated DeltaNet ("linear_attention",
+# module targets QWEN3_5_ATTENTION's linear_attn projections) or gated full
+# attention ("full_attention", self_attn q/k/v/o); every layer MoE, with
+# experts the checkpoint already stores fused (mlp.experts.gate_up_proj
+# [E, 2I, H], down_proj [E, H, I], compared as they are), a router mlp.gate
+# (Qwen3_5MoeTopKRouter: a weight Parameter, no bias), one shared expert
+# mlp.shared_expert (an MLP of nn.Linear gate/up/down_proj, targeted as
+# parameters by full name like deepseek's shared experts) and its sigmoid gate
+# mlp.shared_expert_gate (nn.Linear [1, H]); the router and that gate are frozen.
+QWEN3_5_MOE_TYPES = ("qwen3_5_moe_text",)
+QWEN3_5_ATTENTION = {"linear_attention": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+                     "full_attention": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+QWEN3_5_MIXER = {"linear_attention": "linear_attn", "full_attention": "self_attn"}
+MOE_TYPES = ("qwen3_moe", "gpt_oss") + DEEPSEEK_MOE_TYPES + QWEN3_5_MOE_TYPES
 MOE_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 # deepseek's multi-head latent attention: q_proj when q_lora_rank is null,
 # else q_a_proj and q_b_proj (q_a_layernorm between them is no target); the
@@ -120,7 +145,8 @@ MOE_ADAPTERS = [("a0", 2, 16), ("a1", 4, 8), ("a2", 4, 16)]
 MOE_SEQ_LENGTHS = [9, 15, 7, 13]
 # Eight sequences (adapters a0 a1 a0 a2 twice) for the deepseek families,
 # whose group-limited routing needs more tokens for every expert of every MoE
-# layer to be hit. These four extra lengths were gpt_oss's
+# layer to be hit, and for qwen3_5_moe_text (every layer MoE, all checked).
+# These four extra lengths were gpt_oss's
 # GPT_OSS_SEQ_LENGTHS, but make_batch zipped them with the four SEQ_ADAPTERS,
 # so gpt_oss's goldens have always had MOE_SEQ_LENGTHS' four sequences (its
 # tiny embeddings were made larger instead, so that every expert is routed
@@ -226,7 +252,7 @@ def load_base(model_dir, device, dtype=torch.float32):
 
 def batch_plan(model_type):
     """(lengths, adapters) of the golden batch's sequences for a model_type."""
-    if model_type in DEEPSEEK_MOE_TYPES:
+    if model_type in DEEPSEEK_MOE_TYPES + QWEN3_5_MOE_TYPES:
         return LONG_MOE_SEQ_LENGTHS, LONG_SEQ_ADAPTERS
     if model_type in MOE_TYPES:
         return MOE_SEQ_LENGTHS, SEQ_ADAPTERS
@@ -301,12 +327,14 @@ def gpt_oss_layout(model, ckpt, mlps):
     return moe
 
 
-def module_targets(model, moe, names, absent=()):
+def module_targets(model, moe, names, absent=(), layer_names=None):
     """Sets moe["target_modules"] (names: the per-layer module targets, then
     lm_head) and moe["linear_targets"] (the nn.Linear modules they name),
     failing unless every layer holds each per-layer name once, there is one
     lm_head, and no module is named in `absent` (deepseek: the q projections
-    of the other q_lora_rank)."""
+    of the other q_lora_rank). With layer_names (layer -> names; a hybrid
+    model whose layers hold different targets, qwen3_5_moe_text) layer L must
+    hold exactly layer_names[L], once each, and none of the other names."""
     per_layer = sorted(n for n in names if n != "lm_head")
     short = set(names) | set(absent)
     found = sorted(n for n, m in model.named_modules()
@@ -316,7 +344,12 @@ def module_targets(model, moe, names, absent=()):
         hit = re.search(r"(?:^|\.)layers\.(\d+)\.", n)
         (by_layer.setdefault(int(hit.group(1)), []) if hit else outside).append(n.split(".")[-1])
     layers = list(range(model.config.num_hidden_layers))
-    if sorted(by_layer) != layers or any(sorted(by_layer[L]) != per_layer for L in layers) \
+    if layer_names is not None:
+        want = {L: sorted(layer_names[L]) for L in layers}
+        if sorted(by_layer) != layers or any(sorted(by_layer[L]) != want[L] for L in layers) \
+                or outside != ["lm_head"]:
+            fail(f"expected per layer {want} and one lm_head, found {found}")
+    elif sorted(by_layer) != layers or any(sorted(by_layer[L]) != per_layer for L in layers) \
             or outside != ["lm_head"]:
         fail(f"expected {per_layer} in each of {len(layers)} layers and one lm_head, found {found}")
     moe["target_modules"] = list(names)
@@ -365,16 +398,66 @@ def deepseek_extras(moe, layer, name, mlp, stored, cfg):
     moe["shared_layers"].append(layer)
 
 
+def qwen3_5_extras(moe, layer, name, mlp, stored, cfg):
+    """qwen3_5_moe_text's MoE layer beside the routed experts, checked against
+    the checkpoint: the router mlp.gate has no bias (its weight is compared
+    by moe_layout); the shared expert mlp.shared_expert, an MLP of nn.Linear
+    gate/up/down_proj (no bias) of width shared_expert_intermediate_size; and
+    its gate mlp.shared_expert_gate, an nn.Linear [1, H] with no bias
+    (recorded in moe["shared_layers"])."""
+    H, S = int(cfg.hidden_size), int(cfg.shared_expert_intermediate_size)
+    if getattr(mlp.gate, "bias", None) is not None:
+        fail(f"{name}: the router mlp.gate has a bias; Qwen3_5MoeTopKRouter has none")
+    shared, gate = getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    want = {"gate_proj": (S, H), "up_proj": (S, H), "down_proj": (H, S)}
+    got = {p: tuple(getattr(shared, p).weight.shape) for p in DENSE_MLP
+           if isinstance(getattr(shared, p, None), torch.nn.Linear) and getattr(shared, p).bias is None}
+    if got != want:
+        fail(f"{name}: shared_expert {got} (nn.Linear weights without bias), expected {want} "
+             f"(shared_expert_intermediate_size {S})")
+    if not isinstance(gate, torch.nn.Linear) or tuple(gate.weight.shape) != (1, H) or gate.bias is not None:
+        fail(f"{name}: shared_expert_gate is not an nn.Linear [1, {H}] without bias: {gate}")
+    with torch.no_grad():
+        for p in DENSE_MLP:
+            w = getattr(shared, p).weight
+            if not torch.equal(w, stored(f"{name}.shared_expert.{p}.weight", w)):
+                fail(f"{name}: shared_expert.{p}.weight differs from the checkpoint")
+        if not torch.equal(gate.weight, stored(f"{name}.shared_expert_gate.weight", gate.weight)):
+            fail(f"{name}: shared_expert_gate.weight differs from the checkpoint")
+    moe["shared_layers"].append(layer)
+
+
+def qwen3_5_module_targets(model, moe):
+    """qwen3_5_moe_text's module targets: each layer's token mixer by
+    config.layer_types (linear_attn's in_proj_qkv/z/b/a and out_proj, or
+    self_attn's q/k/v/o_proj), the names of both kinds (each only in its own
+    layers), then lm_head. The golden must cover both kinds."""
+    types = list(model.config.layer_types)
+    if len(types) != model.config.num_hidden_layers or set(types) != set(QWEN3_5_ATTENTION):
+        fail(f"layer_types {types}: wanted one entry a layer and both of {sorted(QWEN3_5_ATTENTION)} "
+             f"(make-model's tiny preset)")
+    names = [n for kind in QWEN3_5_ATTENTION for n in QWEN3_5_ATTENTION[kind]] + ["lm_head"]
+    module_targets(model, moe, names, layer_names={L: QWEN3_5_ATTENTION[t] for L, t in enumerate(types)})
+    for n in moe["linear_targets"]:
+        hit = re.search(r"(?:^|\.)layers\.(\d+)\.(\w+)\.\w+$", n)
+        if n != "lm_head" and (not hit or hit.group(2) != QWEN3_5_MIXER[types[int(hit.group(1))]]):
+            fail(f"{n}: expected the targets of layer L under model.layers.L.linear_attn or .self_attn "
+                 f"(loom's names), by layer_types {types}")
+
+
 def moe_layout(model, model_dir):
     """An MoE model's layers as HF built them, checked against the config and
     the checkpoint: each MoE layer's fused experts must hold the hub's
     per-expert weights (gate rows first, then up; [E, out, in]); gpt_oss's
     its own layout (gpt_oss_layout); deepseek's also its router and shared
-    experts (deepseek_extras). None for a dense model."""
+    experts (deepseek_extras); qwen3_5_moe_text's the checkpoint's fused
+    experts as stored, and its shared expert and gate (qwen3_5_extras).
+    None for a dense model."""
     cfg = model.config
     if cfg.model_type not in MOE_TYPES:
         return None
     deepseek = cfg.model_type in DEEPSEEK_MOE_TYPES
+    qwen3_5 = cfg.model_type in QWEN3_5_MOE_TYPES
     if cfg.model_type == "gpt_oss":
         E = K = I = H = 0
     elif deepseek:
@@ -390,6 +473,8 @@ def moe_layout(model, model_dir):
         else:
             first_dense = int(getattr(cfg, "first_k_dense_replace", 0) or 0)
             is_dense = lambda layer: layer < first_dense  # noqa: E731
+    elif qwen3_5:  # HF's Qwen3_5MoeDecoderLayer: a Qwen3_5MoeSparseMoeBlock in every layer
+        is_dense = lambda layer: False  # noqa: E731
     else:
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
         dense_only = set(getattr(cfg, "mlp_only_layers", None) or [])
@@ -415,13 +500,15 @@ def moe_layout(model, model_dir):
     def stored(key, like):
         if key not in ckpt:
             fail(f"{model_dir} has no tensor {key} (make-model should write the hub's names, "
-                 f"per expert for the routed experts)")
+                 f"per expert for the routed experts{' (qwen3_5_moe_text: fused)' if qwen3_5 else ''})")
         return ckpt[key].to(like.device, like.dtype)
 
     moe = {"model_type": cfg.model_type, "num_experts": E, "top_k": K, "moe_layers": [], "dense_layers": [],
            "mlp": {}, "experts": {}}
-    if deepseek:
+    if deepseek or qwen3_5:
         moe["shared_layers"] = []
+    if qwen3_5:
+        moe["shared_mlp"] = "shared_expert"  # deepseek's is shared_experts
     for layer in sorted(mlps):
         name, mlp = mlps[layer]
         moe["mlp"][layer] = name
@@ -443,18 +530,25 @@ def moe_layout(model, model_dir):
         if got != want or transposed:
             fail(f"{name}: shapes {got}, is_transposed {transposed}; expected {want}, [E, out, in]")
         with torch.no_grad():
-            for j in range(E):
-                hub = f"{name}.experts.{j}"
-                if not (torch.equal(gu[j, :I], stored(f"{hub}.gate_proj.weight", gu))
-                        and torch.equal(gu[j, I:], stored(f"{hub}.up_proj.weight", gu))
-                        and torch.equal(dn[j], stored(f"{hub}.down_proj.weight", dn))):
-                    fail(f"{name}: fused expert {j} is not [gate_proj; up_proj] and down_proj of {hub}")
+            if qwen3_5:  # the checkpoint stores them fused already, in HF's layout: compare as stored
+                for k, t in (("gate_up_proj", gu), ("down_proj", dn)):
+                    if not torch.equal(t, stored(f"{name}.experts.{k}", t)):
+                        fail(f"{name}: experts.{k} differs from {name}.experts.{k} in the checkpoint")
+            else:
+                for j in range(E):
+                    hub = f"{name}.experts.{j}"
+                    if not (torch.equal(gu[j, :I], stored(f"{hub}.gate_proj.weight", gu))
+                            and torch.equal(gu[j, I:], stored(f"{hub}.up_proj.weight", gu))
+                            and torch.equal(dn[j], stored(f"{hub}.down_proj.weight", dn))):
+                        fail(f"{name}: fused expert {j} is not [gate_proj; up_proj] and down_proj of {hub}")
             if not torch.equal(rw, stored(f"{name}.gate.weight", rw)):
                 fail(f"{name}: the router differs from {name}.gate.weight in the checkpoint")
         moe["moe_layers"].append(layer)
         moe["experts"][layer] = experts
         if deepseek:
             deepseek_extras(moe, layer, name, mlp, stored, cfg)
+        elif qwen3_5:
+            qwen3_5_extras(moe, layer, name, mlp, stored, cfg)
     if not moe["moe_layers"]:
         fail(f"config.json says {cfg.model_type} but no layer is MoE")
     if cfg.model_type in DEEPSEEK_TYPES:
@@ -464,6 +558,8 @@ def moe_layout(model, model_dir):
                  f"no q compression is null")
         module_targets(model, moe, DEEPSEEK_ATTENTION[q_rank is not None] + ["lm_head"],
                        absent=DEEPSEEK_ATTENTION[q_rank is None])
+    elif qwen3_5:
+        qwen3_5_module_targets(model, moe)
     else:
         module_targets(model, moe, MOE_TARGET_MODULES)
     return moe
@@ -473,10 +569,12 @@ def moe_targets(moe):
     """(target_modules, target_parameters) of an MoE adapter (see MOE_TYPES):
     the module targets moe_layout found; the experts' two fused parameters;
     every dense-MLP layer's and every shared-experts MLP's gate/up/down_proj
-    weight by full name."""
+    weight by full name (the shared MLP is moe["shared_mlp"]: deepseek's
+    shared_experts, qwen3_5_moe_text's shared_expert)."""
+    shared = moe.get("shared_mlp", "shared_experts")
     params = [f"mlp.experts.{p}" for p in EXPERT_PARAMS]
     params += [f"{moe['mlp'][layer]}.{p}.weight" for layer in moe["dense_layers"] for p in DENSE_MLP]
-    params += [f"{moe['mlp'][layer]}.shared_experts.{p}.weight" for layer in moe.get("shared_layers", [])
+    params += [f"{moe['mlp'][layer]}.{shared}.{p}.weight" for layer in moe.get("shared_layers", [])
                for p in DENSE_MLP]
     return list(moe["target_modules"]), params
 
@@ -522,8 +620,9 @@ def check_wrapped(layers, moe, adapters):
         want.update({(f"{moe['mlp'][layer]}.experts", p): moe["num_experts"] for p in EXPERT_PARAMS})
     for layer in moe["dense_layers"]:
         want.update({(f"{moe['mlp'][layer]}.{p}", "weight"): 1 for p in DENSE_MLP})
+    shared = moe.get("shared_mlp", "shared_experts")
     for layer in moe.get("shared_layers", []):
-        want.update({(f"{moe['mlp'][layer]}.shared_experts.{p}", "weight"): 1 for p in DENSE_MLP})
+        want.update({(f"{moe['mlp'][layer]}.{shared}.{p}", "weight"): 1 for p in DENSE_MLP})
     got = {}
     for mod_name, m in layers:
         path = mod_name.removeprefix("base_model.model.").replace(".base_layer", "")
@@ -721,7 +820,7 @@ def moe_record(moe, layers, targets, saved_keys, seq_routes):
         "moe_layers": moe["moe_layers"],
         "dense_mlp_layers": moe["dense_layers"],
     }
-    if "shared_layers" in moe:  # deepseek only: the other families' batch.json stays as it was
+    if "shared_layers" in moe:  # deepseek and qwen3_5_moe_text only: the others' batch.json stays as it was
         record["shared_expert_layers"] = moe["shared_layers"]
     return {
         **record,

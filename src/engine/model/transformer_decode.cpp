@@ -53,9 +53,9 @@ at::Tensor DecodeAttention(const at::Tensor& q, const at::Tensor& k_pool, const 
 // queries attend to its cached keys and values, cached(i, rows) for row i's
 // cache rows (read back from the pools), followed by its own new keys; rows
 // without one take the packed causal path.
+using CachedKv = std::function<std::pair<at::Tensor, at::Tensor>(size_t row, const at::Tensor& rows)>;
 // A DSA layer's choice for row i (dsa.h), given the cache rows of its
 // cached prefix (none: empty), over that prefix and its new tokens, or undefined.
-using CachedKv = std::function<std::pair<at::Tensor, at::Tensor>(size_t row, const at::Tensor& rows)>;
 using RowChoice = std::function<at::Tensor(size_t row, const at::Tensor& rows)>;
 at::Tensor PrefillOverCachedPrefix(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const CachedBatch& batch, AttentionKernel kernel, const AttentionVariant& variant,
