@@ -15,6 +15,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "cached_check.h"
 #include "engine/model/cached_batch.h"
 #include "engine/model/dsa.h"
 #include "testmodel/make_model.h"
@@ -286,37 +287,7 @@ TEST_P(DeepseekArch, CachedForwardMatchesTheTrainer) {
     EXPECT_EQ(shape.elements(), c.kv_lora_rank + c.qk_rope_head_dim + (c.IsDsa() ? c.index_head_dim : 0));
     if (c.IsDsa()) EXPECT_EQ(Transformer::KvShape(c, 1).elements(), c.kv_lora_rank + c.qk_rope_head_dim);
   }
-  KvCache cache = KvCache::Allocate(Transformer::KvShapes(c), 32, at::kCPU, at::kFloat);
-  const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
-  const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
-  CachedBatch prefill;
-  prefill.tokens = longs(std::vector<int64_t>(seq.begin(), seq.begin() + 8));
-  prefill.positions = range(0, 8);
-  prefill.seq_begin = {0, 8};
-  prefill.seq_slot = {1};
-  prefill.write_rows = range(0, 8);
-  prefill.prefill = true;
-  EXPECT_LT(MaxDiff(m.ForwardCached(prefill, cache, *bank), want.narrow(0, 0, 8)), 1e-5);
-  CachedBatch decode;
-  decode.tokens = longs({seq[8]});
-  decode.positions = longs({8});
-  decode.seq_begin = {0, 1};
-  decode.seq_slot = {1};
-  decode.write_rows = longs({8});
-  decode.context_rows = at::cat({range(0, 9), longs({0, 0})}).unsqueeze(0);  // two pad columns, masked
-  decode.context_mask = at::cat({at::ones({9}), at::zeros({2})}).to(at::kBool).unsqueeze(0);
-  EXPECT_LT(MaxDiff(m.ForwardCached(decode, cache, *bank), want.narrow(0, 8, 1)), 1e-5);
-  // Positions 9..11 over the cached 0..8, written elsewhere in the pool.
-  CachedBatch over;
-  over.tokens = longs(std::vector<int64_t>(seq.begin() + 9, seq.end()));
-  over.positions = range(9, 12);
-  over.seq_begin = {0, 3};
-  over.seq_slot = {1};
-  over.write_rows = range(20, 23);
-  over.prefill = true;
-  over.seq_cached = {9};
-  over.cached_rows = range(0, 9);
-  EXPECT_LT(MaxDiff(m.ForwardCached(over, cache, *bank), want.narrow(0, 9, 3)), 1e-5);
+  ExpectCachedForwardMatches(m, *bank, seq, 1, want, 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, DeepseekArch,

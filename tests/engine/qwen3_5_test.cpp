@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cached_check.h"
 #include "engine/model/cached_batch.h"
 #include "testmodel/make_model.h"
 #include "tiny_model.h"
@@ -372,37 +373,7 @@ TEST(Qwen35, CachedForwardMatchesTheTrainer) {
   EXPECT_EQ(Transformer::KvShape(c, 0).elements(), 64 + 2 * 4);  // tiny: q, k 2 x 8 each, v 4 x 8; a and b 4 each
   EXPECT_EQ(Transformer::KvShape(c, 3).elements(), 2 * 2 * 16);
 
-  KvCache cache = KvCache::Allocate(shapes, 32, at::kCPU, at::kFloat);
-  const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
-  const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
-  CachedBatch prefill;
-  prefill.tokens = longs(std::vector<int64_t>(seq.begin(), seq.begin() + 8));
-  prefill.positions = range(0, 8);
-  prefill.seq_begin = {0, 8};
-  prefill.seq_slot = {1};
-  prefill.write_rows = range(0, 8);
-  prefill.prefill = true;
-  EXPECT_LT(MaxDiff(m.ForwardCached(prefill, cache, *bank), want.narrow(0, 0, 8)), kHiddenTol);
-  CachedBatch decode;
-  decode.tokens = longs({seq[8]});
-  decode.positions = longs({8});
-  decode.seq_begin = {0, 1};
-  decode.seq_slot = {1};
-  decode.write_rows = longs({8});
-  decode.context_rows = at::cat({range(0, 9), longs({0, 0})}).unsqueeze(0);  // two pad columns, masked
-  decode.context_mask = at::cat({at::ones({9}), at::zeros({2})}).to(at::kBool).unsqueeze(0);
-  EXPECT_LT(MaxDiff(m.ForwardCached(decode, cache, *bank), want.narrow(0, 8, 1)), kHiddenTol);
-  // Positions 9..11 over the cached 0..8, written elsewhere in the pool.
-  CachedBatch over;
-  over.tokens = longs(std::vector<int64_t>(seq.begin() + 9, seq.end()));
-  over.positions = range(9, 12);
-  over.seq_begin = {0, 3};
-  over.seq_slot = {1};
-  over.write_rows = range(20, 23);
-  over.prefill = true;
-  over.seq_cached = {9};
-  over.cached_rows = range(0, 9);
-  EXPECT_LT(MaxDiff(m.ForwardCached(over, cache, *bank), want.narrow(0, 9, 3)), kHiddenTol);
+  ExpectCachedForwardMatches(m, *bank, seq, 1, want, kHiddenTol);
 }
 
 // Two sequences prefilled together and then decoded together (one a slot,
