@@ -378,7 +378,8 @@ TEST(Qwen35, CachedForwardMatchesTheTrainer) {
 
 // Two sequences prefilled together and then decoded together (one a slot,
 // one the base), the shorter one's context padded with the other's rows:
-// neither's recurrent layers read the other's tokens.
+// neither's recurrent layers read the other's tokens, whether the decode
+// mixes the whole context again or steps the states the prefill left.
 TEST(Qwen35, CachedDecodeKeepsTheSequencesApart) {
   const ModelConfig c = TinyQwen35();
   auto model = Transformer::FromTensors(c, Qwen35Weights(c, 7), at::kCPU, at::kFloat);
@@ -390,7 +391,17 @@ TEST(Qwen35, CachedDecodeKeepsTheSequencesApart) {
   c10::NoGradGuard no_grad;
   const at::Tensor want0 = m.Hidden(PackedBatch::Make({s0}, {1}, at::kCPU), *bank);
   const at::Tensor want1 = m.Hidden(PackedBatch::Make({s1}, {-1}, at::kCPU), *bank);
+  // Without state slots (each step mixes the whole context) and with them
+  // (the prefill leaves each row's state in its slot, the decode steps it).
+  for (const bool states : {false, true}) {
+  SCOPED_TRACE(states ? "state slots" : "no state slots");
   KvCache cache = KvCache::Allocate(Transformer::KvShapes(c), 32, at::kCPU, at::kFloat);
+  if (states) {
+    cache.state.assign(cache.k.size(), at::Tensor());
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      if (c.IsLinearLayer(i))
+        cache.state[i] = at::full({3, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim}, 7.0);
+  }
   const auto longs = [](std::vector<int64_t> v) { return at::tensor(v, at::TensorOptions().dtype(at::kLong)); };
   const auto range = [](int64_t a, int64_t b) { return at::arange(a, b, at::TensorOptions().dtype(at::kLong)); };
   CachedBatch prefill;  // s0[0..5) to rows 0..4, s1[0..7) to rows 10..16
@@ -402,6 +413,7 @@ TEST(Qwen35, CachedDecodeKeepsTheSequencesApart) {
   prefill.seq_slot = {1, -1};
   prefill.write_rows = at::cat({range(0, 5), range(10, 17)});
   prefill.prefill = true;
+  if (states) prefill.seq_state = {2, 0};  // slots full of garbage: the prefill overwrites them
   const at::Tensor pre = m.ForwardCached(prefill, cache, *bank);
   EXPECT_LT(MaxDiff(pre.narrow(0, 0, 5), want0.narrow(0, 0, 5)), kHiddenTol);
   EXPECT_LT(MaxDiff(pre.narrow(0, 5, 7), want1.narrow(0, 0, 7)), kHiddenTol);
@@ -413,9 +425,11 @@ TEST(Qwen35, CachedDecodeKeepsTheSequencesApart) {
   decode.write_rows = longs({5, 17});
   decode.context_rows = at::stack({at::cat({range(0, 6), longs({12, 13})}), range(10, 18)});  // row 0 padded with s1's rows
   decode.context_mask = at::stack({at::cat({at::ones({6}), at::zeros({2})}), at::ones({8})}).to(at::kBool);
+  if (states) decode.seq_state = {2, 0};
   const at::Tensor dec = m.ForwardCached(decode, cache, *bank);
   EXPECT_LT(MaxDiff(dec.narrow(0, 0, 1), want0.narrow(0, 5, 1)), kHiddenTol);
   EXPECT_LT(MaxDiff(dec.narrow(0, 1, 1), want1.narrow(0, 7, 1)), kHiddenTol);
+  }
 }
 
 // Every preset's config.json parses back to the same fields.

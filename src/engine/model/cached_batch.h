@@ -27,6 +27,10 @@ struct KvRowShape {
 
 struct KvCache {
   std::vector<at::Tensor> k, v;  // per layer [rows, k_heads, k_dim] and [rows, v_heads, v_dim], model dtype
+  // Per layer, a Gated DeltaNet layer's recurrent state of each state slot
+  // [slots, Hv, dk, dv] (fp32; gated_deltanet.h), undefined for the others
+  // (and for every layer of a cache made without state slots).
+  std::vector<at::Tensor> state;
   int64_t rows() const { return k.empty() ? 0 : k[0].size(0); }
   // Zero-filled pools of `rows` token rows, one layer per shape.
   static KvCache Allocate(const std::vector<KvRowShape>& layers, int64_t rows, at::Device device, at::ScalarType dtype) {
@@ -68,6 +72,11 @@ struct CachedBatch {
   // the column is part of the row's context.
   at::Tensor context_rows;
   at::Tensor context_mask;
+  // Models with Gated DeltaNet layers: each row's slot in KvCache::state,
+  // which a prefill writes (the state after its last token) and a decode
+  // step reads and writes; empty: no slots, and such a layer mixes each
+  // row's whole cached context again (the same values, O(context)).
+  std::vector<int64_t> seq_state;
 };
 
 }  // namespace loom::engine

@@ -279,15 +279,34 @@ at::Tensor GatedRmsNorm(const at::Tensor& x, const at::Tensor& z, const at::Tens
   return ((weight * normed) * at::silu(z.to(at::kFloat))).to(dt);
 }
 
-at::Tensor GdnMix(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
-                  const std::vector<int64_t>& seq_begin) {
-  const int64_t T = mixed.size(0), Hk = w.key_heads, Hv = w.value_heads, dk = w.key_dim, dv = w.value_dim;
-  const at::Tensor y = GdnCausalConv(mixed, w.conv_w, seq_begin).y;
-  const at::Tensor q = y.narrow(1, 0, Hk * dk).reshape({T, Hk, dk});
-  const at::Tensor k = y.narrow(1, Hk * dk, Hk * dk).reshape({T, Hk, dk});
-  const at::Tensor v = y.narrow(1, 2 * Hk * dk, Hv * dv).reshape({T, Hv, dv});
-  const auto [g, beta] = GdnGates(a, b, w.A_log, w.dt_bias);
-  return GatedDeltaRulePacked(q, k, v, g, beta, seq_begin).out;
+namespace {
+
+struct GdnInputs {
+  at::Tensor q, k, v, g, beta;
+};
+
+// The conv's output y [T, C] split into heads, and the gates.
+GdnInputs SplitHeads(const GdnWeights& w, const at::Tensor& y, const at::Tensor& a, const at::Tensor& b) {
+  const int64_t T = y.size(0), Hk = w.key_heads, Hv = w.value_heads, dk = w.key_dim, dv = w.value_dim;
+  auto [g, beta] = GdnGates(a, b, w.A_log, w.dt_bias);
+  return {y.narrow(1, 0, Hk * dk).reshape({T, Hk, dk}), y.narrow(1, Hk * dk, Hk * dk).reshape({T, Hk, dk}),
+          y.narrow(1, 2 * Hk * dk, Hv * dv).reshape({T, Hv, dv}), std::move(g), std::move(beta)};
+}
+
+}  // namespace
+
+GdnResult GdnMix(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
+                 const std::vector<int64_t>& seq_begin) {
+  const GdnInputs in = SplitHeads(w, GdnCausalConv(mixed, w.conv_w, seq_begin).y, a, b);
+  return GatedDeltaRulePacked(in.q, in.k, in.v, in.g, in.beta, seq_begin);
+}
+
+GdnResult GdnMixStep(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& before, const at::Tensor& state) {
+  std::vector<int64_t> one_each(static_cast<size_t>(mixed.size(0)) + 1);
+  for (size_t i = 0; i < one_each.size(); ++i) one_each[i] = static_cast<int64_t>(i);
+  const GdnInputs in = SplitHeads(w, GdnCausalConv(mixed, w.conv_w, one_each, before).y, a, b);
+  return GatedDeltaStep(in.q, in.k, in.v, in.g, in.beta, state);
 }
 
 }  // namespace loom::engine

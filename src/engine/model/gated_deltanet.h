@@ -30,11 +30,11 @@
 //
 // A packed batch is one token axis over several sequences, seq_begin its
 // S+1 cumulative offsets (PackedBatch); no sequence ever reads another's
-// rows. The sampler today caches each token's pre-conv row and a, b, and
-// runs GdnMix again over a sequence's whole context (transformer_decode.cpp);
-// the states below (the conv's last K-1 inputs [C, K-1] in the model dtype,
-// the recurrent state [Hv, dk, dv] in fp32) are what a sampler carrying them
-// per sequence would keep, and the functions take and return them for that.
+// rows. The sampler caches each token's pre-conv row and a, b (so the
+// conv's state is the last K-1 of them) and carries each running
+// sequence's recurrent state [Hv, dk, dv] (fp32) in a slot: a prefill
+// leaves it there (GdnMix), a decode step steps it (GdnMixStep;
+// transformer_decode.cpp).
 //
 // Threading: pure functions of their arguments; the engine or sampler thread.
 #pragma once
@@ -48,6 +48,11 @@ namespace loom::engine {
 
 // HF's chunk length (torch_chunk_gated_delta_rule's chunk_size).
 constexpr int64_t kGdnChunk = 64;
+
+struct GdnResult {
+  at::Tensor out;    // [n, Hv, dv] (packed: [T, Hv, dv]) in q's dtype
+  at::Tensor state;  // [Hv, dk, dv] (packed, step: [S, Hv, dk, dv]) fp32
+};
 
 // One Gated DeltaNet layer's frozen weights (the decoder layer runs its
 // projections through the batch's LoRA: targets linear_attn.in_proj_qkv,
@@ -65,9 +70,18 @@ struct GdnWeights {
 // mixed [T, C] (in_proj_qkv's output, before the conv), a and b [T, Hv];
 // the conv (GdnCausalConv), the split into q, k, v, the gates (GdnGates)
 // and the chunked rule, each sequence from zero state. Returns the rule's
-// output [T, Hv, dv] in mixed's dtype (GatedRmsNorm with z comes after).
-at::Tensor GdnMix(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
-                  const std::vector<int64_t>& seq_begin);
+// output [T, Hv, dv] in mixed's dtype (GatedRmsNorm with z comes after) and
+// each sequence's final recurrent state [S, Hv, dk, dv] (fp32).
+GdnResult GdnMix(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
+                 const std::vector<int64_t>& seq_begin);
+// One new token of each of S sequences (the sampler's decode step): its
+// rows mixed [S, C], a, b [S, Hv], the K-1 pre-conv rows before it (before
+// [S, C, K-1], oldest first, zeros before a sequence's start) and the
+// recurrent state after them (state [S, Hv, dk, dv], fp32). Returns the
+// rule's output [S, Hv, dv] and the new states: GdnMix's values for the
+// token, at O(1) a step (the recurrence's arithmetic).
+GdnResult GdnMixStep(const GdnWeights& w, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& before, const at::Tensor& state);
 
 struct GdnConvResult {
   at::Tensor y;      // [T, C], x's dtype
@@ -95,10 +109,6 @@ GdnConvResult GdnCausalConv(const at::Tensor& x, const at::Tensor& weight, const
 std::pair<at::Tensor, at::Tensor> GdnGates(const at::Tensor& a, const at::Tensor& b, const at::Tensor& A_log,
                                            const at::Tensor& dt_bias);
 
-struct GdnResult {
-  at::Tensor out;    // [n, Hv, dv] (packed: [T, Hv, dv]) in q's dtype
-  at::Tensor state;  // [Hv, dk, dv] (packed, step: [S, Hv, dk, dv]) fp32
-};
 
 // The gated delta rule over one sequence: q, k [n, Hk, dk], v [n, Hv, dv],
 // g [n, Hv] (log decay, <= 0), beta [n, Hv], initial_state [Hv, dk, dv] or

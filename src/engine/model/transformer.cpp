@@ -420,7 +420,7 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
       return MoeForward(m.layers[l].moe, h, bank, gate_up, down, &state->experts);
     };
     auto mix = [&](size_t l, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b) {
-      return GdnMix(m.layers[l].gdn, mixed, a, b, seq_begin);
+      return GdnMix(m.layers[l].gdn, mixed, a, b, seq_begin).out;
     };
     return DecoderLayer(m, i, x, state->rope, eps, attn_lora, mlp_lora, lora, attend, moe, mix);
   };

@@ -188,17 +188,38 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
     const auto [gate_up, down] = ExpertTargets(bank, i);
     return MoeForward(m.layers[i].moe, h, bank, gate_up, down, &experts);
   };
-  // A Gated DeltaNet layer's pool holds each token's [mixed | a | b] row;
-  // the mixing runs again over each sequence's whole context (cached rows,
-  // then the new ones) from zero state, as the trainer runs it, and keeps
-  // the new rows' outputs: exact, and O(context) a decode step (a state
-  // carried per sequence is the faster form to come).
+  // A Gated DeltaNet layer's pool holds each token's [mixed | a | b] row.
+  // With state slots (batch.seq_state), a decode step convolves the new row
+  // with the K-1 rows before it and steps each row's recurrent state (O(1));
+  // a prefill mixes each row's whole context (cached rows, then the new
+  // ones) as the trainer does and leaves its final state in the slot.
+  // Without them, every step mixes each row's whole context again.
+  const bool states = !batch.seq_state.empty();
+  const at::Tensor state_slots =
+      states ? at::tensor(batch.seq_state, at::TensorOptions().dtype(at::kLong)).to(batch.tokens.device()) : at::Tensor();
   auto mix = [&](size_t i, const at::Tensor& mixed, const at::Tensor& a, const at::Tensor& b) {
     const GdnWeights& w = m.layers[i].gdn;
-    const int64_t C = mixed.size(1), Hv = w.value_heads;
+    const int64_t C = mixed.size(1), Hv = w.value_heads, K = w.conv_w.size(1);
     const at::Tensor rows = at::cat({mixed, a, b}, 1);
-    cache.k[i].index_copy_(0, batch.write_rows, rows.unsqueeze(1).to(cache.k[i].scalar_type()));
-    if (batch.prefill && !over_prefix) return GdnMix(w, mixed, a, b, batch.seq_begin);
+    at::Tensor& pool = cache.k[i];
+    pool.index_copy_(0, batch.write_rows, rows.unsqueeze(1).to(pool.scalar_type()));
+    if (states && !batch.prefill) {  // the K-1 rows before each new one, zeros before position 0
+      const int64_t S = batch.context_rows.size(0);
+      const at::Tensor pos = batch.positions.unsqueeze(1) -
+                             at::arange(K - 1, 0, -1, at::TensorOptions().dtype(at::kLong).device(rows.device()));
+      const at::Tensor at_rows = batch.context_rows.gather(1, pos.clamp_min(0));
+      const at::Tensor before = pool.index_select(0, at_rows.reshape({-1})).view({S, K - 1, -1}).narrow(2, 0, C).to(
+                                    rows.scalar_type()) *
+                                (pos >= 0).unsqueeze(2).to(rows.scalar_type());
+      GdnResult r = GdnMixStep(w, mixed, a, b, before.transpose(1, 2), cache.state[i].index_select(0, state_slots));
+      cache.state[i].index_copy_(0, state_slots, r.state);
+      return r.out;
+    }
+    if (batch.prefill && !over_prefix) {
+      GdnResult r = GdnMix(w, mixed, a, b, batch.seq_begin);
+      if (states) cache.state[i].index_copy_(0, state_slots, r.state);
+      return r.out;
+    }
     // Each row's context rows in position order, packed: the cached prefix
     // and the new tokens (prefill), or the context through the new token (decode).
     std::vector<int64_t> ctx_begin{0}, last_n;
@@ -210,11 +231,11 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
       at::Tensor ctx;
       if (batch.prefill) {
         const int64_t c = batch.seq_cached.empty() ? 0 : batch.seq_cached[r];
-        ctx = at::cat({cache.k[i].index_select(0, batch.cached_rows.narrow(0, cached_at, c)).squeeze(1).to(rows.scalar_type()),
+        ctx = at::cat({pool.index_select(0, batch.cached_rows.narrow(0, cached_at, c)).squeeze(1).to(rows.scalar_type()),
                        rows.narrow(0, begin, n)});
         cached_at += c;
       } else {
-        ctx = cache.k[i].index_select(0, batch.context_rows[r].masked_select(batch.context_mask[r])).squeeze(1)
+        ctx = pool.index_select(0, batch.context_rows[r].masked_select(batch.context_mask[r])).squeeze(1)
                   .to(rows.scalar_type());
       }
       parts.push_back(ctx);
@@ -222,9 +243,10 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
       last_n.push_back(n);
     }
     const at::Tensor all = at::cat(parts);
-    const at::Tensor out = GdnMix(w, all.narrow(1, 0, C), all.narrow(1, C, Hv), all.narrow(1, C + Hv, Hv), ctx_begin);
+    GdnResult mixedall = GdnMix(w, all.narrow(1, 0, C), all.narrow(1, C, Hv), all.narrow(1, C + Hv, Hv), ctx_begin);
+    if (states) cache.state[i].index_copy_(0, state_slots, mixedall.state);
     std::vector<at::Tensor> mine;
-    for (int64_t r = 0; r < S; ++r) mine.push_back(out.narrow(0, ctx_begin[r + 1] - last_n[r], last_n[r]));
+    for (int64_t r = 0; r < S; ++r) mine.push_back(mixedall.out.narrow(0, ctx_begin[r + 1] - last_n[r], last_n[r]));
     return at::cat(mine);
   };
   return DecoderStack(m, at::embedding(m.embed, batch.tokens), batch.positions, dtype_, eps, attn_lora, mlp_lora,

@@ -52,6 +52,34 @@ int64_t ModelRunner::KvBytesPerToken(const Transformer& model) {
   return elements * static_cast<int64_t>(c10::elementSize(model.dtype()));
 }
 
+int64_t ModelRunner::StateBytesPerRow(const Transformer& model) {
+  const ModelConfig& c = model.config();
+  int64_t elements = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    if (c.IsLinearLayer(i)) elements += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+  return elements * static_cast<int64_t>(sizeof(float));
+}
+
+bool ModelRunner::ReserveStates(int64_t slots) {
+  const ModelConfig& c = model_->config();
+  cache_.state.assign(cache_.k.size(), at::Tensor());
+  bool any = false;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (!c.IsLinearLayer(i)) continue;
+    cache_.state[i] = at::zeros({slots, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+                                at::TensorOptions().dtype(at::kFloat).device(model_->device()));
+    any = true;
+  }
+  if (!any) cache_.state.clear();
+  return any;
+}
+
+void ModelRunner::CopyState(int src, int dst) {
+  c10::NoGradGuard no_grad;
+  for (at::Tensor& s : cache_.state)
+    if (s.defined()) s[dst].copy_(s[src]);
+}
+
 int64_t ModelRunner::Row(const Sequence& s, int64_t pos) const {
   return static_cast<int64_t>(s.block_table[pos / block_size_]) * block_size_ + pos % block_size_;
 }
@@ -165,6 +193,8 @@ at::Tensor ModelRunner::Prefill(const std::vector<PrefillChunk>& chunks) {
   b.seq_begin = seq_begin;
   b.seq_slot = slots;
   b.prefill = true;
+  if (!cache_.state.empty())
+    for (const PrefillChunk& c : chunks) b.seq_state.push_back(c.request->sequences[0]->state);
   if (!cached_rows.empty()) {
     b.seq_cached = std::move(seq_cached);
     b.cached_rows = LongTensor(cached_rows, dev);
@@ -256,6 +286,8 @@ at::Tensor ModelRunner::Decode(const std::vector<Sequence*>& seqs) {
   b.seq_begin = seq_begin;
   b.seq_slot = slots;
   b.prefill = false;
+  if (!cache_.state.empty())
+    for (const Sequence* s : seqs) b.seq_state.push_back(s->state);
   b.context_rows = LongTensor(ctx, dev).view({S, L});
   b.context_mask = at::tensor(at::ArrayRef<uint8_t>(mask), at::TensorOptions().dtype(at::kByte))
                        .to(at::kBool)

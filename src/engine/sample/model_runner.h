@@ -59,6 +59,15 @@ class ModelRunner {
   // every layer (a forked sample's own copy of the partial prompt block).
   void CopyBlock(int src, int dst, int64_t rows);
 
+  // Models with Gated DeltaNet layers (gated_deltanet.h): `slots` recurrent
+  // states a layer, one per running sequence (Sequence::state), so a decode
+  // step is O(1) in the context; returns false (and holds none) for the
+  // others. CopyState gives a forked sample its prompt's state.
+  bool ReserveStates(int64_t slots);
+  void CopyState(int src, int dst);
+  // The bytes of one sequence's states over every layer (0: none).
+  static int64_t StateBytesPerRow(const Transformer& model);
+
   const Transformer& model() const { return *model_; }
 
   // Slot s of the bank was (re)loaded: the fast decode path refreshes its copy.

@@ -325,8 +325,15 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   if (info.context_window <= 0) return Status::Invalid("context window is unknown: set context_window");
   info.block_size = options.block_size;
   int64_t tokens = options.kv_budget_tokens;
-  if (tokens <= 0 && options.kv_budget_bytes > 0)
-    tokens = options.kv_budget_bytes / sample::ModelRunner::KvBytesPerToken(*model);
+  if (tokens <= 0 && options.kv_budget_bytes > 0) {
+    // Gated DeltaNet layers' recurrent states come out of the same budget, one per row.
+    const int64_t states = sample::ModelRunner::StateBytesPerRow(*model) * options.max_batch_rows;
+    if (states >= options.kv_budget_bytes)
+      return Status::Invalid("the KV budget (" + std::to_string(options.kv_budget_bytes) + " bytes) does not hold the " +
+                             "recurrent states of max_batch_rows " + std::to_string(options.max_batch_rows) + " (" +
+                             std::to_string(states) + " bytes)");
+    tokens = (options.kv_budget_bytes - states) / sample::ModelRunner::KvBytesPerToken(*model);
+  }
   if (tokens <= 0) tokens = model->device().is_cuda() ? int64_t{512} * options.max_batch_rows : 65536;
   info.kv_blocks = tokens / options.block_size;
   if (info.kv_blocks < 1) return Status::Invalid("the KV budget holds less than one block");

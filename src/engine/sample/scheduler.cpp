@@ -23,7 +23,11 @@ Scheduler::Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<S
       runner_(std::move(model), bank_.get(), num_blocks, block_size, decode),
       limits_(limits),
       detok_(detok),
-      eos_(std::move(eos)) {}
+      eos_(std::move(eos)) {
+  // One state slot a row: at most max_batch_rows sequences run at once.
+  if (runner_.ReserveStates(limits_.max_batch_rows))
+    for (int i = limits_.max_batch_rows - 1; i >= 0; --i) free_states_.push_back(i);
+}
 
 void Scheduler::EnsureBlock(Sequence& s, int64_t pos) {
   while (pos / blocks_.block_size() >= static_cast<int64_t>(s.block_table.size())) {
@@ -110,6 +114,10 @@ void Scheduler::Admit() {
       s->request = &r;
       s->index = static_cast<int>(j);
       s->tokens = r.call.prompt;
+      if (!free_states_.empty()) {  // rows_in_use_ <= max_batch_rows: a slot for each
+        s->state = free_states_.back();
+        free_states_.pop_back();
+      }
       r.sequences.push_back(std::move(s));
     }
     Sequence& s0 = *r.sequences[0];
@@ -162,6 +170,7 @@ void Scheduler::AfterPrefill(const std::vector<PrefillChunk>& chunks, const at::
         EnsureBlock(s, P - 1);
         runner_.CopyBlock(s0.block_table[P / bs], s.block_table.back(), P % bs);
       }
+      if (s.state >= 0) runner_.CopyState(s0.state, s.state);
       s.cached = P;
       s.last_step = history_.step;
       s.published = P / bs;  // s0's, shared
@@ -274,6 +283,8 @@ void Scheduler::Finish(Sequence& s, SampleStopReason why) {
   // Last block first: the prefix cache's LRU then evicts a chain from its tail.
   for (auto b = s.block_table.rbegin(); b != s.block_table.rend(); ++b) blocks_.Release(*b);
   s.block_table.clear();
+  if (s.state >= 0) free_states_.push_back(s.state);
+  s.state = -1;
   --rows_in_use_;
 }
 

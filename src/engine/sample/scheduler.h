@@ -116,6 +116,7 @@ class Scheduler {
   FairQueue waiting_;
   std::vector<std::unique_ptr<SampleRequest>> admitted_;
   int64_t rows_in_use_ = 0;
+  std::vector<int> free_states_;  // state slots no running sequence holds (models with Gated DeltaNet layers)
   StepHistory history_;
   uint64_t head_waited_ = 0;  // id + 1 of the last anchor request counted in admission_waits
   SamplerStats stats_;

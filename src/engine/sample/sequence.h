@@ -35,6 +35,7 @@ struct Sequence {
   uint64_t last_step = 0;          // the scheduler step that last extended it (decode rotation)
   std::string text;                // generated text as bytes (kept only when stop strings are set)
   bool finished = false;
+  int state = -1;                  // its Gated DeltaNet states' slot while running (ModelRunner::ReserveStates), or -1
 };
 
 struct SampleRequest {
