@@ -26,6 +26,12 @@
 
 namespace loom::engine {
 
+// Indices of kLayerTargets (below) beyond the dense seven: MLA's, deepseek's
+// shared experts, a Gated DeltaNet layer's, qwen3_5_moe's shared expert.
+inline constexpr int kTargetQa = 7, kTargetQb = 8, kTargetKvA = 9, kTargetKvB = 10, kTargetSharedGate = 11;
+inline constexpr int kTargetGdnQkv = 14, kTargetGdnZ = 15, kTargetGdnB = 16, kTargetGdnA = 17, kTargetGdnOut = 18;
+inline constexpr int kTargetSharedExpertGate = 19;
+
 // One decoder layer's frozen weights in the layout the forwards use. q/k/v
 // and gate/up are stored fused (one matmul each per layer); their LoRA
 // deltas are added to the matching slices.
@@ -43,7 +49,7 @@ struct DecoderLayerWeights {
   GdnWeights gdn;             // a Gated DeltaNet layer (gated_deltanet.h) in place of the attention; or undefined
   bool gated_q = false;       // q_proj's rows per head are [query | gate], the output times sigmoid(gate) (qwen3_5_moe)
   at::Tensor shared_gate;     // [1, hidden]: the shared expert's output times sigmoid(h shared_gate^T) (qwen3_5_moe), or undefined
-  int shared_target = 11;     // kLayerTargets index of the shared experts' gate_proj (kTargetSharedGate or kTargetSharedExpertGate)
+  int shared_target = kTargetSharedGate;  // kLayerTargets index of the shared experts' gate_proj (or kTargetSharedExpertGate)
   int64_t kv_heads = 0, v_dim = 0;  // this layer's key/value heads and value width (ModelConfig::KvHeads, ValueDim)
   double v_scale = 0;               // values times this after the projection (mimo_v2_flash; 0: none)
   bool rope_sliding = false;        // RoPE from the sliding layers' tables (Rope::cos_sliding)
@@ -106,11 +112,6 @@ inline constexpr const char* kLayerTargets[] = {
     "linear_attn.in_proj_b", "linear_attn.in_proj_a", "linear_attn.out_proj", "mlp.shared_expert.gate_proj",
     "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"};
 inline constexpr int kNumLayerTargets = sizeof(kLayerTargets) / sizeof(kLayerTargets[0]);
-// Indices of kLayerTargets beyond the dense seven: MLA's, deepseek's shared
-// experts, a Gated DeltaNet layer's, qwen3_5_moe's shared expert.
-inline constexpr int kTargetQa = 7, kTargetQb = 8, kTargetKvA = 9, kTargetKvB = 10, kTargetSharedGate = 11;
-inline constexpr int kTargetGdnQkv = 14, kTargetGdnZ = 15, kTargetGdnB = 16, kTargetGdnA = 17, kTargetGdnOut = 18;
-inline constexpr int kTargetSharedExpertGate = 19;
 
 // The bank's target for the layer's k-th LoRA target (kLayerTargets). Bank
 // targets are expected in LoraTargets() order (7 per dense layer); lookup by
@@ -355,6 +356,13 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const at::Tensor shared = dense_mlp(l.shared_target, in);
     return y + (l.shared_gate.defined() ? at::sigmoid(at::linear(in, l.shared_gate)) * shared : shared);
   };
+  // The block's output projection (target `out`), the residual add with the
+  // MLP block's norm (one kernel each way on CUDA), and the MLP block.
+  const auto finish = [&](int out, const at::Tensor& rows, const at::Tensor& w, const at::Tensor& b) {
+    const auto [o, o_delta] = lora(i, {out}, rows, w, b, attn_lora);
+    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    return x + mlp_block(h);
+  };
   if (l.gdn.defined()) {  // Gated DeltaNet (gated_deltanet.h)
     const GdnWeights& g = l.gdn;
     const int64_t T = h.size(0);
@@ -365,9 +373,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const at::Tensor core = mix(i, mixed, a, b);  // [T, Hv, dv]
     const at::Tensor y = GatedRmsNorm(core, z.view({T, g.value_heads, g.value_dim}), g.norm_w, eps)
                              .reshape({T, g.value_heads * g.value_dim});
-    const auto [o, o_delta] = lora(i, {kTargetGdnOut}, y, g.out_w, at::Tensor(), attn_lora);
-    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
-    return x + mlp_block(h);
+    return finish(kTargetGdnOut, y, g.out_w, at::Tensor());
   }
   if (l.gated_q) {  // q_proj's rows per head [query | gate]; the output gated (qwen3_5_moe)
     const int64_t T = h.size(0), H = m.heads, kvh = l.kv_heads;
@@ -376,10 +382,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const at::Tensor gate = qg.narrow(2, hd, hd).reshape({T, H * hd});
     const at::Tensor plain = at::cat({qg.narrow(2, 0, hd).reshape({T, H * hd}), qkv.narrow(1, 2 * H * hd, 2 * kvh * hd)}, 1);
     const QkvHeads heads = QkvTailLean(plain, at::Tensor(), l.q_norm, l.k_norm, rope.cos, rope.sin, H, kvh, hd, eps);
-    const at::Tensor attn = attend(i, heads.q, heads.k, heads.v, at::Tensor(), nullptr) * at::sigmoid(gate);
-    const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
-    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
-    return x + mlp_block(h);
+    return finish(3, attend(i, heads.q, heads.k, heads.v, at::Tensor(), nullptr) * at::sigmoid(gate), l.o_w, l.o_b);
   }
   if (l.mla.defined()) {
     const MlaWeights& a = l.mla;
@@ -403,9 +406,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const at::Tensor k = at::cat({kv.narrow(-1, 0, a.nope), k_rope.expand({T, H, a.rope})}, -1);
     const at::Tensor attn = attend(i, qf, k, kv.narrow(-1, a.nope, a.v), at::cat({c, k_rope.squeeze(1)}, -1),
                                    indexes ? &index : nullptr);
-    const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
-    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
-    return x + mlp_block(h);
+    return finish(3, attn, l.o_w, l.o_b);
   }
   // The LoRA deltas are added to the fused projection before it is split,
   // never to the split views: q/k/v (and gate/up below) are then views of
@@ -421,12 +422,7 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
                   l.rope_sliding ? rope.sin_sliding : rope.sin, m.heads, l.kv_heads, hd, eps, l.v_dim);
   const at::Tensor &q = heads.q, &k = heads.k;
   const at::Tensor v = l.v_scale != 0 ? heads.v * l.v_scale : heads.v;
-  const at::Tensor attn = attend(i, q, k, v, at::Tensor(), nullptr);
-  const auto [o, o_delta] = lora(i, {3}, attn, l.o_w, l.o_b, attn_lora);
-  // The residual add and the MLP block's norm (one kernel each way on CUDA).
-  std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
-
-  return x + mlp_block(h);
+  return finish(3, attend(i, q, k, v, at::Tensor(), nullptr), l.o_w, l.o_b);
 }
 
 // The final norm, fp32 for the loss.
