@@ -312,6 +312,26 @@ TEST(DsaAttention, TheIndexerChoosesTheKeysPastItsBudget) {
   for (int64_t t = 5; t < 12; ++t) EXPECT_GT(MaxDiff(a.narrow(0, t, 1), b.narrow(0, t, 1)), 1e-4) << "position " << t;
 }
 
+// A long sequence's choice and attention in blocks of query rows (as
+// without gradients past 256 MiB of scores) equal the whole at once.
+TEST(DsaAttention, BlocksOfQueriesGiveTheWholeChoiceAndAttention) {
+  at::manual_seed(3);
+  const int64_t n = 7, L = 11, Hi = 3, Di = 8, H = 2, hd = 6, dv = 4;
+  const DsaIndex queries{at::randn({n, Hi, Di}), at::randn({n, Hi}), at::Tensor()};
+  const at::Tensor ik = at::randn({L, Di});
+  const at::Tensor whole = DsaCausalChoice(queries, ik, 4);
+  ASSERT_TRUE(whole.defined());
+  EXPECT_TRUE(at::equal(DsaCausalChoice(queries, ik, 4, 2), whole));
+  EXPECT_TRUE(at::equal(DsaCausalChoice(queries, ik, 4, 3), whole));
+  c10::NoGradGuard no_grad;
+  const at::Tensor q = at::randn({n, H, hd}), k = at::randn({L, H, hd}), v = at::randn({L, H, dv});
+  const at::Tensor all = DsaAttention(q, k, v, whole, AttentionKernel::kMath, n);
+  for (int64_t rows : {1, 2, 3})
+    EXPECT_LT(MaxDiff(DsaAttention(q, k, v, whole, AttentionKernel::kMath, rows), all), 1e-6) << rows << " rows a block";
+  // And it is the sparse attention: another choice gives other values.
+  EXPECT_GT(MaxDiff(DsaAttention(q, k, v, DsaCausalChoice(queries, ik, 2), AttentionKernel::kMath, 2), all), 1e-3);
+}
+
 // The choice: the best-scoring visible keys, all of them within the budget.
 TEST(DsaAttention, ChooseKeepsTheBestVisibleKeys) {
   const at::Tensor scores = at::tensor({0.5f, 3.0f, -1.0f, 2.0f, 9.0f}).view({1, 5});

@@ -2,6 +2,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -43,20 +44,51 @@ at::Tensor DsaChoose(const at::Tensor& scores, const at::Tensor& visible, int64_
   return at::zeros_like(visible).scatter_(-1, best, true).logical_and_(visible);
 }
 
-at::Tensor DsaCausalChoice(const DsaIndex& queries, const at::Tensor& ik, int64_t topk) {
+namespace {
+
+// Query rows a block so that a block's [rows, width, L] fp32 intermediate
+// stays near 256 MiB (at least one row): a long sequence's scores are never
+// all held at once.
+int64_t RowsPerBlock(int64_t width, int64_t L) {
+  return std::max<int64_t>(1, (int64_t{64} << 20) / std::max<int64_t>(1, width * L));
+}
+
+}  // namespace
+
+at::Tensor DsaCausalChoice(const DsaIndex& queries, const at::Tensor& ik, int64_t topk, int64_t rows_per_block) {
   const int64_t n = queries.q.size(0), L = ik.size(0);
   if (L <= topk) return {};
+  c10::NoGradGuard no_grad;
   const auto longs = at::TensorOptions().dtype(at::kLong).device(ik.device());
-  const at::Tensor i = (at::arange(n, longs) + (L - n)).unsqueeze(1), j = at::arange(L, longs).unsqueeze(0);
-  return DsaChoose(DsaScores(queries.q, queries.w, ik), j <= i, topk);
+  const at::Tensor j = at::arange(L, longs).unsqueeze(0);
+  const int64_t block = rows_per_block > 0 ? rows_per_block : RowsPerBlock(queries.q.size(1), L);
+  std::vector<at::Tensor> parts;
+  for (int64_t s0 = 0; s0 < n; s0 += block) {
+    const int64_t m = std::min(block, n - s0);
+    const at::Tensor i = (at::arange(s0, s0 + m, longs) + (L - n)).unsqueeze(1);
+    parts.push_back(DsaChoose(DsaScores(queries.q.narrow(0, s0, m), queries.w.narrow(0, s0, m), ik), j <= i, topk));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
 at::Tensor DsaAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep,
-                        AttentionKernel kernel) {
+                        AttentionKernel kernel, int64_t rows_per_block) {
   if (!keep.defined()) return PrefixCausalAttention(q, k, v, kernel);
-  AttentionVariant chosen;
-  chosen.keep = keep;
-  return PrefixCausalAttention(q, k, v, kernel, &chosen);
+  const int64_t n = q.size(0), L = k.size(0);
+  // Without gradients (the sampler's prefill) in query blocks, each over
+  // the keys up to its last query: the same values, a block's scores at a
+  // time. With them, autograd keeps every block's anyway.
+  const int64_t block = c10::GradMode::is_enabled() ? n
+                        : rows_per_block > 0         ? rows_per_block
+                                                     : RowsPerBlock(q.size(1), L);
+  std::vector<at::Tensor> parts;
+  for (int64_t s0 = 0; s0 < n; s0 += block) {
+    const int64_t m = std::min(block, n - s0), keys = L - n + s0 + m;
+    AttentionVariant chosen;
+    chosen.keep = keep.narrow(0, s0, m).narrow(1, 0, keys);
+    parts.push_back(PrefixCausalAttention(q.narrow(0, s0, m), k.narrow(0, 0, keys), v.narrow(0, 0, keys), kernel, &chosen));
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
 at::Tensor DsaPackedAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -64,14 +64,17 @@ at::Tensor DsaChoose(const at::Tensor& scores, const at::Tensor& visible, int64_
 
 // One sequence's choice: its n queries are the last n of the L positions
 // whose keys are ik [L, Di] (query i sees keys 0..L-n+i). Undefined when
-// L <= topk: every query then keeps every key it sees.
-at::Tensor DsaCausalChoice(const DsaIndex& queries, const at::Tensor& ik, int64_t topk);
+// L <= topk: every query then keeps every key it sees. Made in blocks of
+// query rows, so that a block's [rows, Hi, L] scores stay near 256 MiB
+// (rows_per_block > 0 fixes the block, for tests).
+at::Tensor DsaCausalChoice(const DsaIndex& queries, const at::Tensor& ik, int64_t topk, int64_t rows_per_block = 0);
 
 // Attention of one sequence's queries q [n, H, hd] (the last n positions)
 // over k [L, H, hd], v [L, H, dv] with the keys `keep` [n, L] (from
 // DsaCausalChoice; undefined: plain causal, on `kernel`). [n, H * dv].
+// Without grad mode in blocks of query rows as above (the same values).
 at::Tensor DsaAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& keep,
-                        AttentionKernel kernel);
+                        AttentionKernel kernel, int64_t rows_per_block = 0);
 
 // One layer's attention over a packed batch (sequences seq_begin) in the
 // trainer or a prefill: the layer's choice per sequence is made from `index`
