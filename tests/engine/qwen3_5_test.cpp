@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -19,7 +21,9 @@
 #include <tuple>
 #include <vector>
 
+#include "../common/temp_dir.h"
 #include "cached_check.h"
+#include "engine/io/safetensors.h"
 #include "engine/model/cached_batch.h"
 #include "testmodel/make_model.h"
 #include "tiny_model.h"
@@ -565,6 +569,51 @@ TEST(Qwen35, ConfigReadsTheHubLayout) {
   auto every2 = ModelConfig::Parse(derived.dump());
   ASSERT_TRUE(every2.ok()) << every2.status().message();
   EXPECT_EQ(every2->layer_types, (std::vector<std::string>{kLinear, kFull, kLinear, kFull}));
+}
+
+// The hub's checkpoint layout: config.json the multimodal wrapper with the
+// text model in text_config, the text weights under model.language_model.
+// beside a vision tower and an MTP layer. It loads as the text model and
+// gives the same logprobs as make-model's flat layout.
+TEST(Qwen35, LoadsTheHubsMultimodalCheckpoint) {
+  test::TempDir flat("loom-qwen35-flat"), hub("loom-qwen35-hub");
+  testmodel::MakeModelOptions o;
+  o.arch = kArch;
+  o.seed = 9;
+  ASSERT_TRUE(testmodel::MakeModel(o, flat.path()).ok());
+  auto files = ModelWeights::Open(flat.path());
+  ASSERT_TRUE(files.ok()) << files.status().message();
+  SafetensorsWriter w;
+  for (const auto& [name, view] : files->tensors()) {
+    const std::string hub_name = name.rfind("model.", 0) == 0 ? "model.language_model." + name.substr(6) : name;
+    ASSERT_TRUE(w.Add(hub_name, view.dtype, view.shape, view.data, view.nbytes).ok()) << name;
+  }
+  const std::vector<float> extra(8, 1.0f);  // read by nobody: the vision tower's, the MTP layer's
+  ASSERT_TRUE(w.Add("model.visual.blocks.0.attn.qkv.weight", "F32", {2, 4}, extra.data(), 32).ok());
+  ASSERT_TRUE(w.Add("mtp.layers.0.input_layernorm.weight", "F32", {8}, extra.data(), 32).ok());
+  ASSERT_TRUE(w.Write(hub / "model.safetensors").ok());
+  std::ifstream in(flat / "config.json");
+  nlohmann::json text = nlohmann::json::parse(in);
+  text["model_type"] = "qwen3_5_moe_text";
+  const nlohmann::json config = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
+                                 {"model_type", "qwen3_5_moe"},
+                                 {"tie_word_embeddings", false},
+                                 {"text_config", text},
+                                 {"vision_config", {{"model_type", "qwen3_5_moe"}, {"depth", 1}}}};
+  std::ofstream(hub / "config.json") << config.dump();
+
+  auto a = Transformer::Load(flat.path(), at::kCPU, at::kFloat);
+  auto b = Transformer::Load(hub.path(), at::kCPU, at::kFloat);
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_EQ((*b)->config().model_type, kArch);
+  auto bank = Bank(**a, 1, 4);
+  c10::NoGradGuard no_grad;
+  const std::vector<std::vector<int32_t>> seqs = {Seq(10, 2)};
+  const PackedBatch batch = PackedBatch::Make(seqs, {-1}, at::kCPU);
+  const at::Tensor want = (*a)->TargetLogprobs((*a)->Hidden(batch, *bank), NextTokens(seqs), batch, *bank);
+  const at::Tensor got = (*b)->TargetLogprobs((*b)->Hidden(batch, *bank), NextTokens(seqs), batch, *bank);
+  EXPECT_EQ(MaxDiff(got, want), 0.0);
 }
 
 // The real preset's checkpoint names and shapes (the text model of the hub
