@@ -269,15 +269,27 @@ std::string MakeTokenizerJson(int64_t vocab_size) {
 
 // ------------------------------------------------------------ writing
 
-Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
+Result<ModelConfig> MakeModelConfig(const MakeModelOptions& options) {
   auto cfg = PresetConfig(options.arch, options.preset, options.dtype);
   if (!cfg.ok()) return cfg.status();
   if (options.layers < 0) return Status::Invalid("layers must be >= 0 (0: the preset's)");
   if (options.layers > 0) {
     cfg->num_hidden_layers = options.layers;
-    if (!cfg->layer_types.empty())  // keep the alternation over the new layer count (gpt_oss)
-      cfg->layer_types = engine::AlternatingLayerTypes(options.layers);
+    // The preset's per-layer pattern over the new layer count (gpt_oss's
+    // alternation, mimo's 5:1, qwen3_5's 3:1, GLM-5.2's indexers).
+    for (std::vector<std::string>* types : {&cfg->layer_types, &cfg->indexer_types}) {
+      if (types->empty()) continue;
+      std::vector<std::string> kept;
+      for (int64_t i = 0; i < options.layers; ++i) kept.push_back((*types)[static_cast<size_t>(i) % types->size()]);
+      *types = std::move(kept);
+    }
   }
+  return cfg;
+}
+
+Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
+  auto cfg = MakeModelConfig(options);
+  if (!cfg.ok()) return cfg.status();
   const ModelConfig& c = cfg.value();
   if (c.vocab_size < 258) return Status::Invalid("vocab_size must be at least 258 for a byte-level tokenizer");
   namespace fs = std::filesystem;

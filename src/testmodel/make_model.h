@@ -30,6 +30,11 @@ struct MakeModelOptions {
 // Invalid names the flag: "arch", "preset" or "dtype".
 Result<engine::ModelConfig> PresetConfig(const std::string& arch, const std::string& preset, const std::string& dtype = "");
 
+// The config MakeModel writes: the preset's, with options.layers decoder
+// layers when set, each per-layer list (layer_types, indexer_types) the
+// preset's pattern from its first layer on (repeated past its end).
+Result<engine::ModelConfig> MakeModelConfig(const MakeModelOptions& options);
+
 // The names, shapes and order of the base weights written for config
 // (HF names: model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight, ...;
 // lm_head.weight only when embeddings are not tied).

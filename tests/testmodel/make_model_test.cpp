@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "engine/io/safetensors.h"
 
@@ -220,6 +223,36 @@ TEST(MakeModel, NamedPresetsHaveTheRealShapes) {
   ASSERT_TRUE(tiny.ok());
   EXPECT_EQ(tiny->torch_dtype, "float32");
   EXPECT_EQ(PresetConfig("qwen3", "qwen3-4b", "fp32")->torch_dtype, "float32");
+}
+
+// --layers keeps each real preset's per-layer pattern from its first layer
+// on, and the config it writes parses back (a list of the preset's length
+// would be refused against the new layer count).
+TEST(MakeModel, FewerLayersKeepThePresetsLayerPattern) {
+  for (const auto& [arch, preset] : std::vector<std::pair<std::string, std::string>>{
+           {"gpt_oss", "gpt-oss-20b"}, {"mimo_v2_flash", "mimo-v2-flash"}, {"glm_moe_dsa", "glm-5.2"},
+           {"qwen3_5_moe_text", "qwen3.5-35b-a3b"}, {"deepseek_v2", "deepseek-v2-lite"}}) {
+    auto full = PresetConfig(arch, preset);
+    ASSERT_TRUE(full.ok()) << preset;
+    for (int64_t layers : {4, 8}) {
+      MakeModelOptions o;
+      o.arch = arch;
+      o.preset = preset;
+      o.layers = layers;
+      auto c = MakeModelConfig(o);
+      ASSERT_TRUE(c.ok()) << preset << ": " << c.status().message();
+      EXPECT_EQ(c->num_hidden_layers, layers) << preset;
+      for (const auto& [mine, theirs] : {std::pair{&c->layer_types, &full->layer_types},
+                                          std::pair{&c->indexer_types, &full->indexer_types}}) {
+        ASSERT_EQ(mine->size(), theirs->empty() ? 0u : static_cast<size_t>(layers)) << preset;
+        EXPECT_TRUE(std::equal(mine->begin(), mine->end(), theirs->begin())) << preset;
+      }
+      auto back = engine::ModelConfig::Parse(c->ToJson());
+      ASSERT_TRUE(back.ok()) << preset << " at " << layers << " layers: " << back.status().message();
+      EXPECT_EQ(back->layer_types, c->layer_types) << preset;
+      EXPECT_EQ(back->indexer_types, c->indexer_types) << preset;
+    }
+  }
 }
 
 TEST(MakeModel, BadFlagsNameTheFlag) {
