@@ -16,6 +16,7 @@
 
 #include "cli/commands.h"
 #include "cli/decode_flags.h"
+#include "cli/serve_replica.h"
 #include "cli/slot_plan.h"
 #include "cli/step_flags.h"
 #include "common/log.h"
@@ -24,6 +25,8 @@
 #include "http/auth.h"
 #include "http/router.h"
 #include "http/server.h"
+#include "replica/remote_sampler.h"
+#include "replica/replica_handler.h"
 #include "service/service.h"
 #include "store/registry.h"
 #include "testmodel/make_model.h"
@@ -152,6 +155,11 @@ int Serve(int argc, char** argv) {
   app.add_option("--max-models-per-tenant", max_models_per_tenant, "live training models (adapter slots) one tenant may hold; 0 = no limit (default: max(1, max-adapters/4) with --api-keys, no limit in open mode)")->check(CLI::Range(0, 4096));
   app.add_option("--context-window", context_window, "context window W for training and sampling (0 = the model config's)")->default_val(context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   const DecodeFlags decode_flags(app);
+  std::string role = "all", replica_key;
+  std::vector<std::string> sampler_replicas;
+  app.add_option("--role", role, "all: the Tinker API, the trainer and a sampler in this process (the default); sampler: a sampler replica that a gateway sends samples to (--sampler-replicas there), serving only its internal API")->default_val(role)->check(CLI::IsMember({"all", "sampler"}));
+  app.add_option("--sampler-replicas", sampler_replicas, "HOST:PORT of each sampler replica (`loom serve --role sampler`), comma-separated: this process becomes the gateway and trainer, and every asample goes to a live replica that has its snapshot warm (resubmitted elsewhere if that replica dies); the replicas read snapshots from this --data-dir, so they must see it at the same path")->delimiter(',');
+  app.add_option("--replica-key", replica_key, "shared secret between the gateway and its sampler replicas (X-Replica-Key); required to bind a replica to a non-loopback address");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -184,6 +192,35 @@ int Serve(int argc, char** argv) {
   }
   auto models = ParseModels(model_dirs, model_name);
   if (!models.ok()) return Fail(models.status().message());
+  // The sampler's options from the flags (colocated or a replica).
+  const auto sampler_options = [&](const std::string& dir, int trainer_slots, int rank, int64_t window) {
+    engine::SamplerOptions samp;
+    samp.model_dir = dir;
+    samp.sampler_adapters = sampler_adapters;
+    samp.trainer_slots = trainer_slots;
+    samp.max_rank = rank;
+    samp.kv_budget_tokens = kv_budget_tokens;
+    samp.max_batch_rows = max_batch_rows;
+    step_flags.Apply(&samp);
+    samp.prefix_cache = prefix_cache == "on";
+    samp.context_window = window;
+    samp.admission_window = std::chrono::milliseconds(batch_window_ms);
+    samp.decode = decode_flags.options();
+    return samp;
+  };
+  if (role == "sampler") {
+    if (models->size() != 1) return Fail("--role sampler: a replica serves one --model");
+    if (!sampler_replicas.empty()) return Fail("--sampler-replicas: only the gateway names replicas, not --role sampler");
+    if (replica_key.empty() && !http::IsLoopbackHost(host))
+      return Fail("--host " + host + ": a sampler replica on a non-loopback address needs --replica-key");
+    return ServeSamplerReplica(
+        models->front().dir, device,
+        sampler_options(models->front().dir, max_adapters, max_rank, context_window),
+        SamplerReplicaServing{host, port, io_threads, decode_threads, decode_queue, max_connections, max_body_bytes,
+                              std::chrono::milliseconds(static_cast<int64_t>(poll_hold * 1000)), replica_key});
+  }
+  if (!sampler_replicas.empty() && models->size() != 1)
+    return Fail("--sampler-replicas: replicas serve one base model; serve one --model with them");
 
   // Signals go to the waiting main thread only: block them before any thread starts.
   sigset_t signals;
@@ -211,23 +248,36 @@ int Serve(int argc, char** argv) {
     auto engine = engine::Engine::Open(eopt);
     if (!engine.ok()) return Fail(flag + ": " + engine.status().message());
     std::fprintf(stderr, "loom serve: %s%s\n", tag.c_str(), DescribeSlotPlan((*engine)->info()).c_str());
-    // The sampler shares the trainer's frozen base (held once).
-    engine::SamplerOptions samp;
-    samp.model_dir = m.dir;
-    samp.sampler_adapters = sampler_adapters;
-    samp.trainer_slots = (*engine)->info().max_slots;
-    samp.max_rank = (*engine)->info().max_rank;
-    samp.kv_budget_tokens = kv_budget_tokens;
-    samp.max_batch_rows = max_batch_rows;
-    step_flags.Apply(&samp);
-    samp.prefix_cache = prefix_cache == "on";
-    samp.context_window = (*engine)->info().context_window;
-    samp.admission_window = std::chrono::milliseconds(batch_window_ms);
-    samp.decode = decode_flags.options();
-    auto sampler = engine::Sampler::Open((*engine)->SharedModel(), samp);
-    if (!sampler.ok()) return Fail(flag + ": sampler: " + sampler.status().message());
-    std::fprintf(stderr, "loom serve: %ssampler: %d adapter slots\n", tag.c_str(), (*sampler)->info().sampler_adapters);
-    opened.push_back({m.name, std::move(*engine), std::move(*sampler), 0});
+    const engine::ModelInfo& trainer = (*engine)->info();
+    std::unique_ptr<engine::Sampler> sampler;
+    if (!sampler_replicas.empty()) {
+      // The gateway: samples go to the replicas, which must agree with the
+      // trainer on the context window and take its largest rank.
+      replica::RemoteOptions ropt;
+      ropt.replicas = sampler_replicas;
+      ropt.key = replica_key;
+      auto remote = replica::RemoteSampler::Open(ropt);
+      if (!remote.ok()) return Fail(remote.status().message());
+      const engine::SamplerInfo& ri = (*remote)->info();
+      if (ri.context_window != trainer.context_window || ri.vocab_size != trainer.vocab_size)
+        return Fail(fmt::format("--sampler-replicas: the replicas serve a vocabulary of {} and a context window of {}, "
+                                "the trainer {} and {}: start them on the same --model and --context-window",
+                                ri.vocab_size, ri.context_window, trainer.vocab_size, trainer.context_window));
+      if (ri.max_rank < trainer.max_rank)
+        return Fail(fmt::format("--sampler-replicas: the replicas take ranks up to {}, the trainer up to {}: start "
+                                "them with --max-rank {}", ri.max_rank, trainer.max_rank, trainer.max_rank));
+      std::fprintf(stderr, "loom serve: sampling on %zu replicas (%d adapter slots each at least)\n",
+                   sampler_replicas.size(), ri.sampler_adapters);
+      sampler = std::move(*remote);
+    } else {
+      // The sampler shares the trainer's frozen base (held once).
+      auto local = engine::Sampler::Open(
+          (*engine)->SharedModel(), sampler_options(m.dir, trainer.max_slots, trainer.max_rank, trainer.context_window));
+      if (!local.ok()) return Fail(flag + ": sampler: " + local.status().message());
+      std::fprintf(stderr, "loom serve: %ssampler: %d adapter slots\n", tag.c_str(), (*local)->info().sampler_adapters);
+      sampler = std::move(*local);
+    }
+    opened.push_back({m.name, std::move(*engine), std::move(sampler), 0});
   }
   // After every sampler's KV cache is allocated: the pass limit is what is
   // left, and the models' passes may run at once, so each gets an equal share.
@@ -301,12 +351,13 @@ int Serve(int argc, char** argv) {
   for (const auto& base : service.bases()) names += (names.empty() ? "" : ",") + base->name;
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
               "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s capacity_wait_s=%g session_ttl_s=%g "
-              "data_dir=%s%s max_connections=%d\n",
+              "data_dir=%s%s max_connections=%d role=%s\n",
               host.c_str(), server.port(), names.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
               static_cast<long long>(info.slot_bytes / (1024 * 1024)), info.moments_on_host ? "host" : "device", sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
-              capacity_wait, session_ttl, data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections());
+              capacity_wait, session_ttl, data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections(),
+              sampler_replicas.empty() ? "all" : "gateway");
   std::fflush(stdout);
 
   int sig = 0;

@@ -33,6 +33,7 @@
 #include "engine/api.h"
 #include "engine/io/peft_snapshot.h"
 #include "engine/lora/slot_bank.h"
+#include "engine/model/device.h"
 #include "engine/model/transformer.h"
 #include "engine/train/adamw.h"
 #include "engine/train/forward_backward.h"
@@ -463,22 +464,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.graph_max_tokens < 0)
     return Status::Invalid(Cat("graph_max_tokens: ", options.graph_max_tokens, " must be >= 0"));
   at::Device device = at::kCPU;
-  if (options.device == "cuda" || (options.device == "auto" && at::hasCUDA())) {
-    if (!at::hasCUDA()) return Status::Invalid("device: cuda was asked for but this build or machine has no CUDA");
-    device = at::Device(at::kCUDA, 0);
-  } else if (options.device != "cpu" && options.device != "auto") {
-    return Status::Invalid(Cat("device: '", options.device, "' is not auto, cpu or cuda"));
-  }
-  at::ScalarType dtype;
-  if (options.dtype == "auto") {
-    dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
-  } else if (options.dtype == "bf16" || options.dtype == "bfloat16") {
-    dtype = at::kBFloat16;
-  } else if (options.dtype == "fp32" || options.dtype == "float32") {
-    dtype = at::kFloat;
-  } else {
-    return Status::Invalid(Cat("dtype: '", options.dtype, "' is not auto, bf16 or fp32"));
-  }
+  if (Status s = ResolveDevice(options.device, &device); !s.ok()) return s;
+  auto resolved_dtype = ResolveDtype(options.dtype, device);
+  if (!resolved_dtype.ok()) return resolved_dtype.status();
+  const at::ScalarType dtype = *resolved_dtype;
   const int threads = options.threads > 0 ? options.threads
                                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   at::set_num_threads(threads);

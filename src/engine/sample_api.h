@@ -122,7 +122,20 @@ struct SamplerInfo {
   int sampler_adapters = 0;
   bool has_tokenizer = false;
   std::vector<int32_t> eos_token_ids;
+  int32_t max_num_samples = 0;    // num_samples a call may ask for (max_num_samples, at most max_batch_rows)
+  int max_rank = 0;               // the largest LoRA rank of a snapshot it samples
 };
+
+// Blocks of block_size tokens one call needs at most: every sample holds
+// prompt + max_tokens - 1 positions (the last token is never fed back); the
+// prompt's full blocks are shared by all samples.
+int64_t KvBlocksWorstCase(int64_t block_size, int64_t prompt_len, int64_t max_tokens, int64_t num_samples);
+
+// Sampler::Validate's checks against what `info` says of a sampler: the same
+// answer for the in-process sampler and for a gateway in front of replicas
+// (replica/remote_sampler.h). Status::Invalid naming the field and the
+// limit; NotFound for a snapshot directory without adapter_config.json.
+Status ValidateSampleCall(const SamplerInfo& info, const SampleCall& call);
 
 // Counters for tests, metrics and the bench. Read with stats().
 struct SamplerStats {
@@ -165,6 +178,13 @@ class Sampler {
   // queued or running then complete with Status::Unavailable.
   static Result<std::unique_ptr<Sampler>> Open(std::shared_ptr<const Transformer> model,
                                                const SamplerOptions& options);
+  // A sampler with a base of its own, loaded from options.model_dir on
+  // `device` (auto | cpu | cuda) in `dtype` (auto | bf16 | fp32): a sampler
+  // replica (`loom serve --role sampler`), which has no trainer to share
+  // the base with. options.max_rank 0 = the trainer's default for the
+  // model (kAutoDenseRank, or kAutoMoeRank for mixture-of-experts).
+  static Result<std::unique_ptr<Sampler>> OpenStandalone(const std::string& device, const std::string& dtype,
+                                                         SamplerOptions options);
   virtual ~Sampler() = default;
 
   virtual const SamplerInfo& info() const = 0;

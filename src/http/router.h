@@ -33,36 +33,10 @@
 #include <vector>
 
 #include "http/auth.h"
+#include "http/handler.h"
 #include "service/service.h"
 
 namespace loom::http {
-
-struct HttpRequest {
-  std::string method;                          // "GET", "POST", ...
-  std::string target;                          // path + "?" + query, as received
-  std::map<std::string, std::string> headers;  // names lower-cased; a repeated one keeps its last value
-  std::vector<std::string> repeated_headers;   // lower-cased names that came more than once
-  std::string body;
-
-  std::string header(const std::string& lower_name) const {
-    auto it = headers.find(lower_name);
-    return it == headers.end() ? std::string() : it->second;
-  }
-};
-
-struct HttpResponse {
-  int status = 200;
-  std::string content_type = "application/json";
-  std::string body;
-  std::vector<std::pair<std::string, std::string>> headers;  // extra headers
-};
-
-struct RouteOutcome {
-  HttpResponse response;
-  // Non-empty: a pending retrieve_future. Wait for this future (up to the
-  // poll hold), then answer with AnswerPoll(request).
-  std::string park_request_id;
-};
 
 struct RouterOptions {
   size_t max_body_bytes = size_t{512} << 20;  // after zstd decoding too
@@ -73,21 +47,21 @@ struct RouterOptions {
 // the I/O thread handles them itself.
 constexpr size_t kInlineBodyBytes = 64 * 1024;
 
-class Router {
+class Router final : public RequestHandler {
  public:
   Router(service::Service& service, const ApiKeys& keys, RouterOptions options);
 
-  RouteOutcome Handle(const HttpRequest& request);
+  RouteOutcome Handle(const HttpRequest& request) override;
   // The final answer of a parked retrieve_future (request_id is the
   // outcome's park_request_id; the body is not decoded again): the result if
   // done by now, else {"type":"try_again"}.
-  HttpResponse AnswerPoll(const HttpRequest& request, const std::string& request_id);
+  HttpResponse AnswerPoll(const HttpRequest& request, const std::string& request_id) override;
   // The tenant when Handle(request) may take time that grows with the body
   // (a Content-Encoding, forward_backward's protobuf, a body over
   // kInlineBodyBytes); "" when it is bounded (including every request that
   // does not authenticate: Handle answers 401 before decoding anything).
   // Cheap: no decoding.
-  std::string HeavyFor(const HttpRequest& request) const;
+  std::string HeavyFor(const HttpRequest& request) const override;
 
   // JSON error answer for a Status (also used by the server for 413 etc.).
   static HttpResponse Error(const Status& status);

@@ -19,6 +19,8 @@
 
 #include "common/log.h"
 #include "common/tenant_gate.h"
+#include "http/router.h"
+#include "service/future_table.h"
 
 namespace loom::http {
 
@@ -111,7 +113,7 @@ int ConnectionCapWithin(int wanted, int64_t open_files_limit) {
 }
 
 struct HttpServer::Impl {
-  Router& router;
+  RequestHandler& router;
   service::FutureTable& futures;
   ServerOptions options;
   asio::io_context ioc;
@@ -133,7 +135,7 @@ struct HttpServer::Impl {
   std::mutex parked_mu;
   std::set<std::shared_ptr<asio::steady_timer>> parked;
 
-  Impl(Router& r, service::FutureTable& f, ServerOptions o)
+  Impl(RequestHandler& r, service::FutureTable& f, ServerOptions o)
       : router(r), futures(f), options(std::move(o)), decode_gate(options.decode_queue) {}
 
   asio::awaitable<void> Accept() {
@@ -350,7 +352,7 @@ struct HttpServer::Impl {
   }
 };
 
-HttpServer::HttpServer(Router& router, service::FutureTable& futures, ServerOptions options)
+HttpServer::HttpServer(RequestHandler& router, service::FutureTable& futures, ServerOptions options)
     : impl_(std::make_unique<Impl>(router, futures, std::move(options))) {}
 
 HttpServer::~HttpServer() { Stop(std::chrono::milliseconds(0)); }

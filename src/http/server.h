@@ -1,12 +1,13 @@
 // HttpServer: HTTP/1.1 (keep-alive) on Boost.Beast + Asio with C++20
-// coroutines, serving a Router on a few I/O threads. A pending
+// coroutines, serving a RequestHandler (the Tinker API's Router, or a sampler
+// replica's API) on a few I/O threads. A pending
 // retrieve_future is parked on a timer that the future's completion cancels,
 // so thousands of held polls cost no threads and I/O threads never wait on
 // the engine.
 //
 // Invariants:
 //  - I/O threads do only bounded work: they read and write, and handle a
-//    request inline only when Router::HeavyFor() says it is cheap. Heavy
+//    request inline only when HeavyFor() says it is cheap. Heavy
 //    requests (zstd, protobuf, large bodies) run on a decode pool of
 //    decode_threads, at most decode_queue queued or running (then 503), at
 //    most half of that for one tenant (then 429); both are retryable.
@@ -27,7 +28,11 @@
 #include <string>
 
 #include "common/status.h"
-#include "http/router.h"
+#include "http/handler.h"
+
+namespace loom::service {
+class FutureTable;
+}
 
 namespace loom::http {
 
@@ -53,7 +58,9 @@ struct ServerOptions {
 
 class HttpServer {
  public:
-  HttpServer(Router& router, service::FutureTable& futures, ServerOptions options);
+  // handler: the Tinker API (Router) or a replica's API; futures: where its
+  // parked requests' futures complete.
+  HttpServer(RequestHandler& handler, service::FutureTable& futures, ServerOptions options);
   ~HttpServer();
   HttpServer(const HttpServer&) = delete;
   HttpServer& operator=(const HttpServer&) = delete;

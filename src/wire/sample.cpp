@@ -181,6 +181,25 @@ SampleResult SampleResultOf(const tinker::SampleOutput& output) {
   return r;
 }
 
+tinker::SampleOutput SampleOutputOf(const SampleResult& result) {
+  tinker::SampleOutput out;
+  for (const SampledSequence& w : result.sequences) {
+    tinker::SampledSequence s;
+    s.stop_reason = w.stop_reason == StopReason::kStop ? tinker::StopReason::kStop : tinker::StopReason::kLength;
+    s.tokens = w.tokens;
+    s.logprobs = w.logprobs;
+    out.sequences.push_back(std::move(s));
+  }
+  out.prompt_logprobs = result.prompt_logprobs;
+  out.prompt_cache_hit_tokens = result.prompt_cache_hit_tokens;
+  if (result.topk_prompt_logprobs && result.topk_prompt_logprobs->k > 0) {
+    out.topk = static_cast<int32_t>(result.topk_prompt_logprobs->k);
+    out.topk_token_ids = result.topk_prompt_logprobs->token_ids;
+    out.topk_logprobs = result.topk_prompt_logprobs->logprobs;
+  }
+  return out;
+}
+
 Result<std::string> EncodeSampleResponse(const SampleResult& result) {
   pb::SampleResponse msg;
   for (size_t i = 0; i < result.sequences.size(); ++i) {

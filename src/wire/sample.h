@@ -48,6 +48,8 @@ struct SampleResult {
 
 // The sampler's output as the SampleResponse to encode.
 SampleResult SampleResultOf(const tinker::SampleOutput& output);
+// The inverse: what a gateway hands on after decoding a replica's answer.
+tinker::SampleOutput SampleOutputOf(const SampleResult& result);
 
 // Protobuf SampleResponse bytes. Fails (kInternal) if a sequence's logprobs
 // length differs from its tokens, or top-k sizes differ from N*K.

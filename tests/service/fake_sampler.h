@@ -27,6 +27,13 @@ class FakeSampler : public engine::Sampler {
     info_.vocab_size = vocab;
     info_.context_window = context_window;
     info_.sampler_adapters = 2;
+    // The limits engine::ValidateSampleCall reads (a gateway in front of this
+    // fake checks calls against them): roomy.
+    info_.max_num_samples = 16;
+    info_.max_rank = 32;
+    info_.block_size = 16;
+    info_.kv_blocks = 1024;
+    info_.kv_tokens = info_.kv_blocks * info_.block_size;
     thread_ = std::thread([this] { Run(); });
   }
   ~FakeSampler() override {

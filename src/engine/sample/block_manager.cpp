@@ -1,5 +1,7 @@
 #include "engine/sample/block_manager.h"
 
+#include "engine/sample_api.h"
+
 #include <algorithm>
 #include <stdexcept>
 
@@ -18,10 +20,7 @@ BlockManager::BlockManager(int64_t num_blocks, int64_t block_size)
 }
 
 int64_t BlockManager::WorstCase(int64_t prompt_len, int64_t max_tokens, int64_t num_samples) const {
-  const int64_t ctx = std::max(prompt_len, prompt_len + max_tokens - 1);
-  const int64_t per_sample = (ctx + block_size_ - 1) / block_size_;
-  const int64_t shared = prompt_len / block_size_;
-  return per_sample + (num_samples - 1) * (per_sample - shared);
+  return KvBlocksWorstCase(block_size_, prompt_len, max_tokens, num_samples);
 }
 
 bool BlockManager::Reserve(int64_t n) {

@@ -25,6 +25,8 @@
 
 #include "common/batch_window.h"
 #include "engine/io/peft_snapshot.h"
+#include "engine/api.h"
+#include "engine/model/device.h"
 #include "engine/model/transformer.h"
 #include "engine/sample/scheduler.h"
 #include "engine/sample_api.h"
@@ -119,54 +121,7 @@ class SamplerImpl final : public Sampler {
 
   const SamplerInfo& info() const override { return info_; }
 
-  Status Validate(const SampleCall& c) const override {
-    const int64_t P = static_cast<int64_t>(c.prompt.size()), W = info_.context_window;
-    if (P == 0) return Status::Invalid("prompt must have at least one token");
-    for (size_t i = 0; i < c.prompt.size(); ++i)
-      if (c.prompt[i] < 0 || c.prompt[i] >= info_.vocab_size)
-        return Status::Invalid("prompt token " + std::to_string(i) + " is " + std::to_string(c.prompt[i]) +
-                               ", outside the vocabulary [0, " + std::to_string(info_.vocab_size) + ")");
-    const int32_t max_samples = std::min(options_.max_num_samples, options_.max_batch_rows);
-    if (c.num_samples < 1 || c.num_samples > max_samples)
-      return Status::Invalid("num_samples " + std::to_string(c.num_samples) + " must be in [1, " +
-                             std::to_string(max_samples) + "]");
-    const SamplingParams& p = c.params;
-    if (p.max_tokens && *p.max_tokens < 0)
-      return Status::Invalid("sampling_params.max_tokens " + std::to_string(*p.max_tokens) + " must be >= 0");
-    if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
-      return Status::Invalid("sampling_params.temperature must be a finite number >= 0");
-    if (p.top_k != -1 && p.top_k < 1)
-      return Status::Invalid("sampling_params.top_k " + std::to_string(p.top_k) + " must be -1 (off) or >= 1");
-    if (!(p.top_p > 0 && p.top_p <= 1)) return Status::Invalid("sampling_params.top_p must be in (0, 1]");
-    for (int32_t t : p.stop_tokens)
-      if (t < 0 || t >= info_.vocab_size)
-        return Status::Invalid("sampling_params.stop token " + std::to_string(t) + " is outside the vocabulary [0, " +
-                               std::to_string(info_.vocab_size) + ")");
-    if (!p.stop_strings.empty() && !detok_)
-      return Status::Invalid("sampling_params.stop: stop strings need tokenizer.json in the model directory");
-    for (const std::string& s : p.stop_strings)
-      if (s.empty()) return Status::Invalid("sampling_params.stop: a stop string is empty");
-    if (c.topk_prompt_logprobs < 0 || c.topk_prompt_logprobs > info_.vocab_size)
-      return Status::Invalid("topk_prompt_logprobs " + std::to_string(c.topk_prompt_logprobs) + " must be in [0, " +
-                             std::to_string(info_.vocab_size) + "]");
-    if (P > W)
-      return Status::Invalid("prompt has " + std::to_string(P) + " tokens, more than the context window of " +
-                             std::to_string(W));
-    const int64_t max_tokens = p.max_tokens ? *p.max_tokens : W - P;
-    if (P + max_tokens > W)
-      return Status::Invalid("prompt (" + std::to_string(P) + " tokens) + max_tokens (" + std::to_string(max_tokens) +
-                             ") = " + std::to_string(P + max_tokens) + " exceeds the context window of " +
-                             std::to_string(W));
-    const sample::BlockManager& blocks = scheduler_->blocks();  // num_blocks/block_size are immutable
-    const int64_t need = blocks.WorstCase(P, max_tokens, c.num_samples);
-    if (need > info_.kv_blocks)
-      return Status::Invalid("the request needs " + std::to_string(need * info_.block_size) +
-                             " KV cache tokens (prompt + max_tokens for each of num_samples), more than the "
-                             "sampler's KV budget of " + std::to_string(info_.kv_tokens));
-    if (!c.adapter_dir.empty() && !fs::exists(fs::path(c.adapter_dir) / "adapter_config.json"))
-      return Status::NotFound("sampler snapshot " + c.adapter_dir + " has no adapter_config.json");
-    return Status::Ok();
-  }
+  Status Validate(const SampleCall& c) const override { return ValidateSampleCall(info_, c); }
 
   void Submit(SampleCall call, SampleCallback done) override {
     if (Status s = Validate(call); !s.ok()) {
@@ -350,9 +305,28 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
     }
   }
   info.has_tokenizer = detok != nullptr;
+  info.max_num_samples = std::min(options.max_num_samples, options.max_batch_rows);
+  info.max_rank = options.max_rank;
   SamplerOptions chosen = options;
   chosen.sampler_adapters = info.sampler_adapters;
   return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), chosen, std::move(detok), std::move(info)));
+}
+
+Result<std::unique_ptr<Sampler>> Sampler::OpenStandalone(const std::string& device, const std::string& dtype,
+                                                         SamplerOptions options) {
+  at::Device dev = at::kCPU;
+  if (Status s = ResolveDevice(device, &dev); !s.ok()) return s;
+  auto type = ResolveDtype(dtype, dev);
+  if (!type.ok()) return type.status();
+  if (options.max_rank < 0) return Status::Invalid("sampler max_rank must be >= 1, or 0 (auto)");
+  try {
+    auto model = Transformer::Load(options.model_dir, dev, *type);
+    if (!model.ok()) return model.status();
+    if (options.max_rank == 0) options.max_rank = (*model)->config().num_experts > 0 ? kAutoMoeRank : kAutoDenseRank;
+    return Open(std::shared_ptr<const Transformer>(std::move(*model)), options);
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("loading the model for the sampler: ") + e.what());
+  }
 }
 
 }  // namespace loom::engine

@@ -1,0 +1,19 @@
+// Where and in what precision a base model is loaded: the --device and
+// dtype words of `loom serve` (auto | cpu | cuda; auto | bf16 | fp32), read
+// the same way by the trainer (Engine::Open) and by a standalone sampler
+// (Sampler::OpenStandalone).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "common/status.h"
+
+namespace loom::engine {
+
+// auto = the first GPU when this build and machine have one, else the CPU.
+Status ResolveDevice(const std::string& device, at::Device* out);
+// auto = bf16 on a GPU, fp32 on the CPU.
+Result<at::ScalarType> ResolveDtype(const std::string& dtype, at::Device device);
+
+}  // namespace loom::engine
