@@ -20,7 +20,8 @@ done
 PKGS="libtorch-dev libopenblas0-openmp libboost1.81-dev nlohmann-json3-dev libfmt-dev libspdlog-dev
       libcli11-dev libprotobuf-dev protobuf-compiler libzstd-dev libsqlite3-dev libgtest-dev libgmock-dev
       googletest libbenchmark-dev cmake ninja-build g++ pkg-config python3 clang libclang-rt-14-dev
-      chromium"  # chromium: the dashboard's browser test (tests/integration/dashboard_browser_test.cpp)
+      libgloo-dev chromium"  # chromium: the dashboard's browser test (tests/integration/dashboard_browser_test.cpp)
+# libgloo-dev: the headers of libtorch's c10d Gloo process group (tensor parallel on the CPU, engine/model/parallel.h)
 
 if [ "$mode" = cpu ]; then
   missing=$(dpkg-query -W -f='${Package} ${Status}\n' $PKGS 2>/dev/null | grep -vc "install ok installed" || true)

@@ -69,6 +69,15 @@ struct EngineOptions {
   // parameter on the device, 8 on the host), or "auto": the device when
   // max_slots fit there, else the host when they fit that way.
   std::string moments = "auto";
+  // Tensor parallel (engine/model/parallel.h): this process is rank
+  // tp_rank of tp_size, meeting the others at the rendezvous file tp_store
+  // (a fresh path on a filesystem every rank sees). Every rank makes the
+  // same engine calls in the same order (`loom serve --tp N` replays rank
+  // 0's calls on its workers); every rank's results are the same, rank 0's
+  // checkpoints and snapshots are the whole adapter (the others write none).
+  int tp_rank = 0;
+  int tp_size = 1;
+  std::string tp_store;
   // The share of the memory admitted for slots (see kAutoSlotShare) this
   // engine plans and checks its slots against, in (0, 1]: `loom serve` with
   // N base models gives each 1/N, so that together they fit.

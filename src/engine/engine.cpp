@@ -41,6 +41,7 @@
 #include "engine/train/memory_plan.h"
 #include "engine/train/pass_graphs.h"
 #include "engine/train/loss_spec.h"
+#include "engine/train/split_state.h"
 #include "engine/train/state.h"
 
 namespace loom::engine {
@@ -61,10 +62,25 @@ class TrainingEngine final : public Engine {
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
         optimizer_(bank_, info_.moments_on_host),
-        graphs_(train::PassGraphs::Options{model_->device().is_cuda() ? options.graph_max_tokens : 0,
-                                           /*capture=*/true,
-                                           [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
+        // No training graphs across ranks: a captured pass would hold the group's collectives.
+        graphs_(train::PassGraphs::Options{
+            model_->device().is_cuda() && !model_->parallel().split() ? options.graph_max_tokens : 0,
+            /*capture=*/true, [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
     bank_.set_lora_fp32(options.lora_fp32);
+    tp_ = model_->parallel().group.get();
+    if (tp_ != nullptr) {
+      optimizer_.set_parallel(tp_);
+      // The flat columns whose gradient is a part per rank (kPartial).
+      std::vector<int64_t> cols;
+      for (const LoraTarget& t : bank_.targets()) {
+        for (bool a : {true, false}) {
+          if ((a ? t.a_shard : t.b_shard).kind != ShardKind::kPartial) continue;
+          const int64_t begin = a ? t.a_col : t.b_col, n = a ? t.AElems(bank_.max_rank()) : t.BElems(bank_.max_rank());
+          for (int64_t c = begin; c < begin + n; ++c) cols.push_back(c);
+        }
+      }
+      partial_cols_ = at::tensor(cols, at::kLong).to(model_->device());
+    }
   }
 
   const ModelInfo& info() const override { return info_; }
@@ -193,9 +209,17 @@ class TrainingEngine final : public Engine {
       }
       const train::PassPlan plan = Plan(calls);
       if (!plan.fits) return Refuse(calls, plan);
+      at::Tensor slots, partial_before;
+      if (tp_ != nullptr && !before.empty()) {
+        std::vector<int64_t> ids;
+        for (const train::GradMark& m : before) ids.push_back(m.slot);
+        slots = at::tensor(ids, at::kLong).to(model_->device());
+        partial_before = bank_.flat_grad().index_select(0, slots).index_select(1, partial_cols_);
+      }
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window,
                                        plan.recompute_layers,
                                        graphs_.options().max_tokens > 0 ? &graphs_ : nullptr);
+      if (partial_before.defined()) SumPartialGradients(slots, partial_before);
     } catch (const std::exception& e) {
       for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
       for (auto& r : results)
@@ -252,6 +276,11 @@ class TrainingEngine final : public Engine {
 
   Status SaveState(int slot, const std::string& dir) override {
     try {
+      if (tp_ != nullptr) {  // the whole adapter, written by rank 0
+        if (!Bound(slot)) return train::SaveSlotState(bank_, optimizer_, slot, dir);  // its error, on every rank
+        train::WholeSlot whole = train::GatherSlot(bank_, optimizer_, slot, model_->WholeLoraTargets(), *tp_);
+        return tp_->rank() == 0 ? train::SaveSlotState(*whole.bank, *whole.optimizer, 0, dir) : Status::Ok();
+      }
       return train::SaveSlotState(bank_, optimizer_, slot, dir);
     } catch (const std::exception& e) {
       return FromException("save_state", e);
@@ -260,6 +289,13 @@ class TrainingEngine final : public Engine {
 
   Status LoadState(int slot, const std::string& dir, bool with_optimizer) override {
     try {
+      if (tp_ != nullptr && Bound(slot)) {  // every rank reads the whole adapter and keeps its part
+        train::WholeSlot whole = train::MakeWholeSlot(bank_, model_->WholeLoraTargets());
+        if (Status s = whole.bank->Bind(0, bank_.slot(slot).config); !s.ok()) return s;
+        if (Status s = train::LoadSlotState(*whole.bank, *whole.optimizer, 0, dir, with_optimizer); !s.ok()) return s;
+        train::ScatterSlot(whole, bank_, optimizer_, slot);
+        return Status::Ok();
+      }
       return train::LoadSlotState(bank_, optimizer_, slot, dir, with_optimizer);
     } catch (const std::exception& e) {
       return FromException("load_state", e);
@@ -271,6 +307,12 @@ class TrainingEngine final : public Engine {
       return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
     if (!bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
     try {
+      if (tp_ != nullptr) {  // the whole adapter (every rank gathers; rank 0's is the one used)
+        train::WholeSlot whole = train::GatherSlot(bank_, optimizer_, slot, model_->WholeLoraTargets(), *tp_);
+        auto snapshot = PeftSnapshot::Take(*whole.bank, 0);
+        if (!snapshot.ok()) return snapshot.status();
+        return std::shared_ptr<const SlotSnapshot>(std::move(*snapshot));
+      }
       auto snapshot = PeftSnapshot::Take(bank_, slot);
       if (!snapshot.ok()) return snapshot.status();
       return std::shared_ptr<const SlotSnapshot>(std::move(*snapshot));
@@ -337,6 +379,17 @@ class TrainingEngine final : public Engine {
 
   bool Bound(int slot) const { return slot >= 0 && slot < info_.max_slots && bank_.slot(slot).bound; }
 
+  // After a pass split over ranks: the gradient it added to the kPartial
+  // columns of `slots` (each rank a part) summed over the ranks, so that
+  // every rank holds the whole factor's gradient (parallel.h).
+  void SumPartialGradients(const at::Tensor& slots, const at::Tensor& before) {
+    c10::NoGradGuard no_grad;
+    const at::Tensor& grad = bank_.flat_grad();
+    at::Tensor added = grad.index_select(0, slots).index_select(1, partial_cols_) - before;
+    tp_->AllReduceSum(added);
+    grad.index_put_({slots.unsqueeze(1), partial_cols_.unsqueeze(0)}, before + added);
+  }
+
   // A new graph shape of this many padded tokens: its eager first pass must
   // fit with every layer kept, as the graphs keep them (and the pool then
   // holds about that much). Without a measured plan the packed path runs.
@@ -368,6 +421,8 @@ class TrainingEngine final : public Engine {
   train::SlotOptimizer optimizer_;
   train::PassGraphs graphs_;  // small passes as CUDA graphs (GPU only)
   std::map<int, train::GradMark> marks_;  // MarkGrad's, by slot
+  Collective* tp_ = nullptr;  // the ranks the model is split over (model_->parallel()); null: whole
+  at::Tensor partial_cols_;   // with tp_: the flat columns of kPartial factors
 };
 
 // Memory the adapter slots may take: 80% of what the device has beside the
@@ -472,7 +527,19 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
                                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   at::set_num_threads(threads);
   try {
-    auto model = Transformer::Load(options.model_dir, device, dtype);
+    Parallel parallel;
+    if (options.tp_size < 1 || options.tp_rank < 0 || options.tp_rank >= options.tp_size)
+      return Status::Invalid(Cat("tp: rank ", options.tp_rank, " of ", options.tp_size));
+    if (options.tp_size > 1) {
+      if (options.tp_store.empty()) return Status::Invalid("tp_store: a rendezvous path is needed for tp > 1");
+      auto config = ModelConfig::Load(options.model_dir);
+      if (!config.ok()) return config.status();
+      if (Status s = Transformer::SplitSupport(*config, options.tp_size); !s.ok()) return s;
+      auto group = OpenCollective(options.tp_store, options.tp_rank, options.tp_size, device);
+      if (!group.ok()) return group.status();
+      parallel = Parallel{options.tp_rank, options.tp_size, *group};
+    }
+    auto model = Transformer::Load(options.model_dir, device, dtype, parallel);
     if (!model.ok()) return model.status();
     const ModelConfig& cfg = (*model)->config();
     ModelInfo info;

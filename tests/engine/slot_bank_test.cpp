@@ -187,7 +187,7 @@ TEST(SlotBank, RoutedDeltaEqualsSegmentDeltaWithGradients) {
   const std::vector<int64_t> seg_begin = {0, 5, 8, 12, 13, 19, 23, 23, 26};
   const std::vector<int> seg_slot = {0, 2, -1, 0, 1, 3, 1, 2};
   std::vector<at::Tensor> xs, gys;
-  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved] : SmallTargets()) {
+  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved, a_shard, b_shard] : SmallTargets()) {
     xs.push_back(at::randn({26, d_in}));
     gys.push_back(at::randn({26, d_out}));
   }
@@ -364,7 +364,7 @@ TEST(SlotBank, FormNodesHaveTheGraphsGradients) {
   at::manual_seed(19);
   const GroupedCase c;
   std::vector<at::Tensor> xs, gys;
-  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved] : SmallTargets()) {
+  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved, a_shard, b_shard] : SmallTargets()) {
     xs.push_back(at::randn({c.T, d_in}));
     gys.push_back(at::randn({c.T, d_out}));
   }
@@ -394,7 +394,7 @@ TEST(SlotBank, GroupedDeltaEqualsSegmentDeltaWithGradients) {
   at::manual_seed(17);
   const GroupedCase c;
   std::vector<at::Tensor> xs, gys;
-  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved] : SmallTargets()) {
+  for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved, a_shard, b_shard] : SmallTargets()) {
     xs.push_back(at::randn({c.T, d_in}));
     gys.push_back(at::randn({c.T, d_out}));
   }
@@ -522,7 +522,7 @@ TEST(SlotBank, GroupedDeltaSingleGroup) {
   for (const auto& [seg_begin, seg_slot, want_slots, want_identity] : cases) {
     const int64_t T = seg_begin.back();
     std::vector<at::Tensor> xs, gys;
-    for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved] : SmallTargets()) {
+    for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved, a_shard, b_shard] : SmallTargets()) {
       xs.push_back(at::randn({T, d_in}));
       gys.push_back(at::randn({T, d_out}));
     }

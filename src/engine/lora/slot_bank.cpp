@@ -131,7 +131,11 @@ Status SlotBank::Bind(int s, const LoraConfig& config) {
             .copy_(KaimingRows(config.seed, t.module + "." + std::to_string(e), config.rank, t.d_in));
       continue;
     }
-    at::Tensor rows = KaimingRows(config.seed, t.module, config.rank, t.d_in);
+    // A split A (its columns: a row-split target under tensor parallel) is
+    // this rank's columns of the whole adapter's rows.
+    const bool split = t.a_shard.kind == ShardKind::kSplit;
+    at::Tensor rows = KaimingRows(config.seed, t.module, config.rank, split ? t.a_shard.full : t.d_in);
+    if (split) rows = rows.narrow(1, t.a_shard.offset, t.d_in);
     t.A.select(0, s).narrow(0, 0, config.rank).copy_(rows);
   }
   slots_[s].bound = true;

@@ -37,6 +37,23 @@ enum class TargetGroup { kAttn, kMlp, kUnembed };
 // Which factor of an expert target is kept per expert (the other is shared).
 enum class ExpertFactor { kNone, kA, kB };
 
+// How a factor of a target relates to the whole adapter when the model is
+// split over tensor-parallel ranks (engine/model/parallel.h):
+//   kWhole:   the whole factor on every rank, computed on the same rows, so
+//             its gradient is the same everywhere (and so is the factor);
+//   kPartial: the whole factor on every rank, but each rank's gradient is a
+//             part (its split block's share): the engine sums them after
+//             each pass, so the factor stays the same everywhere;
+//   kSplit:   this rank's part of the factor: dim `dim` of FactorShape, of
+//             whole size `full`, from `offset` on (rank parts in rank order).
+enum class ShardKind { kWhole, kPartial, kSplit };
+struct FactorShard {
+  ShardKind kind = ShardKind::kWhole;
+  int dim = -1;
+  int64_t full = 0;
+  int64_t offset = 0;
+};
+
 // What the bank is built from: one adaptable linear (or per-expert linears)
 // of the base model.
 struct LoraTargetSpec {
@@ -49,6 +66,8 @@ struct LoraTargetSpec {
   // HF's parameter (and so PEFT's lora_B rows) interleaves the two halves of
   // d_out: HF row 2j is loom's row j, 2j + 1 is row d_out / 2 + j (gpt_oss gate_up).
   bool hf_interleaved = false;
+  // This rank's part of the whole adapter (single process: both kWhole).
+  FactorShard a_shard, b_shard;
   // Elements of A and of B at rank R.
   int64_t AElems(int64_t R) const { return (per_expert == ExpertFactor::kA ? experts : 1) * R * d_in; }
   int64_t BElems(int64_t R) const { return (per_expert == ExpertFactor::kB ? experts : 1) * d_out * R; }

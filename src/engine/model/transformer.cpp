@@ -167,14 +167,34 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> Transformer::ExpectedW
   return BaseWeightShapes(c);
 }
 
-std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
+std::vector<LoraTargetSpec> Transformer::Targets(bool whole) const {
   const ModelConfig& c = config_;
+  // Split over tp ranks (parallel.h): a column-split target keeps this
+  // rank's rows of B (A whole, its gradient a part per rank), a row-split
+  // one this rank's columns of A (B whole, likewise).
+  const int64_t tp = whole ? 1 : parallel_.tp_size, rank = whole ? 0 : parallel_.tp_rank;
+  const auto column = [&](LoraTargetSpec spec) {
+    if (tp == 1) return spec;
+    const int64_t part = spec.d_out / tp;
+    spec.b_shard = {ShardKind::kSplit, 0, spec.d_out, rank * part};
+    spec.a_shard = {ShardKind::kPartial};
+    spec.d_out = part;
+    return spec;
+  };
+  const auto row = [&](LoraTargetSpec spec) {
+    if (tp == 1) return spec;
+    const int64_t part = spec.d_in / tp;
+    spec.a_shard = {ShardKind::kSplit, 1, spec.d_in, rank * part};
+    spec.b_shard = {ShardKind::kPartial};
+    spec.d_in = part;
+    return spec;
+  };
   const int64_t hd = HeadDim(c), h = c.hidden_size, q = c.num_attention_heads * hd, inter = c.intermediate_size;
   std::vector<LoraTargetSpec> t;
   const auto mlp = [&](const std::string& p, int64_t width) {
-    t.push_back({p + "gate_proj", TargetGroup::kMlp, h, width});
-    t.push_back({p + "up_proj", TargetGroup::kMlp, h, width});
-    t.push_back({p + "down_proj", TargetGroup::kMlp, width, h});
+    t.push_back(column({p + "gate_proj", TargetGroup::kMlp, h, width}));
+    t.push_back(column({p + "up_proj", TargetGroup::kMlp, h, width}));
+    t.push_back(row({p + "down_proj", TargetGroup::kMlp, width, h}));
   };
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string p = LayerPrefix(i);
@@ -199,10 +219,10 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
       t.push_back({p + "linear_attn.out_proj", TargetGroup::kAttn, v, h});
     } else {
       const int64_t kvh = c.KvHeads(i), vd = c.ValueDim();
-      t.push_back({p + "self_attn.q_proj", TargetGroup::kAttn, h, c.attn_output_gate ? 2 * q : q});
-      t.push_back({p + "self_attn.k_proj", TargetGroup::kAttn, h, kvh * hd});
-      t.push_back({p + "self_attn.v_proj", TargetGroup::kAttn, h, kvh * vd});
-      t.push_back({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * vd, h});
+      t.push_back(column({p + "self_attn.q_proj", TargetGroup::kAttn, h, c.attn_output_gate ? 2 * q : q}));
+      t.push_back(column({p + "self_attn.k_proj", TargetGroup::kAttn, h, kvh * hd}));
+      t.push_back(column({p + "self_attn.v_proj", TargetGroup::kAttn, h, kvh * vd}));
+      t.push_back(row({p + "self_attn.o_proj", TargetGroup::kAttn, c.num_attention_heads * vd, h}));
     }
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
@@ -219,10 +239,69 @@ std::vector<LoraTargetSpec> Transformer::LoraTargets() const {
   return t;
 }
 
+Status Transformer::SplitSupport(const ModelConfig& c, int tp) {
+  if (tp < 1) return Status::Invalid("tensor parallel: " + std::to_string(tp) + " ranks");
+  if (tp == 1) return Status::Ok();
+  const auto refuse = [&](const std::string& what) {
+    return Status::Invalid("tensor parallel " + std::to_string(tp) + ": " + c.model_type + " " + what);
+  };
+  if (c.IsMla()) return refuse("attends by multi-head latent attention, which does not split yet");
+  if (c.attn_output_gate) return refuse("has gated attention (q_proj's gate rows), which does not split yet");
+  if (c.num_attention_heads % tp != 0)
+    return refuse("has " + std::to_string(c.num_attention_heads) + " attention heads, which " + std::to_string(tp) +
+                  " ranks do not divide");
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string layer = "layer " + std::to_string(i);
+    if (c.IsLinearLayer(i)) return refuse(layer + " is a Gated DeltaNet layer, which does not split yet");
+    if (c.KvHeads(i) % tp != 0)
+      return refuse(layer + " has " + std::to_string(c.KvHeads(i)) + " key/value heads, which " + std::to_string(tp) +
+                    " ranks do not divide");
+    const int64_t width = !c.IsMoeLayer(i)                       ? c.intermediate_size
+                          : c.n_shared_experts > 0               ? c.moe_intermediate_size * c.n_shared_experts
+                          : c.shared_expert_intermediate_size > 0 ? c.shared_expert_intermediate_size
+                                                                  : 0;
+    if (width % tp != 0)
+      return refuse(layer + "'s MLP is " + std::to_string(width) + " wide, which " + std::to_string(tp) +
+                    " ranks do not divide");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Rank r of n's part of layer l (parallel.h): q/k/v rows of its heads,
+// o's matching columns (its bias on rank 0 only), the sinks of its heads,
+// the dense MLP's (or shared experts') gate/up rows and down columns.
+void SplitLayer(DecoderLayerWeights& l, int64_t heads, int64_t hd, int64_t r, int64_t n) {
+  const int64_t kvh = l.kv_heads, vd = l.v_dim, hl = heads / n, kvl = kvh / n;
+  const auto rows = [&](const at::Tensor& w) {  // [H hd + KVH hd + KVH vd, ...] -> this rank's heads
+    if (!w.defined()) return w;
+    return at::cat({w.narrow(0, r * hl * hd, hl * hd), w.narrow(0, heads * hd + r * kvl * hd, kvl * hd),
+                    w.narrow(0, heads * hd + kvh * hd + r * kvl * vd, kvl * vd)})
+        .contiguous();
+  };
+  l.qkv_w = rows(l.qkv_w);
+  l.qkv_b = rows(l.qkv_b);
+  l.o_w = l.o_w.narrow(1, r * hl * vd, hl * vd).contiguous();
+  if (r != 0) l.o_b = at::Tensor();
+  if (l.attn.sinks.defined()) l.attn.sinks = l.attn.sinks.narrow(0, r * hl, hl).contiguous();
+  l.kv_heads = kvl;
+  if (l.gate_up_w.defined()) {
+    const int64_t inter = l.gate_up_w.size(0) / 2, il = inter / n;
+    l.gate_up_w = at::cat({l.gate_up_w.narrow(0, r * il, il), l.gate_up_w.narrow(0, inter + r * il, il)}).contiguous();
+    l.down_w = l.down_w.narrow(1, r * il, il).contiguous();
+  }
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig& config,
                                                               const std::map<std::string, at::Tensor>& weights,
-                                                              at::Device device, at::ScalarType dtype) {
+                                                              at::Device device, at::ScalarType dtype,
+                                                              const Parallel& parallel) {
   if (Status s = CheckConfig(config); !s.ok()) return s;
+  if (Status s = SplitSupport(config, parallel.tp_size); !s.ok()) return s;
+  if (parallel.split() && !parallel.group) return Status::Invalid("tensor parallel: no process group");
   if (dtype != at::kFloat && dtype != at::kBFloat16)
     return Status::Invalid("dtype must be float32 or bfloat16");
   const auto expected = ExpectedWeights(config);
@@ -276,10 +355,18 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
     l.input_norm = get(load.prefix + "input_layernorm.weight");
     l.post_norm = get(load.prefix + "post_attention_layernorm.weight");
     if (Status s = family.load_layer(load); !s.ok()) return s;
+    if (parallel.split()) SplitLayer(l, config.num_attention_heads, impl->head_dim, parallel.tp_rank, parallel.tp_size);
     impl->layers.push_back(std::move(l));
+  }
+  if (parallel.split()) {
+    impl->heads /= parallel.tp_size;
+    impl->kv_heads /= parallel.tp_size;
+    impl->inter /= parallel.tp_size;
+    impl->tp = parallel.group.get();
   }
   std::unique_ptr<Transformer> t(new Transformer());
   t->impl_ = std::move(impl);
+  t->parallel_ = parallel;
   t->config_ = config;
   t->device_ = device;
   t->dtype_ = dtype;
@@ -287,10 +374,11 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
 }
 
 Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_dir, at::Device device,
-                                                       at::ScalarType dtype) {
+                                                       at::ScalarType dtype, const Parallel& parallel) {
   Result<ModelConfig> config = ModelConfig::Load(model_dir);
   if (!config.ok()) return config.status();
   if (Status s = CheckConfig(*config); !s.ok()) return s;
+  if (Status s = SplitSupport(*config, parallel.tp_size); !s.ok()) return s;
   const Family& family = *FindFamily(config->model_type);
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();
@@ -330,7 +418,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
     if (!sc.ok()) return sc.status();
     weights[name] = DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
   }
-  return FromTensors(*config, weights, device, dtype);
+  return FromTensors(*config, weights, device, dtype, parallel);
 }
 
 std::vector<at::Tensor> Transformer::BaseWeights() const {

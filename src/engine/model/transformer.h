@@ -17,6 +17,7 @@
 #include "engine/lora/slot_bank.h"
 #include "engine/model/attention.h"
 #include "engine/model/config.h"
+#include "engine/model/parallel.h"
 #include "engine/model/unembed.h"
 
 namespace loom::engine {
@@ -59,13 +60,22 @@ class Transformer {
   // expected tensor must be present with its exact shape; a missing, extra or
   // mis-shaped tensor is Status::Invalid naming it. Weights are converted to
   // dtype (kFloat or kBFloat16), placed on device, and never require grad.
+  // With parallel.split(), this rank's part of each split block
+  // (parallel.h); the model must be one whose blocks split (SplitSupport).
   static Result<std::unique_ptr<Transformer>> Load(const std::string& model_dir, at::Device device,
-                                                   at::ScalarType dtype);
+                                                   at::ScalarType dtype, const Parallel& parallel = {});
   // Same from tensors already in memory, keyed by Hugging Face name (tests,
   // converters). The same checks apply.
   static Result<std::unique_ptr<Transformer>> FromTensors(const ModelConfig& config,
                                                           const std::map<std::string, at::Tensor>& weights,
-                                                          at::Device device, at::ScalarType dtype);
+                                                          at::Device device, at::ScalarType dtype,
+                                                          const Parallel& parallel = {});
+  // Ok when config's blocks split over tp ranks (parallel.h): plain and
+  // sliding attention whose heads and key/value heads tp divides, dense
+  // MLPs (and shared experts) whose width it divides; else Invalid naming
+  // what does not split (MLA, Gated DeltaNet, gated attention, a width).
+  static Status SplitSupport(const ModelConfig& config, int tp);
+  const Parallel& parallel() const { return parallel_; }
   // Hugging Face names and shapes of the base weights this config needs
   // (lm_head.weight only when embeddings are untied).
   static std::vector<std::pair<std::string, std::vector<int64_t>>> ExpectedWeights(const ModelConfig& config);
@@ -79,8 +89,10 @@ class Transformer {
 
   // Every adaptable linear, for SlotBank: per layer q, k, v, o, then
   // gate, up, down (dense MLP) or the experts' gate_up and down (MoE layer,
-  // engine/model/moe.h); lm_head last.
-  std::vector<LoraTargetSpec> LoraTargets() const;
+  // engine/model/moe.h); lm_head last. Split over ranks, this rank's parts
+  // (FactorShard); whole: as one process holds them (the same order).
+  std::vector<LoraTargetSpec> LoraTargets() const { return Targets(/*whole=*/false); }
+  std::vector<LoraTargetSpec> WholeLoraTargets() const { return Targets(/*whole=*/true); }
 
   // Final-normed hidden states [T, hidden] (fp32 for the loss), differentiable
   // into the bank's A/B of the slots the batch uses. Layers [0,
@@ -122,7 +134,9 @@ class Transformer {
 
  private:
   Transformer() = default;
+  std::vector<LoraTargetSpec> Targets(bool whole) const;
   std::shared_ptr<Impl> impl_;
+  Parallel parallel_;
   ModelConfig config_;
   at::Device device_ = at::kCPU;
   at::ScalarType dtype_ = at::kFloat;

@@ -22,6 +22,7 @@
 #include "engine/model/lean_ops.h"
 #include "engine/model/mla.h"
 #include "engine/model/moe.h"
+#include "engine/model/parallel.h"
 #include "engine/model/transformer.h"
 
 namespace loom::engine {
@@ -90,8 +91,9 @@ struct Transformer::Impl {
   at::Tensor inv_freq_sliding;  // the sliding layers' own (mimo_v2_flash), or undefined
   double rope_scale = 1.0;  // YaRN's attention factor on cos and sin (1: plain RoPE)
   std::vector<Layer> layers;
-  int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;  // this rank's part when split (parallel.h)
   bool mla = false;  // the layers attend by MLA (head_dim is then its RoPE width)
+  Collective* tp = nullptr;  // the ranks the attention and dense MLPs are split over; null: whole
 };
 
 // RMSNorm as Hugging Face computes it (lean_ops.h): normalise in fp32,
@@ -335,18 +337,22 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
                         bool mlp_lora, Lora&& lora, Attend&& attend, Moe&& moe, Mix&& mix) {
   const int64_t hd = m.head_dim;
   const auto& l = m.layers[i];
-  // Attention block.
-  at::Tensor h = RmsNorm(x, l.input_norm, eps);
+  // Attention block. Split over ranks (parallel.h), each rank attends with
+  // its heads: the normed rows' gradient is summed over the ranks, and the
+  // output projection's parts are summed in finish.
+  at::Tensor h = TpEnter(RmsNorm(x, l.input_norm, eps), m.tp);
   // The projection of targets ks with its LoRA added (where Project left it apart).
   const auto project = [&](std::initializer_list<int> ks, const at::Tensor& in, const at::Tensor& w,
                            const at::Tensor& b, bool on) {
     auto [y, delta] = lora(i, ks, in, w, b, on);
     return delta.defined() ? y + delta : y;
   };
-  // A dense SwiGLU (the layer's MLP, or an MoE layer's shared experts) on normed rows.
+  // A dense SwiGLU (the layer's MLP, or an MoE layer's shared experts) on
+  // normed rows; split over ranks, each rank's part of the width, summed.
   const auto dense_mlp = [&](int gate, const at::Tensor& in) {
-    const at::Tensor act = SwiGluLean(project({gate, gate + 1}, in, l.gate_up_w, at::Tensor(), mlp_lora));
-    return project({gate + 2}, act, l.down_w, at::Tensor(), mlp_lora);
+    const at::Tensor act =
+        SwiGluLean(project({gate, gate + 1}, TpEnter(in, m.tp), l.gate_up_w, at::Tensor(), mlp_lora));
+    return TpLeave(project({gate + 2}, act, l.down_w, at::Tensor(), mlp_lora), m.tp);
   };
   // The MLP block after the attention: SwiGLU, or the experts' with any shared experts.
   const auto mlp_block = [&](const at::Tensor& in) {
@@ -360,7 +366,12 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // MLP block's norm (one kernel each way on CUDA), and the MLP block.
   const auto finish = [&](int out, const at::Tensor& rows, const at::Tensor& w, const at::Tensor& b) {
     const auto [o, o_delta] = lora(i, {out}, rows, w, b, attn_lora);
-    std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    if (m.tp != nullptr) {
+      std::tie(x, h) = AddRmsNormLean(x, TpLeave(o_delta.defined() ? o + o_delta : o, m.tp), at::Tensor(),
+                                      l.post_norm, eps);
+    } else {
+      std::tie(x, h) = AddRmsNormLean(x, o, o_delta, l.post_norm, eps);
+    }
     return x + mlp_block(h);
   };
   if (l.gdn.defined()) {  // Gated DeltaNet (gated_deltanet.h)

@@ -266,6 +266,9 @@ class SamplerImpl final : public Sampler {
 Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer> model,
                                                const SamplerOptions& options) {
   if (!model) return Status::Invalid("sampler: no model");
+  if (model->parallel().split())
+    return Status::Invalid("sampler: the model is split over tensor-parallel ranks; sample on replicas "
+                           "(--sampler-replicas) that hold the whole model");
   if (options.sampler_adapters < 0) return Status::Invalid("sampler_adapters must be >= 1, or 0 (auto)");
   if (options.max_rank < 1) return Status::Invalid("sampler max_rank must be >= 1");
   if (options.block_size < 1) return Status::Invalid("sampler block_size must be >= 1");

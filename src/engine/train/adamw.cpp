@@ -314,6 +314,25 @@ at::Tensor SlotOptimizer::SquaredNorms(const SlotBank& bank, const std::vector<i
   return sq;
 }
 
+at::Tensor SlotOptimizer::GlobalSquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots,
+                                             const at::Tensor& index, const at::Tensor& sq) const {
+  // The whole factors' squares (kWhole, and kPartial ones, summed after each
+  // pass) are the same on every rank: each rank adds 1/size of them.
+  at::Tensor whole = at::zeros_like(sq);
+  for (const LoraTarget& t : bank.targets()) {
+    std::vector<double> mask;
+    for (int64_t s : slots) mask.push_back(bank.trains(static_cast<int>(s), t.group) ? 1.0 : 0.0);
+    const at::Tensor m = at::tensor(mask, at::kDouble).to(sq.device());
+    for (auto [p, shard] : {std::pair{&t.A, &t.a_shard}, std::pair{&t.B, &t.b_shard}}) {
+      if (shard->kind == ShardKind::kSplit || !p->grad().defined()) continue;
+      whole.add_(p->grad().index_select(0, index).to(at::kDouble).pow(2).flatten(1).sum(1) * m);
+    }
+  }
+  at::Tensor global = sq - whole + whole / static_cast<double>(tp_->size());
+  tp_->AllReduceSum(global);
+  return global;
+}
+
 SlotOptimizer::ForeachLists SlotOptimizer::BuildForeachLists(const SlotBank& bank, const std::vector<int64_t>& slots,
                                                               const std::vector<AdamParams>& params,
                                                               const std::vector<int64_t>& steps,
@@ -538,6 +557,7 @@ void SlotOptimizer::StepResident(SlotBank& bank, const std::vector<OptimStepCall
   at::Tensor all_index = at::tensor(slots, at::kLong).to(device);
 
   at::Tensor sq = SquaredNorms(bank, slots, all_index);
+  if (tp_ != nullptr) sq = GlobalSquaredNorms(bank, slots, all_index, sq);
   const TargetGroup groups[] = {TargetGroup::kAttn, TargetGroup::kMlp, TargetGroup::kUnembed};
   at::Tensor norms_host = sq.sqrt().cpu();
   const double* norms = norms_host.data_ptr<double>();
@@ -557,6 +577,13 @@ void SlotOptimizer::StepResident(SlotBank& bank, const std::vector<OptimStepCall
   // of place first (one host sync for all slots), so nothing is written yet.
   std::vector<PendingRows> pending;  // the rows path's computed update
   std::vector<bool> stable = Stable(bank, calls, live, finite, scale, &pending);
+  if (tp_ != nullptr) {  // a slot steps on every rank or on none
+    std::vector<int64_t> mine(stable.begin(), stable.end());
+    at::Tensor all = at::tensor(mine, at::kLong).to(device);
+    tp_->AllReduceMin(all);
+    const at::Tensor host = all.cpu();
+    for (size_t k = 0; k < stable.size(); ++k) stable[k] = host.data_ptr<int64_t>()[k] != 0;
+  }
   auto steps_now = [&](size_t k) { return finite[k] && stable[k]; };
 
   if (path_ == Path::kForeach) {

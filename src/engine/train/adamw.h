@@ -21,6 +21,7 @@
 
 #include "engine/api.h"
 #include "engine/lora/slot_bank.h"
+#include "engine/model/parallel.h"
 
 namespace loom::engine::train {
 
@@ -78,6 +79,12 @@ class SlotOptimizer {
   // resident path's. Host moments use the kForeach path on any device.
   explicit SlotOptimizer(const SlotBank& bank, bool moments_on_host = false, int64_t stage_bytes = kStageBytes);
 
+  // Split over tensor-parallel ranks (engine/model/parallel.h): the global
+  // norm counts every rank's split factors and the whole ones once, and a
+  // slot steps only where no rank's part would turn non-finite. Every rank
+  // then steps the same slots with the same clip factor.
+  void set_parallel(Collective* group) { tp_ = group; }
+
   // Throws std::invalid_argument for kRows when the moments are on the host.
   void set_path(Path p);
   Path path() const { return path_; }
@@ -122,6 +129,10 @@ class SlotOptimizer {
                            const std::vector<double>& scale, std::vector<PendingRows>* pending) const;
   // Squared global gradient norm per live slot (fp64 [U] on the device).
   at::Tensor SquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index) const;
+  // With tp_: this rank's local squared norms sq made global (summed over
+  // the ranks, with the factors that are whole on every rank counted once).
+  at::Tensor GlobalSquaredNorms(const SlotBank& bank, const std::vector<int64_t>& slots, const at::Tensor& index,
+                                const at::Tensor& sq) const;
   // The multi-tensor path's lists for group g: per slot one entry, the
   // group's columns of the slot's flat rows (SlotBank::flat(): weights,
   // gradient, moments), the index k (into slots) it belongs to, and the 9
@@ -159,6 +170,7 @@ class SlotOptimizer {
   at::Tensor stage_m_, stage_v_;
   int64_t stage_rows_ = 0;
   std::vector<int64_t> staged_row_;
+  Collective* tp_ = nullptr;
 };
 
 }  // namespace loom::engine::train

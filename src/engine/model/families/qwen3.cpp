@@ -18,6 +18,8 @@ Result<ModelConfig> QwenDensePreset(const std::string& name, std::string* defaul
   };
   static constexpr Shape kShapes[] = {
       {"tiny", 512, 64, 128, 2, 4, 2, 16, 2048, true, true},
+      // tiny with as many key/value heads as query heads: it splits over up to 4 tensor-parallel ranks
+      {"tiny-mha", 512, 64, 128, 2, 4, 4, 16, 2048, true, true},
       {"small", 8192, 256, 704, 4, 8, 2, 32, 4096, false, true},
       {"qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, 64, 32768, true, false},
       {"qwen3-4b", 151936, 2560, 9728, 36, 32, 8, 128, 40960, true, false},

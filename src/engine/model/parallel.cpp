@@ -1,0 +1,147 @@
+#include "engine/model/parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdlib>
+
+#if LOOM_WITH_GLOO
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if LOOM_WITH_NCCL
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+namespace loom::engine {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct EnterNode : torch::autograd::Function<EnterNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* g = reinterpret_cast<Collective*>(ctx->saved_data["group"].toInt());
+    at::Tensor sum = grads[0].contiguous().clone();
+    g->AllReduceSum(sum);
+    return {sum, at::Tensor()};
+  }
+};
+
+struct LeaveNode : torch::autograd::Function<LeaveNode> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, int64_t group) {
+    auto* g = reinterpret_cast<Collective*>(group);
+    at::Tensor sum = x.contiguous().clone();
+    g->AllReduceSum(sum);
+    return sum;
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
+};
+
+#if LOOM_WITH_GLOO || LOOM_WITH_NCCL
+// A c10d process group as a Collective. Every call waits for its work.
+class C10dCollective final : public Collective {
+ public:
+  C10dCollective(c10::intrusive_ptr<c10d::ProcessGroup> pg, int rank, int size)
+      : pg_(std::move(pg)), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void AllReduceSum(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::SUM); }
+  void AllReduceMin(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::MIN); }
+  void Broadcast(at::Tensor& t, int root) override {
+    std::vector<at::Tensor> ts{Contiguous(t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    pg_->broadcast(ts, o)->wait();
+    if (!ts[0].is_same(t)) t.copy_(ts[0]);
+  }
+  std::vector<at::Tensor> AllGather(const at::Tensor& t) override {
+    std::vector<at::Tensor> in{t.contiguous()};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int r = 0; r < size_; ++r) out[0].push_back(at::empty_like(in[0]));
+    pg_->allgather(out, in)->wait();
+    return out[0];
+  }
+
+ private:
+  static at::Tensor Contiguous(at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+  void Reduce(at::Tensor& t, c10d::ReduceOp op) {
+    std::vector<at::Tensor> ts{Contiguous(t)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op;
+    pg_->allreduce(ts, o)->wait();
+    if (!ts[0].is_same(t)) t.copy_(ts[0]);
+  }
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int rank_, size_;
+};
+#endif
+
+}  // namespace
+
+std::string CollectiveUnavailable(at::Device device) {
+  if (device.is_cuda()) {
+#if LOOM_WITH_NCCL
+    return "";
+#else
+    return "this build has no NCCL process group (libtorch's c10d ProcessGroupNCCL)";
+#endif
+  }
+#if LOOM_WITH_GLOO
+  return "";
+#else
+  return "this build has no Gloo process group (install libgloo-dev and rebuild)";
+#endif
+}
+
+Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path, int rank, int size,
+                                                   at::Device device, std::chrono::milliseconds timeout) {
+  if (size < 1 || rank < 0 || rank >= size)
+    return Status::Invalid("process group: rank " + std::to_string(rank) + " of " + std::to_string(size));
+  if (std::string why = CollectiveUnavailable(device); !why.empty()) return Status::Invalid("process group: " + why);
+  try {
+#if LOOM_WITH_GLOO || LOOM_WITH_NCCL
+    auto store = c10::make_intrusive<c10d::FileStore>(store_path, size);
+    store->setTimeout(timeout);
+#endif
+#if LOOM_WITH_NCCL
+    if (device.is_cuda()) {
+      auto opts = c10d::ProcessGroupNCCL::Options::create();
+      opts->timeout = timeout;
+      auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
+      return std::shared_ptr<Collective>(new C10dCollective(pg, rank, size));
+    }
+#endif
+#if LOOM_WITH_GLOO
+    if (!device.is_cuda()) {
+      auto opts = c10d::ProcessGroupGloo::Options::create();
+      opts->timeout = timeout;
+      const char* ifname = std::getenv("LOOM_GLOO_IFNAME");
+      opts->devices.push_back(ifname && *ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
+                                                : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+      auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+      return std::shared_ptr<Collective>(new C10dCollective(pg, rank, size));
+    }
+#endif
+    return Status::Invalid("process group: no backend for this device");
+  } catch (const std::exception& e) {
+    return Status::Unavailable(std::string("process group: ") + e.what());
+  }
+}
+
+at::Tensor TpEnter(const at::Tensor& x, Collective* g) {
+  if (g == nullptr || g->size() == 1) return x;
+  return EnterNode::apply(x, reinterpret_cast<int64_t>(g));
+}
+
+at::Tensor TpLeave(const at::Tensor& x, Collective* g) {
+  if (g == nullptr || g->size() == 1) return x;
+  return LeaveNode::apply(x, reinterpret_cast<int64_t>(g));
+}
+
+}  // namespace loom::engine
