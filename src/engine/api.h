@@ -69,15 +69,18 @@ struct EngineOptions {
   // parameter on the device, 8 on the host), or "auto": the device when
   // max_slots fit there, else the host when they fit that way.
   std::string moments = "auto";
-  // Tensor parallel (engine/model/parallel.h): this process is rank
-  // tp_rank of tp_size, meeting the others at the rendezvous file tp_store
-  // (a fresh path on a filesystem every rank sees). Every rank makes the
-  // same engine calls in the same order (`loom serve --tp N` replays rank
-  // 0's calls on its workers); every rank's results are the same, rank 0's
-  // checkpoints and snapshots are the whole adapter (the others write none).
-  int tp_rank = 0;
+  // Tensor and expert parallel (engine/model/parallel.h) over one group of
+  // max(tp_size, ep_size) ranks, each 1 or the group's size: this process
+  // is rank group_rank, meeting the others at the rendezvous file
+  // group_store (a fresh path on a filesystem every rank sees). Every rank
+  // makes the same engine calls in the same order (`loom serve --tp N`
+  // replays rank 0's calls on its workers); every rank's results are the
+  // same; rank 0's checkpoints and snapshots are the whole adapter (the
+  // others write none).
+  int group_rank = 0;
   int tp_size = 1;
-  std::string tp_store;
+  int ep_size = 1;
+  std::string group_store;
   // The share of the memory admitted for slots (see kAutoSlotShare) this
   // engine plans and checks its slots against, in (0, 1]: `loom serve` with
   // N base models gives each 1/N, so that together they fit.

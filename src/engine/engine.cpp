@@ -528,16 +528,20 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   at::set_num_threads(threads);
   try {
     Parallel parallel;
-    if (options.tp_size < 1 || options.tp_rank < 0 || options.tp_rank >= options.tp_size)
-      return Status::Invalid(Cat("tp: rank ", options.tp_rank, " of ", options.tp_size));
-    if (options.tp_size > 1) {
-      if (options.tp_store.empty()) return Status::Invalid("tp_store: a rendezvous path is needed for tp > 1");
+    const int size = std::max(options.tp_size, options.ep_size);
+    if ((options.tp_size != 1 && options.tp_size != size) || (options.ep_size != 1 && options.ep_size != size))
+      return Status::Invalid(Cat("tp ", options.tp_size, " and ep ", options.ep_size,
+                                 ": each is 1 or the group's size (both split the same ranks)"));
+    if (options.group_rank < 0 || options.group_rank >= size)
+      return Status::Invalid(Cat("group_rank: ", options.group_rank, " of ", size));
+    if (size > 1) {
+      if (options.group_store.empty()) return Status::Invalid("group_store: a rendezvous path is needed for tp or ep > 1");
       auto config = ModelConfig::Load(options.model_dir);
       if (!config.ok()) return config.status();
-      if (Status s = Transformer::SplitSupport(*config, options.tp_size); !s.ok()) return s;
-      auto group = OpenCollective(options.tp_store, options.tp_rank, options.tp_size, device);
+      if (Status s = Transformer::SplitSupport(*config, options.tp_size, options.ep_size); !s.ok()) return s;
+      auto group = OpenCollective(options.group_store, options.group_rank, size, device);
       if (!group.ok()) return group.status();
-      parallel = Parallel{options.tp_rank, options.tp_size, *group};
+      parallel = Parallel{options.group_rank, size, *group, options.tp_size > 1, options.ep_size > 1};
     }
     auto model = Transformer::Load(options.model_dir, device, dtype, parallel);
     if (!model.ok()) return model.status();

@@ -1,4 +1,4 @@
-// Tensor parallel training (engine/model/parallel.h) over Gloo process
+// Tensor and expert parallel training (engine/model/parallel.h) over Gloo process
 // groups on the CPU, against one process: the same script of engine calls
 // (two slots of different ranks and groups, a packed cross_entropy pass, an
 // AdamW step with clipping, a second pass, a checkpoint, a sampler snapshot)
@@ -73,17 +73,18 @@ Json Logprobs(std::vector<Result<ForwardBackwardOutput>> results) {
 
 // The script every topology runs. `load_from`: a state directory each rank
 // then loads into slot 0 (with its optimizer) before a forward-only pass.
-Json RunScript(const std::string& model, int rank, int size, const std::string& store, const std::string& out_dir,
-               const std::string& tag, const std::string& load_from) {
+Json RunScript(const std::string& model, int rank, int tp, int ep, const std::string& store,
+               const std::string& out_dir, const std::string& tag, const std::string& load_from) {
   EngineOptions o;
   o.model_dir = model;
   o.device = "cpu";
   o.max_slots = 2;
   o.max_rank = 8;
   o.threads = 1;
-  o.tp_rank = rank;
-  o.tp_size = size;
-  o.tp_store = store;
+  o.group_rank = rank;
+  o.tp_size = tp;
+  o.ep_size = ep;
+  o.group_store = store;
   auto engine = Engine::Open(o);
   EXPECT_TRUE(engine.ok()) << engine.status().message();
   if (!engine.ok()) return {};
@@ -115,16 +116,18 @@ Json RunScript(const std::string& model, int rank, int size, const std::string& 
   return out;
 }
 
-// The script at `size` ranks, each this binary again; rank r's results.
-std::vector<Json> RunRanks(int size, const std::string& model, const std::string& dir, const std::string& tag,
+// The script at max(tp, ep) ranks, each this binary again; rank r's results.
+std::vector<Json> RunRanks(int tp, int ep, const std::string& model, const std::string& dir, const std::string& tag,
                            const std::string& load_from) {
+  const int size = std::max(tp, ep);
   const std::string store = dir + "/store_" + tag;
   std::vector<pid_t> pids;
   for (int r = 0; r < size; ++r) {
     const pid_t pid = fork();
     if (pid == 0) {
       setenv("LOOM_TP_RANK", std::to_string(r).c_str(), 1);
-      setenv("LOOM_TP_SIZE", std::to_string(size).c_str(), 1);
+      setenv("LOOM_TP_TP", std::to_string(tp).c_str(), 1);
+      setenv("LOOM_TP_EP", std::to_string(ep).c_str(), 1);
       setenv("LOOM_TP_STORE", store.c_str(), 1);
       setenv("LOOM_TP_MODEL", model.c_str(), 1);
       setenv("LOOM_TP_DIR", dir.c_str(), 1);
@@ -177,9 +180,9 @@ void ExpectSameTensors(const std::string& got_path, const std::string& want_path
 // One rank of RunRanks (skipped when run on its own).
 TEST(TensorParallelRank, Script) {
   if (Env("LOOM_TP_RANK").empty()) GTEST_SKIP() << "a rank of TensorParallel.*; not a test on its own";
-  const int rank = std::stoi(Env("LOOM_TP_RANK")), size = std::stoi(Env("LOOM_TP_SIZE"));
+  const int rank = std::stoi(Env("LOOM_TP_RANK")), tp = std::stoi(Env("LOOM_TP_TP")), ep = std::stoi(Env("LOOM_TP_EP"));
   const std::string dir = Env("LOOM_TP_DIR"), tag = Env("LOOM_TP_TAG");
-  const Json out = RunScript(Env("LOOM_TP_MODEL"), rank, size, Env("LOOM_TP_STORE"), dir, tag, Env("LOOM_TP_LOAD"));
+  const Json out = RunScript(Env("LOOM_TP_MODEL"), rank, tp, ep, Env("LOOM_TP_STORE"), dir, tag, Env("LOOM_TP_LOAD"));
   std::ofstream(dir + "/result_" + tag + "_" + std::to_string(rank) + ".json") << out.dump();
 }
 
@@ -193,10 +196,10 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
   mo.seed = 3;
   ASSERT_TRUE(testmodel::MakeModel(mo, model).ok());
 
-  const Json single = RunScript(model, 0, 1, "", tmp.path(), "tp1", "");
+  const Json single = RunScript(model, 0, 1, 1, "", tmp.path(), "tp1", "");
   ASSERT_EQ(single["grad_norm"].size(), 2u);
-  const std::vector<Json> tp2 = RunRanks(2, model, tmp.path(), "tp2", tmp.path() + "/state_tp1");
-  const std::vector<Json> tp4 = RunRanks(4, model, tmp.path(), "tp4", tmp.path() + "/state_tp2");
+  const std::vector<Json> tp2 = RunRanks(2, 1, model, tmp.path(), "tp2", tmp.path() + "/state_tp1");
+  const std::vector<Json> tp4 = RunRanks(4, 1, model, tmp.path(), "tp4", tmp.path() + "/state_tp2");
   constexpr double kTol = 2e-5;
   for (const auto* run : {&tp2, &tp4}) {
     for (size_t r = 0; r < run->size(); ++r) {
@@ -243,6 +246,40 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
   EXPECT_GT(moved, 1e-3);
 }
 
+// The same for a mixture-of-experts model: its experts split over 2 ranks
+// (EP 2; each slot's per-expert factors with their experts, the shared
+// ones summed), and with the attention split too (TP 2 + EP 2).
+TEST(TensorParallel, Ep2AndTp2Ep2EqualOneProcess) {
+  if (std::string why = CollectiveUnavailable(at::kCPU); !why.empty()) GTEST_SKIP() << why;
+  test::TempDir tmp;
+  const std::string model = tmp.path() + "/model";
+  testmodel::MakeModelOptions mo;
+  mo.arch = "qwen3_moe";
+  mo.preset = "tiny";
+  mo.seed = 5;
+  ASSERT_TRUE(testmodel::MakeModel(mo, model).ok());
+  const Json single = RunScript(model, 0, 1, 1, "", tmp.path(), "one", "");
+  const std::vector<Json> ep2 = RunRanks(1, 2, model, tmp.path(), "ep2", tmp.path() + "/state_one");
+  const std::vector<Json> both = RunRanks(2, 2, model, tmp.path(), "tp2ep2", tmp.path() + "/state_ep2");
+  constexpr double kTol = 2e-5;
+  for (const auto* run : {&ep2, &both}) {
+    for (size_t r = 0; r < run->size(); ++r) {
+      const Json& got = (*run)[r];
+      const std::string who = (run == &ep2 ? "ep2" : "tp2ep2") + std::string(" rank ") + std::to_string(r);
+      ExpectNear(got["first"], single["first"], kTol, who + " first pass");
+      ExpectNear(got["grad_norm"], single["grad_norm"], kTol, who + " grad_norm");
+      ExpectNear(got["second"], single["second"], kTol, who + " second pass");
+      ExpectNear(got["loaded"], single["second"], kTol, who + " loaded");
+    }
+  }
+  for (const std::string tag : {"ep2", "tp2ep2"}) {
+    ExpectSameTensors(tmp.path() + "/state_" + tag + "/adapter_state.safetensors",
+                      tmp.path() + "/state_one/adapter_state.safetensors", 1e-4);
+    ExpectSameTensors(tmp.path() + "/peft_" + tag + "/adapter_model.safetensors",
+                      tmp.path() + "/peft_one/adapter_model.safetensors", 1e-4);
+  }
+}
+
 TEST(TensorParallel, RefusesWhatDoesNotSplit) {
   ModelConfig c;
   c.model_type = "qwen3";
@@ -254,10 +291,15 @@ TEST(TensorParallel, RefusesWhatDoesNotSplit) {
   EXPECT_NE(Transformer::SplitSupport(c, 4).message().find("130 wide"), std::string::npos);
   c.intermediate_size = 128, c.kv_lora_rank = 16;
   EXPECT_NE(Transformer::SplitSupport(c, 2).message().find("latent attention"), std::string::npos);
+  EXPECT_NE(Transformer::SplitSupport(c, 1, 2).message().find("no experts"), std::string::npos);
+  c.num_experts = 6;
+  EXPECT_NE(Transformer::SplitSupport(c, 1, 4).message().find("6 experts"), std::string::npos);
   EngineOptions o;
   o.tp_size = 2;
   o.model_dir = "/nonexistent";
   EXPECT_FALSE(Engine::Open(o).ok());
+  o.ep_size = 4;  // each is 1 or the group's size
+  EXPECT_NE(Engine::Open(o).status().message().find("tp 2 and ep 4"), std::string::npos);
 }
 
 }  // namespace

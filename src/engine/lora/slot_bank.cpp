@@ -126,9 +126,11 @@ Status SlotBank::Bind(int s, const LoraConfig& config) {
   for (auto& t : targets_) {
     if (!TrainsGroup(config, t.group)) continue;
     if (t.per_expert == ExpertFactor::kA) {
+      // Split over expert-parallel ranks: this rank's experts, by their whole index.
+      const int64_t first = t.a_shard.kind == ShardKind::kSplit ? t.a_shard.offset : 0;
       for (int64_t e = 0; e < t.experts; ++e)
         t.A.select(0, s).select(0, e).narrow(0, 0, config.rank)
-            .copy_(KaimingRows(config.seed, t.module + "." + std::to_string(e), config.rank, t.d_in));
+            .copy_(KaimingRows(config.seed, t.module + "." + std::to_string(first + e), config.rank, t.d_in));
       continue;
     }
     // A split A (its columns: a row-split target under tensor parallel) is

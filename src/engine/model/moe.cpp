@@ -61,13 +61,22 @@ struct CombineNode : torch::autograd::Function<CombineNode> {
   }
 };
 
-// The T * K (token, choice) pairs in sorted order (see DispatchNode).
+// The T * K (token, choice) pairs in sorted order (see DispatchNode), or,
+// with the experts split over ranks, the run of them that this rank's
+// experts take (a token has 0..K of those: plain gathers and index adds).
 struct Pairs {
   at::Tensor token;     // [P] each sorted pair's token
-  at::Tensor position;  // [P] where pair (t, k) sits in the sorted order, at t * K + k
+  at::Tensor position;  // [P] where pair (t, k) sits in the sorted order, at t * K + k (whole pairs only)
   int64_t K = 0;
-  at::Tensor Dispatch(const at::Tensor& h) const { return DispatchNode::apply(h, token, position, K); }
-  at::Tensor Combine(const at::Tensor& y) const { return CombineNode::apply(y, token, position, K); }
+  bool subset = false;  // this rank's run of the pairs
+  int64_t rows = 0;     // T, for Combine of a subset
+  at::Tensor Dispatch(const at::Tensor& h) const {
+    return subset ? h.index_select(0, token) : DispatchNode::apply(h, token, position, K);
+  }
+  at::Tensor Combine(const at::Tensor& y) const {
+    return subset ? at::zeros({rows, y.size(1)}, y.options()).index_add(0, token, y)
+                  : CombineNode::apply(y, token, position, K);
+  }
 };
 
 // The expert LoRA of one batch (moe.h): its slots' factors and the two
@@ -234,6 +243,8 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
                       const LoraTarget* down, const ExpertLoraRouting* lora) {
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
+  // Experts split over ranks (parallel.h): this rank's are [e0, e0 + El).
+  const int64_t El = w.gate_up.size(0), e0 = w.expert_begin;
   // Route (HF's order for each router kind; moe.h).
   const bool grouped = w.router_kind == MoeRouter::kGroupedSoftmax || w.router_kind == MoeRouter::kGroupedSigmoid;
   const at::Tensor logits =
@@ -257,17 +268,32 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
   const at::Tensor pair_token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
   at::Tensor key = top_e.reshape({-1});
   if (with_lora) key = key * sub + lora->token_group.index_select(0, pair_token);
-  const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  const at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
-  const at::Tensor expert_counts = with_lora ? counts.view({E, sub}).sum(1) : counts;
+  at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
   Pairs pairs;
-  pairs.token = pair_token.index_select(0, order);
-  pairs.position = at::empty_like(order).scatter_(0, order, at::arange(T * K, kLong.device(h.device())));
   pairs.K = K;
+  if (El != E) {
+    // This rank's experts' pairs are one run of the sorted order (one host read of the counts).
+    const at::Tensor host = counts.cpu();
+    const int64_t* n = host.data_ptr<int64_t>();
+    int64_t start = 0, len = 0;
+    for (int64_t g = 0; g < e0 * sub; ++g) start += n[g];
+    for (int64_t g = e0 * sub; g < (e0 + El) * sub; ++g) len += n[g];
+    order = order.narrow(0, start, len);
+    counts = counts.narrow(0, e0 * sub, El * sub);
+    pairs.subset = true;
+    pairs.rows = T;
+    pairs.token = pair_token.index_select(0, order);
+  } else {
+    pairs.token = pair_token.index_select(0, order);
+    pairs.position = at::empty_like(order).scatter_(0, order, at::arange(T * K, kLong.device(h.device())));
+  }
+  const at::Tensor expert_counts = with_lora ? counts.view({El, sub}).sum(1) : counts;
   const at::Tensor x = pairs.Dispatch(h);  // [P, H]
 
-  at::Tensor pair_expert;  // each sorted pair's expert, for the biases
-  if (w.gate_up_bias.defined() || w.down_bias.defined()) pair_expert = top_e.reshape({-1}).index_select(0, order);
+  at::Tensor pair_expert;  // each sorted pair's expert (among this rank's), for the biases
+  if (w.gate_up_bias.defined() || w.down_bias.defined())
+    pair_expert = top_e.reshape({-1}).index_select(0, order) - e0;
 
   const at::Tensor weight = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);  // [P, 1]
   std::optional<ExpertLoraPlan> plan;

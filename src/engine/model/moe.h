@@ -66,6 +66,10 @@ struct MoeWeights {
   double routed_scale = 1.0;            // the grouped routers
   MoeRouter router_kind = MoeRouter::kSoftmaxTopK;
   MoeActivation activation = MoeActivation::kSwiGlu;
+  // Split over expert-parallel ranks (parallel.h): this rank holds experts
+  // [expert_begin, expert_begin + gate_up.size(0)) of the router's E; the
+  // block's output is then this rank's experts' share of every token.
+  int64_t expert_begin = 0;
   bool defined() const { return router.defined(); }
 };
 

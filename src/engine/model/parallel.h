@@ -66,12 +66,19 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
                                                    at::Device device,
                                                    std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
-// How a model is split over a group (size 1: not at all).
+// How a model is split over a group of ranks (size 1: not at all): tensor
+// parallel (tp: attention and dense MLPs), expert parallel (ep: each MoE
+// layer's experts, E / size on each rank, rank r the r-th run), or both over
+// the same ranks.
 struct Parallel {
-  int tp_rank = 0;
-  int tp_size = 1;
-  std::shared_ptr<Collective> group;  // the tp ranks; null when tp_size == 1
-  bool split() const { return tp_size > 1; }
+  int rank = 0;
+  int size = 1;
+  std::shared_ptr<Collective> group;  // null when size == 1
+  bool tp = false;
+  bool ep = false;
+  bool split() const { return size > 1; }
+  int tp_size() const { return tp ? size : 1; }
+  int ep_size() const { return ep ? size : 1; }
 };
 
 // Identity forward; the gradient summed over the group (g null: identity).

@@ -172,7 +172,8 @@ std::vector<LoraTargetSpec> Transformer::Targets(bool whole) const {
   // Split over tp ranks (parallel.h): a column-split target keeps this
   // rank's rows of B (A whole, its gradient a part per rank), a row-split
   // one this rank's columns of A (B whole, likewise).
-  const int64_t tp = whole ? 1 : parallel_.tp_size, rank = whole ? 0 : parallel_.tp_rank;
+  const int64_t tp = whole ? 1 : parallel_.tp_size(), ep = whole ? 1 : parallel_.ep_size(),
+                rank = whole ? 0 : parallel_.rank;
   const auto column = [&](LoraTargetSpec spec) {
     if (tp == 1) return spec;
     const int64_t part = spec.d_out / tp;
@@ -226,9 +227,17 @@ std::vector<LoraTargetSpec> Transformer::Targets(bool whole) const {
     }
     if (c.IsMoeLayer(i)) {  // engine/model/moe.h: the experts' fused gate_up and down
       const int64_t e = c.num_experts, mi = c.moe_intermediate_size;
-      t.push_back({p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB,
-                   /*hf_interleaved=*/FindFamily(c.model_type)->interleaved_gate_up});
-      t.push_back({p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA});
+      LoraTargetSpec gate_up{p + "mlp.experts.gate_up_proj", TargetGroup::kMlp, h, 2 * mi, e, ExpertFactor::kB,
+                             /*hf_interleaved=*/FindFamily(c.model_type)->interleaved_gate_up};
+      LoraTargetSpec down{p + "mlp.experts.down_proj", TargetGroup::kMlp, mi, h, e, ExpertFactor::kA};
+      if (ep > 1) {  // this rank's experts' factors; the shared ones whole, their gradient a part per rank
+        const int64_t el = e / ep;
+        gate_up.experts = down.experts = el;
+        gate_up.b_shard = down.a_shard = {ShardKind::kSplit, 0, e, rank * el};
+        gate_up.a_shard = down.b_shard = {ShardKind::kPartial};
+      }
+      t.push_back(gate_up);
+      t.push_back(down);
       if (c.n_shared_experts > 0) mlp(p + "mlp.shared_experts.", mi * c.n_shared_experts);
       if (c.shared_expert_intermediate_size > 0) mlp(p + "mlp.shared_expert.", c.shared_expert_intermediate_size);
       continue;
@@ -239,8 +248,16 @@ std::vector<LoraTargetSpec> Transformer::Targets(bool whole) const {
   return t;
 }
 
-Status Transformer::SplitSupport(const ModelConfig& c, int tp) {
-  if (tp < 1) return Status::Invalid("tensor parallel: " + std::to_string(tp) + " ranks");
+Status Transformer::SplitSupport(const ModelConfig& c, int tp, int ep) {
+  if (tp < 1 || ep < 1) return Status::Invalid("parallel: tp " + std::to_string(tp) + ", ep " + std::to_string(ep));
+  if (ep > 1) {
+    if (c.num_experts <= 0) return Status::Invalid("expert parallel " + std::to_string(ep) + ": " + c.model_type +
+                                                   " has no experts");
+    if (c.num_experts % ep != 0)
+      return Status::Invalid("expert parallel " + std::to_string(ep) + ": " + c.model_type + " has " +
+                             std::to_string(c.num_experts) + " experts, which " + std::to_string(ep) +
+                             " ranks do not divide");
+  }
   if (tp == 1) return Status::Ok();
   const auto refuse = [&](const std::string& what) {
     return Status::Invalid("tensor parallel " + std::to_string(tp) + ": " + c.model_type + " " + what);
@@ -293,6 +310,20 @@ void SplitLayer(DecoderLayerWeights& l, int64_t heads, int64_t hd, int64_t r, in
   }
 }
 
+// Rank r of n's experts of an MoE layer (the r-th run of E / n); the router
+// stays whole.
+void SplitExperts(MoeWeights& w, int64_t r, int64_t n) {
+  const int64_t e = w.router.size(0), el = e / n;
+  const auto part = [&](at::Tensor& t) {
+    if (t.defined()) t = t.narrow(0, r * el, el).contiguous();
+  };
+  part(w.gate_up);
+  part(w.gate_up_bias);
+  part(w.down);
+  part(w.down_bias);
+  w.expert_begin = r * el;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig& config,
@@ -300,7 +331,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
                                                               at::Device device, at::ScalarType dtype,
                                                               const Parallel& parallel) {
   if (Status s = CheckConfig(config); !s.ok()) return s;
-  if (Status s = SplitSupport(config, parallel.tp_size); !s.ok()) return s;
+  if (Status s = SplitSupport(config, parallel.tp_size(), parallel.ep_size()); !s.ok()) return s;
   if (parallel.split() && !parallel.group) return Status::Invalid("tensor parallel: no process group");
   if (dtype != at::kFloat && dtype != at::kBFloat16)
     return Status::Invalid("dtype must be float32 or bfloat16");
@@ -355,15 +386,17 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
     l.input_norm = get(load.prefix + "input_layernorm.weight");
     l.post_norm = get(load.prefix + "post_attention_layernorm.weight");
     if (Status s = family.load_layer(load); !s.ok()) return s;
-    if (parallel.split()) SplitLayer(l, config.num_attention_heads, impl->head_dim, parallel.tp_rank, parallel.tp_size);
+    if (parallel.tp) SplitLayer(l, config.num_attention_heads, impl->head_dim, parallel.rank, parallel.size);
+    if (parallel.ep && l.moe.defined()) SplitExperts(l.moe, parallel.rank, parallel.size);
     impl->layers.push_back(std::move(l));
   }
-  if (parallel.split()) {
-    impl->heads /= parallel.tp_size;
-    impl->kv_heads /= parallel.tp_size;
-    impl->inter /= parallel.tp_size;
+  if (parallel.tp) {
+    impl->heads /= parallel.size;
+    impl->kv_heads /= parallel.size;
+    impl->inter /= parallel.size;
     impl->tp = parallel.group.get();
   }
+  if (parallel.ep) impl->ep = parallel.group.get();
   std::unique_ptr<Transformer> t(new Transformer());
   t->impl_ = std::move(impl);
   t->parallel_ = parallel;
@@ -378,7 +411,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   Result<ModelConfig> config = ModelConfig::Load(model_dir);
   if (!config.ok()) return config.status();
   if (Status s = CheckConfig(*config); !s.ok()) return s;
-  if (Status s = SplitSupport(*config, parallel.tp_size); !s.ok()) return s;
+  if (Status s = SplitSupport(*config, parallel.tp_size(), parallel.ep_size()); !s.ok()) return s;
   const Family& family = *FindFamily(config->model_type);
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();

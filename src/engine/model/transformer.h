@@ -74,7 +74,8 @@ class Transformer {
   // sliding attention whose heads and key/value heads tp divides, dense
   // MLPs (and shared experts) whose width it divides; else Invalid naming
   // what does not split (MLA, Gated DeltaNet, gated attention, a width).
-  static Status SplitSupport(const ModelConfig& config, int tp);
+  // With ep ranks, ep must divide the experts.
+  static Status SplitSupport(const ModelConfig& config, int tp, int ep = 1);
   const Parallel& parallel() const { return parallel_; }
   // Hugging Face names and shapes of the base weights this config needs
   // (lm_head.weight only when embeddings are untied).

@@ -94,6 +94,7 @@ struct Transformer::Impl {
   int64_t heads = 0, kv_heads = 0, head_dim = 0, inter = 0;  // this rank's part when split (parallel.h)
   bool mla = false;  // the layers attend by MLA (head_dim is then its RoPE width)
   Collective* tp = nullptr;  // the ranks the attention and dense MLPs are split over; null: whole
+  Collective* ep = nullptr;  // the ranks each MoE layer's experts are split over; null: whole
 };
 
 // RMSNorm as Hugging Face computes it (lean_ops.h): normalise in fp32,
@@ -357,7 +358,8 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
   // The MLP block after the attention: SwiGLU, or the experts' with any shared experts.
   const auto mlp_block = [&](const at::Tensor& in) {
     if (!l.moe.defined()) return dense_mlp(4, in);
-    const at::Tensor y = moe(i, in);
+    // Experts split over ranks: each rank's experts' share of every token, summed.
+    const at::Tensor y = TpLeave(moe(i, TpEnter(in, m.ep)), m.ep);
     if (!l.gate_up_w.defined()) return y;
     const at::Tensor shared = dense_mlp(l.shared_target, in);
     return y + (l.shared_gate.defined() ? at::sigmoid(at::linear(in, l.shared_gate)) * shared : shared);
