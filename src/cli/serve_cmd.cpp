@@ -17,6 +17,7 @@
 #include "cli/commands.h"
 #include "cli/decode_flags.h"
 #include "cli/serve_replica.h"
+#include "cli/trainer_group.h"
 #include "cli/slot_plan.h"
 #include "cli/step_flags.h"
 #include "common/log.h"
@@ -104,6 +105,7 @@ struct OpenedModel {
 }  // namespace
 
 int Serve(int argc, char** argv) {
+  const std::vector<std::string> command_line(argv, argv + argc);  // a trainer group's ranks run it again
   CLI::App app{"Serve the Tinker API (default model: an embedded tiny qwen3)", "loom serve"};
   std::vector<std::string> model_dirs;
   std::string model_name, host = "127.0.0.1", data_dir = "loom-data", device = "auto", api_keys_file;
@@ -159,6 +161,12 @@ int Serve(int argc, char** argv) {
   std::vector<std::string> sampler_replicas;
   app.add_option("--role", role, "all: the Tinker API, the trainer and a sampler in this process (the default); sampler: a sampler replica that a gateway sends samples to (--sampler-replicas there), serving only its internal API")->default_val(role)->check(CLI::IsMember({"all", "sampler"}));
   app.add_option("--sampler-replicas", sampler_replicas, "HOST:PORT of each sampler replica (`loom serve --role sampler`), comma-separated: this process becomes the gateway and trainer, and every asample goes to a live replica that has its snapshot warm (resubmitted elsewhere if that replica dies); the replicas read snapshots from this --data-dir, so they must see it at the same path")->delimiter(',');
+  int tp = 1, ep = 1, group_rank = 0;
+  std::string group_store;
+  app.add_option("--tp", tp, "tensor parallel: the trainer's attention and dense MLPs split over this many processes, one per device (ranks 1.. start themselves); sampling then runs on --sampler-replicas")->default_val(tp)->check(CLI::Range(1, 64));
+  app.add_option("--ep", ep, "expert parallel: each MoE layer's experts split over this many processes (the same ones as --tp when both are > 1, so each is 1 or the other's value)")->default_val(ep)->check(CLI::Range(1, 64));
+  app.add_option("--group-rank", group_rank, "(internal) this process is rank N >= 1 of the trainer group of --tp/--ep")->group("");
+  app.add_option("--group-store", group_store, "(internal) the trainer group's rendezvous file")->group("");
   app.add_option("--replica-key", replica_key, "shared secret between the gateway and its sampler replicas (X-Replica-Key); required to bind a replica to a non-loopback address");
   try {
     app.parse(argc, argv);
@@ -221,6 +229,26 @@ int Serve(int argc, char** argv) {
   }
   if (!sampler_replicas.empty() && models->size() != 1)
     return Fail("--sampler-replicas: replicas serve one base model; serve one --model with them");
+  const int group_size = std::max(tp, ep);
+  if ((tp != 1 && tp != group_size) || (ep != 1 && ep != group_size))
+    return Fail(fmt::format("--tp {} --ep {}: both split the same processes, so each is 1 or the other's value", tp, ep));
+  if (group_size > 1 && models->size() != 1) return Fail("--tp/--ep: a trainer group serves one --model");
+  if (group_rank > 0) {  // a worker of rank 0's trainer group
+    if (group_rank >= group_size || group_store.empty()) return Fail("--group-rank: not a rank of this group");
+    engine::EngineOptions worker;
+    worker.model_dir = models->front().dir;
+    worker.device = device;
+    worker.context_window = context_window;
+    worker.graph_max_tokens = graph_tokens;
+    worker.moments = moments;
+    worker.max_slots = max_adapters;
+    worker.max_rank = max_rank;
+    worker.group_rank = group_rank;
+    worker.tp_size = tp;
+    worker.ep_size = ep;
+    worker.group_store = group_store;
+    return RunTrainerRank(worker);
+  }
 
   // Signals go to the waiting main thread only: block them before any thread starts.
   sigset_t signals;
@@ -240,6 +268,15 @@ int Serve(int argc, char** argv) {
   eopt.max_slots = max_adapters;  // 0: planned by Engine::Open
   eopt.max_rank = max_rank;
   eopt.memory_share = 1.0 / static_cast<double>(models->size());
+  eopt.tp_size = tp;
+  eopt.ep_size = ep;
+  std::unique_ptr<TrainerGroup> group;  // ranks 1.. of --tp/--ep, started before rank 0 joins them
+  if (group_size > 1) {
+    eopt.group_store = data_dir + "/trainer-group.store";
+    auto started = TrainerGroup::Start(group_size, command_line, eopt.group_store);
+    if (!started.ok()) return Fail(started.status().message());
+    group = std::move(*started);
+  }
   std::vector<OpenedModel> opened;
   for (const ModelDir& m : *models) {
     const std::string flag = models->size() == 1 ? "--model" : "--model " + m.name;
@@ -269,6 +306,9 @@ int Serve(int argc, char** argv) {
       std::fprintf(stderr, "loom serve: sampling on %zu replicas (%d adapter slots each at least)\n",
                    sampler_replicas.size(), ri.sampler_adapters);
       sampler = std::move(*remote);
+    } else if (group_size > 1) {
+      std::fprintf(stderr, "loom serve: the trainer is split over %d processes: sampling is served only on "
+                           "--sampler-replicas\n", group_size);
     } else {
       // The sampler shares the trainer's frozen base (held once).
       auto local = engine::Sampler::Open(
@@ -321,11 +361,12 @@ int Serve(int argc, char** argv) {
   sopt.max_models_per_tenant =
       max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, fewest_slots / 4);
   sopt.token_budget = opened.front().token_budget;
-  const int sampler_slots = opened.front().sampler->info().sampler_adapters;
+  const int sampler_slots = opened.front().sampler ? opened.front().sampler->info().sampler_adapters : 0;
   std::vector<service::BaseModelSpec> bases;
   for (OpenedModel& m : opened) bases.push_back({m.name, std::move(m.engine), m.token_budget});
   service::Service service(sopt, std::move(bases), std::move(*registry));
   for (OpenedModel& m : opened) {
+    if (!m.sampler) continue;
     if (Status st = service.AttachSampler(std::move(m.sampler), m.name); !st.ok()) return Fail(st.message());
   }
   service.Start();
@@ -351,13 +392,13 @@ int Serve(int argc, char** argv) {
   for (const auto& base : service.bases()) names += (names.empty() ? "" : ",") + base->name;
   std::printf("loom serve: listening on http://%s:%u model=%s (%s, %s, %s) slots=%d max_rank=%d "
               "slot_mib=%lld moments=%s sampler_adapters=%d models_per_tenant=%s capacity_wait_s=%g session_ttl_s=%g "
-              "data_dir=%s%s max_connections=%d role=%s\n",
+              "data_dir=%s%s max_connections=%d role=%s tp=%d ep=%d\n",
               host.c_str(), server.port(), names.c_str(), info.model_type.c_str(), info.device.c_str(),
               info.dtype.c_str(), info.max_slots, info.max_rank,
               static_cast<long long>(info.slot_bytes / (1024 * 1024)), info.moments_on_host ? "host" : "device", sampler_slots,
               sopt.max_models_per_tenant > 0 ? std::to_string(sopt.max_models_per_tenant).c_str() : "unlimited",
               capacity_wait, session_ttl, data_dir.c_str(), keys.open_mode() ? " auth=open(tml-*)" : " auth=api-keys", server.max_connections(),
-              sampler_replicas.empty() ? "all" : "gateway");
+              sampler_replicas.empty() ? "all" : "gateway", tp, ep);
   std::fflush(stdout);
 
   int sig = 0;
@@ -366,7 +407,7 @@ int Serve(int argc, char** argv) {
   service.Stop();   // the batch in flight finishes; queued requests fail with "shutting down"
   server.Stop();    // parked polls answer, connections close
   log::Info("shutdown complete");
-  return 0;
+  return group && group->broken() ? 3 : 0;
 }
 
 }  // namespace loom::cli

@@ -160,7 +160,14 @@ class SlotSnapshot {
 
 class Engine {
  public:
+  // Rank 0's engine (or the only one). Over a group (tp or ep > 1), every
+  // call that changes state is sent to the other ranks first
+  // (engine/group_engine.h).
   static Result<std::unique_ptr<Engine>> Open(const EngineOptions& options);
+  // Rank group_rank >= 1 of a group: opens its part of the model and makes
+  // rank 0's calls on it, in order, until rank 0's engine is destroyed (Ok)
+  // or the group breaks.
+  static Status RunGroupWorker(const EngineOptions& options);
   virtual ~Engine() = default;
 
   virtual const ModelInfo& info() const = 0;

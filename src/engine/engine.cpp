@@ -41,6 +41,7 @@
 #include "engine/train/memory_plan.h"
 #include "engine/train/pass_graphs.h"
 #include "engine/train/loss_spec.h"
+#include "engine/group_engine.h"
 #include "engine/train/split_state.h"
 #include "engine/train/state.h"
 
@@ -509,7 +510,7 @@ Status PlanSlotMemory(const EngineOptions& options, at::Device device, int64_t s
 
 }  // namespace
 
-Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
+Result<std::unique_ptr<Engine>> OpenTrainingEngine(const EngineOptions& options, std::shared_ptr<Collective>* group) {
   if (options.max_slots < 0) return Status::Invalid(Cat("max_slots: ", options.max_slots, " must be >= 1, or 0 (auto)"));
   if (options.max_rank < 0) return Status::Invalid(Cat("max_rank: ", options.max_rank, " must be >= 1, or 0 (auto)"));
   if (options.recompute_layers < -1)
@@ -539,9 +540,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
       auto config = ModelConfig::Load(options.model_dir);
       if (!config.ok()) return config.status();
       if (Status s = Transformer::SplitSupport(*config, options.tp_size, options.ep_size); !s.ok()) return s;
-      auto group = OpenCollective(options.group_store, options.group_rank, size, device);
-      if (!group.ok()) return group.status();
-      parallel = Parallel{options.group_rank, size, *group, options.tp_size > 1, options.ep_size > 1};
+      auto opened = OpenCollective(options.group_store, options.group_rank, size, device);
+      if (!opened.ok()) return opened.status();
+      parallel = Parallel{options.group_rank, size, *opened, options.tp_size > 1, options.ep_size > 1};
+      if (group != nullptr) *group = parallel.group;
     }
     auto model = Transformer::Load(options.model_dir, device, dtype, parallel);
     if (!model.ok()) return model.status();

@@ -3,10 +3,11 @@
 // (two slots of different ranks and groups, a packed cross_entropy pass, an
 // AdamW step with clipping, a second pass, a checkpoint, a sampler snapshot)
 // runs at TP 1 in this process and at TP 2 and TP 4 in ranks that are this
-// test binary run again (one process each, TensorParallelRank.Script). Every
-// rank's logprobs, grad norms and the whole adapter it saves (weights and
-// both Adam moments, so the gradients too) equal the single process's to
-// float tolerance; the PEFT snapshot is the same whole adapter; a state
+// test binary run again (one process each, TensorParallelRank.Script): rank
+// 0 makes the calls, the others replay them (Engine::RunGroupWorker), as
+// under `loom serve --tp`. The logprobs, grad norms and the whole adapter
+// rank 0 saves (weights and both Adam moments, so the gradients too) equal
+// the single process's to float tolerance; the PEFT snapshot is the same whole adapter; a state
 // saved at TP 2 loads at TP 1 and at TP 4, and one saved at TP 1 at TP 2.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -73,8 +74,7 @@ Json Logprobs(std::vector<Result<ForwardBackwardOutput>> results) {
 
 // The script every topology runs. `load_from`: a state directory each rank
 // then loads into slot 0 (with its optimizer) before a forward-only pass.
-Json RunScript(const std::string& model, int rank, int tp, int ep, const std::string& store,
-               const std::string& out_dir, const std::string& tag, const std::string& load_from) {
+EngineOptions Options(const std::string& model, int rank, int tp, int ep, const std::string& store) {
   EngineOptions o;
   o.model_dir = model;
   o.device = "cpu";
@@ -85,7 +85,12 @@ Json RunScript(const std::string& model, int rank, int tp, int ep, const std::st
   o.tp_size = tp;
   o.ep_size = ep;
   o.group_store = store;
-  auto engine = Engine::Open(o);
+  return o;
+}
+
+Json RunScript(const std::string& model, int tp, int ep, const std::string& store, const std::string& out_dir,
+               const std::string& tag, const std::string& load_from) {
+  auto engine = Engine::Open(Options(model, 0, tp, ep, store));
   EXPECT_TRUE(engine.ok()) << engine.status().message();
   if (!engine.ok()) return {};
   Engine& e = **engine;
@@ -107,8 +112,7 @@ Json RunScript(const std::string& model, int rank, int tp, int ep, const std::st
   }
   out["second"] = Logprobs(e.ForwardBackward(Calls(false)));
   EXPECT_TRUE(e.SaveState(0, out_dir + "/state_" + tag).ok());
-  EXPECT_TRUE(e.SaveForSampler(0, out_dir + "/peft_" + tag + (rank == 0 ? "" : "_rank" + std::to_string(rank)),
-                               "tiny").ok());
+  EXPECT_TRUE(e.SaveForSampler(0, out_dir + "/peft_" + tag, "tiny").ok());
   if (!load_from.empty()) {
     EXPECT_TRUE(e.LoadState(0, load_from, /*with_optimizer=*/true).ok());
     out["loaded"] = Logprobs(e.ForwardBackward(Calls(true)));
@@ -116,8 +120,10 @@ Json RunScript(const std::string& model, int rank, int tp, int ep, const std::st
   return out;
 }
 
-// The script at max(tp, ep) ranks, each this binary again; rank r's results.
-std::vector<Json> RunRanks(int tp, int ep, const std::string& model, const std::string& dir, const std::string& tag,
+// The script at max(tp, ep) ranks, each this binary again, as `loom serve
+// --tp/--ep` runs them: rank 0 makes the calls (its results are returned),
+// the others run Engine::RunGroupWorker.
+Json RunRanks(int tp, int ep, const std::string& model, const std::string& dir, const std::string& tag,
                            const std::string& load_from) {
   const int size = std::max(tp, ep);
   const std::string store = dir + "/store_" + tag;
@@ -138,15 +144,13 @@ std::vector<Json> RunRanks(int tp, int ep, const std::string& model, const std::
     }
     pids.push_back(pid);
   }
-  std::vector<Json> out;
   for (int r = 0; r < size; ++r) {
     int status = 0;
     waitpid(pids[static_cast<size_t>(r)], &status, 0);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << tag << " rank " << r << " failed";
-    std::ifstream in(dir + "/result_" + tag + "_" + std::to_string(r) + ".json");
-    out.push_back(in ? Json::parse(in) : Json());
   }
-  return out;
+  std::ifstream in(dir + "/result_" + tag + ".json");
+  return in ? Json::parse(in) : Json();
 }
 
 void ExpectNear(const Json& got, const Json& want, double tol, const std::string& what) {
@@ -182,8 +186,13 @@ TEST(TensorParallelRank, Script) {
   if (Env("LOOM_TP_RANK").empty()) GTEST_SKIP() << "a rank of TensorParallel.*; not a test on its own";
   const int rank = std::stoi(Env("LOOM_TP_RANK")), tp = std::stoi(Env("LOOM_TP_TP")), ep = std::stoi(Env("LOOM_TP_EP"));
   const std::string dir = Env("LOOM_TP_DIR"), tag = Env("LOOM_TP_TAG");
-  const Json out = RunScript(Env("LOOM_TP_MODEL"), rank, tp, ep, Env("LOOM_TP_STORE"), dir, tag, Env("LOOM_TP_LOAD"));
-  std::ofstream(dir + "/result_" + tag + "_" + std::to_string(rank) + ".json") << out.dump();
+  if (rank > 0) {
+    const Status st = Engine::RunGroupWorker(Options(Env("LOOM_TP_MODEL"), rank, tp, ep, Env("LOOM_TP_STORE")));
+    EXPECT_TRUE(st.ok()) << st.message();
+    return;
+  }
+  const Json out = RunScript(Env("LOOM_TP_MODEL"), tp, ep, Env("LOOM_TP_STORE"), dir, tag, Env("LOOM_TP_LOAD"));
+  std::ofstream(dir + "/result_" + tag + ".json") << out.dump();
 }
 
 TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
@@ -196,15 +205,15 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
   mo.seed = 3;
   ASSERT_TRUE(testmodel::MakeModel(mo, model).ok());
 
-  const Json single = RunScript(model, 0, 1, 1, "", tmp.path(), "tp1", "");
+  const Json single = RunScript(model, 1, 1, "", tmp.path(), "tp1", "");
   ASSERT_EQ(single["grad_norm"].size(), 2u);
-  const std::vector<Json> tp2 = RunRanks(2, 1, model, tmp.path(), "tp2", tmp.path() + "/state_tp1");
-  const std::vector<Json> tp4 = RunRanks(4, 1, model, tmp.path(), "tp4", tmp.path() + "/state_tp2");
+  const Json tp2 = RunRanks(2, 1, model, tmp.path(), "tp2", tmp.path() + "/state_tp1");
+  const Json tp4 = RunRanks(4, 1, model, tmp.path(), "tp4", tmp.path() + "/state_tp2");
   constexpr double kTol = 2e-5;
   for (const auto* run : {&tp2, &tp4}) {
-    for (size_t r = 0; r < run->size(); ++r) {
-      const Json& got = (*run)[r];
-      const std::string who = "tp" + std::to_string(run->size()) + " rank " + std::to_string(r);
+    {
+      const Json& got = *run;
+      const std::string who = run == &tp2 ? "tp2" : "tp4";
       ExpectNear(got["first"], single["first"], kTol, who + " first pass");
       ExpectNear(got["grad_norm"], single["grad_norm"], kTol, who + " grad_norm");
       ExpectNear(got["second"], single["second"], kTol, who + " second pass");
@@ -219,7 +228,6 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
                       tmp.path() + "/state_tp1/adapter_state.safetensors", 1e-4);
     ExpectSameTensors(tmp.path() + "/peft_" + tag + "/adapter_model.safetensors",
                       tmp.path() + "/peft_tp1/adapter_model.safetensors", 1e-4);
-    EXPECT_FALSE(std::filesystem::exists(tmp.path() + "/state_" + tag + "_rank1"));
   }
   // And one process loads what TP 2 saved.
   EngineOptions o;
@@ -258,14 +266,14 @@ TEST(TensorParallel, Ep2AndTp2Ep2EqualOneProcess) {
   mo.preset = "tiny";
   mo.seed = 5;
   ASSERT_TRUE(testmodel::MakeModel(mo, model).ok());
-  const Json single = RunScript(model, 0, 1, 1, "", tmp.path(), "one", "");
-  const std::vector<Json> ep2 = RunRanks(1, 2, model, tmp.path(), "ep2", tmp.path() + "/state_one");
-  const std::vector<Json> both = RunRanks(2, 2, model, tmp.path(), "tp2ep2", tmp.path() + "/state_ep2");
+  const Json single = RunScript(model, 1, 1, "", tmp.path(), "one", "");
+  const Json ep2 = RunRanks(1, 2, model, tmp.path(), "ep2", tmp.path() + "/state_one");
+  const Json both = RunRanks(2, 2, model, tmp.path(), "tp2ep2", tmp.path() + "/state_ep2");
   constexpr double kTol = 2e-5;
   for (const auto* run : {&ep2, &both}) {
-    for (size_t r = 0; r < run->size(); ++r) {
-      const Json& got = (*run)[r];
-      const std::string who = (run == &ep2 ? "ep2" : "tp2ep2") + std::string(" rank ") + std::to_string(r);
+    {
+      const Json& got = *run;
+      const std::string who = run == &ep2 ? "ep2" : "tp2ep2";
       ExpectNear(got["first"], single["first"], kTol, who + " first pass");
       ExpectNear(got["grad_norm"], single["grad_norm"], kTol, who + " grad_norm");
       ExpectNear(got["second"], single["second"], kTol, who + " second pass");

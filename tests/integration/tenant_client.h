@@ -50,21 +50,22 @@ class TenantClient {
   }
 
   // A session and one model of base_model (the served model's name).
-  void Start(const std::string& base_model = "loom/tiny-qwen3") {
+  // lora_seed >= 0: the adapter's seed (else the server picks one).
+  void Start(const std::string& base_model = "loom/tiny-qwen3", int64_t lora_seed = -1) {
     session_ = PostOk("create_session", {{"tags", Json::array()}, {"user_metadata", Json::object()},
                                          {"sdk_version", "0.26.2"}, {"type", "create_session"}})["session_id"];
-    StartIn(session_, base_model, 0);
+    StartIn(session_, base_model, 0, lora_seed);
   }
   // One model of base_model in an existing session of this tenant (as a
   // second TrainingClient of one ServiceClient); its sampling sessions are
   // numbered from 1000 x model_seq_id, so two such clients never share one.
-  void StartIn(const std::string& session, const std::string& base_model, int model_seq_id) {
+  void StartIn(const std::string& session, const std::string& base_model, int model_seq_id, int64_t lora_seed = -1) {
     session_ = session;
     sampling_seq_ = 1000 * static_cast<int64_t>(model_seq_id);
+    Json lora = {{"rank", 4}, {"train_unembed", true}, {"train_mlp", true}, {"train_attn", true}};
+    if (lora_seed >= 0) lora["seed"] = lora_seed;
     Json m = Result(PostOk("create_model", {{"session_id", session_}, {"model_seq_id", model_seq_id},
-                                            {"base_model", base_model},
-                                            {"lora_config", {{"rank", 4}, {"train_unembed", true},
-                                                             {"train_mlp", true}, {"train_attn", true}}},
+                                            {"base_model", base_model}, {"lora_config", lora},
                                             {"type", "create_model"}}));
     model_ = m.value("model_id", "");
     ASSERT_FALSE(model_.empty());

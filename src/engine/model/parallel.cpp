@@ -44,19 +44,23 @@ struct LeaveNode : torch::autograd::Function<LeaveNode> {
 };
 
 #if LOOM_WITH_GLOO || LOOM_WITH_NCCL
-// A c10d process group as a Collective. Every call waits for its work.
+// A c10d process group as a Collective. Every call waits for its work. PG
+// is the concrete group (ProcessGroupGloo, ProcessGroupNCCL): a
+// ProcessGroup in libtorch 1.13, a Backend in 2.x, with the same calls.
+template <typename PG>
 class C10dCollective final : public Collective {
  public:
-  C10dCollective(c10::intrusive_ptr<c10d::ProcessGroup> pg, int rank, int size)
+  C10dCollective(c10::intrusive_ptr<PG> pg, int rank, int size)
       : pg_(std::move(pg)), rank_(rank), size_(size) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void AllReduceSum(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::SUM); }
   void AllReduceMin(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::MIN); }
-  void Broadcast(at::Tensor& t, int root) override {
+  void Broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override {
     std::vector<at::Tensor> ts{Contiguous(t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
+    if (timeout.count() > 0) o.timeout = timeout;
     pg_->broadcast(ts, o)->wait();
     if (!ts[0].is_same(t)) t.copy_(ts[0]);
   }
@@ -77,7 +81,7 @@ class C10dCollective final : public Collective {
     pg_->allreduce(ts, o)->wait();
     if (!ts[0].is_same(t)) t.copy_(ts[0]);
   }
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<PG> pg_;
   int rank_, size_;
 };
 #endif
@@ -114,7 +118,7 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
-      return std::shared_ptr<Collective>(new C10dCollective(pg, rank, size));
+      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupNCCL>(pg, rank, size));
     }
 #endif
 #if LOOM_WITH_GLOO
@@ -125,7 +129,7 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
       opts->devices.push_back(ifname && *ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
                                                 : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-      return std::shared_ptr<Collective>(new C10dCollective(pg, rank, size));
+      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupGloo>(pg, rank, size));
     }
 #endif
     return Status::Invalid("process group: no backend for this device");

@@ -48,7 +48,8 @@ class Collective {
   // In place on every rank.
   virtual void AllReduceSum(at::Tensor& t) = 0;
   virtual void AllReduceMin(at::Tensor& t) = 0;
-  virtual void Broadcast(at::Tensor& t, int root) = 0;
+  // timeout 0: the group's own.
+  virtual void Broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout = {}) = 0;
   // Every rank's t, in rank order (each rank's t has the same shape).
   virtual std::vector<at::Tensor> AllGather(const at::Tensor& t) = 0;
 };
