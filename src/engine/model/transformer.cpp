@@ -413,6 +413,10 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   if (Status s = CheckConfig(*config); !s.ok()) return s;
   if (Status s = SplitSupport(*config, parallel.tp_size(), parallel.ep_size()); !s.ok()) return s;
   const Family& family = *FindFamily(config->model_type);
+  // Split over ranks, the whole tensors wait in host memory and each goes to
+  // the device only as FromTensors takes it, one layer split at a time: a
+  // rank's device never holds more than its part plus one whole layer.
+  const at::Device staging = parallel.split() ? at::Device(at::kCPU) : device;
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();
   // Check names and shapes on the mapped views first: a bad file fails
@@ -434,7 +438,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
     if (name.empty() || IsIgnorable(name, *config)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
     if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
-    Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, device);
+    Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, staging);
     if (!t.ok()) return t.status();
     weights[name] = std::move(*t);
   }
@@ -445,9 +449,9 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
     if (blocks->dtype != "U8" || scales->dtype != "U8" || blocks->shape.size() != 4 || blocks->shape.back() != 16 ||
         std::vector<int64_t>(blocks->shape.begin(), blocks->shape.end() - 1) != scales->shape)
       return Status::Invalid("weight '" + name + "_blocks' / '_scales' are not MXFP4 ([E, R, G, 16] and [E, R, G] U8)");
-    Result<at::Tensor> b = LoadTensor(*blocks, device);
+    Result<at::Tensor> b = LoadTensor(*blocks, staging);
     if (!b.ok()) return b.status();
-    Result<at::Tensor> sc = LoadTensor(*scales, device);
+    Result<at::Tensor> sc = LoadTensor(*scales, staging);
     if (!sc.ok()) return sc.status();
     weights[name] = DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
   }
