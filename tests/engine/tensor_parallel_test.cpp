@@ -181,6 +181,23 @@ void ExpectSameTensors(const std::string& got_path, const std::string& want_path
   }
 }
 
+// A split run (rank 0's results and files, tagged `tag`) against the one
+// process's (tagged `one`): the passes, the grad norms, slot 0 loaded from
+// the other topology's state (the same adapter, so with slot 1 as it was the
+// same logprobs as after the step), and the whole adapter rank 0 wrote.
+void ExpectSameAsOneProcess(const Json& got, const Json& single, const std::string& dir, const std::string& tag,
+                            const std::string& one) {
+  constexpr double kTol = 2e-5;
+  ExpectNear(got["first"], single["first"], kTol, tag + " first pass");
+  ExpectNear(got["grad_norm"], single["grad_norm"], kTol, tag + " grad_norm");
+  ExpectNear(got["second"], single["second"], kTol, tag + " second pass");
+  ExpectNear(got["loaded"], single["second"], kTol, tag + " loaded");
+  ExpectSameTensors(dir + "/state_" + tag + "/adapter_state.safetensors", dir + "/state_" + one + "/adapter_state.safetensors",
+                    1e-4);
+  ExpectSameTensors(dir + "/peft_" + tag + "/adapter_model.safetensors", dir + "/peft_" + one + "/adapter_model.safetensors",
+                    1e-4);
+}
+
 // One rank of RunRanks (skipped when run on its own).
 TEST(TensorParallelRank, Script) {
   if (Env("LOOM_TP_RANK").empty()) GTEST_SKIP() << "a rank of TensorParallel.*; not a test on its own";
@@ -209,26 +226,8 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
   ASSERT_EQ(single["grad_norm"].size(), 2u);
   const Json tp2 = RunRanks(2, 1, model, tmp.path(), "tp2", tmp.path() + "/state_tp1");
   const Json tp4 = RunRanks(4, 1, model, tmp.path(), "tp4", tmp.path() + "/state_tp2");
-  constexpr double kTol = 2e-5;
-  for (const auto* run : {&tp2, &tp4}) {
-    {
-      const Json& got = *run;
-      const std::string who = run == &tp2 ? "tp2" : "tp4";
-      ExpectNear(got["first"], single["first"], kTol, who + " first pass");
-      ExpectNear(got["grad_norm"], single["grad_norm"], kTol, who + " grad_norm");
-      ExpectNear(got["second"], single["second"], kTol, who + " second pass");
-      // Slot 0 loaded from the other topology's state: the same adapter, so
-      // (with slot 1 as it was) the same logprobs as after the step.
-      ExpectNear(got["loaded"], single["second"], kTol, who + " loaded");
-    }
-  }
-  // Rank 0 writes the whole adapter, weights and moments.
-  for (const std::string tag : {"tp2", "tp4"}) {
-    ExpectSameTensors(tmp.path() + "/state_" + tag + "/adapter_state.safetensors",
-                      tmp.path() + "/state_tp1/adapter_state.safetensors", 1e-4);
-    ExpectSameTensors(tmp.path() + "/peft_" + tag + "/adapter_model.safetensors",
-                      tmp.path() + "/peft_tp1/adapter_model.safetensors", 1e-4);
-  }
+  ExpectSameAsOneProcess(tp2, single, tmp.path(), "tp2", "tp1");
+  ExpectSameAsOneProcess(tp4, single, tmp.path(), "tp4", "tp1");
   // And one process loads what TP 2 saved.
   EngineOptions o;
   o.model_dir = model;
@@ -245,7 +244,7 @@ TEST(TensorParallel, Tp2AndTp4EqualOneProcessAndCheckpointsMoveBetweenThem) {
   ASSERT_TRUE((*one)->BindSlot(1, b).ok());
   ASSERT_TRUE((*one)->LoadState(0, tmp.path() + "/state_tp2", true).ok());
   const Json loaded = Logprobs((*one)->ForwardBackward(Calls(true)));
-  ExpectNear(Json::array({loaded[0], loaded[1]}), Json::array({single["second"][0], single["second"][1]}), kTol,
+  ExpectNear(Json::array({loaded[0], loaded[1]}), Json::array({single["second"][0], single["second"][1]}), 2e-5,
              "tp1 loading tp2's state");
   // Not a test that cannot fail: the adapter moved between the passes.
   double moved = 0;
@@ -269,23 +268,8 @@ TEST(TensorParallel, Ep2AndTp2Ep2EqualOneProcess) {
   const Json single = RunScript(model, 1, 1, "", tmp.path(), "one", "");
   const Json ep2 = RunRanks(1, 2, model, tmp.path(), "ep2", tmp.path() + "/state_one");
   const Json both = RunRanks(2, 2, model, tmp.path(), "tp2ep2", tmp.path() + "/state_ep2");
-  constexpr double kTol = 2e-5;
-  for (const auto* run : {&ep2, &both}) {
-    {
-      const Json& got = *run;
-      const std::string who = run == &ep2 ? "ep2" : "tp2ep2";
-      ExpectNear(got["first"], single["first"], kTol, who + " first pass");
-      ExpectNear(got["grad_norm"], single["grad_norm"], kTol, who + " grad_norm");
-      ExpectNear(got["second"], single["second"], kTol, who + " second pass");
-      ExpectNear(got["loaded"], single["second"], kTol, who + " loaded");
-    }
-  }
-  for (const std::string tag : {"ep2", "tp2ep2"}) {
-    ExpectSameTensors(tmp.path() + "/state_" + tag + "/adapter_state.safetensors",
-                      tmp.path() + "/state_one/adapter_state.safetensors", 1e-4);
-    ExpectSameTensors(tmp.path() + "/peft_" + tag + "/adapter_model.safetensors",
-                      tmp.path() + "/peft_one/adapter_model.safetensors", 1e-4);
-  }
+  ExpectSameAsOneProcess(ep2, single, tmp.path(), "ep2", "one");
+  ExpectSameAsOneProcess(both, single, tmp.path(), "tp2ep2", "one");
 }
 
 TEST(TensorParallel, RefusesWhatDoesNotSplit) {
