@@ -22,6 +22,7 @@
 #include "cli/bench_sample.h"
 #include "cli/commands.h"
 #include "cli/trace_profile.h"
+#include "cli/trainer_group.h"
 #include "engine/api.h"
 #include "testmodel/make_model.h"
 
@@ -46,6 +47,11 @@ struct TrainBenchOptions {
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   std::string moments = engine::EngineOptions{}.moments;
   std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
+  // A trainer group (engine/model/parallel.h): this process is rank 0 and
+  // starts the others (cli/trainer_group.h); group_rank > 0 is one of those.
+  int tp = 1, ep = 1, group_rank = 0;
+  std::string group_store;
+  std::vector<std::string> command_line;  // `bench train ...`, for the other ranks
 };
 
 std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
@@ -134,7 +140,12 @@ int BenchTrain(const TrainBenchOptions& o) {
     std::error_code ec;
     if (!scratch.empty()) fs::remove_all(scratch, ec);
   };
+  const int group_size = std::max(o.tp, o.ep);
   engine::EngineOptions eo;
+  eo.tp_size = o.tp;
+  eo.ep_size = o.ep;
+  eo.group_rank = o.group_rank;
+  eo.group_store = o.group_store;
   eo.model_dir = model_dir;
   eo.device = o.device;
   eo.max_slots = o.tenants;
@@ -144,6 +155,26 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.recompute_layers = o.recompute_layers;
   eo.graph_max_tokens = o.graph_tokens;
   eo.moments = o.moments;
+  if (o.group_rank > 0) {  // one of rank 0's trainer ranks
+    const int rc = RunTrainerRank(eo);
+    cleanup();
+    return rc;
+  }
+  std::unique_ptr<TrainerGroup> group;
+  if (group_size > 1) {
+    if (o.model_dir.empty()) {
+      std::fprintf(stderr, "loom bench train: --tp/--ep: give --model (every rank reads the same directory)\n");
+      cleanup();
+      return 2;
+    }
+    eo.group_store = (fs::temp_directory_path() / ("loom-bench-group-" + std::to_string(::getpid()))).string();
+    auto started = TrainerGroup::Start(group_size, o.command_line, eo.group_store);
+    if (!started.ok()) {
+      std::fprintf(stderr, "loom bench train: %s\n", started.status().message().c_str());
+      return 1;
+    }
+    group = std::move(*started);
+  }
   auto opened = engine::Engine::Open(eo);
   if (!opened.ok()) {
     std::fprintf(stderr, "loom bench train: %s\n", opened.status().message().c_str());
@@ -171,6 +202,9 @@ int BenchTrain(const TrainBenchOptions& o) {
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
               info.dtype.c_str(), o.rank, o.steps);
+  if (group_size > 1)
+    std::printf("trainer group: %d processes (tp %d, ep %d); MFU is per device, peak memory rank 0's\n", group_size,
+                o.tp, o.ep);
   std::printf("slots: %d at rank %d, %.1f MiB each on the %s", info.max_slots, info.max_rank,
               static_cast<double>(info.slot_bytes) / (1 << 20), info.device.c_str());
   if (info.moments_on_host)
@@ -207,7 +241,8 @@ int BenchTrain(const TrainBenchOptions& o) {
     std::printf("%-20s %14.1f %14.1f %12.1f %12.0f", name.c_str(), t.forward_backward * 1e3, t.optim_step * 1e3,
                 t.total() * 1e3, tps);
     if (gpu)
-      std::printf(" %7.1f%% %10.2f", 100.0 * 4.0 * static_cast<double>(info.active_parameters) * tps / kPeakFlops,
+      std::printf(" %7.1f%% %10.2f",
+                  100.0 * 4.0 * static_cast<double>(info.active_parameters) * tps / (kPeakFlops * group_size),
                   static_cast<double>(t.peak_bytes) / (1 << 30));
     std::printf("\n");
   };
@@ -260,6 +295,13 @@ int Bench(int argc, char** argv) {
                     "after timing, trace one more step of each row (Kineto, libtorch 2.x) to PATH.one.json and "
                     "PATH.packed.json (bench/trace_summary.py reads them)");
   train->add_option("--save-adapter", t.save_adapter, "write tenant 0's trained adapter (PEFT) to this new directory");
+  train->add_option("--tp", t.tp, "tensor parallel: the trainer split over this many processes, one per device")
+      ->default_val(t.tp)->check(CLI::Range(1, 64));
+  train->add_option("--ep", t.ep, "expert parallel: each MoE layer's experts split over this many processes")
+      ->default_val(t.ep)->check(CLI::Range(1, 64));
+  train->add_option("--group-rank", t.group_rank, "(internal) rank N >= 1 of the trainer group")->group("");
+  train->add_option("--group-store", t.group_store, "(internal) the trainer group's rendezvous file")->group("");
+  t.command_line.assign(argv, argv + argc);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

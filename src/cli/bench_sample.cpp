@@ -22,6 +22,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cli/bench_contention.h"
@@ -34,6 +35,7 @@
 #include "engine/model/transformer.h"
 #include "engine/sample/op_count.h"
 #include "engine/sample_api.h"
+#include "replica/remote_sampler.h"
 #include "testmodel/make_model.h"
 
 namespace loom::cli {
@@ -63,6 +65,10 @@ struct Options {
   std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
   bool count_ops = false;  // --count-ops: the ATen ops of the prefill steps (engine/sample/op_count.h)
   std::string profile;  // --profile PATH: Kineto traces, PATH.<row>.json (the modes' own names)
+  // --replicas: the decode table on these sampler replicas (`loom serve --role
+  // sampler` on the same model, each on its own device) through the
+  // gateway's RemoteSampler, instead of a sampler in this process.
+  std::vector<std::string> replicas;
 };
 
 // Writes n PEFT snapshots (rank r, random non-zero A and B) under dir.
@@ -118,10 +124,12 @@ Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::st
   for (auto& f : futures) {
     Result<SampleOutput> r = f.get();
     if (!r.ok()) return r.status();
+    for (const auto& seq : r->sequences) t.tokens += static_cast<int64_t>(seq.tokens.size());
   }
   t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Replicas report their counters with their health answers (every 500 ms).
+  if (!o.replicas.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(1200));
   const engine::SamplerStats after = s.stats();
-  t.tokens = after.tokens_generated - before.tokens_generated;
   t.steps = after.decode_steps - before.decode_steps;
   t.prefill_seconds = after.prefill_seconds - before.prefill_seconds;
   t.decode_seconds = after.decode_seconds - before.decode_seconds;
@@ -146,7 +154,8 @@ int Run(const Options& o) {
     if (Status s = testmodel::MakeModel(m, model_dir); !s.ok())
       return std::fprintf(stderr, "loom bench sample: %s\n", s.message().c_str()), 1;
   }
-  const bool cuda = o.device == "cuda" || (o.device == "auto" && at::hasCUDA());
+  // With replicas the model here gives the bench adapters their shapes only.
+  const bool cuda = o.replicas.empty() && (o.device == "cuda" || (o.device == "auto" && at::hasCUDA()));
   const at::Device device = cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   const bool bf16 = o.dtype == "bf16" || (o.dtype == "auto" && cuda);
   auto loaded = engine::Transformer::Load(model_dir, device, bf16 ? at::kBFloat16 : at::kFloat);
@@ -183,7 +192,26 @@ int Run(const Options& o) {
     so.context_window = MultiTurnContext(o.turns) + 16;
     so.kv_budget_tokens = so.context_window + 64;
   }
-  auto sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
+  Result<std::unique_ptr<engine::Sampler>> sampler = Status::Internal("no sampler");
+  if (o.replicas.empty()) {
+    sampler = engine::Sampler::Open(model, so);  // model_dir unset: no EOS from generation_config
+  } else {
+    if (o.contention || o.multi_turn)
+      return std::fprintf(stderr, "loom bench sample: --replicas runs the decode table only\n"), 2;
+    replica::RemoteOptions ro;
+    ro.replicas = o.replicas;
+    auto remote = replica::RemoteSampler::Open(ro);
+    if (remote.ok()) {
+      sampler = std::unique_ptr<engine::Sampler>(std::move(*remote));
+      std::printf("sampling on %zu replicas: %s\n", o.replicas.size(), [&] {
+        std::string all;
+        for (const auto& r : o.replicas) all += (all.empty() ? "" : ",") + r;
+        return all;
+      }().c_str());
+    } else {
+      sampler = remote.status();
+    }
+  }
   if (!sampler.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", sampler.status().message().c_str()), 1;
   engine::Sampler& s = **sampler;
   if (o.contention || o.multi_turn) {
@@ -287,6 +315,7 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--new-tokens", o.new_tokens, "tokens generated per row")->default_val(o.new_tokens);
   app.add_option("--rank", o.rank, "LoRA rank of the bench adapters")->default_val(o.rank);
   app.add_option("--threads", o.threads, "CPU threads (0 = libtorch default)")->default_val(o.threads);
+  app.add_option("--replicas", o.replicas, "HOST:PORT of sampler replicas (`loom serve --role sampler` on the same --model): the decode table runs on them through the gateway's router, tokens/s summed over them")->delimiter(',');
   const StepFlags step_flags(app);
   app.add_flag("--contention", o.contention,
                "instead: a light tenant's latency on an idle sampler and beside another tenant's flood");

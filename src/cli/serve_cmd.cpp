@@ -122,7 +122,7 @@ int Serve(int argc, char** argv) {
   app.add_option("--host", host, "address to bind")->default_val(host);
   app.add_option("--port", port, "port to bind (0 = any free port)")->default_val(port)->check(CLI::Range(0, 65535));
   app.add_option("--data-dir", data_dir, "registry, checkpoints and the default model live here")->default_val(data_dir);
-  app.add_option("--device", device, "auto | cpu | cuda")->default_val(device)->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  app.add_option("--device", device, "auto | cpu | cuda | cuda:N (one GPU of several: a sampler replica's; a trainer group's rank r takes cuda:r)")->default_val(device)->check(CLI::IsMember({"auto", "cpu", "cuda"}) | CLI::Validator([](std::string& v) { return v.rfind("cuda:", 0) == 0 && v.size() > 5 && v.find_first_not_of("0123456789", 5) == std::string::npos ? std::string() : std::string("not cuda:N"); }, "cuda:N"));
   app.add_option("--max-adapters", max_adapters, "adapter slots (concurrent training clients); 0 = as many at --max-rank as fit in 40% of the memory (half of what slots may take, 80% of the device memory beside the base weights), at most 32 (logged at start-up)")->default_val(max_adapters)->check(CLI::Range(0, 4096));
   app.add_option("--max-rank", max_rank, "largest LoRA rank a client may ask for; 0 = 128 for dense models, 32 for mixture-of-experts models")->default_val(max_rank)->check(CLI::Range(0, 1024));
   app.add_option("--capacity-wait", capacity_wait, "seconds a create_model may wait for an adapter slot when all are in use (queue_state paused_capacity, first come first served); then it fails naming this flag. 0 = refuse at once (503)")->default_val(capacity_wait)->check(CLI::Range(0.0, 86400.0));

@@ -18,6 +18,7 @@
 #if LOOM_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #endif
 
 #include <cmath>
@@ -537,6 +538,12 @@ Result<std::unique_ptr<Engine>> OpenTrainingEngine(const EngineOptions& options,
       return Status::Invalid(Cat("group_rank: ", options.group_rank, " of ", size));
     if (size > 1) {
       if (options.group_store.empty()) return Status::Invalid("group_store: a rendezvous path is needed for tp or ep > 1");
+      // One GPU per rank: rank r takes cuda:r unless told which (cuda:N).
+      if (device.is_cuda() && options.device.find(':') == std::string::npos)
+        device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options.group_rank));
+#if LOOM_CUDA_KERNELS
+      if (device.is_cuda()) c10::cuda::set_device(device.index());  // the default stream and allocator of this rank's GPU
+#endif
       auto config = ModelConfig::Load(options.model_dir);
       if (!config.ok()) return config.status();
       if (Status s = Transformer::SplitSupport(*config, options.tp_size, options.ep_size); !s.ok()) return s;

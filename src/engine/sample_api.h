@@ -163,6 +163,10 @@ struct SamplerStats {
   // ends by copying its chosen tokens to the host, so this is device time).
   double prefill_seconds = 0;
   double decode_seconds = 0;
+  // A gateway's RemoteSampler (replica/remote_sampler.h) only; 0 in process:
+  int64_t replicas = 0;         // the sampler replicas it routes to
+  int64_t replicas_live = 0;    // of those, taking calls now
+  int64_t resubmitted = 0;      // calls submitted again after their replica failed
 };
 
 using SampleCallback = std::function<void(Result<SampleOutput>)>;

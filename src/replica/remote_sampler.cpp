@@ -505,7 +505,12 @@ void RemoteSampler::Cancel(const std::string& session, const Status& why) {
 engine::SamplerStats RemoteSampler::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   engine::SamplerStats sum;
-  for (const auto& r : impl_->replicas) sum = AddStats(sum, r->stats);
+  for (const auto& r : impl_->replicas) {
+    sum = AddStats(sum, r->stats);
+    ++sum.replicas;
+    if (r->up) ++sum.replicas_live;
+  }
+  sum.resubmitted = impl_->resubmitted;
   return sum;
 }
 

@@ -79,7 +79,8 @@ class RemoteSampler final : public engine::Sampler {
   void Submit(engine::SampleCall call, engine::SampleCallback done) override;
   void Cancel(const std::string& session, const Status& why) override;
   void Offer(const std::string&, std::shared_ptr<const engine::SlotSnapshot>) override {}
-  // The replicas' counters, summed as of their last health answers.
+  // The replicas' counters, summed as of their last health answers, with
+  // the routing's own (replicas, replicas_live, resubmitted).
   engine::SamplerStats stats() const override;
 
   RoutingStats routing() const;

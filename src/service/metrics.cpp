@@ -245,6 +245,15 @@ std::string Metrics::Render(const QueueSnapshot& live) const {
   Head(out, "loom_sampler_adapter_installs_total", "counter",
        "Sampler snapshots installed from the trainer's memory (no disk read).");
   out += fmt::format("loom_sampler_adapter_installs_total {}\n", live.adapter_installs);
+  if (live.sampler_replicas > 0) {
+    Head(out, "loom_sampler_replicas", "gauge", "Sampler replicas the gateway routes to (--sampler-replicas).");
+    out += fmt::format("loom_sampler_replicas {}\n", live.sampler_replicas);
+    Head(out, "loom_sampler_replicas_live", "gauge", "Of those, the ones taking calls now.");
+    out += fmt::format("loom_sampler_replicas_live {}\n", live.sampler_replicas_live);
+    Head(out, "loom_sampler_resubmitted_total", "counter",
+         "asample calls submitted again to another replica after theirs failed (killed or hung).");
+    out += fmt::format("loom_sampler_resubmitted_total {}\n", live.sampler_resubmitted);
+  }
   Head(out, "loom_capacity_waiters", "gauge", "create_model calls waiting for an adapter slot (--capacity-wait).");
   out += fmt::format("loom_capacity_waiters {}\n", live.capacity_waiters);
   Head(out, "loom_http_responses_total", "counter", "HTTP responses by status code.");

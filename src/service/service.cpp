@@ -113,6 +113,9 @@ QueueSnapshot Service::LiveSnapshot(bool with_usage) const {
         const engine::SamplerStats stats = base->sampling.sampler->stats();
         live.adapter_loads += stats.adapter_loads;
         live.adapter_installs += stats.adapter_installs;
+        live.sampler_replicas += stats.replicas;
+        live.sampler_replicas_live += stats.replicas_live;
+        live.sampler_resubmitted += stats.resubmitted;
       }
     }
   }

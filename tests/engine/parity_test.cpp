@@ -70,6 +70,7 @@ TEST(PresetShapes, MatchTheModelCards) {
                            Card{"deepseek_v3", "deepseek-v3", 671, 0, 37},
                            Card{"deepseek_v3", "kimi-k2.5", 1000, 0, 32},
                            Card{"glm4_moe", "glm-4.5-air", 106, 0, 12},
+                           Card{"gpt_oss", "gpt-oss-20b", 21, 0, 3.6}, Card{"gpt_oss", "gpt-oss-120b", 117, 0, 5.1},
                            Card{"mimo_v2_flash", "mimo-v2-flash", 309, 0, 15},
                            Card{"glm_moe_dsa", "glm-5.2", 744, 0, 40},
                            Card{"qwen3_5_moe_text", "qwen3.5-35b-a3b", 35, 0, 3}}) {

@@ -272,6 +272,33 @@ TEST(TensorParallel, Ep2AndTp2Ep2EqualOneProcess) {
   ExpectSameAsOneProcess(both, single, tmp.path(), "tp2ep2", "one");
 }
 
+// The other families the multi-GPU models belong to, at the split each
+// allows: gpt_oss (sinks, biases, sliding layers; GPT-OSS-120B) and
+// glm4_moe (a dense first layer, shared experts; GLM-4.5-Air) at TP 2 + EP 2;
+// MLA's deepseek_v2 (DeepSeek-V2 236B) and mimo_v2_flash (one key/value
+// head) at EP 2.
+TEST(TensorParallel, OtherFamiliesEqualOneProcess) {
+  if (std::string why = CollectiveUnavailable(at::kCPU); !why.empty()) GTEST_SKIP() << why;
+  struct Case {
+    const char* arch;
+    int tp, ep;
+  };
+  for (const Case& c : {Case{"gpt_oss", 2, 2}, Case{"glm4_moe", 2, 2}, Case{"deepseek_v2", 1, 2},
+                        Case{"mimo_v2_flash", 1, 2}}) {
+    SCOPED_TRACE(c.arch);
+    test::TempDir tmp;
+    const std::string model = tmp.path() + "/model";
+    testmodel::MakeModelOptions mo;
+    mo.arch = c.arch;
+    mo.preset = "tiny";
+    mo.seed = 2;
+    ASSERT_TRUE(testmodel::MakeModel(mo, model).ok());
+    const Json single = RunScript(model, 1, 1, "", tmp.path(), "one", "");
+    const Json split = RunRanks(c.tp, c.ep, model, tmp.path(), "split", tmp.path() + "/state_one");
+    ExpectSameAsOneProcess(split, single, tmp.path(), "split", "one");
+  }
+}
+
 TEST(TensorParallel, RefusesWhatDoesNotSplit) {
   ModelConfig c;
   c.model_type = "qwen3";

@@ -137,6 +137,11 @@ TEST(SamplerReplicas, AGatewayLosesNoSampleWhenAReplicaIsKilled) {
   // A hung replica (stopped, its port still accepting) misses its health
   // checks (2 s): it is marked down and its calls go elsewhere.
   survive(SIGSTOP, "a hung replica");
+  // The gateway's /metrics say so: one replica of three live, every held call resubmitted.
+  const std::string metrics = testing::HttpClient("127.0.0.1", gateway.port()).Call("GET", "/metrics").body;
+  EXPECT_EQ(test::Metric(metrics, "loom_sampler_replicas"), 3) << metrics;
+  EXPECT_EQ(test::Metric(metrics, "loom_sampler_replicas_live"), 1) << metrics;
+  EXPECT_GE(test::Metric(metrics, "loom_sampler_resubmitted_total"), 2) << metrics;
 
   // Training, a new snapshot and its samples go on with one replica.
   a.TrainStep(7);

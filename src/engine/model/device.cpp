@@ -3,12 +3,25 @@
 namespace loom::engine {
 
 Status ResolveDevice(const std::string& device, at::Device* out) {
+  if (device.rfind("cuda:", 0) == 0) {  // one GPU of several: a trainer rank's, a sampler replica's
+    if (!at::hasCUDA()) return Status::Invalid("device: " + device + " was asked for but this build or machine has no CUDA");
+    const std::string n = device.substr(5);
+    if (n.empty() || n.size() > 3 || n.find_first_not_of("0123456789") != std::string::npos)
+      return Status::Invalid("device: '" + device + "' is not cuda:N");
+    const int index = std::stoi(n);
+    if (index >= static_cast<int>(at::getNumGPUs()))
+      return Status::Invalid("device: " + device + ", but this machine has " + std::to_string(at::getNumGPUs()) +
+                             " GPUs");
+    *out = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+    return Status::Ok();
+  }
   if (device == "cuda" || (device == "auto" && at::hasCUDA())) {
     if (!at::hasCUDA()) return Status::Invalid("device: cuda was asked for but this build or machine has no CUDA");
     *out = at::Device(at::kCUDA, 0);
     return Status::Ok();
   }
-  if (device != "cpu" && device != "auto") return Status::Invalid("device: '" + device + "' is not auto, cpu or cuda");
+  if (device != "cpu" && device != "auto")
+    return Status::Invalid("device: '" + device + "' is not auto, cpu, cuda or cuda:N");
   *out = at::Device(at::kCPU);
   return Status::Ok();
 }

@@ -1,5 +1,5 @@
 // Where and in what precision a base model is loaded: the --device and
-// dtype words of `loom serve` (auto | cpu | cuda; auto | bf16 | fp32), read
+// dtype words of `loom serve` (auto | cpu | cuda | cuda:N; auto | bf16 | fp32), read
 // the same way by the trainer (Engine::Open) and by a standalone sampler
 // (Sampler::OpenStandalone).
 #pragma once

@@ -164,13 +164,16 @@ Result<ModelConfig> Preset(const std::string& name, std::string* default_dtype) 
     c.num_experts = 8, c.num_experts_per_tok = 2, c.sliding_window = 4;
     c.max_position_embeddings = 2048, c.rope_original_max_position = 64;
     *default_dtype = "fp32";
-  } else if (name == "gpt-oss-20b") {
-    c.vocab_size = 201088, c.hidden_size = 2880, c.intermediate_size = 2880, c.num_hidden_layers = 24;
+  } else if (name == "gpt-oss-20b" || name == "gpt-oss-120b") {
+    // 120b: the 20b's layer, 36 of them with 128 experts (about 234 GB in
+    // bf16: several GPUs, `--tp/--ep`).
+    const bool big = name == "gpt-oss-120b";
+    c.vocab_size = 201088, c.hidden_size = 2880, c.intermediate_size = 2880, c.num_hidden_layers = big ? 36 : 24;
     c.num_attention_heads = 64, c.num_key_value_heads = 8, c.head_dim = 64;
-    c.num_experts = 32, c.num_experts_per_tok = 4, c.sliding_window = 128;
+    c.num_experts = big ? 128 : 32, c.num_experts_per_tok = 4, c.sliding_window = 128;
     c.max_position_embeddings = 131072, c.rope_original_max_position = 4096;
   } else {
-    return Status::Invalid("preset '" + name + "' is not one of tiny, gpt-oss-20b");
+    return Status::Invalid("preset '" + name + "' is not one of tiny, gpt-oss-20b, gpt-oss-120b");
   }
   c.moe_intermediate_size = c.intermediate_size;
   c.norm_topk_prob = true;
@@ -189,7 +192,7 @@ std::vector<std::string> AlternatingLayerTypes(int64_t layers) {
 extern const Family kGptOssFamily;
 const Family kGptOssFamily{.model_type = "gpt_oss",
                            .architecture = "GptOssForCausalLM",
-                           .presets = "tiny, gpt-oss-20b",
+                           .presets = "tiny, gpt-oss-20b, gpt-oss-120b",
                            .yarn = true,
                            .checks_hidden_act = false,
                            .norms_fp32 = true,
