@@ -330,6 +330,19 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
                                                               const std::map<std::string, at::Tensor>& weights,
                                                               at::Device device, at::ScalarType dtype,
                                                               const Parallel& parallel) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, tensor] : weights) {
+    if (!tensor.defined()) return Status::Invalid("weight '" + name + "' has shape (undefined)");
+    shapes[name] = tensor.sizes().vec();
+  }
+  return Build(config, shapes, [&](const std::string& name) { return weights.at(name); }, device, dtype, parallel);
+}
+
+Result<std::unique_ptr<Transformer>> Transformer::Build(const ModelConfig& config,
+                                                        const std::map<std::string, std::vector<int64_t>>& shapes,
+                                                        const std::function<at::Tensor(const std::string&)>& read,
+                                                        at::Device device, at::ScalarType dtype,
+                                                        const Parallel& parallel) {
   if (Status s = CheckConfig(config); !s.ok()) return s;
   if (Status s = SplitSupport(config, parallel.tp_size(), parallel.ep_size()); !s.ok()) return s;
   if (parallel.split() && !parallel.group) return Status::Invalid("tensor parallel: no process group");
@@ -339,14 +352,13 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   std::set<std::string> wanted;
   for (const auto& [name, shape] : expected) {
     wanted.insert(name);
-    auto it = weights.find(name);
-    if (it == weights.end()) return Status::Invalid("weight '" + name + "' is missing");
-    if (!it->second.defined() || it->second.sizes() != at::IntArrayRef(shape))
-      return Status::Invalid("weight '" + name + "' has shape " +
-                             (it->second.defined() ? ShapeText(it->second.sizes()) : std::string("(undefined)")) +
-                             ", expected " + ShapeText(shape));
+    auto it = shapes.find(name);
+    if (it == shapes.end()) return Status::Invalid("weight '" + name + "' is missing");
+    if (it->second != shape)
+      return Status::Invalid("weight '" + name + "' has shape " + ShapeText(it->second) + ", expected " +
+                             ShapeText(shape));
   }
-  for (const auto& [name, tensor] : weights) {
+  for (const auto& [name, shape] : shapes) {
     if (wanted.count(name) || IsIgnorable(name, config)) continue;
     // A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
     if (name == "lm_head.weight" && config.tie_word_embeddings) continue;
@@ -356,7 +368,7 @@ Result<std::unique_ptr<Transformer>> Transformer::FromTensors(const ModelConfig&
   c10::NoGradGuard no_grad;
   const Family& family = *FindFamily(config.model_type);
   const WeightGetter get = [&](const std::string& name) {
-    const at::Tensor w = weights.at(name).detach().to(device, KeepsFp32(family, name) ? at::kFloat : dtype);
+    const at::Tensor w = read(name).detach().to(device, KeepsFp32(family, name) ? at::kFloat : dtype);
     return (OffsetNorm(family, name) ? w + 1.0 : w).contiguous();
   };
   auto impl = std::make_shared<Impl>();
@@ -413,10 +425,11 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   if (Status s = CheckConfig(*config); !s.ok()) return s;
   if (Status s = SplitSupport(*config, parallel.tp_size(), parallel.ep_size()); !s.ok()) return s;
   const Family& family = *FindFamily(config->model_type);
-  // Split over ranks, the whole tensors wait in host memory and each goes to
-  // the device only as FromTensors takes it, one layer split at a time: a
-  // rank's device never holds more than its part plus one whole layer.
-  const at::Device staging = parallel.split() ? at::Device(at::kCPU) : device;
+  // Split over ranks, each tensor is read from the mapped files only when the
+  // model takes it (into host memory, then its device, one layer split at a
+  // time): a rank holds no more than its part plus one whole layer, in host
+  // memory as on its device, however many ranks share the machine.
+  const bool lazy = parallel.split();
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();
   // Check names and shapes on the mapped views first: a bad file fails
@@ -433,29 +446,47 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
       return Status::Invalid("weight '" + name + "' has shape " + ShapeText(view->shape) + ", expected " +
                              ShapeText(shape));
   }
+  std::map<std::string, const TensorView*> views;  // lazy: read when taken
+  std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [file_name, view] : files->tensors()) {
     const std::string name = TextName(file_name);
     if (name.empty() || IsIgnorable(name, *config)) continue;
     if (name == "lm_head.weight" && config->tie_word_embeddings) continue;
     if (family.mxfp4_experts && IsMxfp4Part(name)) continue;
-    Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, staging);
+    if (lazy) {
+      views[name] = &view;
+      shapes[name] = view.shape;
+      continue;
+    }
+    Result<at::Tensor> t = LoadTensor(view, KeepsFp32(family, name) ? at::kFloat : dtype, device);
     if (!t.ok()) return t.status();
     weights[name] = std::move(*t);
   }
   for (const auto& [name, shape] : expected) {
-    if (weights.count(name) || !family.mxfp4_experts) continue;
+    if (weights.count(name) || views.count(name) || !family.mxfp4_experts) continue;
     const TensorView *blocks = files->find(name + "_blocks"), *scales = files->find(name + "_scales");
     if (!blocks || !scales) continue;
     if (blocks->dtype != "U8" || scales->dtype != "U8" || blocks->shape.size() != 4 || blocks->shape.back() != 16 ||
         std::vector<int64_t>(blocks->shape.begin(), blocks->shape.end() - 1) != scales->shape)
       return Status::Invalid("weight '" + name + "_blocks' / '_scales' are not MXFP4 ([E, R, G, 16] and [E, R, G] U8)");
-    Result<at::Tensor> b = LoadTensor(*blocks, staging);
+    Result<at::Tensor> b = LoadTensor(*blocks, lazy ? at::Device(at::kCPU) : device);
     if (!b.ok()) return b.status();
-    Result<at::Tensor> sc = LoadTensor(*scales, staging);
+    Result<at::Tensor> sc = LoadTensor(*scales, lazy ? at::Device(at::kCPU) : device);
     if (!sc.ok()) return sc.status();
     weights[name] = DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
+    shapes[name] = weights[name].sizes().vec();
   }
-  return FromTensors(*config, weights, device, dtype, parallel);
+  if (!lazy) return FromTensors(*config, weights, device, dtype, parallel);
+  auto built = Build(
+      *config, shapes,
+      [&](const std::string& name) -> at::Tensor {
+        if (auto it = weights.find(name); it != weights.end()) return it->second;
+        Result<at::Tensor> t = LoadTensor(*views.at(name), KeepsFp32(family, name) ? at::kFloat : dtype, at::kCPU);
+        if (!t.ok()) throw std::runtime_error(t.status().message());
+        return *t;
+      },
+      device, dtype, parallel);
+  return built;
 }
 
 std::vector<at::Tensor> Transformer::BaseWeights() const {

@@ -9,6 +9,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -135,6 +136,12 @@ class Transformer {
 
  private:
   Transformer() = default;
+  // FromTensors' work over names and shapes (checked first) and a reader
+  // that gives each tensor when the model takes it.
+  static Result<std::unique_ptr<Transformer>> Build(const ModelConfig& config,
+                                                    const std::map<std::string, std::vector<int64_t>>& shapes,
+                                                    const std::function<at::Tensor(const std::string&)>& read,
+                                                    at::Device device, at::ScalarType dtype, const Parallel& parallel);
   std::vector<LoraTargetSpec> Targets(bool whole) const;
   std::shared_ptr<Impl> impl_;
   Parallel parallel_;
