@@ -165,8 +165,8 @@ int Serve(int argc, char** argv) {
   std::string group_store;
   app.add_option("--tp", tp, "tensor parallel: the trainer's attention and dense MLPs split over this many processes, one per device (ranks 1.. start themselves); sampling then runs on --sampler-replicas")->default_val(tp)->check(CLI::Range(1, 64));
   app.add_option("--ep", ep, "expert parallel: each MoE layer's experts split over this many processes (the same ones as --tp when both are > 1, so each is 1 or the other's value)")->default_val(ep)->check(CLI::Range(1, 64));
-  app.add_option("--group-rank", group_rank, "(internal) this process is rank N >= 1 of the trainer group of --tp/--ep")->group("");
-  app.add_option("--group-store", group_store, "(internal) the trainer group's rendezvous file")->group("");
+  app.add_option("--group-rank", group_rank, "this process is rank N >= 1 of the trainer group of --tp/--ep (rank 0 starts its ranks itself, unless --group-store names a tcp:// rendezvous: then start each elsewhere with the same flags and its --group-rank)");
+  app.add_option("--group-store", group_store, "the trainer group's rendezvous: tcp://HOST:PORT (served by rank 0 on HOST; ranks on several machines) or a file on a filesystem every rank sees (default: one in --data-dir, ranks started here)");
   app.add_option("--replica-key", replica_key, "shared secret between the gateway and its sampler replicas (X-Replica-Key); required to bind a replica to a non-loopback address");
   try {
     app.parse(argc, argv);
@@ -271,7 +271,12 @@ int Serve(int argc, char** argv) {
   eopt.tp_size = tp;
   eopt.ep_size = ep;
   std::unique_ptr<TrainerGroup> group;  // ranks 1.. of --tp/--ep, started before rank 0 joins them
-  if (group_size > 1) {
+  if (group_size > 1 && !group_store.empty()) {
+    // --group-store tcp://HOST:PORT on rank 0 too: ranks 1.. are started
+    // elsewhere (other machines) with the same flags and their --group-rank.
+    eopt.group_store = group_store;
+    std::fprintf(stderr, "loom serve: waiting for trainer ranks 1..%d at %s\n", group_size - 1, group_store.c_str());
+  } else if (group_size > 1) {
     eopt.group_store = data_dir + "/trainer-group.store";
     auto started = TrainerGroup::Start(group_size, command_line, eopt.group_store);
     if (!started.ok()) return Fail(started.status().message());

@@ -538,9 +538,10 @@ Result<std::unique_ptr<Engine>> OpenTrainingEngine(const EngineOptions& options,
       return Status::Invalid(Cat("group_rank: ", options.group_rank, " of ", size));
     if (size > 1) {
       if (options.group_store.empty()) return Status::Invalid("group_store: a rendezvous path is needed for tp or ep > 1");
-      // One GPU per rank: rank r takes cuda:r unless told which (cuda:N).
+      // One GPU per rank: rank r takes its machine's cuda:(r mod GPUs) unless told which (cuda:N).
       if (device.is_cuda() && options.device.find(':') == std::string::npos)
-        device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(options.group_rank));
+        device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(
+                                           options.group_rank % std::max<int>(1, static_cast<int>(at::getNumGPUs()))));
 #if LOOM_CUDA_KERNELS
       if (device.is_cuda()) c10::cuda::set_device(device.index());  // the default stream and allocator of this rank's GPU
 #endif

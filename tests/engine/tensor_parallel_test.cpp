@@ -10,6 +10,9 @@
 // the single process's to float tolerance; the PEFT snapshot is the same whole adapter; a state
 // saved at TP 2 loads at TP 1 and at TP 4, and one saved at TP 1 at TP 2.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -120,13 +123,28 @@ Json RunScript(const std::string& model, int tp, int ep, const std::string& stor
   return out;
 }
 
+// A port nothing listens on now (for the TCP rendezvous).
+int FreePort() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
 // The script at max(tp, ep) ranks, each this binary again, as `loom serve
 // --tp/--ep` runs them: rank 0 makes the calls (its results are returned),
 // the others run Engine::RunGroupWorker.
 Json RunRanks(int tp, int ep, const std::string& model, const std::string& dir, const std::string& tag,
                            const std::string& load_from) {
   const int size = std::max(tp, ep);
-  const std::string store = dir + "/store_" + tag;
+  // The TP 2 runs meet over TCP (c10d's TCPStore, as ranks on several
+  // machines do), the others over a file.
+  const std::string store = tag.rfind("tp2", 0) == 0 ? "tcp://127.0.0.1:" + std::to_string(FreePort()) : dir + "/store_" + tag;
   std::vector<pid_t> pids;
   for (int r = 0; r < size; ++r) {
     const pid_t pid = fork();

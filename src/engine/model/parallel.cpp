@@ -4,6 +4,9 @@
 
 #include <cstdlib>
 
+#if LOOM_WITH_GLOO || LOOM_WITH_NCCL
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
 #if LOOM_WITH_GLOO
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -110,7 +113,24 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
   if (std::string why = CollectiveUnavailable(device); !why.empty()) return Status::Invalid("process group: " + why);
   try {
 #if LOOM_WITH_GLOO || LOOM_WITH_NCCL
-    auto store = c10::make_intrusive<c10d::FileStore>(store_path, size);
+    // tcp://HOST:PORT: rank 0 serves the rendezvous there (ranks on several
+    // machines); anything else is a FileStore path.
+    c10::intrusive_ptr<c10d::Store> store;
+    if (store_path.rfind("tcp://", 0) == 0) {
+      const std::string where = store_path.substr(6);
+      const size_t colon = where.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == where.size() ||
+          where.find_first_not_of("0123456789", colon + 1) != std::string::npos || where.size() - colon > 6)
+        return Status::Invalid("process group: '" + store_path + "' is not tcp://HOST:PORT");
+      c10d::TCPStoreOptions o;
+      o.port = static_cast<std::uint16_t>(std::stoi(where.substr(colon + 1)));
+      o.isServer = rank == 0;
+      o.numWorkers = static_cast<std::size_t>(size);
+      o.timeout = timeout;
+      store = c10::make_intrusive<c10d::TCPStore>(where.substr(0, colon), o);
+    } else {
+      store = c10::make_intrusive<c10d::FileStore>(store_path, size);
+    }
     store->setTimeout(timeout);
 #endif
 #if LOOM_WITH_NCCL

@@ -58,9 +58,11 @@ class Collective {
 // CPU, NCCL for CUDA): "" when it has, else why not.
 std::string CollectiveUnavailable(at::Device device);
 
-// Rank `rank` of `size` over a rendezvous file at store_path (c10d's
+// Rank `rank` of `size` over a rendezvous at store_path: a file (c10d's
 // FileStore: every rank names the same path on a shared filesystem; a fresh
-// path per group). Blocks until every rank has joined or timeout. Gloo
+// path per group), or tcp://HOST:PORT (c10d's TCPStore, which rank 0 serves
+// on HOST: ranks on several machines). Blocks until every rank has joined
+// or timeout. Gloo
 // connects over the loopback address, or over the network interface named
 // by LOOM_GLOO_IFNAME (ranks on several machines).
 Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path, int rank, int size,
