@@ -49,18 +49,21 @@ struct LeaveNode : torch::autograd::Function<LeaveNode> {
 #if LOOM_WITH_GLOO || LOOM_WITH_NCCL
 // A c10d process group as a Collective. Every call waits for its work. PG
 // is the concrete group (ProcessGroupGloo, ProcessGroupNCCL): a
-// ProcessGroup in libtorch 1.13, a Backend in 2.x, with the same calls.
+// ProcessGroup in libtorch 1.13, a Backend in 2.x, with the same calls. A
+// tensor elsewhere than the group's device (NCCL: the rank's GPU; Gloo: the
+// CPU) travels through a copy there, e.g. the engine calls rank 0 sends
+// (group_engine.cpp), which are host bytes.
 template <typename PG>
 class C10dCollective final : public Collective {
  public:
-  C10dCollective(c10::intrusive_ptr<PG> pg, int rank, int size)
-      : pg_(std::move(pg)), rank_(rank), size_(size) {}
+  C10dCollective(c10::intrusive_ptr<PG> pg, int rank, int size, at::Device device)
+      : pg_(std::move(pg)), rank_(rank), size_(size), device_(device) {}
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void AllReduceSum(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::SUM); }
   void AllReduceMin(at::Tensor& t) override { Reduce(t, c10d::ReduceOp::MIN); }
   void Broadcast(at::Tensor& t, int root, std::chrono::milliseconds timeout) override {
-    std::vector<at::Tensor> ts{Contiguous(t)};
+    std::vector<at::Tensor> ts{Here(t)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     if (timeout.count() > 0) o.timeout = timeout;
@@ -68,17 +71,20 @@ class C10dCollective final : public Collective {
     if (!ts[0].is_same(t)) t.copy_(ts[0]);
   }
   std::vector<at::Tensor> AllGather(const at::Tensor& t) override {
-    std::vector<at::Tensor> in{t.contiguous()};
+    std::vector<at::Tensor> in{t.to(device_).contiguous()};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int r = 0; r < size_; ++r) out[0].push_back(at::empty_like(in[0]));
     pg_->allgather(out, in)->wait();
+    if (t.device() != device_)
+      for (at::Tensor& part : out[0]) part = part.to(t.device());
     return out[0];
   }
 
  private:
-  static at::Tensor Contiguous(at::Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
+  // t itself where the group can use it in place, else a contiguous copy on its device.
+  at::Tensor Here(at::Tensor& t) const { return t.device() == device_ && t.is_contiguous() ? t : t.to(device_).contiguous(); }
   void Reduce(at::Tensor& t, c10d::ReduceOp op) {
-    std::vector<at::Tensor> ts{Contiguous(t)};
+    std::vector<at::Tensor> ts{Here(t)};
     c10d::AllreduceOptions o;
     o.reduceOp = op;
     pg_->allreduce(ts, o)->wait();
@@ -86,6 +92,7 @@ class C10dCollective final : public Collective {
   }
   c10::intrusive_ptr<PG> pg_;
   int rank_, size_;
+  at::Device device_;
 };
 #endif
 
@@ -138,7 +145,7 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
       auto opts = c10d::ProcessGroupNCCL::Options::create();
       opts->timeout = timeout;
       auto pg = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
-      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupNCCL>(pg, rank, size));
+      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupNCCL>(pg, rank, size, device));
     }
 #endif
 #if LOOM_WITH_GLOO
@@ -149,7 +156,7 @@ Result<std::shared_ptr<Collective>> OpenCollective(const std::string& store_path
       opts->devices.push_back(ifname && *ifname ? c10d::ProcessGroupGloo::createDeviceForInterface(ifname)
                                                 : c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
       auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
-      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupGloo>(pg, rank, size));
+      return std::shared_ptr<Collective>(new C10dCollective<c10d::ProcessGroupGloo>(pg, rank, size, at::kCPU));
     }
 #endif
     return Status::Invalid("process group: no backend for this device");
