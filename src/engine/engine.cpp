@@ -431,32 +431,12 @@ class TrainingEngine final : public Engine {
 // live tensors (the base weights) on CUDA, 80% of physical RAM on the CPU.
 // The rest is left to passes, the sampler and the allocator's slack.
 double RoomForSlots(at::Device device) {
-#if LOOM_CUDA_KERNELS
-  if (device.is_cuda()) {
-    const int index = device.index() < 0 ? 0 : device.index();
-    const auto* props = at::cuda::getDeviceProperties(index);
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-    constexpr size_t all = 0;  // StatType::AGGREGATE, as in Memory()
-    return 0.8 * (static_cast<double>(props->totalGlobalMem) - static_cast<double>(stats.allocated_bytes[all].current));
-  }
-#endif
-  (void)device;
+  if (device.is_cuda()) return 0.8 * DeviceFreeBytes(device);
   return 0.8 * static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 
-// 80% of the host memory available now: /proc/meminfo's MemAvailable (free
-// pages plus the page cache the kernel can drop, e.g. the base weights just
-// read), else the free pages.
-double HostRoom() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  double kib = 0;
-  while (meminfo >> key >> kib) {
-    if (key == "MemAvailable:") return 0.8 * kib * 1024.0;
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  }
-  return 0.8 * static_cast<double>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
-}
+// 80% of the host memory available now (HostAvailableBytes).
+double HostRoom() { return 0.8 * HostAvailableBytes(); }
 
 // Where the slots' moments go (EngineOptions::moments) and whether
 // max_slots slots fit there, before any exists: an MoE slot at max rank is

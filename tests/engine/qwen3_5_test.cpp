@@ -14,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -25,6 +26,7 @@
 #include "cached_check.h"
 #include "engine/io/safetensors.h"
 #include "engine/model/cached_batch.h"
+#include "engine/sample_api.h"
 #include "testmodel/make_model.h"
 #include "tiny_model.h"
 
@@ -529,6 +531,33 @@ TEST(Qwen35, RefusalsNameTheField) {
     ASSERT_FALSE(r.ok()) << field << " = " << value.dump();
     EXPECT_NE(r.status().message().find(field), std::string::npos) << r.status().message();
   }
+}
+
+// The sampler holds one recurrent state per batch row in every Gated
+// DeltaNet layer: rows whose states the memory cannot hold are refused at
+// Open with the flag and the bytes, not found by running out of memory.
+TEST(Qwen35, SamplerStatesBeyondTheMemoryAreRefusedAtOpen) {
+  const ModelConfig c = TinyQwen35();
+  auto model = Transformer::FromTensors(c, Qwen35Weights(c, 8), at::kCPU, at::kFloat);
+  ASSERT_TRUE(model.ok()) << model.status().message();
+  std::shared_ptr<const Transformer> m(std::move(*model));
+  int64_t per_row = 0;  // the states of one row: every linear layer's [value heads, key dim, value dim] in fp32
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    if (c.layer_types[i] == kLinear) per_row += c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4;
+  ASSERT_GT(per_row, 0);
+  SamplerOptions o;
+  o.max_rank = 4;
+  o.kv_budget_tokens = 1024;
+  o.max_batch_rows = std::numeric_limits<int>::max();  // ~2e9 rows: terabytes of states
+  auto refused = Sampler::Open(m, o);
+  ASSERT_FALSE(refused.ok());
+  const std::string& msg = refused.status().message();
+  EXPECT_NE(msg.find("recurrent states of " + std::to_string(o.max_batch_rows) + " batch rows (--max-batch-rows): " +
+                     std::to_string(per_row * o.max_batch_rows / (1024 * 1024)) + " MiB"),
+            std::string::npos)
+      << msg;
+  o.max_batch_rows = 8;
+  EXPECT_TRUE(Sampler::Open(m, o).ok());
 }
 
 // A config.json as the hub ships Qwen3.5-35B-A3B (qwen3_5_moe, the text

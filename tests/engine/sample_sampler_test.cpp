@@ -387,6 +387,24 @@ TEST(Sampler, ContextWindowAndInputErrors) {
   EXPECT_NE(no_tok->Validate(ss).message().find("stop strings need tokenizer.json"), std::string::npos);
 }
 
+// A KV cache the machine cannot hold is refused at Open, naming the flag
+// and both sizes, before anything is allocated (on the CPU against the host's
+// available memory, on CUDA against the device's free memory).
+TEST(Sampler, AKvCacheBeyondTheMemoryIsRefusedAtOpen) {
+  SamplerOptions o;
+  o.model_dir = W().model_dir;
+  o.max_rank = 8;
+  o.kv_budget_tokens = int64_t{1} << 40;  // terabytes of KV even for the tiny model
+  auto s = Sampler::Open(W().model, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("--kv-budget-tokens"), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find("MiB are left for it"), std::string::npos) << s.status().message();
+  EXPECT_EQ(s.status().message().find("recurrent states"), std::string::npos) << s.status().message();  // none here
+  o.kv_budget_tokens = 4096;
+  EXPECT_TRUE(Sampler::Open(W().model, o).ok());
+}
+
 TEST(Sampler, AdmissionControlQueuesUntilKvBlocksFree) {
   // 4 blocks of 16 tokens; each call needs 2 (8 prompt + 16 new - 1 = 23 positions).
   SamplerOptions o;

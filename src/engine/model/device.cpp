@@ -1,5 +1,15 @@
 #include "engine/model/device.h"
 
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <fstream>
+#include <limits>
+
+#include <unistd.h>
+
 namespace loom::engine {
 
 Status ResolveDevice(const std::string& device, at::Device* out) {
@@ -31,6 +41,31 @@ Result<at::ScalarType> ResolveDtype(const std::string& dtype, at::Device device)
   if (dtype == "bf16" || dtype == "bfloat16") return at::kBFloat16;
   if (dtype == "fp32" || dtype == "float32") return at::kFloat;
   return Status::Invalid("dtype: '" + dtype + "' is not auto, bf16 or fp32");
+}
+
+double HostAvailableBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") return kib * 1024.0;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return static_cast<double>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
+double DeviceFreeBytes(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) {
+    const int index = device.index() < 0 ? 0 : device.index();
+    const auto* props = at::cuda::getDeviceProperties(index);
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+    constexpr size_t all = 0;  // StatType::AGGREGATE
+    return static_cast<double>(props->totalGlobalMem) - static_cast<double>(stats.allocated_bytes[all].current);
+  }
+#endif
+  (void)device;
+  return HostAvailableBytes();
 }
 
 }  // namespace loom::engine

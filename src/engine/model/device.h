@@ -16,4 +16,13 @@ Status ResolveDevice(const std::string& device, at::Device* out);
 // auto = bf16 on a GPU, fp32 on the CPU.
 Result<at::ScalarType> ResolveDtype(const std::string& dtype, at::Device device);
 
+// Bytes the host can give now: /proc/meminfo's MemAvailable (free pages plus
+// the page cache the kernel can drop, e.g. base weights just read), else the
+// free pages.
+double HostAvailableBytes();
+// Bytes a new allocation can take on `device` now: on CUDA the device's
+// memory less the caching allocator's live tensors (the base weights, the
+// slots); on the CPU HostAvailableBytes().
+double DeviceFreeBytes(at::Device device);
+
 }  // namespace loom::engine

@@ -64,11 +64,15 @@ std::vector<int32_t> EosTokens(const std::string& model_dir, const ModelConfig& 
 // 4), capped at kAutoAdapterShare of the device's memory (host RAM on the
 // CPU). A slot costs its fp32 factors at max_rank, and on CUDA their bf16
 // mirror for the fused decode kernels.
+int64_t AdapterSlotBytes(const Transformer& model, int max_rank) {
+  int64_t elems = 0;
+  for (const LoraTargetSpec& t : model.LoraTargets()) elems += t.AElems(max_rank) + t.BElems(max_rank);
+  return elems * (model.device().is_cuda() ? 4 + 2 : 4);
+}
+
 int AutoAdapters(const Transformer& model, const SamplerOptions& options) {
-  int64_t per_slot = 0;
-  for (const LoraTargetSpec& t : model.LoraTargets()) per_slot += t.AElems(options.max_rank) + t.BElems(options.max_rank);
+  const int64_t per_slot = AdapterSlotBytes(model, options.max_rank);
   const bool cuda = model.device().is_cuda();
-  per_slot *= cuda ? 4 + 2 : 4;
   double memory = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGE_SIZE));
 #if LOOM_CUDA_KERNELS
   if (cuda) {
@@ -78,6 +82,39 @@ int AutoAdapters(const Transformer& model, const SamplerOptions& options) {
 #endif
   const double fit = kAutoAdapterShare * memory / static_cast<double>(std::max<int64_t>(1, per_slot));
   return std::max(1, static_cast<int>(std::min<double>(std::max(4, options.trainer_slots), fit)));
+}
+
+// What the sampler allocates at Open (the KV cache, one
+// Gated DeltaNet state a batch row, the adapter slots) must fit in what the
+// device has free (DeviceFreeBytes: on CUDA beside the base weights and the
+// trainer's slots), with
+// kSamplerSlack of it left for training passes and the allocator: a limit
+// found up front, naming the flags, never by running out of memory.
+constexpr double kSamplerSlack = 0.10;
+
+Status CheckDeviceRoom(const Transformer& model, const SamplerOptions& options, const SamplerInfo& info) {
+  const double free_now = DeviceFreeBytes(model.device());
+  const double kv = static_cast<double>((info.kv_blocks + 1) * info.block_size) *
+                    static_cast<double>(sample::ModelRunner::KvBytesPerToken(model));
+  const double states = static_cast<double>(sample::ModelRunner::StateBytesPerRow(model)) * options.max_batch_rows;
+  const double adapters = static_cast<double>(AdapterSlotBytes(model, options.max_rank)) * info.sampler_adapters;
+  const double room = (1.0 - kSamplerSlack) * free_now;
+  if (kv + states + adapters <= room) return Status::Ok();
+  constexpr double kMiB = 1024.0 * 1024.0;
+  const auto mib = [&](double b) { return std::to_string(static_cast<int64_t>(b / kMiB)); };
+  std::string parts = "a KV cache of " + std::to_string(info.kv_tokens) + " tokens (--kv-budget-tokens): " + mib(kv) +
+                      " MiB";
+  if (states > 0)
+    parts += "; recurrent states of " + std::to_string(options.max_batch_rows) + " batch rows (--max-batch-rows): " +
+             mib(states) + " MiB";
+  parts += "; " + std::to_string(info.sampler_adapters) + " adapter slots at max_rank " +
+           std::to_string(options.max_rank) + " (--sampler-adapters): " + mib(adapters) + " MiB";
+  return Status::Invalid("the sampler needs " + mib(kv + states + adapters) + " MiB on " + model.device().str() + " (" +
+                         parts + "); " + mib(room) + " MiB are left for it (" +
+                         std::to_string(static_cast<int>(100 * (1.0 - kSamplerSlack))) + "% of what is free " +
+                         (model.device().is_cuda() ? "beside the base weights and the trainer's slots"
+                                                   : "in host memory") +
+                         "): lower those flags, or --max-adapters");
 }
 
 class SamplerImpl final : public Sampler {
@@ -297,6 +334,7 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   if (info.kv_blocks < 1) return Status::Invalid("the KV budget holds less than one block");
   info.kv_tokens = info.kv_blocks * options.block_size;
   info.sampler_adapters = options.sampler_adapters > 0 ? options.sampler_adapters : AutoAdapters(*model, options);
+  if (Status room = CheckDeviceRoom(*model, options, info); !room.ok()) return room;
   info.eos_token_ids = EosTokens(options.model_dir, c);
   std::unique_ptr<Detokenizer> detok;
   if (!options.model_dir.empty()) {
@@ -312,7 +350,11 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   info.max_rank = options.max_rank;
   SamplerOptions chosen = options;
   chosen.sampler_adapters = info.sampler_adapters;
-  return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), chosen, std::move(detok), std::move(info)));
+  try {
+    return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), chosen, std::move(detok), std::move(info)));
+  } catch (const std::exception& e) {  // e.g. the allocator, when another process took the memory meanwhile
+    return Status::Internal(std::string("sampler: allocating its KV cache, states and adapter slots: ") + e.what());
+  }
 }
 
 Result<std::unique_ptr<Sampler>> Sampler::OpenStandalone(const std::string& device, const std::string& dtype,
