@@ -1,9 +1,10 @@
-// `loom make-model`: writes a random-initialised Qwen-family model directory.
+// `loom make-model`: writes a random-initialised model directory of any supported family.
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <string>
 
 #include "cli/commands.h"
+#include "engine/model/family.h"
 #include "testmodel/make_model.h"
 
 namespace loom::cli {
@@ -13,8 +14,8 @@ int MakeModel(int argc, char** argv) {
                "loom make-model"};
   testmodel::MakeModelOptions opt;
   std::string out;
-  app.add_option("--arch", opt.arch, "qwen2 | qwen3 | qwen3_moe | gpt_oss (the Hugging Face model_type)")->required();
-  app.add_option("--preset", opt.preset, "tiny | small | qwen2.5-0.5b | qwen3-4b; qwen3_moe: tiny | qwen3-30b-a3b; gpt_oss: tiny | gpt-oss-20b")->required();
+  app.add_option("--arch", opt.arch, "the Hugging Face model_type: " + engine::FamilyNames())->required();
+  app.add_option("--preset", opt.preset, "by arch: " + engine::FamilyPresets())->required();
   app.add_option("--seed", opt.seed, "PRNG seed")->default_val(0);
   app.add_option("--out", out, "output directory")->required();
   app.add_option("--dtype", opt.dtype, "bf16 | fp32 (default: fp32 for tiny/small, bf16 for real shapes)");

@@ -35,6 +35,12 @@ std::string FamilyNames() {
   return s;
 }
 
+std::string FamilyPresets() {
+  std::string s;
+  for (const Family* f : kFamilies) s += (s.empty() ? "" : "; ") + std::string(f->model_type) + ": " + f->presets;
+  return s;
+}
+
 void AttentionWeightShapes(const ModelConfig& c, int64_t layer, bool o_bias, WeightShapes& w) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   const int64_t h = c.hidden_size, hd = c.head_dim > 0 ? c.head_dim : c.hidden_size / c.num_attention_heads;

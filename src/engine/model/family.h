@@ -65,6 +65,8 @@ struct Family {
 const Family* FindFamily(const std::string& model_type);
 // "qwen2, qwen3, qwen3_moe, gpt_oss, ...": the supported model_types, for messages.
 std::string FamilyNames();
+// "qwen2: tiny, small, ...; qwen3: ...": each model_type's make-model presets.
+std::string FamilyPresets();
 
 // gpt_oss's default layer_types (HF's): sliding on even layers, full on odd
 // ones (families/gpt_oss.cpp).
