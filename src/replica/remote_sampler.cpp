@@ -82,6 +82,9 @@ struct Op {
   engine::SampleCallback done;
   std::string body;  // the call as the replica's JSON
   bool finished = false;
+  // An attempt's answer, handed to done only after the attempt's rows are
+  // released: whoever the answer wakes sees the replica's load without it.
+  std::optional<Result<engine::SampleOutput>> answer;
 };
 
 enum class Outcome { kFinished, kResubmit };
@@ -283,7 +286,9 @@ struct RemoteSampler::Impl {
     if (op.done) op.done(std::move(result));
   }
 
-  // One submit-and-poll on r.
+  static void Answer(Op& op, Result<engine::SampleOutput> result) { op.answer = std::move(result); }
+
+  // One submit-and-poll on r: kFinished with op.answer set, or kResubmit.
   asio::awaitable<Outcome> Attempt(Replica* r, Op& op) {
     auto sub = co_await Exchange(r, bhttp::verb::post, "/replica/v1/sample", op.body,
                                  std::chrono::duration_cast<std::chrono::milliseconds>(kSubmitTimeout));
@@ -292,12 +297,12 @@ struct RemoteSampler::Impl {
       co_return Outcome::kResubmit;
     }
     if (sub->status != 200) {
-      Finish(op, ErrorOf(*sub));
+      Answer(op, ErrorOf(*sub));
       co_return Outcome::kFinished;
     }
     const Json j = Json::parse(sub->body, nullptr, false);
     if (!j.is_object() || !j.contains("request_id") || !j["request_id"].is_string()) {
-      Finish(op, Status::Internal("sampler replica " + r->address + " answered a sample without a request_id"));
+      Answer(op, Status::Internal("sampler replica " + r->address + " answered a sample without a request_id"));
       co_return Outcome::kFinished;
     }
     const std::string poll = Json{{"request_id", j["request_id"]}}.dump();
@@ -309,15 +314,15 @@ struct RemoteSampler::Impl {
       }
       if (got->status == 404) co_return Outcome::kResubmit;  // a restarted replica lost the call
       if (got->status != 200) {
-        Finish(op, ErrorOf(*got));
+        Answer(op, ErrorOf(*got));
         co_return Outcome::kFinished;
       }
       if (got->content_type == "application/x-protobuf") {
         auto decoded = wire::DecodeSampleResponse(got->body);
         if (!decoded.ok()) {
-          Finish(op, Status::Internal("sampler replica " + r->address + ": " + decoded.status().message()));
+          Answer(op, Status::Internal("sampler replica " + r->address + ": " + decoded.status().message()));
         } else {
-          Finish(op, wire::SampleOutputOf(*decoded));
+          Answer(op, wire::SampleOutputOf(*decoded));
         }
         co_return Outcome::kFinished;
       }
@@ -350,7 +355,7 @@ struct RemoteSampler::Impl {
         }
         const Outcome outcome = co_await Attempt(r, *op);
         Release(r, *op);
-        if (outcome == Outcome::kFinished) co_return;
+        if (outcome == Outcome::kFinished) co_return Finish(*op, std::move(*op->answer));
         again = true;
         waiting_since = Clock::now();
       }

@@ -66,9 +66,8 @@ RouteOutcome ReplicaHandler::Handle(const http::HttpRequest& request) {
     out = Retrieve(request);
   } else if (post && path == "/replica/v1/cancel") {
     out.response = Cancel(request);
-  } else if (path.rfind("/replica/v1/", 0) == 0 &&
-             (path == "/replica/v1/info" || path == "/replica/v1/health" || path == "/replica/v1/sample" ||
-              path == "/replica/v1/retrieve" || path == "/replica/v1/cancel")) {
+  } else if (path == "/replica/v1/info" || path == "/replica/v1/health" || path == "/replica/v1/sample" ||
+              path == "/replica/v1/retrieve" || path == "/replica/v1/cancel") {
     out.response = Router::Error(Status::Invalid(request.method + " " + path + ": method not allowed"));
     out.response.status = 405;
   } else {
