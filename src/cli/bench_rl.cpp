@@ -19,6 +19,7 @@
 // thread), and how the sampler got each version it sampled (disk loads
 // against installs of the trainer's in-memory snapshot).
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -160,6 +161,7 @@ struct RoundResult {
   Phases phases;                   // summed over tenants
   double busy = 0, save_busy = 0;  // engine seconds: all passes, exclusive (save) passes
   double write = 0;                // writer-thread seconds of the saves (write + commit, off the engine thread)
+  double sampling = 0;             // sampler seconds: its prefill and decode steps (device time: each ends on the host)
   int64_t saves = 0;
   int64_t disk_loads = 0, memory_installs = 0;  // how the sampler got each new version
   std::vector<double> first_lp, last_lp;
@@ -207,19 +209,29 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   r.write = metrics.publish_seconds() - write0;
   r.saves = static_cast<int64_t>(tenants.size()) * (o.steps + 1);
   const engine::SamplerStats sampler1 = d.service().sampler_stats().value_or(engine::SamplerStats{});
+  r.sampling = (sampler1.prefill_seconds + sampler1.decode_seconds) - (sampler0.prefill_seconds + sampler0.decode_seconds);
   r.disk_loads = sampler1.adapter_loads - sampler0.adapter_loads;
   r.memory_installs = sampler1.adapter_installs - sampler0.adapter_installs;
   return r;
 }
 
+// The share of the round's wall time the device was busy training or
+// sampling: the trainer's passes and the sampler's steps are timed on their
+// own threads and may overlap, so the union of the two lies between the
+// larger of them and their sum.
+std::string BusyShare(const RoundResult& r) {
+  const double lo = std::max(r.busy, r.sampling) / r.wall, hi = std::min(1.0, (r.busy + r.sampling) / r.wall);
+  return fmt::format("{:.0f}-{:.0f}%", 100 * lo, 100 * hi);
+}
+
 void Print(const char* name, const RoundResult& r, const RlOptions& o) {
   const double steps = static_cast<double>(o.tenants) * o.steps;
-  std::printf("%-12s %10.3f %12.3f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.2f %10.2f %6lld/%lld\n", name,
+  std::printf("%-12s %10.3f %12.3f %10.1f %10.1f %10.1f %10.1f %9.1f%% %10.2f %10.2f %6lld/%lld %10s\n", name,
               steps / r.wall, o.steps / (r.phases.total() / o.tenants), 1e3 * r.phases.sample / steps,
               1e3 * r.phases.train / steps, 1e3 * r.phases.save / steps, 1e3 * r.busy / steps,
               r.busy > 0 ? 100.0 * r.save_busy / r.busy : 0.0, 1e3 * r.save_busy / static_cast<double>(r.saves),
               1e3 * r.write / static_cast<double>(r.saves), static_cast<long long>(r.disk_loads),
-              static_cast<long long>(r.memory_installs));
+              static_cast<long long>(r.memory_installs), BusyShare(r).c_str());
 }
 
 int BenchRlRun(const RlOptions& o) {
@@ -263,15 +275,17 @@ int BenchRlRun(const RlOptions& o) {
   if (!conc.ok()) return fail(conc.status());
   auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
   if (!seq.ok()) return fail(seq.status());
-  std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s\n", "tenants", "steps/s", "steps/s/ten",
-              "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory");
+  std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s %10s\n", "tenants", "steps/s", "steps/s/ten",
+              "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory",
+              "busy");
   Print("together", *conc, o);
   Print("one by one", *seq, o);
   std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants;\n"
               "  engine ms: engine time per step; save/busy: the saves' share of it (the snapshot, on the engine thread);\n"
               "  snap ms / write ms: per save, engine-thread time and writer-thread time (PEFT files + commit, off the\n"
               "  engine thread); disk/memory: how the sampler got the versions it sampled: loads from disk / installs\n"
-              "  from the trainer's snapshot)\n",
+              "  from the trainer's snapshot; busy: the share of the round's wall time the device trained or sampled,\n"
+              "  between max(engine, sampler) and their sum, as the trainer's passes and the sampler's steps may overlap)\n",
               (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
   if (o.heavy_tenant) {
     auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
