@@ -190,26 +190,10 @@ class GroupLeader final : public Engine {
   std::shared_ptr<Collective> group_;
 };
 
-}  // namespace
-
-Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
-  if (options.group_rank != 0)
-    return Status::Invalid("group_rank: rank " + std::to_string(options.group_rank) +
-                           " of a group runs Engine::RunGroupWorker, not Open");
-  std::shared_ptr<Collective> group;
-  auto engine = OpenTrainingEngine(options, &group);
-  if (!engine.ok() || !group) return engine;
-  return std::unique_ptr<Engine>(new GroupLeader(std::move(*engine), std::move(group)));
-}
-
-Status Engine::RunGroupWorker(const EngineOptions& options) {
-  if (options.group_rank < 1) return Status::Invalid("group_rank: a worker is rank 1 or more");
-  std::shared_ptr<Collective> group;
-  auto opened = OpenTrainingEngine(options, &group);
-  if (!opened.ok()) return opened.status();
-  Engine& e = **opened;
+// A worker's loop: rank 0's calls, run on this rank's engine, until "stop".
+Status ServeCalls(Engine& e, Collective& group) {
   while (true) {
-    const Json call = ReceiveCall(*group);
+    const Json call = ReceiveCall(group);
     const std::string op = call.at("op").get<std::string>();
     if (op == "stop") return Status::Ok();
     if (op == "bind") {
@@ -239,6 +223,31 @@ Status Engine::RunGroupWorker(const EngineOptions& options) {
     } else {
       return Status::Internal("group worker: unknown call '" + op + "' from rank 0");
     }
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
+  if (options.group_rank != 0)
+    return Status::Invalid("group_rank: rank " + std::to_string(options.group_rank) +
+                           " of a group runs Engine::RunGroupWorker, not Open");
+  std::shared_ptr<Collective> group;
+  auto engine = OpenTrainingEngine(options, &group);
+  if (!engine.ok() || !group) return engine;
+  return std::unique_ptr<Engine>(new GroupLeader(std::move(*engine), std::move(group)));
+}
+
+Status Engine::RunGroupWorker(const EngineOptions& options) {
+  if (options.group_rank < 1) return Status::Invalid("group_rank: a worker is rank 1 or more");
+  std::shared_ptr<Collective> group;
+  auto opened = OpenTrainingEngine(options, &group);
+  if (!opened.ok()) return opened.status();
+  Engine& e = **opened;
+  try {
+    return ServeCalls(e, *group);
+  } catch (const std::exception& ex) {  // the group's connections broke (rank 0 gone), or a malformed call
+    return Status::Internal(std::string("group worker: ") + ex.what());
   }
 }
 
