@@ -13,6 +13,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <set>
+#include <string>
+#include <vector>
 #include <nlohmann/json.hpp>
 
 #include "cached_check.h"
@@ -310,6 +313,35 @@ TEST(DsaAttention, TheIndexerChoosesTheKeysPastItsBudget) {
   const at::Tensor a = (*sparse)->Hidden(batch, *bank), b = (*dense)->Hidden(batch, *bank);
   EXPECT_LT(MaxDiff(a.narrow(0, 0, 5), b.narrow(0, 0, 5)), 1e-6);
   for (int64_t t = 5; t < 12; ++t) EXPECT_GT(MaxDiff(a.narrow(0, t, 1), b.narrow(0, t, 1)), 1e-4) << "position " << t;
+}
+
+// A "shared" layer has no indexer of its own (transformers 5.17 builds none
+// there, and its loader calls one there unexpected): make-model writes none,
+// and a checkpoint of an earlier port that carries one there still loads,
+// those tensors ignored, to the same model.
+TEST(DsaAttention, ASharedLayerHasNoIndexerAndACheckpointsOneThereIsIgnored) {
+  const ModelConfig c = TinyDeepseek("glm_moe_dsa");
+  ASSERT_EQ(c.indexer_types, (std::vector<std::string>{"full", "shared", "full"}));
+  std::set<std::string> indexers;
+  for (const auto& [name, shape] : Transformer::ExpectedWeights(c))
+    if (name.find(".self_attn.indexer.") != std::string::npos) indexers.insert(name.substr(0, name.find(".self_attn")));
+  EXPECT_EQ(indexers, (std::set<std::string>{"model.layers.0", "model.layers.2"}));
+  auto weights = RandomWeights(c, 9);
+  auto plain = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  for (const char* part : {"wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"}) {
+    const std::string from = std::string("model.layers.0.self_attn.indexer.") + part;
+    weights["model.layers.1.self_attn.indexer." + std::string(part)] = weights.at(from) * 3 + 1;
+  }
+  auto carried = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+  ASSERT_TRUE(carried.ok()) << carried.status().message();
+  auto bank = Bank(**plain, 1, 4);
+  c10::NoGradGuard no_grad;
+  const PackedBatch batch = PackedBatch::Make({Seq(12, 5)}, {-1}, at::kCPU);
+  EXPECT_EQ(MaxDiff((*plain)->Hidden(batch, *bank), (*carried)->Hidden(batch, *bank)), 0.0);
+  // Elsewhere an indexer tensor is still unexpected.
+  weights["model.layers.2.self_attn.indexer.extra.weight"] = at::zeros({2});
+  EXPECT_FALSE(Transformer::FromTensors(c, weights, at::kCPU, at::kFloat).ok());
 }
 
 // A long sequence's choice and attention in blocks of query rows (as

@@ -68,12 +68,18 @@ std::string TextName(const std::string& name) {
 bool IsMxfp4Part(const std::string& name) { return EndsWith(name, "_blocks") || EndsWith(name, "_scales"); }
 
 // Checkpoint entries that carry no weights (old rotary caches), or weights
-// loom does not use: the multi-token-prediction layers after the last one.
+// loom does not use: the multi-token-prediction layers after the last one,
+// and a DSA "shared" layer's indexer (it takes the choice of the full layer
+// below; transformers 5.17 builds none there, earlier ports one in every layer).
 bool IsIgnorable(const std::string& name, const ModelConfig& c) {
   if (EndsWith(name, "rotary_emb.inv_freq")) return true;
-  if (c.num_nextn_predict_layers <= 0 || name.rfind("model.layers.", 0) != 0) return false;
+  if (name.rfind("model.layers.", 0) != 0) return false;
   const int64_t layer = std::atoll(name.c_str() + std::strlen("model.layers."));
-  return layer >= c.num_hidden_layers && layer < c.num_hidden_layers + c.num_nextn_predict_layers;
+  if (c.IsDsa() && layer < c.num_hidden_layers && c.DsaSource(layer) != layer &&
+      name.find(".self_attn.indexer.") != std::string::npos)
+    return true;
+  return c.num_nextn_predict_layers > 0 && layer >= c.num_hidden_layers &&
+         layer < c.num_hidden_layers + c.num_nextn_predict_layers;
 }
 
 Status ConfigError(const std::string& field, const std::string& why) {

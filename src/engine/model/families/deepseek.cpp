@@ -217,7 +217,7 @@ void Write(const ModelConfig& c, nlohmann::ordered_json& j) {
   j["mlp_bias"] = false;
 }
 
-void MlaWeightShapes(const ModelConfig& c, const std::string& p, WeightShapes& w) {
+void MlaWeightShapes(const ModelConfig& c, int64_t layer, const std::string& p, WeightShapes& w) {
   const int64_t h = c.hidden_size, H = c.num_attention_heads, qk = c.qk_nope_head_dim + c.qk_rope_head_dim;
   const std::string a = p + "self_attn.";
   if (c.q_lora_rank > 0) {
@@ -234,8 +234,11 @@ void MlaWeightShapes(const ModelConfig& c, const std::string& p, WeightShapes& w
   w.push_back({a + "kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}});
   w.push_back({a + "o_proj.weight", {h, H * c.v_head_dim}});
   if (c.attention_bias) w.push_back({a + "o_proj.bias", {h}});
-  if (!c.IsDsa()) return;
-  const std::string x = a + "indexer.";  // HF builds one in every layer; shared layers leave theirs unused
+  // A "shared" layer takes the choice of the full layer below and has no
+  // indexer (transformers 5.17 builds none there; a checkpoint that still
+  // carries one there loads, its tensors ignored: IsIgnorable).
+  if (!c.IsDsa() || c.DsaSource(layer) != layer) return;
+  const std::string x = a + "indexer.";
   w.push_back({x + "wq_b.weight", {c.index_n_heads * c.index_head_dim, c.q_lora_rank}});
   w.push_back({x + "wk.weight", {c.index_head_dim, h}});
   w.push_back({x + "k_norm.weight", {c.index_head_dim}});
@@ -245,7 +248,7 @@ void MlaWeightShapes(const ModelConfig& c, const std::string& p, WeightShapes& w
 
 void LayerWeights(const ModelConfig& c, int64_t layer, WeightShapes& w) {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
-  MlaWeightShapes(c, p, w);
+  MlaWeightShapes(c, layer, p, w);
   PostNormWeightShape(c, p, w);
   DeepseekMoeWeightShapes(c, layer, Sigmoid(c), w);
 }
@@ -278,14 +281,16 @@ Status LoadLayer(LayerLoad& l) {
   }
   if (c.IsDsa()) {
     DsaIndexerWeights& x = m.indexer;
-    const std::string p = a + "indexer.";
-    x.wq_b = l.get(p + "wq_b.weight");
-    x.wk = l.get(p + "wk.weight");
-    x.k_norm_w = l.get(p + "k_norm.weight");
-    x.k_norm_b = l.get(p + "k_norm.bias");
-    x.weights_proj = l.get(p + "weights_proj.weight");
     x.heads = c.index_n_heads, x.dim = c.index_head_dim, x.rope = c.qk_rope_head_dim, x.topk = c.index_topk;
     x.source = c.DsaSource(l.index);
+    if (x.source == l.index) {  // a full layer: its own indexer (a shared one has none)
+      const std::string p = a + "indexer.";
+      x.wq_b = l.get(p + "wq_b.weight");
+      x.wk = l.get(p + "wk.weight");
+      x.k_norm_w = l.get(p + "k_norm.weight");
+      x.k_norm_b = l.get(p + "k_norm.bias");
+      x.weights_proj = l.get(p + "weights_proj.weight");
+    }
   }
   LoadDeepseekMoe(l, Sigmoid(c) ? MoeRouter::kGroupedSigmoid : MoeRouter::kGroupedSoftmax, Sigmoid(c));
   return Status::Ok();
