@@ -16,10 +16,9 @@ StepFlags::StepFlags(CLI::App& app) {
       ->default_val(d.contended_prefill_tokens)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app.add_option("--contended-decode-rows", d.contended_decode_rows,
-                 "while tenants contend, running rows of the tenants over their share per decode step (0 = all; "
-                 "-1 = none: the within-share tenants' rows decode alone, the over-share ones every few steps)")
+                 "while tenants contend, running rows of the tenants over their share per decode step (0 = all)")
       ->default_val(d.contended_decode_rows)
-      ->check(CLI::Range(-1, 1 << 20));
+      ->check(CLI::Range(0, 1 << 20));
   app.add_option("--mixed-steps", mixed_,
                  "on | off: while tenants contend, a decode step also carries the capped prompt chunks of the "
                  "tenants over their share, in one forward (CUDA decode graphs only; for use with a small "

@@ -81,7 +81,7 @@ struct SamplerOptions {
   int64_t max_prefill_tokens = 8192;  // prompt tokens prefilled per step; longer prompts in chunks
   // While tenants contend (engine/sample/step_plan.h), a step carries at
   // most this many prompt tokens of the tenants over their share and at
-  // most contended_decode_rows of their running rows (0 = all, -1 = none), after the
+  // most contended_decode_rows of their running rows (0 = all), after the
   // work of the tenants within their share. Prompt tokens: 0 = by device:
   // 32 on the CPU (so that such a step costs a few decode steps there), and
   // max_prefill_tokens on a CUDA device, where the measured H200 sweep found

@@ -182,26 +182,6 @@ TEST(SamplerContention, CappedDecodeRowsRotateOverTheOverShareRows) {
   for (const auto& seq : (*flood)->sequences) EXPECT_EQ(seq.tokens.size(), 10u);
 }
 
-// contended_decode_rows -1: the light row decodes alone, and after
-// kDecodeRun such steps one step carries every row, so the flood still moves.
-TEST(SamplerContention, WithNoOverShareRowsTheLightRowDecodesAlone) {
-  auto s = Make(/*contended_decode_rows=*/-1);
-  std::optional<Result<SampleOutput>> flood, light;
-  AddRequest(*s, 1, Tokens(10, 1), 10, 6, &flood, "", "flood");  // 6 rows, each 1 token from the prefill
-  EXPECT_EQ(StepOnce(*s).kind, 'P');
-  AddRequest(*s, 2, Tokens(5, 2), 7, 1, &light, "", "light");
-  std::vector<Stepped> steps;
-  const SamplerStats before = s->stats();
-  EXPECT_EQ(StepUntil(*s, light, &steps), "PDDDDDD");
-  // The light row's own prefill token, 4 decode steps of it alone, one of
-  // all 7 rows, then 1 alone: 1 + 4 + 7 + 1 tokens.
-  EXPECT_EQ(s->stats().tokens_generated - before.tokens_generated, 1 + 4 + 7 + 1);
-  EXPECT_EQ(s->stats().max_rows_in_step, 7);
-  testing_sampler::Drain(*s);
-  ASSERT_TRUE(flood->ok());
-  for (const auto& seq : (*flood)->sequences) EXPECT_EQ(seq.tokens.size(), 10u);
-}
-
 // The rotation itself, on the plan (torch-free): the over-share rows that
 // waited longest go first.
 TEST(SampleStepPlan, CappedRowsAreTheLongestWaiting) {

@@ -312,8 +312,7 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   if (options.max_batch_rows < 1) return Status::Invalid("max_batch_rows must be >= 1");
   if (options.max_prefill_tokens < 1) return Status::Invalid("max_prefill_tokens must be >= 1");
   if (options.contended_prefill_tokens < 0) return Status::Invalid("contended_prefill_tokens must be >= 0");
-  if (options.contended_decode_rows < -1)
-    return Status::Invalid("contended_decode_rows must be >= 0, or -1 (none: the within-share rows decode alone)");
+  if (options.contended_decode_rows < 0) return Status::Invalid("contended_decode_rows must be >= 0");
   const ModelConfig& c = model->config();
   SamplerInfo info;
   info.vocab_size = c.vocab_size;

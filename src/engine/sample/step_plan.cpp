@@ -80,9 +80,8 @@ StepPlan PlanStep(const Admitted& admitted, const StepLimits& limits, const Step
   const bool over_waits = AnyPrefilling(admitted, is_over);
   std::vector<Sequence*> within_rows = Rows(admitted, is_within);
   std::vector<Sequence*> over_rows = Rows(admitted, is_over);
-  const size_t cap = limits.contended_decode_rows > 0    ? static_cast<size_t>(limits.contended_decode_rows)
-                     : limits.contended_decode_rows < 0 ? size_t{0}
-                                                        : over_rows.size();
+  const size_t cap = limits.contended_decode_rows > 0 ? static_cast<size_t>(limits.contended_decode_rows)
+                                                      : over_rows.size();
   // Over-share work that a within-share decode step leaves waiting.
   const bool over_left = over_waits || over_rows.size() > cap;
   if (within_waits && !(h.last_within_prefill && any_rows)) {

@@ -23,9 +23,7 @@
 //   work that shares its steps is capped: at most contended_prefill_tokens
 //   of their prompts per prefill step (together, in admission order, after
 //   the within-share chunks), at most contended_decode_rows of their running
-//   rows per decode step (those that waited longest; 0 = all rows; -1 =
-//   none: the within-share rows decode alone, in steps that cost what they
-//   cost on an idle sampler, and the over-share rows step in rule 3).
+//   rows per decode step (those that waited longest; 0 = all rows).
 //   1. A prefill step when a within-share prompt waits, unless the last step
 //      was one and rows are running (then a decode step comes between).
 //   2. Else a decode step of the within-share rows and the capped over-share
@@ -66,7 +64,7 @@ constexpr int kDecodeRun = 4;
 struct StepLimits {
   int64_t max_prefill_tokens = 8192;
   int64_t contended_prefill_tokens = 512;
-  int64_t contended_decode_rows = 0;  // 0 = every running row; -1 = none
+  int64_t contended_decode_rows = 0;  // 0 = every running row
   // MIXED: a contended decode step (rules 2 and 3) also carries up to
   // contended_prefill_tokens of the over-share tenants' prompts in the same
   // forward (ModelRunner::Mixed, on the CUDA decode graphs). Their prompts
