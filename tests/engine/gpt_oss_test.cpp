@@ -20,6 +20,7 @@
 #include "engine/model/families/gpt_oss.h"
 #include "engine/model/rope.h"
 #include "gpt_oss_reference.h"
+#include "mxfp4_twin.h"
 #include "testmodel/make_model.h"
 #include "tiny_model.h"
 
@@ -305,29 +306,8 @@ TEST(GptOssLoad, MakeModelCheckpointAndItsMxfp4TwinLoadAlike) {
 
   // The twin: each expert weight replaced by a FP4 code grid (values
   // +-{0..6} * 2^-3) written as blocks and scales, and as plain weights.
-  std::filesystem::create_directories(mx);
-  for (const char* f : {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"})
-    std::filesystem::copy_file(std::filesystem::path(dir) / f, std::filesystem::path(mx) / f);
-  SafetensorsWriter packed;
   std::map<std::string, at::Tensor> plain_weights;
-  for (const auto& [name, view] : files->tensors()) {
-    at::Tensor t = *LoadTensor(view, at::kCPU);
-    const bool expert = name.size() > 5 && (name.rfind("_proj") == name.size() - 5);
-    if (expert && name.find("experts") != std::string::npos) {
-      const at::Tensor rows = t.transpose(1, 2).contiguous();  // [E, out, in]
-      const int64_t E = rows.size(0), R = rows.size(1), in = rows.size(2);
-      const at::Tensor codes = at::randint(0, 16, {E, R, in / 32, 16, 2}, kLongs);
-      const at::Tensor bytes = (codes.select(-1, 0) + 16 * codes.select(-1, 1)).to(at::kByte);
-      const at::Tensor scales = at::full({E, R, in / 32}, 124, at::TensorOptions().dtype(at::kByte));
-      t = DequantizeMxfp4(bytes, scales, at::kFloat).transpose(1, 2).contiguous();
-      ASSERT_TRUE(AddTensor(packed, name + "_blocks", bytes).ok());
-      ASSERT_TRUE(AddTensor(packed, name + "_scales", scales).ok());
-    } else {
-      ASSERT_TRUE(AddTensor(packed, name, t).ok());
-    }
-    plain_weights[name] = t;
-  }
-  ASSERT_TRUE(packed.WriteAtomic((std::filesystem::path(mx) / "model.safetensors").string()).ok());
+  WriteMxfp4Twin(dir, mx, &plain_weights);
   auto from_mx = Transformer::Load(mx, at::kCPU, at::kFloat);
   ASSERT_TRUE(from_mx.ok()) << from_mx.status().message();
   auto from_plain = Transformer::FromTensors(*cfg, plain_weights, at::kCPU, at::kFloat);

@@ -29,6 +29,7 @@
 #include "engine/io/tensor_io.h"
 #include "engine/model/parallel.h"
 #include "engine/model/transformer.h"
+#include "mxfp4_twin.h"
 #include "testmodel/make_model.h"
 
 namespace loom::engine {
@@ -315,6 +316,27 @@ TEST(TensorParallel, OtherFamiliesEqualOneProcess) {
     const Json split = RunRanks(c.tp, c.ep, model, tmp.path(), "split", tmp.path() + "/state_one");
     ExpectSameAsOneProcess(split, single, tmp.path(), "split", "one");
   }
+}
+
+// GPT-OSS ships its experts in MXFP4: a split model dequantizes each expert
+// tensor when it takes it (not every expert up front), to the same model.
+TEST(TensorParallel, AnMxfp4CheckpointSplitEqualsOneProcess) {
+  if (std::string why = CollectiveUnavailable(at::kCPU); !why.empty()) GTEST_SKIP() << why;
+  test::TempDir tmp;
+  const std::string plain = tmp.path() + "/plain", model = tmp.path() + "/model";
+  testmodel::MakeModelOptions mo;
+  mo.arch = "gpt_oss";
+  mo.preset = "tiny";
+  mo.seed = 3;
+  ASSERT_TRUE(testmodel::MakeModel(mo, plain).ok());
+  WriteMxfp4Twin(plain, model, nullptr);
+  auto files = ModelWeights::Open(model);  // the experts only as blocks and scales
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->find("model.layers.0.mlp.experts.down_proj"), nullptr);
+  ASSERT_NE(files->find("model.layers.0.mlp.experts.down_proj_blocks"), nullptr);
+  const Json single = RunScript(model, 1, 1, "", tmp.path(), "one", "");
+  const Json split = RunRanks(2, 2, model, tmp.path(), "split", tmp.path() + "/state_one");
+  ExpectSameAsOneProcess(split, single, tmp.path(), "split", "one");
 }
 
 TEST(TensorParallel, RefusesWhatDoesNotSplit) {

@@ -434,7 +434,8 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
   // Split over ranks, each tensor is read from the mapped files only when the
   // model takes it (into host memory, then its device, one layer split at a
   // time): a rank holds no more than its part plus one whole layer, in host
-  // memory as on its device, however many ranks share the machine.
+  // memory as on its device, however many ranks share the machine. MXFP4
+  // experts are dequantized then too, one tensor at a time.
   const bool lazy = parallel.split();
   Result<ModelWeights> files = ModelWeights::Open(model_dir);
   if (!files.ok()) return files.status();
@@ -453,6 +454,7 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
                              ShapeText(shape));
   }
   std::map<std::string, const TensorView*> views;  // lazy: read when taken
+  std::map<std::string, std::pair<const TensorView*, const TensorView*>> mxfp4;  // lazy: blocks, scales
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [file_name, view] : files->tensors()) {
     const std::string name = TextName(file_name);
@@ -475,18 +477,28 @@ Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& model_
     if (blocks->dtype != "U8" || scales->dtype != "U8" || blocks->shape.size() != 4 || blocks->shape.back() != 16 ||
         std::vector<int64_t>(blocks->shape.begin(), blocks->shape.end() - 1) != scales->shape)
       return Status::Invalid("weight '" + name + "_blocks' / '_scales' are not MXFP4 ([E, R, G, 16] and [E, R, G] U8)");
-    Result<at::Tensor> b = LoadTensor(*blocks, lazy ? at::Device(at::kCPU) : device);
+    if (lazy) {  // dequantized when the model takes it: [E, R, G, 16] blocks are [E, G * 32, R] values
+      mxfp4[name] = {blocks, scales};
+      shapes[name] = {blocks->shape[0], blocks->shape[2] * 32, blocks->shape[1]};
+      continue;
+    }
+    Result<at::Tensor> b = LoadTensor(*blocks, device);
     if (!b.ok()) return b.status();
-    Result<at::Tensor> sc = LoadTensor(*scales, lazy ? at::Device(at::kCPU) : device);
+    Result<at::Tensor> sc = LoadTensor(*scales, device);
     if (!sc.ok()) return sc.status();
     weights[name] = DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
-    shapes[name] = weights[name].sizes().vec();
   }
   if (!lazy) return FromTensors(*config, weights, device, dtype, parallel);
   auto built = Build(
       *config, shapes,
       [&](const std::string& name) -> at::Tensor {
-        if (auto it = weights.find(name); it != weights.end()) return it->second;
+        if (auto it = mxfp4.find(name); it != mxfp4.end()) {
+          Result<at::Tensor> b = LoadTensor(*it->second.first, at::kCPU);
+          if (!b.ok()) throw std::runtime_error(b.status().message());
+          Result<at::Tensor> sc = LoadTensor(*it->second.second, at::kCPU);
+          if (!sc.ok()) throw std::runtime_error(sc.status().message());
+          return DequantizeMxfp4(*b, *sc, dtype).transpose(1, 2);
+        }
         Result<at::Tensor> t = LoadTensor(*views.at(name), KeepsFp32(family, name) ? at::kFloat : dtype, at::kCPU);
         if (!t.ok()) throw std::runtime_error(t.status().message());
         return *t;
