@@ -52,6 +52,7 @@ struct RlOptions {
   double lr = 1e-3;
   bool heavy_tenant = false;
   const StepFlags* sampler_steps = nullptr;
+  const DecodeFlags* sampler_decode = nullptr;
 };
 
 constexpr int kHeavyFactor = 10;  // --heavy-tenant: tenant 0's group is this many times --group
@@ -256,6 +257,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.threads = o.threads;
   opt.with_sampler = true;
   opt.sampler_steps = o.sampler_steps;
+  opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
   if (!driver.ok()) return fail(driver.status());
   ServiceDriver& d = **driver;
@@ -331,6 +333,8 @@ int BenchRl(int argc, char** argv) {
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
   const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
   o.sampler_steps = &step_flags;
+  const DecodeFlags decode_flags(app);  // and its decode switches (--decode-stream, ...)
+  o.sampler_decode = &decode_flags;
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

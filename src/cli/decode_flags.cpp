@@ -21,6 +21,12 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "graphs, one row per token (0: eager prefill always; CUDA only)")
       ->default_val(fast_prefill_)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  app.add_option("--decode-stream", stream_,
+                 "shared | priority: the sampler's decode thread launches on the device's default stream, which "
+                 "the trainer uses too (kernels run in launch order), or on a high-priority CUDA stream of its own "
+                 "(not yet measured; CUDA only)")
+      ->default_val(stream_)
+      ->check(CLI::IsMember({"shared", "priority"}));
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -32,6 +38,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.split_shrink = split_ == "on";
   o.profile = profile_;
   o.fast_prefill_tokens = fast_prefill_;
+  o.priority_stream = stream_ == "priority";
   return o;
 }
 

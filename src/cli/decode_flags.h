@@ -1,5 +1,5 @@
 // The sampler's decode switches (engine::DecodeOptions) as flags, shared by
-// `loom serve` and `loom bench sample`. Each on/off flag takes exactly "on"
+// `loom serve`, `loom bench sample` and `loom bench rl`. Each on/off flag takes exactly "on"
 // or "off"; anything else fails the command line at start-up with the
 // flag's name and its allowed values (CLI11's check, exit non-zero).
 #pragma once
@@ -12,13 +12,13 @@ namespace loom::cli {
 
 class DecodeFlags {
  public:
-  // Adds --cuda-graphs, --decode-gemv, --decode-split, --fast-prefill and --decode-profile to app.
+  // Adds --cuda-graphs, --decode-gemv, --decode-split, --fast-prefill, --decode-stream and --decode-profile to app.
   explicit DecodeFlags(CLI::App& app);
   // The options the parsed flags stand for (call after app.parse).
   engine::DecodeOptions options() const;
 
  private:
-  std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on";
+  std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };

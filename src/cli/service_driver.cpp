@@ -59,6 +59,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     samp.max_rank = options.max_rank;
     samp.trainer_slots = options.max_slots;  // sampler_adapters auto: one per slot, memory permitting
     if (options.sampler_steps) options.sampler_steps->Apply(&samp);
+    if (options.sampler_decode) samp.decode = options.sampler_decode->options();
     auto opened = engine::Sampler::Open(shared, samp);
     if (!opened.ok()) return opened.status();
     sampler = std::move(*opened);

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/decode_flags.h"
 #include "cli/step_flags.h"
 #include "common/status.h"
 #include "engine/api.h"
@@ -28,6 +29,7 @@ struct DriverOptions {
   int64_t token_budget = 8192;
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
   const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults
+  const DecodeFlags* sampler_decode = nullptr;  // the sampler's decode switches (--cuda-graphs, ...), or its defaults
 };
 
 struct Tenant {

@@ -57,6 +57,12 @@ struct DecodeOptions {
   // for the base against 262 eager, 68 ms with 8 adapters against 200;
   // docs/benchmarks.md, session 14).
   int64_t fast_prefill_tokens = 2048;
+  // --decode-stream priority: the decode thread launches on a high-priority
+  // CUDA stream of its own, so that the device schedules a decode step's
+  // kernels ahead of a training pass's already queued ones (shared: both
+  // threads launch on the default stream, in launch order). Not yet
+  // measured (issue 18), so off by default.
+  bool priority_stream = false;
 };
 
 struct SamplerOptions {

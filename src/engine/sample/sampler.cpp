@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #if LOOM_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 #include <unistd.h>
 #include <c10/core/GradMode.h>
@@ -141,6 +143,7 @@ class SamplerImpl final : public Sampler {
     limits.mixed_steps = options.mixed_steps && model->device().is_cuda() && options.decode.cuda_graphs &&
                          options.decode.fast_prefill_tokens > 0;
     limits.prefix_cache = options.prefix_cache;
+    device_ = model->device();
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);
     stats_ = scheduler_->stats();
@@ -221,6 +224,22 @@ class SamplerImpl final : public Sampler {
   void Loop() {
     c10::NoGradGuard no_grad;
     if (options_.threads > 0) at::set_num_threads(options_.threads);
+#if LOOM_CUDA_KERNELS
+    // DecodeOptions::priority_stream: this thread's kernels on a
+    // high-priority stream of its own, after everything the constructor
+    // launched on the default stream (the KV pool, the slots, the decode
+    // graphs' buffers). Snapshots from the trainer's stream are ordered by
+    // their own events (PeftSnapshot::Ready).
+    std::optional<c10::cuda::CUDAStreamGuard> own_stream;
+    if (options_.decode.priority_stream && device_.is_cuda()) {
+      const c10::DeviceIndex index = device_.index() < 0 ? 0 : device_.index();
+      const c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index);
+      at::cuda::CUDAEvent ready;
+      ready.record(c10::cuda::getDefaultCUDAStream(index));
+      ready.block(stream);
+      own_stream.emplace(stream);
+    }
+#endif
     for (;;) {
       std::vector<std::pair<std::string, Status>> cancels;
       {
@@ -281,6 +300,7 @@ class SamplerImpl final : public Sampler {
   }
 
   SamplerOptions options_;
+  at::Device device_ = at::kCPU;
   std::unique_ptr<Detokenizer> detok_;
   SamplerInfo info_;
   std::unique_ptr<Scheduler> scheduler_;
