@@ -171,6 +171,7 @@ int BenchTrain(const TrainBenchOptions& o) {
     auto started = TrainerGroup::Start(group_size, o.command_line, eo.group_store);
     if (!started.ok()) {
       std::fprintf(stderr, "loom bench train: %s\n", started.status().message().c_str());
+      cleanup();
       return 1;
     }
     group = std::move(*started);

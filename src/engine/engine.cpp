@@ -23,8 +23,6 @@
 
 #include <cmath>
 #include <exception>
-#include <fstream>
-#include <limits>
 #include <map>
 #include <set>
 #include <thread>
