@@ -63,7 +63,7 @@ struct Options {
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
   MultiTurnOptions turns;
   std::optional<double> logprob_tolerance;  // --multi-turn: unset = by dtype
-  bool count_ops = false;  // --count-ops: the ATen ops of the prefill steps (engine/sample/op_count.h)
+  bool count_ops = false;  // --count-ops: the ATen ops of the prefill and decode steps (engine/sample/op_count.h)
   std::string profile;  // --profile PATH: Kineto traces, PATH.<row>.json (the modes' own names)
   // --replicas: the decode table on these sampler replicas (`loom serve --role
   // sampler` on the same model, each on its own device) through the
@@ -283,14 +283,18 @@ int Run(const Options& o) {
         if (!st.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", st.message().c_str()), 1;
         std::printf("%-10s traced to %s\n", "", path.c_str());
       }
-      if (o.count_ops) {  // one more run, counted (the counting's overhead stays out of the row)
-        engine::sample::OpCount counter(engine::sample::kPrefillScope);
-        if (auto c = RunBatch(s, batch, use, o, 3000, o.new_tokens); !c.ok())
-          return std::fprintf(stderr, "loom bench sample: %s\n", c.status().message().c_str()), 1;
-        const engine::sample::OpCounts ops = counter.Take();
-        std::printf("%-10s ops of the prefill: %lld calls (%lld with nested) in %lld steps\n%-10s %s\n", "",
-                    static_cast<long long>(ops.calls), static_cast<long long>(ops.ops),
-                    static_cast<long long>(ops.scopes), "", ops.Top(12).c_str());
+      if (o.count_ops) {  // more runs, counted (the counting's overhead stays out of the row)
+        const std::pair<const char*, const char*> scopes[] = {{engine::sample::kPrefillScope, "prefill"},
+                                                              {engine::sample::kDecodeScope, "decode"}};
+        for (const auto& [scope, what] : scopes) {  // one run per scope: one OpCount at a time
+          engine::sample::OpCount counter(scope);
+          if (auto c = RunBatch(s, batch, use, o, 3000, o.new_tokens); !c.ok())
+            return std::fprintf(stderr, "loom bench sample: %s\n", c.status().message().c_str()), 1;
+          const engine::sample::OpCounts ops = counter.Take();
+          std::printf("%-10s ops of the %s: %lld calls (%lld with nested) in %lld steps\n%-10s %s\n", "", what,
+                      static_cast<long long>(ops.calls), static_cast<long long>(ops.ops),
+                      static_cast<long long>(ops.scopes), "", ops.Top(12).c_str());
+        }
       }
     }
   }
@@ -343,8 +347,9 @@ int BenchSample(int argc, char** argv) {
   app.add_option("--user-tokens", t.user_tokens, "--multi-turn: new user tokens per turn")->default_val(t.user_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_option("--reply-tokens", t.reply_tokens, "--multi-turn: reply tokens per turn")->default_val(t.reply_tokens)->check(CLI::Range(1, 1 << 20));
   app.add_flag("--count-ops", o.count_ops,
-               "count the ATen ops of the prefill steps (any build): one more run of each decode row, or each "
-               "--multi-turn turn (then with the counting's overhead in its figures)");
+               "count the ATen ops of the steps (any build): two more runs of each decode row (its prefill steps, "
+               "then its decode steps), or each --multi-turn turn's prefill (then with the counting's overhead in "
+               "its figures)");
   app.add_option("--profile", o.profile,
                  "Kineto traces (libtorch 2.x) for bench/trace_summary.py: the decode table traces one more run "
                  "of each row to PATH.<base|aN>.b<batch>.json; --multi-turn traces every turn, "
