@@ -134,6 +134,45 @@ TEST_P(MoeBlock, RoutesDependOnlyOnTheTokenAndBaseRowsIgnorePoisonedSlots) {
   EXPECT_TRUE(at::equal(run({0, 4, 9}, {-1, 0}, h).narrow(0, 0, 4), together.narrow(0, 0, 4)));
 }
 
+// The pair form (each pair gathers its own factors; no host read), which the
+// sampler takes for few rows: the same values as the token-by-token
+// reference, from the batch's routing or from per-row slots on the device,
+// and a poisoned slot still leaves the rows beside it exact.
+TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
+  const MoeWeights w = RandomMoe(GetParam());
+  SlotBank bank(3, kR, at::kCPU, ExpertTargets());
+  BindRandom(bank, 0, 4, 8.0, 11, 0.5);
+  BindRandom(bank, 2, 2, 4.0, 12, 0.5);
+  const std::vector<int64_t> seq_begin = {0, 5, 9, 15, 20};
+  const std::vector<int> seq_slot = {2, -1, 0, 2};
+  at::manual_seed(5);
+  const at::Tensor h = at::randn({20, kH});
+  std::vector<int32_t> row_slot;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i)
+    for (int64_t t = seq_begin[i]; t < seq_begin[i + 1]; ++t) row_slot.push_back(seq_slot[i]);
+  c10::NoGradGuard no_grad;
+  EXPECT_TRUE(PairFormFits(bank.targets()[0], bank.targets()[1], 20 * w.top_k));
+  EXPECT_FALSE(PairFormFits(bank.targets()[0], bank.targets()[1], kPairFormMaxPairs + 1));
+  const ExpertLoraRouting routing = ExpertLoraRouting::Make(bank, seq_begin, seq_slot, at::kCPU);
+  const at::Tensor from_routing =
+      MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows::FromRouting(routing));
+  const ExpertLoraRows rows = ExpertLoraRows::FromSlots(bank, at::tensor(row_slot, at::kInt));
+  const at::Tensor from_slots = MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], rows);
+  std::vector<at::Tensor> want;
+  for (int64_t t = 0; t < 20; ++t) want.push_back(ReferenceToken(w, h[t], bank, row_slot[static_cast<size_t>(t)]));
+  EXPECT_LT(MaxDiff(from_routing, at::stack(want)), 1e-5);
+  EXPECT_LT(MaxDiff(from_slots, at::stack(want)), 1e-5);
+  // The base block alone (undefined rows) is the block without LoRA.
+  EXPECT_TRUE(at::equal(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows{}),
+                        MoeForward(w, h, bank, nullptr, nullptr, nullptr)));
+  // Slot 0 poisoned: the rows of slot 2 and of no slot stay as they were.
+  for (LoraTarget& t : bank.targets()) t.A.select(0, 0).fill_(std::nan(""));
+  const at::Tensor poisoned = MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], rows);
+  EXPECT_TRUE(at::equal(poisoned.narrow(0, 0, 9), from_slots.narrow(0, 0, 9)));
+  EXPECT_TRUE(at::equal(poisoned.narrow(0, 15, 5), from_slots.narrow(0, 15, 5)));
+  EXPECT_TRUE(at::isnan(poisoned.narrow(0, 9, 6)).any().item<bool>());
+}
+
 INSTANTIATE_TEST_SUITE_P(NormTopK, MoeBlock, ::testing::Values(true, false));
 
 // The sampler's cached forward (prefill, then one decode step) gives an MoE

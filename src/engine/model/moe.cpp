@@ -14,6 +14,8 @@ namespace loom::engine {
 namespace {
 
 const auto kLong = at::TensorOptions().dtype(at::kLong);
+// The groups GroupedLinear gives one grouped GEMM (at::_grouped_mm's limit is under 1024).
+constexpr int64_t kGroupedMmMaxGroups = 512;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -91,8 +93,7 @@ struct ExpertLoraPlan {
   const SlotBank* bank = nullptr;
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
-  at::Tensor tok_keep;                            // [T, 1] bool: the token has a slot
-  at::Tensor tok_scale;                           // [T, 1] fp32: its slot's alpha/r (0 without)
+  ExpertLoraRows rows;                            // each token's keep and alpha/r
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
   at::Tensor group_ids;                           // [U + 1] slot per group (group U: slot 0)
 
@@ -102,8 +103,7 @@ struct ExpertLoraPlan {
     tok_order = std::get<1>(at::sort(r.token_group, /*stable=*/true, /*dim=*/0, /*descending=*/false));
     tok_inverse = at::empty_like(tok_order).scatter_(0, tok_order, at::arange(T, kLong.device(dev)));
     tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
-    tok_keep = (r.token_group < U).unsqueeze(1);
-    tok_scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
+    rows = ExpertLoraRows::FromRouting(r);
     group_ids = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
     const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
     seg_counts = counts.index_select(0, nz);
@@ -120,13 +120,15 @@ struct ExpertLoraPlan {
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
     return GroupedLinear(x, f.index({seg_slot, seg_expert}).to(x.scalar_type()), seg_counts);
   }
-  // Rows of tokens without a slot exactly 0, the others times alpha/r: y's
-  // rows are tokens, or (token given) the sorted pairs of those tokens.
-  at::Tensor Scaled(const at::Tensor& y, const at::Tensor& token = {}) const {
-    const auto rows = [&](const at::Tensor& v) { return token.defined() ? v.index_select(0, token) : v; };
-    return at::where(rows(tok_keep), y * rows(tok_scale).to(y.scalar_type()), at::zeros_like(y));
-  }
 };
+
+// Rows of tokens without a slot exactly 0 (so a slot's non-finite factors
+// never reach them), the others times alpha/r: y's rows are tokens, or
+// (token given) the sorted pairs of those tokens.
+at::Tensor Scaled(const ExpertLoraRows& rows, const at::Tensor& y, const at::Tensor& token = {}) {
+  const auto take = [&](const at::Tensor& v) { return token.defined() ? v.index_select(0, token) : v; };
+  return at::where(take(rows.keep), y * take(rows.scale).to(y.scalar_type()), at::zeros_like(y));
+}
 
 // gate_up's delta per sorted pair [P, 2I] (A shared, B per expert):
 // (h A_slot^T) per token, taken to the pairs, times the segment's B.
@@ -134,7 +136,7 @@ at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::T
                        at::ScalarType out) {
   const at::ScalarType ct = p.bank->ComputeType(h);
   const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
-  return p.Scaled(p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
+  return Scaled(p.rows, p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
 }
 
 // down's delta per token [T, H] (A per expert, B shared), already weighted
@@ -144,7 +146,34 @@ at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Ten
                      const at::Tensor& weight) {
   const at::ScalarType ct = p.bank->ComputeType(act);
   const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
-  return p.Scaled(p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
+  return Scaled(p.rows, p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
+}
+
+// The pair form (ExpertLoraRows): the same deltas with batched matmuls over
+// factors gathered per token (the shared ones) and per sorted pair (the
+// per-expert ones: pair_factor, each pair's (slot, expert) as two indices).
+struct PairFactors {
+  at::Tensor slot, expert;  // [P] each sorted pair's slot and expert (this rank's)
+};
+
+at::Tensor GateUpDeltaPairs(const SlotBank& bank, const ExpertLoraRows& rows, const LoraTarget& t, const at::Tensor& h,
+                            const Pairs& pairs, const PairFactors& f, at::ScalarType out) {
+  const at::ScalarType ct = bank.ComputeType(h);
+  const at::Tensor a = t.A.index_select(0, rows.slot).to(ct);                      // [T, R, H]
+  const at::Tensor mid = at::bmm(a, h.to(ct).unsqueeze(2)).squeeze(2);             // [T, R]
+  const at::Tensor b = t.B.index({f.slot, f.expert}).to(ct);                       // [P, 2I, R]
+  const at::Tensor d = at::bmm(b, pairs.Dispatch(mid).unsqueeze(2)).squeeze(2);   // [P, 2I]
+  return Scaled(rows, d, pairs.token).to(out);
+}
+
+at::Tensor DownDeltaPairs(const SlotBank& bank, const ExpertLoraRows& rows, const LoraTarget& t, const at::Tensor& act,
+                          const Pairs& pairs, const PairFactors& f, const at::Tensor& weight) {
+  const at::ScalarType ct = bank.ComputeType(act);
+  const at::Tensor a = t.A.index({f.slot, f.expert}).to(ct);                                 // [P, R, I]
+  const at::Tensor mid = at::bmm(a, act.to(ct).unsqueeze(2)).squeeze(2) * weight.to(ct);  // [P, R]
+  const at::Tensor b = t.B.index_select(0, rows.slot).to(ct);                                // [T, H, R]
+  const at::Tensor d = at::bmm(b, pairs.Combine(mid).unsqueeze(2)).squeeze(2);             // [T, H]
+  return Scaled(rows, d).to(act.scalar_type());
 }
 
 // gpt_oss's clamped SwiGLU over gate_up [P, 2I] (gate then up), as HF's
@@ -215,7 +244,7 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
                        w.scalar_type() == at::kBFloat16 && x.size(1) % 8 == 0 && out % 8 == 0;
   // at::_grouped_mm takes fewer than 1024 groups per call (its check is
   // group_count < 1024: 1024 groups failed on the H200 as 1152 did).
-  constexpr int64_t kMaxGroups = 512;
+  constexpr int64_t kMaxGroups = kGroupedMmMaxGroups;
   if (grouped && G <= kMaxGroups)
     return compat::GroupedMm(x.contiguous(), w.transpose(1, 2), counts.cumsum(0).to(at::kInt));
   // Runs of kMaxGroups segments per grouped GEMM, or one matmul per segment
@@ -240,34 +269,46 @@ at::Tensor GroupedLinear(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return parts.size() == 1 ? parts[0] : at::cat(parts, 0);
 }
 
-at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
-                      const LoraTarget* down, const ExpertLoraRouting* lora) {
-  const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
-  // Experts split over ranks (parallel.h): this rank's are [e0, e0 + El).
-  const int64_t El = w.gate_up.size(0), e0 = w.expert_begin;
-  // Route (HF's order for each router kind; moe.h).
+namespace {
+
+// {weights [T, K], experts [T, K]} as HF routes (moe.h): the grouped
+// routers' weights in fp32, the others' in h's dtype.
+std::pair<at::Tensor, at::Tensor> Route(const MoeWeights& w, const at::Tensor& h) {
+  const int64_t K = w.top_k;
   const bool grouped = w.router_kind == MoeRouter::kGroupedSoftmax || w.router_kind == MoeRouter::kGroupedSigmoid;
   const at::Tensor logits =
       grouped ? at::linear(h.to(at::kFloat), w.router.to(at::kFloat)) : at::linear(h, w.router, w.router_bias);
+  if (grouped) return GroupedRoute(w, logits);
   at::Tensor top_p, top_e;
-  if (grouped) {
-    std::tie(top_p, top_e) = GroupedRoute(w, logits);
-  } else if (w.router_kind == MoeRouter::kTopKSoftmax) {
+  if (w.router_kind == MoeRouter::kTopKSoftmax) {
     std::tie(top_p, top_e) = logits.topk(K, -1);
-    top_p = at::softmax(top_p, -1, top_p.scalar_type());
-  } else {
-    std::tie(top_p, top_e) = at::softmax(logits.to(at::kFloat), -1).topk(K, -1);
-    if (w.norm_topk) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
-    top_p = top_p.to(h.scalar_type());
+    return {at::softmax(top_p, -1, top_p.scalar_type()), top_e};
   }
+  std::tie(top_p, top_e) = at::softmax(logits.to(at::kFloat), -1).topk(K, -1);
+  if (w.norm_topk) top_p = top_p / top_p.sum(-1, /*keepdim=*/true);
+  return {top_p.to(h.scalar_type()), top_e};
+}
 
-  // The T * K (token, choice) pairs sorted by segment: expert, then the
-  // token's LoRA group within the expert (stable: token order within).
-  const bool with_lora = lora && lora->num_slots() > 0 && gate_up && down;
-  const int64_t sub = with_lora ? lora->num_slots() + 1 : 1;
+// The block (moe.h) with the expert LoRA in the segment form (seg), the
+// pair form (rows), or neither.
+at::Tensor Block(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                 const LoraTarget* down, const ExpertLoraRouting* seg, const ExpertLoraRows* rows) {
+  const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
+  // Experts split over ranks (parallel.h): this rank's are [e0, e0 + El).
+  const int64_t El = w.gate_up.size(0), e0 = w.expert_begin;
+  const auto [top_p, top_e] = Route(w, h);
+
+  // The T * K (token, choice) pairs sorted by segment: expert, then (the
+  // segment form) the token's LoRA group within the expert (stable: token
+  // order within).
+  const bool segments = seg && seg->num_slots() > 0 && gate_up && down;
+  const bool per_pair = !segments && rows && rows->defined() && gate_up && down;
+  if ((segments || per_pair) && (gate_up->per_expert != ExpertFactor::kB || down->per_expert != ExpertFactor::kA))
+    throw std::logic_error("MoeForward: the expert LoRA layout is gate_up B and down A per expert (slot_bank.h)");
+  const int64_t sub = segments ? seg->num_slots() + 1 : 1;
   const at::Tensor pair_token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
   at::Tensor key = top_e.reshape({-1});
-  if (with_lora) key = key * sub + lora->token_group.index_select(0, pair_token);
+  if (segments) key = key * sub + seg->token_group.index_select(0, pair_token);
   at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
   at::Tensor counts = at::zeros({E * sub}, key.options()).scatter_add_(0, key, at::ones_like(key));
   Pairs pairs;
@@ -288,30 +329,79 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
     pairs.token = pair_token.index_select(0, order);
     pairs.position = at::empty_like(order).scatter_(0, order, at::arange(T * K, kLong.device(h.device())));
   }
-  const at::Tensor expert_counts = with_lora ? counts.view({El, sub}).sum(1) : counts;
+  const at::Tensor expert_counts = segments ? counts.view({El, sub}).sum(1) : counts;
   const at::Tensor x = pairs.Dispatch(h);  // [P, H]
 
-  at::Tensor pair_expert;  // each sorted pair's expert (among this rank's), for the biases
-  if (w.gate_up_bias.defined() || w.down_bias.defined())
+  at::Tensor pair_expert;  // each sorted pair's expert (among this rank's), for the biases and the pair form
+  if (w.gate_up_bias.defined() || w.down_bias.defined() || per_pair)
     pair_expert = top_e.reshape({-1}).index_select(0, order) - e0;
 
   const at::Tensor weight = top_p.reshape({-1}).index_select(0, order).unsqueeze(1);  // [P, 1]
   std::optional<ExpertLoraPlan> plan;
-  if (with_lora) {
-    if (gate_up->per_expert != ExpertFactor::kB || down->per_expert != ExpertFactor::kA)
-      throw std::logic_error("MoeForward: the expert LoRA layout is gate_up B and down A per expert (slot_bank.h)");
-    plan.emplace(bank, *lora, counts, T);
-  }
+  if (segments) plan.emplace(bank, *seg, counts, T);
+  PairFactors factors;
+  if (per_pair) factors = {rows->slot.index_select(0, pairs.token), pair_expert};
 
   at::Tensor gu = GroupedLinear(x, w.gate_up, expert_counts);  // [P, 2I]
   if (w.gate_up_bias.defined()) gu = gu + w.gate_up_bias.index_select(0, pair_expert);
   if (plan) gu = gu + GateUpDelta(*plan, *gate_up, h, pairs, gu.scalar_type());
+  if (per_pair) gu = gu + GateUpDeltaPairs(bank, *rows, *gate_up, h, pairs, factors, gu.scalar_type());
   const at::Tensor act = w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu);  // [P, I]
   at::Tensor y = GroupedLinear(act, w.down, expert_counts);  // [P, H]
   if (w.down_bias.defined()) y = y + w.down_bias.index_select(0, pair_expert);
   at::Tensor out = pairs.Combine((y * weight).to(y.scalar_type()));  // the grouped routers' weights are fp32
   if (plan) out = out + DownDelta(*plan, *down, act, pairs, weight);
+  if (per_pair) out = out + DownDeltaPairs(bank, *rows, *down, act, pairs, factors, weight);
   return out;
+}
+
+}  // namespace
+
+ExpertLoraRows ExpertLoraRows::FromRouting(const ExpertLoraRouting& r) {
+  ExpertLoraRows rows;
+  const int64_t U = r.num_slots();
+  if (U == 0) return rows;
+  // Group U (no slot) reads slot 0's factors, whose rows keep selects away.
+  rows.slot = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)}).index_select(0, r.token_group);
+  rows.keep = (r.token_group < U).unsqueeze(1);
+  rows.scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
+  return rows;
+}
+
+ExpertLoraRows ExpertLoraRows::FromSlots(const SlotBank& bank, const at::Tensor& slots) {
+  ExpertLoraRows rows;
+  const at::Tensor s = slots.to(at::kLong);
+  rows.keep = (s >= 0).unsqueeze(1);
+  rows.slot = s.clamp_min(0);
+  const at::Tensor scale = bank.scales().index_select(0, rows.slot).unsqueeze(1);
+  rows.scale = at::where(rows.keep, scale, at::zeros_like(scale));
+  return rows;
+}
+
+int64_t PairFormBytes(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs) {
+  const int64_t R = gate_up.B.size(-1);  // the bank's rank
+  return pairs * R * (gate_up.d_out + down.d_in) * static_cast<int64_t>(sizeof(float));
+}
+
+bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device& device) {
+  const int64_t E = w.router.size(0), H = w.gate_up.size(2), I = w.down.size(2);
+  return compat::kHasGroupedMm && device.is_cuda() && dtype == at::kBFloat16 &&
+         w.gate_up.scalar_type() == at::kBFloat16 && w.down.scalar_type() == at::kBFloat16 &&
+         w.gate_up.size(0) == E && E <= kGroupedMmMaxGroups && H % 8 == 0 && I % 8 == 0;
+}
+
+bool PairFormFits(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs) {
+  return pairs <= kPairFormMaxPairs && PairFormBytes(gate_up, down, pairs) <= kPairFormMaxBytes;
+}
+
+at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                      const LoraTarget* down, const ExpertLoraRouting* lora) {
+  return Block(w, h, bank, gate_up, down, lora, nullptr);
+}
+
+at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                      const LoraTarget* down, const ExpertLoraRows& rows) {
+  return Block(w, h, bank, gate_up, down, nullptr, &rows);
 }
 
 }  // namespace loom::engine

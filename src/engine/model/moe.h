@@ -35,7 +35,9 @@
 // projection is one grouped GEMM over those segments (GroupedLinear). The
 // expert LoRA (slot_bank.h: gate_up shares A across experts and keeps B per
 // expert, down keeps A per expert and shares B) runs over the (expert, slot)
-// segments with each segment's own factors, two grouped GEMMs per target.
+// segments with each segment's own factors, two grouped GEMMs per target
+// (the segment form), or, for a no-grad step of few rows, per pair with
+// batched matmuls over gathered factors (the pair form, ExpertLoraRows).
 //
 // Threading: pure functions of their arguments; the engine or sampler thread.
 #pragma once
@@ -87,12 +89,53 @@ struct ExpertLoraRouting {
                                 const std::vector<int>& seq_slot, at::Device device);
 };
 
+// The expert LoRA of a few rows in the pair form: per row its slot, with no
+// grouping of rows by slot, so it is made and used on the device alone (no
+// host read: a CUDA graph can hold it). Each (token, choice) pair then
+// gathers its own slot's per-expert factor, and each token its slot's shared
+// one, so the form costs a fixed number of ops whatever the slots and
+// experts, and memory per pair: for no-grad steps of few rows (a decode
+// step), where the segment form would read the segments' sizes on the host
+// and gather once per non-empty (expert, slot) segment.
+struct ExpertLoraRows {
+  at::Tensor slot;   // [T] int64: the token's slot (0 where it has none)
+  at::Tensor keep;   // [T, 1] bool: it has one
+  at::Tensor scale;  // [T, 1] fp32: its alpha/r (0 where none)
+  bool defined() const { return slot.defined(); }
+  // From a batch's routing (undefined when it routes no slot).
+  static ExpertLoraRows FromRouting(const ExpertLoraRouting& r);
+  // From each row's slot on the device ([T] integer, -1: none; the caller
+  // gives -1 to rows whose slot does not train the mlp group).
+  static ExpertLoraRows FromSlots(const SlotBank& bank, const at::Tensor& slots);
+};
+
+// Whether the pair form suits P pairs: at most kPairFormMaxPairs, and its
+// gathered factors (fp32) within kPairFormMaxBytes. The sampler takes it
+// for such steps (a decode step's rows); a prefill's many tokens batch
+// better by segment (on the CPU a 2,048-token prefill of the tiny qwen3_moe
+// took 3x as long in the pair form). The trainer keeps the segment form
+// whatever the grad mode, so that a recomputed layer's no-grad forward
+// gives the kept forward's bits.
+int64_t PairFormBytes(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs);
+inline constexpr int64_t kPairFormMaxPairs = 2048;
+inline constexpr int64_t kPairFormMaxBytes = int64_t{256} << 20;
+bool PairFormFits(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs);
+
 // The block's output [T, H] for normed hidden rows h [T, H], with the expert
 // LoRA of lora's slots when lora has any and the targets are given (both or
-// neither). Differentiable into h and into the bank's expert factors of the
-// routed slots (their gradients land in the bank's gradient buffer).
+// neither), in the segment form. Differentiable into h and into the bank's
+// expert factors of the routed slots (their gradients land in the bank's
+// gradient buffer).
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
                       const LoraTarget* down, const ExpertLoraRouting* lora);
+// The block with the expert LoRA in the pair form (rows undefined: the base
+// alone). With bf16 on CUDA and at most 512 experts, all on this rank, it
+// reads nothing on the host (MoeReadsNoHost), so a CUDA graph can hold it.
+at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                      const LoraTarget* down, const ExpertLoraRows& rows);
+// Whether MoeForward with ExpertLoraRows reads nothing on the host for rows
+// of dtype `dtype` on `device` (GroupedLinear's one-call case, all experts).
+bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device& device);
 
 // y[rows of g] = x[rows of g] w[g]^T for groups g of consecutive rows:
 // x [P, in], w [G, out, in], counts [G] int64 on x's device (summing to P).
