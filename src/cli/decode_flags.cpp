@@ -27,6 +27,11 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "(not yet measured; CUDA only)")
       ->default_val(stream_)
       ->check(CLI::IsMember({"shared", "priority"}));
+  app.add_option("--moe-decode-graphs", moe_graphs_,
+                 "on | off: a qwen3_moe model's decode steps on the CUDA graphs too (bf16; not yet measured: off "
+                 "runs them eager)")
+      ->default_val(moe_graphs_)
+      ->check(on_off);
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -39,6 +44,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.profile = profile_;
   o.fast_prefill_tokens = fast_prefill_;
   o.priority_stream = stream_ == "priority";
+  o.moe_graphs = moe_graphs_ == "on";
   return o;
 }
 

@@ -63,6 +63,11 @@ struct DecodeOptions {
   // threads launch on the default stream, in launch order). Not yet
   // measured (issue 18), so off by default.
   bool priority_stream = false;
+  // --moe-decode-graphs on: an MoE model's decode steps on the graphs too
+  // (qwen3_moe, bf16: the experts' block as ATen ops that read nothing on
+  // the host, its expert LoRA in the pair form, engine/model/moe.h). Not yet
+  // run on a GPU, so off by default: MoE decode stays eager.
+  bool moe_graphs = false;
 };
 
 struct SamplerOptions {

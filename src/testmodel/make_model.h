@@ -18,8 +18,8 @@ namespace loom::testmodel {
 
 struct MakeModelOptions {
   std::string arch = "qwen3";     // an HF model_type (FamilyNames(): qwen2, qwen3, qwen3_moe, gpt_oss, deepseek_v2, deepseek_v3)
-  std::string preset = "tiny";    // tiny | small | qwen2.5-0.5b | qwen3-4b (dense); tiny | qwen3-30b-a3b (qwen3_moe);
-                                  // tiny | gpt-oss-20b | gpt-oss-120b (gpt_oss)
+  std::string preset = "tiny";    // tiny | small | qwen2.5-0.5b | qwen3-4b (dense);
+                                  // tiny | small | qwen3-30b-a3b (qwen3_moe); tiny | gpt-oss-20b | gpt-oss-120b (gpt_oss)
   uint64_t seed = 0;
   std::string dtype;              // bf16 | fp32; "" = preset default (fp32 for tiny/small, bf16 otherwise)
   uint64_t shard_bytes = 2000000000;  // a new shard starts when the next tensor would exceed this

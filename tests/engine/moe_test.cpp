@@ -17,7 +17,10 @@
 #include "engine/io/peft.h"
 #include "engine/io/safetensors.h"
 #include "engine/io/tensor_io.h"
+#include "../common/temp_dir.h"
+#include "cached_check.h"
 #include "engine/model/cached_batch.h"
+#include "testmodel/make_model.h"
 #include "tiny_model.h"
 
 namespace loom::engine {
@@ -206,6 +209,33 @@ TEST(MoeModel, CachedForwardMatchesTheTrainer) {
   decode.context_rows = at::arange(9, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
   decode.context_mask = at::ones({1, 9}, at::TensorOptions().dtype(at::kBool));
   EXPECT_LT(MaxDiff(model->ForwardCached(decode, cache, *bank), want.narrow(0, 8, 1)), 1e-5);
+}
+
+// qwen3_moe's small preset (the CUDA decode graphs' test model): layer 1 is
+// dense (mlp_only_layers) beside three MoE layers, and the sampler's cached
+// forward (its steps of few rows in the pair form) matches the trainer's
+// hidden states (the segment form).
+TEST(MoeModel, SmallPresetsDenseLayerAndCachedForwardMatchTheTrainer) {
+  test::TempDir dir("loom-moe-small");
+  testmodel::MakeModelOptions o;
+  o.arch = "qwen3_moe";
+  o.preset = "small";
+  o.seed = 3;
+  ASSERT_TRUE(testmodel::MakeModel(o, dir.path()).ok());
+  auto loaded = Transformer::Load(dir.path(), at::kCPU, at::kFloat);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  const Transformer& m = **loaded;
+  EXPECT_FALSE(m.config().IsMoeLayer(1));
+  for (int64_t l : {0, 2, 3}) EXPECT_TRUE(m.config().IsMoeLayer(l)) << l;
+  auto bank = Bank(m, 3, 4);
+  EXPECT_NE(bank->find("model.layers.1.mlp.gate_proj"), nullptr);
+  EXPECT_EQ(bank->find("model.layers.1.mlp.experts.gate_up_proj"), nullptr);
+  EXPECT_NE(bank->find("model.layers.2.mlp.experts.gate_up_proj"), nullptr);
+  BindRandom(*bank, 1, 4, 8.0, 21);
+  const std::vector<int32_t> seq = {5, 900, 17, 4000, 33, 8000, 2, 77, 1234, 64, 3210, 9};
+  c10::NoGradGuard no_grad;
+  const at::Tensor want = m.Hidden(PackedBatch::Make({seq}, {1}, at::kCPU), *bank);
+  ExpectCachedForwardMatches(m, *bank, seq, 1, want, 1e-4);
 }
 
 // On the GPU, bf16 with widths the grouped GEMM takes: the same block as the

@@ -82,7 +82,10 @@ Status LoadLayer(LayerLoad& l) {
 }
 
 // tiny: two MoE layers of 8 experts of width 32, top-2, renormalised (as
-// Qwen3-30B-A3B, which has no dense layers either); qwen3-30b-a3b: the real shapes.
+// Qwen3-30B-A3B, which has no dense layers either); small: the widths the
+// CUDA decode kernels take (head_dim 32, as qwen3's small), 32 experts top-4
+// on three of four layers (layer 1 dense: mlp_only_layers); qwen3-30b-a3b:
+// the real shapes.
 Result<ModelConfig> Preset(const std::string& name, std::string* default_dtype) {
   ModelConfig c;
   c.model_type = "qwen3_moe";
@@ -100,13 +103,20 @@ Result<ModelConfig> Preset(const std::string& name, std::string* default_dtype) 
     c.max_position_embeddings = 2048;
     c.num_experts = 8, c.num_experts_per_tok = 2, c.moe_intermediate_size = 32;
     *default_dtype = "fp32";
+  } else if (name == "small") {
+    c.vocab_size = 8192, c.hidden_size = 256, c.intermediate_size = 512, c.num_hidden_layers = 4;
+    c.num_attention_heads = 8, c.num_key_value_heads = 2, c.head_dim = 32;
+    c.max_position_embeddings = 4096;
+    c.num_experts = 32, c.num_experts_per_tok = 4, c.moe_intermediate_size = 64;
+    c.mlp_only_layers = {1};
+    *default_dtype = "fp32";
   } else if (name == "qwen3-30b-a3b") {
     c.vocab_size = 151936, c.hidden_size = 2048, c.intermediate_size = 6144, c.num_hidden_layers = 48;
     c.num_attention_heads = 32, c.num_key_value_heads = 4, c.head_dim = 128;
     c.max_position_embeddings = 40960;
     c.num_experts = 128, c.num_experts_per_tok = 8, c.moe_intermediate_size = 768;
   } else {
-    return Status::Invalid("preset '" + name + "' is not one of tiny, qwen3-30b-a3b");
+    return Status::Invalid("preset '" + name + "' is not one of tiny, small, qwen3-30b-a3b");
   }
   return c;
 }
@@ -116,7 +126,7 @@ Result<ModelConfig> Preset(const std::string& name, std::string* default_dtype) 
 extern const Family kQwen3MoeFamily;
 const Family kQwen3MoeFamily{.model_type = "qwen3_moe",
                              .architecture = "Qwen3MoeForCausalLM",
-                             .presets = "tiny, qwen3-30b-a3b",
+                             .presets = "tiny, small, qwen3-30b-a3b",
                              .parse = Parse,
                              .write = Write,
                              .check = CheckExperts,

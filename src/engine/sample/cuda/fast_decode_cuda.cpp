@@ -133,6 +133,9 @@ class CudaFastDecode final : public FastDecode {
       blocks = std::max<int64_t>(blocks, (step.ctx_len[i] + block_size_ - 1) / block_size_);
     }
     if (lora && !has_lora_) return {};
+    // An MoE step's expert LoRA gathers factors per pair: larger steps run eager.
+    const auto& [moe_gate_up, moe_down] = moe_targets_;
+    if (lora && moe_top_k_ > 0 && !PairFormFits(*moe_gate_up, *moe_down, Pow2AtLeast(S, 1) * moe_top_k_)) return {};
     if (lora) {
       for (int i = 0; i < S; ++i) {
         const int s = step.slots[i];
@@ -175,17 +178,26 @@ class CudaFastDecode final : public FastDecode {
     const size_t L = model_->weights().layers.size();
     groups_.resize(L);
     bool ok = true;
+    experts_.assign(L, {nullptr, nullptr});
     for (size_t l = 0; l < L && ok; ++l) {
       auto t = [&](int k) { return LayerTarget(*bank_, l, k); };
       groups_[l].resize(4);
-      ok = groups_[l][0].Make({t(0), t(1), t(2)}, R, N, opts) && groups_[l][1].Make({t(3)}, R, N, opts) &&
-           groups_[l][2].Make({t(4), t(5)}, R, N, opts) && groups_[l][3].Make({t(6)}, R, N, opts);
+      ok = groups_[l][0].Make({t(0), t(1), t(2)}, R, N, opts) && groups_[l][1].Make({t(3)}, R, N, opts);
+      if (model_->weights().layers[l].moe.defined()) {  // the experts' own targets, read from the bank (MoeForward)
+        experts_[l] = ExpertTargets(*bank_, l);
+        ok = ok && experts_[l].first && experts_[l].second;
+      } else {
+        ok = ok && groups_[l][2].Make({t(4), t(5)}, R, N, opts) && groups_[l][3].Make({t(6)}, R, N, opts);
+      }
     }
     if (const LoraTarget* head = bank_->find("lm_head")) {
       ok = ok && head_group_.Make({head}, R, N, opts);
     }
     has_lora_ = ok;
+    for (size_t l = 0; l < L && ok && moe_top_k_ == 0; ++l)
+      if (experts_[l].first) moe_targets_ = experts_[l], moe_top_k_ = model_->weights().layers[l].moe.top_k;
     if (!ok) {
+      experts_.clear();
       groups_.clear();
       log::Warn("fast decode: the sampler's LoRA targets do not match the model; adapter steps run eager");
     }
@@ -354,14 +366,19 @@ class CudaFastDecode final : public FastDecode {
       if (g.lora) Join(st);
     };
     auto ptr = [&](const at::Tensor& d) { return g.lora ? d.data_ptr() : nullptr; };
-    at::Tensor pending;  // the previous layer's MLP output, not yet added to x (its delta in d_hidden)
+    // MoE layers: the rows' slots for the experts' LoRA (moe.h's pair form).
+    const ExpertLoraRows expert_rows =
+        g.lora && !experts_.empty() ? ExpertLoraRows::FromSlots(*bank_, g.dev_int.narrow(0, 2 * R, R))
+                                    : ExpertLoraRows{};
+    at::Tensor pending;  // the previous layer's MLP output, not yet added to x
+    bool pending_delta = false;  // and its LoRA delta, in d_hidden
     const int layers = static_cast<int>(m.layers.size());
     Mark("start", st);
     for (int i = 0; i < layers; ++i) {
       const auto& l = m.layers[static_cast<size_t>(i)];
       cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
-                    pending.defined() ? ptr(d_hidden) : nullptr, x.data_ptr(), l.input_norm.data_ptr(), h.data_ptr(),
-                    R, x.size(1), eps, st);
+                    pending_delta ? ptr(d_hidden) : nullptr, x.data_ptr(), l.input_norm.data_ptr(), h.data_ptr(), R,
+                    x.size(1), eps, st);
       Mark("norm", st);
       fork(i, 0, h, slot_attn, d_qkv);
       at::Tensor qkv = Linear(h, l.qkv_w, l.qkv_b, false, st);
@@ -382,6 +399,14 @@ class CudaFastDecode final : public FastDecode {
       cuda::RmsNorm(bf16_, x.data_ptr(), o.data_ptr(), ptr(d_hidden), x.data_ptr(), l.post_norm.data_ptr(),
                     h.data_ptr(), R, x.size(1), eps, st);
       Mark("norm", st);
+      if (l.moe.defined()) {  // the experts' block: ATen ops that read nothing on the host (Supported)
+        const auto& [gate_up_t, down_t] = experts_.empty() ? std::pair<const LoraTarget*, const LoraTarget*>{}
+                                                           : experts_[static_cast<size_t>(i)];
+        pending = MoeForward(l.moe, h, *bank_, gate_up_t, down_t, expert_rows);
+        pending_delta = false;
+        Mark("moe", st);
+        continue;
+      }
       fork(i, 2, h, slot_mlp, d_gate_up);
       at::Tensor gate_up = Linear(h, l.gate_up_w, {}, false, st);
       join();
@@ -390,11 +415,12 @@ class CudaFastDecode final : public FastDecode {
       Mark("silu", st);
       fork(i, 3, act, slot_mlp, d_hidden);
       pending = Linear(act, l.down_w, {}, false, st);
+      pending_delta = g.lora;
       join();
       Mark("down", st);
     }
     cuda::RmsNorm(bf16_, x.data_ptr(), pending.defined() ? pending.data_ptr() : nullptr,
-                  pending.defined() ? ptr(d_hidden) : nullptr, x.data_ptr(), m.norm.data_ptr(), h.data_ptr(), R,
+                  pending_delta ? ptr(d_hidden) : nullptr, x.data_ptr(), m.norm.data_ptr(), h.data_ptr(), R,
                   x.size(1), eps, st);
     Mark("norm", st);
     // lm_head's expand (the delta unrounded in fp32) waits for the logits:
@@ -421,7 +447,13 @@ class CudaFastDecode final : public FastDecode {
   bool bf16_;
   std::vector<bool> stale_;
   decltype(at::cuda::graph_pool_handle()) pool_;
-  std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down
+  std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down (an MoE layer's last two unused)
+  // Per layer: an MoE layer's expert targets in the bank (null elsewhere);
+  // the first MoE layer's and its top-k, for the pair form's bound (every
+  // MoE layer has the same shapes; moe_top_k_ 0: no expert LoRA).
+  std::vector<std::pair<const LoraTarget*, const LoraTarget*>> experts_;
+  std::pair<const LoraTarget*, const LoraTarget*> moe_targets_{nullptr, nullptr};
+  int64_t moe_top_k_ = 0;
   LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
   bool gemv_;   // DecodeOptions::gemv off: cuBLAS for every projection
@@ -435,9 +467,21 @@ class CudaFastDecode final : public FastDecode {
   std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Graph>> graphs_;
 };
 
-bool Supported(const Transformer& model) {
+// An MoE model on the graphs (DecodeOptions::moe_graphs): qwen3_moe's
+// attention is the dense kernels' (no sinks, windows, MLA or shared
+// experts), and its experts' block must read nothing on the host.
+bool MoeSupported(const Transformer& model) {
+  if (model.config().model_type != "qwen3_moe") return false;
+  for (const auto& l : model.weights().layers)
+    if (l.moe.defined() && (l.gate_up_w.defined() || !MoeReadsNoHost(l.moe, model.dtype(), model.device())))
+      return false;
+  return true;
+}
+
+bool Supported(const Transformer& model, const SlotBank* bank, const DecodeOptions& options) {
   if (!model.device().is_cuda()) return false;
-  if (model.config().num_experts > 0) return false;  // MoE layers decode on the eager path
+  if (model.config().num_experts > 0 && !(options.moe_graphs && bank && MoeSupported(model)))
+    return false;  // MoE layers decode on the eager path
   if (model.config().IsMla()) return false;          // so do MLA layers (their pools hold latents)
   if (model.dtype() != at::kBFloat16 && model.dtype() != at::kFloat) return false;
   const auto& m = model.weights();
@@ -451,7 +495,7 @@ bool Supported(const Transformer& model) {
 std::unique_ptr<FastDecode> MakeFastDecode(std::shared_ptr<const Transformer> model, const SlotBank* bank,
                                            KvCache* cache, int64_t block_size, int64_t scratch_row,
                                            const DecodeOptions& options) {
-  if (!options.cuda_graphs || !model || !cache || !Supported(*model)) return nullptr;
+  if (!options.cuda_graphs || !model || !cache || !Supported(*model, bank, options)) return nullptr;
   std::unique_ptr<DecodeProfiler> profiler;
   if (options.profile) profiler = std::make_unique<DecodeProfiler>();
   return std::make_unique<CudaFastDecode>(std::move(model), bank, cache, block_size, scratch_row, options,
