@@ -155,7 +155,7 @@ TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
     for (int64_t t = seq_begin[i]; t < seq_begin[i + 1]; ++t) row_slot.push_back(seq_slot[i]);
   c10::NoGradGuard no_grad;
   EXPECT_TRUE(PairFormFits(bank.targets()[0], bank.targets()[1], 20 * w.top_k));
-  EXPECT_FALSE(PairFormFits(bank.targets()[0], bank.targets()[1], kPairFormMaxPairs + 1));
+  EXPECT_FALSE(PairFormFits(bank.targets()[0], bank.targets()[1], kPairFormMaxPairsCpu + 1));
   const ExpertLoraRouting routing = ExpertLoraRouting::Make(bank, seq_begin, seq_slot, at::kCPU);
   const at::Tensor from_routing =
       MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows::FromRouting(routing));

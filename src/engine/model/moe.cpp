@@ -391,7 +391,8 @@ bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device&
 }
 
 bool PairFormFits(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs) {
-  return pairs <= kPairFormMaxPairs && PairFormBytes(gate_up, down, pairs) <= kPairFormMaxBytes;
+  const int64_t most = gate_up.B.is_cuda() ? kPairFormMaxPairs : kPairFormMaxPairsCpu;
+  return pairs <= most && PairFormBytes(gate_up, down, pairs) <= kPairFormMaxBytes;
 }
 
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,

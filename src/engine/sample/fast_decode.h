@@ -25,8 +25,12 @@
 // Availability: CUDA builds (LOOM_CUDA_KERNELS) on a CUDA device, bf16 or
 // fp32 models with head_dim 32/64/128/256, unless DecodeOptions turns it
 // off (cuda_graphs); its other switches (gemv, split_shrink) are fixed at
-// construction. Elsewhere MakeFastDecode returns nullptr and the sampler
-// stays eager.
+// construction. Models with experts only with DecodeOptions::moe_graphs, and
+// then qwen3_moe in bf16 whose experts' block reads nothing on the host
+// (MoeReadsNoHost): that block runs as ATen ops inside the graph, its expert
+// LoRA in the pair form (engine/model/moe.h), a step whose pairs the pair
+// form does not fit (PairFormFits) eager. Elsewhere MakeFastDecode returns
+// nullptr and the sampler stays eager.
 //
 // Profiling: DecodeOptions::profile hands the step a DecodeProfiler
 // (engine/sample/cuda/decode_profiler.h) that times each stage. Without it
