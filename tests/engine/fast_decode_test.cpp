@@ -124,6 +124,20 @@ void Randomize(SlotBank& bank, int slot, const LoraConfig& c) {
     }
 }
 
+// Three adapters that reach different targets: slot 0 every target at
+// max_rank, slot 1 attention only (rank 4), slot 2 all but lm_head (rank 6).
+void BindMixed(SlotBank& bank, int64_t max_rank) {
+  LoraConfig all;
+  all.rank = max_rank, all.alpha = 16, all.seed = 1;
+  LoraConfig attn_only;
+  attn_only.rank = 4, attn_only.alpha = 8, attn_only.seed = 2, attn_only.train_mlp = false;
+  LoraConfig no_unembed;
+  no_unembed.rank = 6, no_unembed.alpha = 6, no_unembed.seed = 3, no_unembed.train_unembed = false;
+  Randomize(bank, 0, all);
+  Randomize(bank, 1, attn_only);
+  Randomize(bank, 2, no_unembed);
+}
+
 TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode");
@@ -138,15 +152,7 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
       for (int64_t max_rank : {16, 8, 6}) {
         SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
         bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
-        LoraConfig all;
-        all.rank = max_rank, all.alpha = 16, all.seed = 1;
-        LoraConfig attn_only;
-        attn_only.rank = 4, attn_only.alpha = 8, attn_only.seed = 2, attn_only.train_mlp = false;
-        LoraConfig no_unembed;
-        no_unembed.rank = 6, no_unembed.alpha = 6, no_unembed.seed = 3, no_unembed.train_unembed = false;
-        Randomize(bank, 0, all);
-        Randomize(bank, 1, attn_only);
-        Randomize(bank, 2, no_unembed);
+        BindMixed(bank, max_rank);
         // bf16: the two paths round at different points, and logits of
         // magnitude 8-16 have a bf16 step of 0.0625; the scattered 12-row
         // case at max rank 6 measured 0.253 (qwen3) and 0.188 (qwen2) on the
@@ -188,15 +194,7 @@ TEST(FastDecode, MoeEqualsEagerDecodeWithMixedAdapters) {
   ASSERT_TRUE(model);
   SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
   bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
-  LoraConfig all;
-  all.rank = 16, all.alpha = 16, all.seed = 1;
-  LoraConfig attn_only;
-  attn_only.rank = 4, attn_only.alpha = 8, attn_only.seed = 2, attn_only.train_mlp = false;
-  LoraConfig no_unembed;
-  no_unembed.rank = 6, no_unembed.alpha = 6, no_unembed.seed = 3, no_unembed.train_unembed = false;
-  Randomize(bank, 0, all);
-  Randomize(bank, 1, attn_only);
-  Randomize(bank, 2, no_unembed);
+  BindMixed(bank, 16);
   {
     ModelRunner plain(model, &bank, 64, kBlock, DecodeOptions{});
     EXPECT_FALSE(plain.fast_decode()) << "MoE decode graphs are off by default";

@@ -73,16 +73,21 @@ at::Tensor ReferenceToken(const MoeWeights& w, const at::Tensor& h, const SlotBa
   return out;
 }
 
-class MoeBlock : public ::testing::TestWithParam<bool> {};
+class MoeBlock : public ::testing::TestWithParam<bool> {
+ protected:
+  // Slots 0 (rank 4) and 2 (rank 2) bound, 1 not; sequences of slots 2,
+  // none, 0, 2 (slot 2's runs apart), 20 tokens in all.
+  MoeBlock() : bank(3, kR, at::kCPU, ExpertTargets()) {
+    BindRandom(bank, 0, 4, 8.0, 11, 0.5);
+    BindRandom(bank, 2, 2, 4.0, 12, 0.5);
+  }
+  SlotBank bank;
+  const std::vector<int64_t> seq_begin = {0, 5, 9, 15, 20};
+  const std::vector<int> seq_slot = {2, -1, 0, 2};
+};
 
 TEST_P(MoeBlock, GroupedForwardAndGradientsMatchTokenByToken) {
   const MoeWeights w = RandomMoe(GetParam());
-  SlotBank bank(3, kR, at::kCPU, ExpertTargets());
-  BindRandom(bank, 0, 4, 8.0, 11, 0.5);
-  BindRandom(bank, 2, 2, 4.0, 12, 0.5);
-  // Sequences of slots 2, none, 0, 2 (slot 2's runs apart), 20 tokens in all.
-  const std::vector<int64_t> seq_begin = {0, 5, 9, 15, 20};
-  const std::vector<int> seq_slot = {2, -1, 0, 2};
   at::manual_seed(5);
   const at::Tensor h0 = at::randn({20, kH});
   const at::Tensor dy = at::randn({20, kH});
@@ -118,8 +123,6 @@ TEST_P(MoeBlock, GroupedForwardAndGradientsMatchTokenByToken) {
 
 TEST_P(MoeBlock, RoutesDependOnlyOnTheTokenAndBaseRowsIgnorePoisonedSlots) {
   const MoeWeights w = RandomMoe(GetParam());
-  SlotBank bank(2, kR, at::kCPU, ExpertTargets());
-  BindRandom(bank, 0, 4, 8.0, 11, 0.5);
   at::manual_seed(6);
   const at::Tensor h = at::randn({9, kH});
   c10::NoGradGuard no_grad;
@@ -143,11 +146,6 @@ TEST_P(MoeBlock, RoutesDependOnlyOnTheTokenAndBaseRowsIgnorePoisonedSlots) {
 // and a poisoned slot still leaves the rows beside it exact.
 TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
   const MoeWeights w = RandomMoe(GetParam());
-  SlotBank bank(3, kR, at::kCPU, ExpertTargets());
-  BindRandom(bank, 0, 4, 8.0, 11, 0.5);
-  BindRandom(bank, 2, 2, 4.0, 12, 0.5);
-  const std::vector<int64_t> seq_begin = {0, 5, 9, 15, 20};
-  const std::vector<int> seq_slot = {2, -1, 0, 2};
   at::manual_seed(5);
   const at::Tensor h = at::randn({20, kH});
   std::vector<int32_t> row_slot;
