@@ -152,8 +152,8 @@ TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
   for (size_t i = 0; i + 1 < seq_begin.size(); ++i)
     for (int64_t t = seq_begin[i]; t < seq_begin[i + 1]; ++t) row_slot.push_back(seq_slot[i]);
   c10::NoGradGuard no_grad;
-  EXPECT_TRUE(PairFormFits(bank.targets()[0], bank.targets()[1], 20 * w.top_k));
-  EXPECT_FALSE(PairFormFits(bank.targets()[0], bank.targets()[1], kPairFormMaxPairsCpu + 1));
+  EXPECT_TRUE(PairFormFits(20 * w.top_k, at::kCPU));
+  EXPECT_FALSE(PairFormFits(kPairFormMaxPairsCpu + 1, at::kCPU));
   const ExpertLoraRouting routing = ExpertLoraRouting::Make(bank, seq_begin, seq_slot, at::kCPU);
   const at::Tensor from_routing =
       MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows::FromRouting(routing));
@@ -163,6 +163,10 @@ TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
   for (int64_t t = 0; t < 20; ++t) want.push_back(ReferenceToken(w, h[t], bank, row_slot[static_cast<size_t>(t)]));
   EXPECT_LT(MaxDiff(from_routing, at::stack(want)), 1e-5);
   EXPECT_LT(MaxDiff(from_slots, at::stack(want)), 1e-5);
+  // The factors gathered in runs of 3 pairs (the last run shorter): the same.
+  ExpertLoraRows in_runs = rows;
+  in_runs.run_bytes = 3 * 2 * kI * kR * static_cast<int64_t>(sizeof(float));
+  EXPECT_LT(MaxDiff(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], in_runs), at::stack(want)), 1e-5);
   // The base block alone (undefined rows) is the block without LoRA.
   EXPECT_TRUE(at::equal(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows{}),
                         MoeForward(w, h, bank, nullptr, nullptr, nullptr)));

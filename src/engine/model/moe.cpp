@@ -151,28 +151,46 @@ at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Ten
 
 // The pair form (ExpertLoraRows): the same deltas with batched matmuls over
 // factors gathered per token (the shared ones) and per sorted pair (the
-// per-expert ones: pair_factor, each pair's (slot, expert) as two indices).
+// per-expert ones: each pair's (slot, expert) as two indices), those in
+// runs of ExpertLoraRows::run_bytes.
 struct PairFactors {
   at::Tensor slot, expert;  // [P] each sorted pair's slot and expert (this rank's)
 };
 
+// f(begin, n) over the P pairs in runs whose gathers of the per-expert
+// factor (one pair's [a, b]) hold at most rows.run_bytes in fp32, concatenated.
+template <typename F>
+at::Tensor InPairRuns(const ExpertLoraRows& rows, int64_t P, const at::Tensor& per_expert, F&& f) {
+  const int64_t per_pair = per_expert.size(-2) * per_expert.size(-1) * static_cast<int64_t>(sizeof(float));
+  const int64_t run = std::max<int64_t>(1, rows.run_bytes / per_pair);
+  if (P <= run) return f(0, P);
+  std::vector<at::Tensor> parts;
+  for (int64_t b = 0; b < P; b += run) parts.push_back(f(b, std::min(run, P - b)));
+  return at::cat(parts, 0);
+}
+
 at::Tensor GateUpDeltaPairs(const SlotBank& bank, const ExpertLoraRows& rows, const LoraTarget& t, const at::Tensor& h,
                             const Pairs& pairs, const PairFactors& f, at::ScalarType out) {
   const at::ScalarType ct = bank.ComputeType(h);
-  const at::Tensor a = t.A.index_select(0, rows.slot).to(ct);                      // [T, R, H]
-  const at::Tensor mid = at::bmm(a, h.to(ct).unsqueeze(2)).squeeze(2);             // [T, R]
-  const at::Tensor b = t.B.index({f.slot, f.expert}).to(ct);                       // [P, 2I, R]
-  const at::Tensor d = at::bmm(b, pairs.Dispatch(mid).unsqueeze(2)).squeeze(2);   // [P, 2I]
+  const at::Tensor a = t.A.index_select(0, rows.slot).to(ct);                           // [T, R, H]
+  const at::Tensor mid = pairs.Dispatch(at::bmm(a, h.to(ct).unsqueeze(2)).squeeze(2));  // [P, R]
+  const at::Tensor d = InPairRuns(rows, mid.size(0), t.B, [&](int64_t b, int64_t n) {
+    const at::Tensor factor = t.B.index({f.slot.narrow(0, b, n), f.expert.narrow(0, b, n)}).to(ct);  // [n, 2I, R]
+    return at::bmm(factor, mid.narrow(0, b, n).unsqueeze(2)).squeeze(2);                            // [n, 2I]
+  });
   return Scaled(rows, d, pairs.token).to(out);
 }
 
 at::Tensor DownDeltaPairs(const SlotBank& bank, const ExpertLoraRows& rows, const LoraTarget& t, const at::Tensor& act,
                           const Pairs& pairs, const PairFactors& f, const at::Tensor& weight) {
   const at::ScalarType ct = bank.ComputeType(act);
-  const at::Tensor a = t.A.index({f.slot, f.expert}).to(ct);                                 // [P, R, I]
-  const at::Tensor mid = at::bmm(a, act.to(ct).unsqueeze(2)).squeeze(2) * weight.to(ct);  // [P, R]
-  const at::Tensor b = t.B.index_select(0, rows.slot).to(ct);                                // [T, H, R]
-  const at::Tensor d = at::bmm(b, pairs.Combine(mid).unsqueeze(2)).squeeze(2);             // [T, H]
+  const at::Tensor x = act.to(ct), wt = weight.to(ct);
+  const at::Tensor mid = InPairRuns(rows, x.size(0), t.A, [&](int64_t b, int64_t n) {
+    const at::Tensor factor = t.A.index({f.slot.narrow(0, b, n), f.expert.narrow(0, b, n)}).to(ct);  // [n, R, I]
+    return at::bmm(factor, x.narrow(0, b, n).unsqueeze(2)).squeeze(2) * wt.narrow(0, b, n);          // [n, R]
+  });
+  const at::Tensor b = t.B.index_select(0, rows.slot).to(ct);                     // [T, H, R]
+  const at::Tensor d = at::bmm(b, pairs.Combine(mid).unsqueeze(2)).squeeze(2);  // [T, H]
   return Scaled(rows, d).to(act.scalar_type());
 }
 
@@ -378,11 +396,6 @@ ExpertLoraRows ExpertLoraRows::FromSlots(const SlotBank& bank, const at::Tensor&
   return rows;
 }
 
-int64_t PairFormBytes(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs) {
-  const int64_t R = gate_up.B.size(-1);  // the bank's rank
-  return pairs * R * (gate_up.d_out + down.d_in) * static_cast<int64_t>(sizeof(float));
-}
-
 bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device& device) {
   const int64_t E = w.router.size(0), H = w.gate_up.size(2), I = w.down.size(2);
   return compat::kHasGroupedMm && device.is_cuda() && dtype == at::kBFloat16 &&
@@ -390,9 +403,8 @@ bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device&
          w.gate_up.size(0) == E && E <= kGroupedMmMaxGroups && H % 8 == 0 && I % 8 == 0;
 }
 
-bool PairFormFits(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs) {
-  const int64_t most = gate_up.B.is_cuda() ? kPairFormMaxPairs : kPairFormMaxPairsCpu;
-  return pairs <= most && PairFormBytes(gate_up, down, pairs) <= kPairFormMaxBytes;
+bool PairFormFits(int64_t pairs, const at::Device& device) {
+  return pairs <= (device.is_cuda() ? kPairFormMaxPairs : kPairFormMaxPairsCpu);
 }
 
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,

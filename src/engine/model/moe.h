@@ -101,6 +101,9 @@ struct ExpertLoraRows {
   at::Tensor slot;   // [T] int64: the token's slot (0 where it has none)
   at::Tensor keep;   // [T, 1] bool: it has one
   at::Tensor scale;  // [T, 1] fp32: its alpha/r (0 where none)
+  // The per-expert factors are gathered in runs of at most this many bytes
+  // of fp32 (at least one pair a run), so the form's memory stays bounded.
+  int64_t run_bytes = int64_t{64} << 20;
   bool defined() const { return slot.defined(); }
   // From a batch's routing (undefined when it routes no slot).
   static ExpertLoraRows FromRouting(const ExpertLoraRouting& r);
@@ -109,19 +112,17 @@ struct ExpertLoraRows {
   static ExpertLoraRows FromSlots(const SlotBank& bank, const at::Tensor& slots);
 };
 
-// Whether the pair form suits P pairs: at most kPairFormMaxPairs on a GPU
-// (kPairFormMaxPairsCpu on the CPU), and its gathered factors (fp32) within
-// kPairFormMaxBytes. The sampler takes it for such steps (a decode step's
-// rows); a prefill's many tokens batch better by segment where launches are
-// cheap: on the CPU, one layer at Qwen3-30B-A3B's widths with 8 adapters,
-// a 16-row decode step (128 pairs) took 264 ms in the pair form against 277
+// Whether the sampler's eager steps take the pair form for P pairs on
+// `device`: at most kPairFormMaxPairs on a GPU, kPairFormMaxPairsCpu on the
+// CPU. A prefill's many tokens batch better by segment where launches are
+// cheap: on the CPU, one layer at Qwen3-30B-A3B's widths with 8 adapters, a
+// 16-row decode step (128 pairs) took 264 ms in the pair form against 277
 // by segment, a 128-token prefill (1,024 pairs) 866 against 606. The
-// trainer keeps the segment form whatever the grad mode, so that a
-// recomputed layer's no-grad forward gives the kept forward's bits.
-int64_t PairFormBytes(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs);
+// trainer keeps the segment form
+// whatever the grad mode, so that a recomputed layer's no-grad forward gives
+// the kept forward's bits.
 inline constexpr int64_t kPairFormMaxPairs = 2048, kPairFormMaxPairsCpu = 256;
-inline constexpr int64_t kPairFormMaxBytes = int64_t{256} << 20;
-bool PairFormFits(const LoraTarget& gate_up, const LoraTarget& down, int64_t pairs);
+bool PairFormFits(int64_t pairs, const at::Device& device);
 
 // The block's output [T, H] for normed hidden rows h [T, H], with the expert
 // LoRA of lora's slots when lora has any and the targets are given (both or

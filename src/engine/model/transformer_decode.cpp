@@ -189,7 +189,7 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
   const ExpertLoraRows pair_rows = experts.num_slots() > 0 ? ExpertLoraRows::FromRouting(experts) : ExpertLoraRows{};
   auto moe = [&](size_t i, const at::Tensor& h) {
     const auto [gate_up, down] = ExpertTargets(bank, i);
-    if (pair_rows.defined() && gate_up && down && PairFormFits(*gate_up, *down, h.size(0) * m.layers[i].moe.top_k))
+    if (pair_rows.defined() && gate_up && down && PairFormFits(h.size(0) * m.layers[i].moe.top_k, h.device()))
       return MoeForward(m.layers[i].moe, h, bank, gate_up, down, pair_rows);
     return MoeForward(m.layers[i].moe, h, bank, gate_up, down, &experts);
   };

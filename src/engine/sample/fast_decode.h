@@ -28,9 +28,8 @@
 // construction. Models with experts only with DecodeOptions::moe_graphs, and
 // then qwen3_moe in bf16 whose experts' block reads nothing on the host
 // (MoeReadsNoHost): that block runs as ATen ops inside the graph, its expert
-// LoRA in the pair form (engine/model/moe.h), a step whose pairs the pair
-// form does not fit (PairFormFits) eager. Elsewhere MakeFastDecode returns
-// nullptr and the sampler stays eager.
+// LoRA in the pair form (engine/model/moe.h). Elsewhere MakeFastDecode
+// returns nullptr and the sampler stays eager.
 //
 // Profiling: DecodeOptions::profile hands the step a DecodeProfiler
 // (engine/sample/cuda/decode_profiler.h) that times each stage. Without it

@@ -133,9 +133,6 @@ class CudaFastDecode final : public FastDecode {
       blocks = std::max<int64_t>(blocks, (step.ctx_len[i] + block_size_ - 1) / block_size_);
     }
     if (lora && !has_lora_) return {};
-    // An MoE step's expert LoRA gathers factors per pair: larger steps run eager.
-    const auto& [moe_gate_up, moe_down] = moe_targets_;
-    if (lora && moe_top_k_ > 0 && !PairFormFits(*moe_gate_up, *moe_down, Pow2AtLeast(S, 1) * moe_top_k_)) return {};
     if (lora) {
       for (int i = 0; i < S; ++i) {
         const int s = step.slots[i];
@@ -194,8 +191,6 @@ class CudaFastDecode final : public FastDecode {
       ok = ok && head_group_.Make({head}, R, N, opts);
     }
     has_lora_ = ok;
-    for (size_t l = 0; l < L && ok && moe_top_k_ == 0; ++l)
-      if (experts_[l].first) moe_targets_ = experts_[l], moe_top_k_ = model_->weights().layers[l].moe.top_k;
     if (!ok) {
       experts_.clear();
       groups_.clear();
@@ -448,12 +443,8 @@ class CudaFastDecode final : public FastDecode {
   std::vector<bool> stale_;
   decltype(at::cuda::graph_pool_handle()) pool_;
   std::vector<std::vector<LoraGroup>> groups_;  // per layer: qkv, o, gate_up, down (an MoE layer's last two unused)
-  // Per layer: an MoE layer's expert targets in the bank (null elsewhere);
-  // the first MoE layer's and its top-k, for the pair form's bound (every
-  // MoE layer has the same shapes; moe_top_k_ 0: no expert LoRA).
+  // Per layer: an MoE layer's expert targets in the bank (null elsewhere).
   std::vector<std::pair<const LoraTarget*, const LoraTarget*>> experts_;
-  std::pair<const LoraTarget*, const LoraTarget*> moe_targets_{nullptr, nullptr};
-  int64_t moe_top_k_ = 0;
   LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
   bool gemv_;   // DecodeOptions::gemv off: cuBLAS for every projection
