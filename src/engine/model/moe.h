@@ -36,7 +36,7 @@
 // expert LoRA (slot_bank.h: gate_up shares A across experts and keeps B per
 // expert, down keeps A per expert and shares B) runs over the (expert, slot)
 // segments with each segment's own factors, two grouped GEMMs per target
-// (the segment form), or, for a no-grad step of few rows, per pair with
+// (the segment form), or, for the sampler's steps of few rows, per pair with
 // batched matmuls over gathered factors (the pair form, ExpertLoraRows).
 //
 // Threading: pure functions of their arguments; the engine or sampler thread.
@@ -89,14 +89,14 @@ struct ExpertLoraRouting {
                                 const std::vector<int>& seq_slot, at::Device device);
 };
 
-// The expert LoRA of a few rows in the pair form: per row its slot, with no
-// grouping of rows by slot, so it is made and used on the device alone (no
-// host read: a CUDA graph can hold it). Each (token, choice) pair then
-// gathers its own slot's per-expert factor, and each token its slot's shared
-// one, so the form costs a fixed number of ops whatever the slots and
-// experts, and memory per pair: for no-grad steps of few rows (a decode
-// step), where the segment form would read the segments' sizes on the host
-// and gather once per non-empty (expert, slot) segment.
+// The expert LoRA in the pair form: per row its slot, with no grouping of
+// rows by slot, so it is made and used on the device alone (no host read: a
+// CUDA graph can hold it). Each (token, choice) pair then gathers its own
+// slot's per-expert factor, and each token its slot's shared one, so the
+// form costs a fixed number of ops whatever the slots and experts: for the
+// sampler's steps of few rows (a decode step), where the segment form would
+// read the segments' sizes on the host and run a matmul per non-empty
+// (expert, slot) segment.
 struct ExpertLoraRows {
   at::Tensor slot;   // [T] int64: the token's slot (0 where it has none)
   at::Tensor keep;   // [T, 1] bool: it has one
@@ -118,9 +118,8 @@ struct ExpertLoraRows {
 // cheap: on the CPU, one layer at Qwen3-30B-A3B's widths with 8 adapters, a
 // 16-row decode step (128 pairs) took 264 ms in the pair form against 277
 // by segment, a 128-token prefill (1,024 pairs) 866 against 606. The
-// trainer keeps the segment form
-// whatever the grad mode, so that a recomputed layer's no-grad forward gives
-// the kept forward's bits.
+// trainer keeps the segment form whatever the grad mode, so that a
+// recomputed layer's no-grad forward gives the kept forward's bits.
 inline constexpr int64_t kPairFormMaxPairs = 2048, kPairFormMaxPairsCpu = 256;
 bool PairFormFits(int64_t pairs, const at::Device& device);
 
