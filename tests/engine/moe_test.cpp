@@ -155,8 +155,7 @@ TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
   EXPECT_TRUE(PairFormFits(20 * w.top_k, at::kCPU));
   EXPECT_FALSE(PairFormFits(kPairFormMaxPairsCpu + 1, at::kCPU));
   const ExpertLoraRouting routing = ExpertLoraRouting::Make(bank, seq_begin, seq_slot, at::kCPU);
-  const at::Tensor from_routing =
-      MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows::FromRouting(routing));
+  const at::Tensor from_routing = MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], routing.rows);
   const ExpertLoraRows rows = ExpertLoraRows::FromSlots(bank, at::tensor(row_slot, at::kInt));
   const at::Tensor from_slots = MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], rows);
   std::vector<at::Tensor> want;

@@ -93,7 +93,6 @@ struct ExpertLoraPlan {
   const SlotBank* bank = nullptr;
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
-  ExpertLoraRows rows;                            // each token's keep and alpha/r
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
   at::Tensor group_ids;                           // [U + 1] slot per group (group U: slot 0)
 
@@ -103,7 +102,6 @@ struct ExpertLoraPlan {
     tok_order = std::get<1>(at::sort(r.token_group, /*stable=*/true, /*dim=*/0, /*descending=*/false));
     tok_inverse = at::empty_like(tok_order).scatter_(0, tok_order, at::arange(T, kLong.device(dev)));
     tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
-    rows = ExpertLoraRows::FromRouting(r);
     group_ids = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
     const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
     seg_counts = counts.index_select(0, nz);
@@ -136,7 +134,7 @@ at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::T
                        at::ScalarType out) {
   const at::ScalarType ct = p.bank->ComputeType(h);
   const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
-  return Scaled(p.rows, p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
+  return Scaled(p.lora->rows, p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
 }
 
 // down's delta per token [T, H] (A per expert, B shared), already weighted
@@ -146,7 +144,7 @@ at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Ten
                      const at::Tensor& weight) {
   const at::ScalarType ct = p.bank->ComputeType(act);
   const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
-  return Scaled(p.rows, p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
+  return Scaled(p.lora->rows, p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
 }
 
 // The pair form (ExpertLoraRows): the same deltas with batched matmuls over
@@ -253,6 +251,9 @@ ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vecto
   r.token_group = group.to(device);
   r.slot_ids = at::tensor(r.slots, kLong).to(device);
   r.scale = at::cat({bank.scales().index_select(0, r.slot_ids), at::zeros({1}, bank.scales().options())});
+  r.rows.slot = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)}).index_select(0, r.token_group);
+  r.rows.keep = (r.token_group < U).unsqueeze(1);
+  r.rows.scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
   return r;
 }
 
@@ -374,17 +375,6 @@ at::Tensor Block(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank,
 }
 
 }  // namespace
-
-ExpertLoraRows ExpertLoraRows::FromRouting(const ExpertLoraRouting& r) {
-  ExpertLoraRows rows;
-  const int64_t U = r.num_slots();
-  if (U == 0) return rows;
-  // Group U (no slot) reads slot 0's factors, whose rows keep selects away.
-  rows.slot = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)}).index_select(0, r.token_group);
-  rows.keep = (r.token_group < U).unsqueeze(1);
-  rows.scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
-  return rows;
-}
 
 ExpertLoraRows ExpertLoraRows::FromSlots(const SlotBank& bank, const at::Tensor& slots) {
   ExpertLoraRows rows;

@@ -75,20 +75,6 @@ struct MoeWeights {
   bool defined() const { return router.defined(); }
 };
 
-// Which slot's expert LoRA each token of a batch uses, built once per batch
-// and shared by every MoE layer. Tokens whose sequence's slot does not train
-// the mlp group use none.
-struct ExpertLoraRouting {
-  std::vector<int64_t> slots;  // U distinct slots that train the mlp group, in first-use order
-  at::Tensor token_group;      // [T] int64 on the device: the token's index into slots, U for none
-  at::Tensor slot_ids;         // [U] int64 on the device
-  at::Tensor scale;            // [U + 1] fp32 on the device: each slot's alpha/r, then 0
-  int64_t num_slots() const { return static_cast<int64_t>(slots.size()); }
-  // Rows [seq_begin[i], seq_begin[i+1]) use seq_slot[i].
-  static ExpertLoraRouting Make(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
-                                const std::vector<int>& seq_slot, at::Device device);
-};
-
 // The expert LoRA in the pair form: per row its slot, with no grouping of
 // rows by slot, so it is made and used on the device alone (no host read: a
 // CUDA graph can hold it). Each (token, choice) pair then gathers its own
@@ -105,11 +91,27 @@ struct ExpertLoraRows {
   // of fp32 (at least one pair a run), so the form's memory stays bounded.
   int64_t run_bytes = int64_t{64} << 20;
   bool defined() const { return slot.defined(); }
-  // From a batch's routing (undefined when it routes no slot).
-  static ExpertLoraRows FromRouting(const ExpertLoraRouting& r);
   // From each row's slot on the device ([T] integer, -1: none; the caller
   // gives -1 to rows whose slot does not train the mlp group).
   static ExpertLoraRows FromSlots(const SlotBank& bank, const at::Tensor& slots);
+};
+
+// Which slot's expert LoRA each token of a batch uses, built once per batch
+// and shared by every MoE layer. Tokens whose sequence's slot does not train
+// the mlp group use none.
+struct ExpertLoraRouting {
+  std::vector<int64_t> slots;  // U distinct slots that train the mlp group, in first-use order
+  at::Tensor token_group;      // [T] int64 on the device: the token's index into slots, U for none
+  at::Tensor slot_ids;         // [U] int64 on the device
+  at::Tensor scale;            // [U + 1] fp32 on the device: each slot's alpha/r, then 0
+  // Per token: its slot (group U: slot 0's, whose rows keep selects away),
+  // keep and alpha/r, made once per batch; the segment form reads keep and
+  // scale, the pair form all of it (undefined when U is 0).
+  ExpertLoraRows rows;
+  int64_t num_slots() const { return static_cast<int64_t>(slots.size()); }
+  // Rows [seq_begin[i], seq_begin[i+1]) use seq_slot[i].
+  static ExpertLoraRouting Make(const SlotBank& bank, const std::vector<int64_t>& seq_begin,
+                                const std::vector<int>& seq_slot, at::Device device);
 };
 
 // Whether the sampler's eager steps take the pair form for P pairs on

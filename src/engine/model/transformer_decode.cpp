@@ -186,11 +186,10 @@ at::Tensor Transformer::ForwardCached(const CachedBatch& batch, KvCache& cache, 
     experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());
   // A step of few rows (a decode step) takes the expert LoRA's pair form:
   // a fixed number of ops, no host read (moe.h).
-  const ExpertLoraRows pair_rows = experts.num_slots() > 0 ? ExpertLoraRows::FromRouting(experts) : ExpertLoraRows{};
   auto moe = [&](size_t i, const at::Tensor& h) {
     const auto [gate_up, down] = ExpertTargets(bank, i);
-    if (pair_rows.defined() && gate_up && down && PairFormFits(h.size(0) * m.layers[i].moe.top_k, h.device()))
-      return MoeForward(m.layers[i].moe, h, bank, gate_up, down, pair_rows);
+    if (experts.rows.defined() && gate_up && down && PairFormFits(h.size(0) * m.layers[i].moe.top_k, h.device()))
+      return MoeForward(m.layers[i].moe, h, bank, gate_up, down, experts.rows);
     return MoeForward(m.layers[i].moe, h, bank, gate_up, down, &experts);
   };
   // A Gated DeltaNet layer's pool holds each token's [mixed | a | b] row.
