@@ -48,15 +48,12 @@ class Reference {
     const int64_t dn = c_.qk_nope_head_dim, dr = c_.qk_rope_head_dim, dv = c_.v_head_dim, R = c_.kv_lora_rank;
     at::Tensor x = w_.at("model.embed_tokens.weight")
                        .index_select(0, at::tensor(std::vector<int64_t>(seq.begin(), seq.end()), at::kLong));
-    // RoPE on adjacent pairs (DeepSeek's complex form): pair j turns by pos / theta^(2j / dr).
+    // RoPE on adjacent pairs (DeepSeek's complex form; GLM-5's too, the
+    // indexer's included): pair j turns by pos / theta^(2j / dr).
     const at::Tensor inv = 1.0 / at::pow(c_.rope_theta, at::arange(0, dr, 2, at::kFloat) / double(dr));
     const at::Tensor ang = at::arange(L, at::kFloat).unsqueeze(1) * inv.unsqueeze(0);  // [L, dr/2]
     const at::Tensor cs = ang.cos().unsqueeze(1), sn = ang.sin().unsqueeze(1);
     const auto rope = [&](const at::Tensor& t) {  // [L, n, dr]
-      if (c_.model_type == "glm_moe_dsa") {  // halves: pair (j, j + dr/2), as GLM's rotate_half
-        const at::Tensor a = t.narrow(2, 0, dr / 2), b = t.narrow(2, dr / 2, dr / 2);
-        return at::cat({a * cs - b * sn, b * cs + a * sn}, 2);
-      }
       const at::Tensor p = t.reshape({L, t.size(1), dr / 2, 2});
       const at::Tensor a = p.select(-1, 0), b = p.select(-1, 1);
       return at::stack({a * cs - b * sn, a * sn + b * cs}, -1).reshape({L, t.size(1), dr});
@@ -70,14 +67,14 @@ class Reference {
         x = x + Gqa(i, h, mask);
       } else {
       const at::Tensor q_resid =
-          c_.q_lora_rank > 0 ? Rms(Lin(p + "self_attn.q_a_proj", h), w_.at(p + "self_attn.q_a_layernorm.weight"))
+          c_.q_lora_rank > 0 ? Rms(Lin(p + "self_attn.q_a_proj", h), w_.at(p + "self_attn.q_a_layernorm.weight"), kMlaEps)
                              : at::Tensor();
       const at::Tensor q = (c_.q_lora_rank > 0 ? Lin(p + "self_attn.q_b_proj", q_resid) : Lin(p + "self_attn.q_proj", h))
                                .view({L, H, dn + dr});
       if (c_.IsDsa() && (i == 0 || c_.indexer_types[i] == "full")) chosen = IndexerChoice(p, h, q_resid, rope, mask);
       const at::Tensor keep = c_.IsDsa() ? chosen : mask;
       const at::Tensor kv_a = Lin(p + "self_attn.kv_a_proj_with_mqa", h);
-      const at::Tensor kv = Lin(p + "self_attn.kv_b_proj", Rms(kv_a.narrow(1, 0, R), w_.at(p + "self_attn.kv_a_layernorm.weight")))
+      const at::Tensor kv = Lin(p + "self_attn.kv_b_proj", Rms(kv_a.narrow(1, 0, R), w_.at(p + "self_attn.kv_a_layernorm.weight"), kMlaEps))
                                 .view({L, H, dn + dv});
       const at::Tensor q_rope = rope(q.narrow(2, dn, dr)), k_rope = rope(kv_a.narrow(1, R, dr).unsqueeze(1));
       std::vector<at::Tensor> heads;
@@ -103,8 +100,10 @@ class Reference {
   }
 
  private:
-  at::Tensor Rms(const at::Tensor& x, const at::Tensor& w) const {
-    return x * at::rsqrt(x.pow(2).mean(-1, true) + c_.rms_norm_eps) * w;
+  // HF's q_a_layernorm and kv_a_layernorm keep its RMSNorm's default eps.
+  static constexpr double kMlaEps = 1e-6;
+  at::Tensor Rms(const at::Tensor& x, const at::Tensor& w, double eps = 0) const {
+    return x * at::rsqrt(x.pow(2).mean(-1, true) + (eps > 0 ? eps : c_.rms_norm_eps)) * w;
   }
   // glm4_moe's and mimo_v2_flash's attention: q/k/v with their biases, q/k
   // RMSNorm per head (use_qk_norm), RoPE on the first head_dim *

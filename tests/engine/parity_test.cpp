@@ -347,7 +347,7 @@ TEST_P(ParityTest, CudaPassMatchesHuggingFacePeft) {
 
 INSTANTIATE_TEST_SUITE_P(Arch, ParityTest,
                          ::testing::Values("qwen2", "qwen3", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-                                           "glm4_moe", "mimo_v2_flash", "qwen3_5_moe_text"));
+                                           "glm4_moe", "mimo_v2_flash", "qwen3_5_moe_text", "glm_moe_dsa"));
 
 }  // namespace
 }  // namespace loom::engine

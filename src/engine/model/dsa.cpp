@@ -17,10 +17,10 @@ DsaIndex DsaIndexRows(const DsaIndexerWeights& w, const at::Tensor& h, const at:
   const at::Tensor hd = h.detach(), qr = q_resid.detach();
   const at::Tensor q = at::linear(qr, w.wq_b).view({T, w.heads, w.dim});
   const at::Tensor k = at::layer_norm(at::linear(hd, w.wk), {w.dim}, w.k_norm_w, w.k_norm_b, 1e-6);
-  // RoPE on the first dr dims (halves layout), the rest as they are.
-  const at::Tensor q_rot = at::cat({MlaRope(q.narrow(-1, 0, dr), cos, sin, false), q.narrow(-1, dr, w.dim - dr)}, -1);
+  // RoPE on the first dr dims (adjacent pairs, as the MLA's), the rest as they are.
+  const at::Tensor q_rot = at::cat({MlaRope(q.narrow(-1, 0, dr), cos, sin, true), q.narrow(-1, dr, w.dim - dr)}, -1);
   const at::Tensor k_rot =
-      at::cat({MlaRope(k.narrow(-1, 0, dr).unsqueeze(1), cos, sin, false).squeeze(1), k.narrow(-1, dr, w.dim - dr)}, -1);
+      at::cat({MlaRope(k.narrow(-1, 0, dr).unsqueeze(1), cos, sin, true).squeeze(1), k.narrow(-1, dr, w.dim - dr)}, -1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(w.heads)) / std::sqrt(static_cast<double>(w.dim));
   const at::Tensor iw = at::linear(hd.to(at::kFloat), w.weights_proj.to(at::kFloat)) * scale;
   return {q_rot.to(at::kFloat), iw, k_rot};

@@ -35,7 +35,7 @@ struct MlaWeights {
   at::Tensor q_w;                            // [H (dn + dr), hidden]; undefined with q compression
   at::Tensor q_a_w, q_a_b, q_a_norm, q_b_w;  // [Rq, hidden], [Rq] or undefined, [Rq], [H (dn + dr), Rq]
   at::Tensor kv_a_w, kv_a_b;                 // [R + dr, hidden], [R + dr] or undefined
-  at::Tensor kv_a_norm;                      // [R]
+  at::Tensor kv_a_norm;                      // [R]; both norms with kNormEps
   at::Tensor kv_b_w;                         // [H (dn + dv), R]
   int64_t heads = 0, nope = 0, rope = 0, v = 0, rank = 0;
   double scale = 0;         // the softmax scale (1/sqrt(dn + dr), times deepseek_v3's YaRN mscale^2)
@@ -43,6 +43,9 @@ struct MlaWeights {
   DsaIndexerWeights indexer;  // glm_moe_dsa's sparse attention (dsa.h), or undefined
   bool defined() const { return kv_a_w.defined(); }
   int64_t qk() const { return nope + rope; }
+  // HF builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default
+  // eps, not config.rms_norm_eps (GLM-5's 1e-5 differs; DeepSeek's 1e-6 hid it).
+  static constexpr double kNormEps = 1e-6;
 };
 
 // RoPE over x [T, n, dr] with the fp32 tables cos, sin [T, 1, dr] (each

@@ -401,14 +401,14 @@ at::Tensor DecoderLayer(const Model& m, size_t i, at::Tensor x, const Rope& rope
     const MlaWeights& a = l.mla;
     const int64_t T = h.size(0), H = a.heads;
     const at::Tensor q_resid =  // q's compressed rows (q compression only)
-        a.q_w.defined() ? at::Tensor() : RmsNorm(project({kTargetQa}, h, a.q_a_w, a.q_a_b, attn_lora), a.q_a_norm, eps);
+        a.q_w.defined() ? at::Tensor() : RmsNorm(project({kTargetQa}, h, a.q_a_w, a.q_a_b, attn_lora), a.q_a_norm, MlaWeights::kNormEps);
     const at::Tensor q = (a.q_w.defined() ? project({0}, h, a.q_w, at::Tensor(), attn_lora)
                                           : project({kTargetQb}, q_resid, a.q_b_w, at::Tensor(), attn_lora))
                              .view({T, H, a.qk()});
     const bool indexes = a.indexer.defined() && a.indexer.source == static_cast<int64_t>(i);
     const DsaIndex index = indexes ? DsaIndexRows(a.indexer, h, q_resid, rope.cos32, rope.sin32) : DsaIndex{};
     const at::Tensor kv_a = project({kTargetKvA}, h, a.kv_a_w, a.kv_a_b, attn_lora);
-    const at::Tensor c = RmsNorm(kv_a.narrow(1, 0, a.rank).contiguous(), a.kv_a_norm, eps);
+    const at::Tensor c = RmsNorm(kv_a.narrow(1, 0, a.rank).contiguous(), a.kv_a_norm, MlaWeights::kNormEps);
     const at::Tensor k_rope = MlaRope(kv_a.narrow(1, a.rank, a.rope).unsqueeze(1), rope.cos32, rope.sin32, a.interleave);
     const at::Tensor kv = project({kTargetKvB}, c, a.kv_b_w, at::Tensor(), attn_lora).view({T, H, a.nope + a.v});
     at::Tensor qf = at::cat({q.narrow(-1, 0, a.nope), MlaRope(q.narrow(-1, a.nope, a.rope), rope.cos32, rope.sin32,

@@ -11,10 +11,12 @@
 // the softmax by YaRN's mscale(factor, mscale_all_dim)^2, v2 does not.
 // The hub ships one tensor per expert and projection; they load stacked.
 // glm_moe_dsa (GLM-5, GLM-5.2; modeling_glm_moe_dsa) is deepseek_v3's
-// router over MLA with q compression, RoPE on halves, layers dense by
+// router over MLA with q compression, layers dense by
 // mlp_layer_types, plus DeepSeek sparse attention: a lightning indexer per
 // layer choosing each query's keys (model/dsa.h), shared layers reusing the
-// choice of the full layer below (indexer_types).
+// choice of the full layer below (indexer_types). Its RoPE turns adjacent
+// pairs, the indexer's too (transformers 5.17's module-level rotation: the
+// golden caught an earlier reading of halves).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -58,7 +60,7 @@ void DefaultsDsa(ModelConfig& c) {  // GlmMoeDsaConfig's (GLM-5)
   c.num_experts = 256, c.num_experts_per_tok = 8, c.moe_intermediate_size = 2048;
   c.n_group = 1, c.topk_group = 1, c.norm_topk_prob = true;
   c.scoring_func = "sigmoid", c.topk_method = "noaux_tc";
-  c.rope_interleave = false;
+  c.rope_interleave = true;
   c.index_topk = 2048, c.index_head_dim = 128, c.index_n_heads = 32;
 }
 
@@ -72,7 +74,7 @@ Status CheckDsa(const ModelConfig& c) {
     return bad("index_head_dim", "must be at least qk_rope_head_dim " + std::to_string(c.qk_rope_head_dim) +
                                      " (its first dims turn by RoPE)");
   if (c.q_lora_rank <= 0) return bad("q_lora_rank", "must be > 0 (the indexer reads q's compressed rows)");
-  if (c.rope_interleave) return bad("rope_interleave", "must be false (GLM's RoPE turns halves)");
+  if (!c.rope_interleave) return bad("rope_interleave", "must be true (GLM's RoPE turns adjacent pairs)");
   if (!c.indexer_types.empty() && static_cast<int64_t>(c.indexer_types.size()) != c.num_hidden_layers)
     return bad("indexer_types", "must have one entry a layer (" + std::to_string(c.num_hidden_layers) + ")");
   for (const std::string& t : c.indexer_types)
