@@ -6,7 +6,7 @@
 //   iq = wq_b(q_resid) per head [Hi, Di], q_resid the layer's normed
 //        q_a_proj output (with the slot's LoRA, as PEFT's model computes it);
 //   ik = LayerNorm(wk(h)) [Di], h the layer's normed input;
-//   the first dr dims of iq and ik turn by RoPE (halves layout, the MLA's tables);
+//   the first dr dims of iq and ik turn by RoPE (adjacent pairs, the MLA's tables);
 //   iw = weights_proj(h) [Hi] (fp32) * Hi^-1/2 * Di^-1/2;
 //   score(query s, key t) = sum_h iw[s, h] relu(iq[s, h] . ik[t]);
 // and query s attends to the index_topk keys of best score among those it
