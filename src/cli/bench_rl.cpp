@@ -167,6 +167,7 @@ struct RoundResult {
   int64_t disk_loads = 0, memory_installs = 0;  // how the sampler got each new version
   std::vector<double> first_lp, last_lp;
   std::vector<double> tenant_seconds;  // each tenant's client seconds over its steps
+  int64_t device_mallocs = 0, alloc_retries = 0;  // the device allocator's, during the round
 };
 
 // The tenants' loops, concurrently (one thread each) or one after another;
@@ -181,6 +182,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   };
   const double busy0 = engine_seconds(), save0 = metrics.pass_seconds("exclusive"), write0 = metrics.publish_seconds();
   const engine::SamplerStats sampler0 = d.service().sampler_stats().value_or(engine::SamplerStats{});
+  const engine::DeviceMemory memory0 = d.service().device_memory();
   std::vector<Phases> phases(tenants.size());
   std::vector<std::vector<double>> lps(tenants.size());
   std::vector<Status> status(tenants.size(), Status::Ok());
@@ -213,6 +215,9 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   r.sampling = (sampler1.prefill_seconds + sampler1.decode_seconds) - (sampler0.prefill_seconds + sampler0.decode_seconds);
   r.disk_loads = sampler1.adapter_loads - sampler0.adapter_loads;
   r.memory_installs = sampler1.adapter_installs - sampler0.adapter_installs;
+  const engine::DeviceMemory memory1 = d.service().device_memory();
+  r.device_mallocs = memory1.device_mallocs - memory0.device_mallocs;
+  r.alloc_retries = memory1.alloc_retries - memory0.alloc_retries;
   return r;
 }
 
@@ -289,6 +294,11 @@ int BenchRlRun(const RlOptions& o) {
               "  from the trainer's snapshot; busy: the share of the round's wall time the device trained or sampled,\n"
               "  between max(engine, sampler) and their sum, as the trainer's passes and the sampler's steps may overlap)\n",
               (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
+  if (info.device != "cpu")  // where a save's snapshot may wait: its copy's memory from the driver
+    std::printf("device allocator, together / one by one: %lld / %lld cudaMalloc calls, %lld / %lld retried after "
+                "freeing its cache (each retry waits for all queued device work)\n",
+                static_cast<long long>(conc->device_mallocs), static_cast<long long>(seq->device_mallocs),
+                static_cast<long long>(conc->alloc_retries), static_cast<long long>(seq->alloc_retries));
   if (o.heavy_tenant) {
     auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
     if (!heavy.ok()) return fail(heavy.status());

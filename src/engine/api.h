@@ -130,6 +130,9 @@ struct DeviceMemory {
   int64_t allocated = 0;       // held by live tensors now
   int64_t peak_allocated = 0;  // the most since the last ResetPeakMemory()
   int64_t reserved = 0;        // held by the allocator's cache
+  int64_t device_mallocs = 0;  // segments the allocator has taken from the driver (cudaMalloc calls)
+  int64_t alloc_retries = 0;   // cudaMallocs that failed and were retried after freeing the cache (each
+                               // waits for all the device's queued work)
 };
 
 // What a saved training state says about the adapter it holds.

@@ -250,6 +250,8 @@ class TrainingEngine final : public Engine {
       m.allocated = stats.allocated_bytes[all].current;
       m.peak_allocated = stats.allocated_bytes[all].peak;
       m.reserved = stats.reserved_bytes[all].current;
+      m.device_mallocs = stats.segment[all].allocated;
+      m.alloc_retries = stats.num_alloc_retries;
     }
 #endif
     return m;

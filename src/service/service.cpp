@@ -90,6 +90,11 @@ std::optional<engine::SamplerStats> Service::sampler_stats() const {
   return sampling.sampler->stats();
 }
 
+engine::DeviceMemory Service::device_memory() const {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  return bases_.front()->engine->Memory();
+}
+
 int Service::slots_in_use() const {
   std::lock_guard<std::mutex> lock(lock_.mu);
   int in_use = 0;

@@ -142,6 +142,8 @@ class Service {
   int slots_in_use() const;
   // The first base model's sampler's counters (nullopt: none is attached).
   std::optional<engine::SamplerStats> sampler_stats() const;
+  // The first base model's engine's device allocator counters (all 0 on the CPU).
+  engine::DeviceMemory device_memory() const;
   // Counters other layers feed (router: responses; sampler: tokens).
   Metrics& metrics() { return metrics_; }
   // GET /metrics: Prometheus text with the live queue gauges; with_usage
