@@ -342,7 +342,14 @@ TEST_P(ParityTest, CudaPassMatchesHuggingFacePeft) {
   // the bound.
   const std::string arch = GetParam();
   const bool moe = arch != "qwen2" && arch != "qwen3";
-  RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kBFloat16, 0.1, moe ? 0.0 : 0.1);
+  // qwen3_5_moe_text's random tiny model is ill-conditioned (noise of 1e-7
+  // on its embeddings moves its final hidden states by 4e-4): HF+PEFT's own
+  // bf16 run lands 0.101 from this fp32 golden (tools/reference/
+  // golden_drift.py, H200, session 23), against 0.0025 for qwen3 and 0.022
+  // for glm_moe_dsa. loom's bf16 runs measured 1.3-2.4x HF's own drift on
+  // those (0.0033, 0.053), 1.7x on this one (0.174): its bound is 2.5x HF's.
+  const double lp_tol = arch == "qwen3_5_moe_text" ? 0.25 : 0.1;
+  RunGolden(GetParam(), at::Device(at::kCUDA, 0), at::kBFloat16, lp_tol, moe ? 0.0 : 0.1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Arch, ParityTest,
