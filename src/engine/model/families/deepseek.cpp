@@ -150,7 +150,7 @@ Status Parse(const nlohmann::json& j, ModelConfig& c) {
   if (!Sigmoid(c) && j.find("num_experts_per_tok") == j.end())
     return Status::Invalid("config.json: missing required field 'num_experts_per_tok'");
   if (Status s = ParseDeepseekMoe(j, c); !s.ok()) return s;
-  if (IsDsaFamily(c)) {  // HF's GLM class has no router method fields and RoPE on halves
+  if (IsDsaFamily(c)) {  // HF's GLM class has no router method fields nor rope_interleave (its RoPE always pairs)
     bool stated = false;
     if (Status s = ParseMlpLayerTypes(j, c, &stated); !s.ok()) return s;
     for (auto [field, dst] : {std::pair{"index_topk", &c.index_topk}, std::pair{"index_head_dim", &c.index_head_dim},
