@@ -94,7 +94,6 @@ struct ExpertLoraPlan {
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
-  at::Tensor group_ids;                           // [U + 1] slot per group (group U: slot 0)
 
   ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
     const int64_t U = r.num_slots(), sub = U + 1;
@@ -102,15 +101,14 @@ struct ExpertLoraPlan {
     tok_order = std::get<1>(at::sort(r.token_group, /*stable=*/true, /*dim=*/0, /*descending=*/false));
     tok_inverse = at::empty_like(tok_order).scatter_(0, tok_order, at::arange(T, kLong.device(dev)));
     tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
-    group_ids = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
     const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
     seg_counts = counts.index_select(0, nz);
-    seg_slot = group_ids.index_select(0, at::remainder(nz, sub));
+    seg_slot = r.group_slot.index_select(0, at::remainder(nz, sub));
     seg_expert = at::div(nz, sub, "floor");
   }
   // y [T, out] = x [T, in] f[slot(token)]^T, f [N, out, in] a shared factor.
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
-    const at::Tensor w = f.index_select(0, group_ids).to(x.scalar_type());  // [U + 1, out, in]
+    const at::Tensor w = f.index_select(0, lora->group_slot).to(x.scalar_type());  // [U + 1, out, in]
     const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
     return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
   }
@@ -251,7 +249,8 @@ ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vecto
   r.token_group = group.to(device);
   r.slot_ids = at::tensor(r.slots, kLong).to(device);
   r.scale = at::cat({bank.scales().index_select(0, r.slot_ids), at::zeros({1}, bank.scales().options())});
-  r.rows.slot = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)}).index_select(0, r.token_group);
+  r.group_slot = at::cat({r.slot_ids, r.slot_ids.narrow(0, 0, 1)});
+  r.rows.slot = r.group_slot.index_select(0, r.token_group);
   r.rows.keep = (r.token_group < U).unsqueeze(1);
   r.rows.scale = r.scale.index_select(0, r.token_group).unsqueeze(1);
   return r;
