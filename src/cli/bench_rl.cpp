@@ -51,6 +51,8 @@ struct RlOptions {
   int threads = 0;
   double lr = 1e-3;
   bool heavy_tenant = false;
+  int publish_threads = service::ServiceOptions{}.publish_threads;
+  int64_t token_budget = DriverOptions{}.token_budget;
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
 };
@@ -168,6 +170,11 @@ struct RoundResult {
   std::vector<double> first_lp, last_lp;
   std::vector<double> tenant_seconds;  // each tenant's client seconds over its steps
   int64_t device_mallocs = 0, alloc_retries = 0;  // the device allocator's, during the round
+  // Where the device time went: the sampler's steps and the trainer's passes.
+  int64_t decode_steps = 0, prefill_steps = 0, tokens_generated = 0, max_rows = 0;
+  double decode_seconds = 0, prefill_seconds = 0;
+  int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
+  double fb_seconds = 0, optim_seconds = 0;
 };
 
 // The tenants' loops, concurrently (one thread each) or one after another;
@@ -181,6 +188,9 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
     return s;
   };
   const double busy0 = engine_seconds(), save0 = metrics.pass_seconds("exclusive"), write0 = metrics.publish_seconds();
+  const double fb_s0 = metrics.pass_seconds("forward_backward"), optim_s0 = metrics.pass_seconds("optim_step");
+  const int64_t fb0 = metrics.passes("forward_backward"), optim0 = metrics.passes("optim_step");
+  const int64_t tokens0 = metrics.training_tokens();
   const engine::SamplerStats sampler0 = d.service().sampler_stats().value_or(engine::SamplerStats{});
   const engine::DeviceMemory memory0 = d.service().device_memory();
   std::vector<Phases> phases(tenants.size());
@@ -215,6 +225,17 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   r.sampling = (sampler1.prefill_seconds + sampler1.decode_seconds) - (sampler0.prefill_seconds + sampler0.decode_seconds);
   r.disk_loads = sampler1.adapter_loads - sampler0.adapter_loads;
   r.memory_installs = sampler1.adapter_installs - sampler0.adapter_installs;
+  r.decode_steps = sampler1.decode_steps - sampler0.decode_steps;
+  r.prefill_steps = sampler1.prefill_steps - sampler0.prefill_steps;
+  r.tokens_generated = sampler1.tokens_generated - sampler0.tokens_generated;
+  r.max_rows = sampler1.max_rows_in_step;  // over the run so far
+  r.decode_seconds = sampler1.decode_seconds - sampler0.decode_seconds;
+  r.prefill_seconds = sampler1.prefill_seconds - sampler0.prefill_seconds;
+  r.fb_passes = metrics.passes("forward_backward") - fb0;
+  r.optim_passes = metrics.passes("optim_step") - optim0;
+  r.train_tokens = metrics.training_tokens() - tokens0;
+  r.fb_seconds = metrics.pass_seconds("forward_backward") - fb_s0;
+  r.optim_seconds = metrics.pass_seconds("optim_step") - optim_s0;
   const engine::DeviceMemory memory1 = d.service().device_memory();
   r.device_mallocs = memory1.device_mallocs - memory0.device_mallocs;
   r.alloc_retries = memory1.alloc_retries - memory0.alloc_retries;
@@ -240,6 +261,23 @@ void Print(const char* name, const RoundResult& r, const RlOptions& o) {
               static_cast<long long>(r.memory_installs), BusyShare(r).c_str());
 }
 
+// Where a round's device time went: the sampler's decode and prefill steps
+// (count, rows a decode step carried on average, ms a step) and the
+// trainer's passes (count, tokens a pass, ms a pass).
+void PrintDeviceTime(const char* name, const RoundResult& r) {
+  const auto per = [](double seconds, int64_t n) { return n > 0 ? 1e3 * seconds / static_cast<double>(n) : 0.0; };
+  std::printf("%-12s sampler: %lld decode steps (%.1f rows a step, at most %lld so far; %.2f ms a step), %lld prefill "
+              "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass), %lld optim_step "
+              "passes (%.1f ms)\n",
+              name, static_cast<long long>(r.decode_steps),
+              r.decode_steps > 0 ? static_cast<double>(r.tokens_generated) / static_cast<double>(r.decode_steps) : 0.0,
+              static_cast<long long>(r.max_rows), per(r.decode_seconds, r.decode_steps),
+              static_cast<long long>(r.prefill_steps), per(r.prefill_seconds, r.prefill_steps),
+              static_cast<long long>(r.fb_passes),
+              r.fb_passes > 0 ? static_cast<double>(r.train_tokens) / static_cast<double>(r.fb_passes) : 0.0,
+              per(r.fb_seconds, r.fb_passes), static_cast<long long>(r.optim_passes), per(r.optim_seconds, r.optim_passes));
+}
+
 int BenchRlRun(const RlOptions& o) {
   std::string templ = (fs::temp_directory_path() / "loom-bench-rl-XXXXXX").string();
   if (!::mkdtemp(templ.data())) {
@@ -261,6 +299,8 @@ int BenchRlRun(const RlOptions& o) {
   opt.max_rank = o.rank;
   opt.threads = o.threads;
   opt.with_sampler = true;
+  opt.publish_threads = o.publish_threads;
+  opt.token_budget = o.token_budget;
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
@@ -274,10 +314,11 @@ int BenchRlRun(const RlOptions& o) {
   }
   std::vector<Tenant>&together = sets[0], &alone = sets[1];
   const auto& info = d.info();
-  std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g\n",
+  std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g; "
+              "%d publish threads, token budget %lld\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
               info.device.c_str(), info.dtype.c_str(), o.tenants, o.steps, o.group, o.prompt_len, o.new_tokens, o.rank,
-              o.lr);
+              o.lr, o.publish_threads, static_cast<long long>(o.token_budget));
   auto conc = Round(d, together, o, /*concurrent=*/true, 11);
   if (!conc.ok()) return fail(conc.status());
   auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
@@ -299,6 +340,8 @@ int BenchRlRun(const RlOptions& o) {
                 "freeing its cache (each retry waits for all queued device work)\n",
                 static_cast<long long>(conc->device_mallocs), static_cast<long long>(seq->device_mallocs),
                 static_cast<long long>(conc->alloc_retries), static_cast<long long>(seq->alloc_retries));
+  PrintDeviceTime("together", *conc);
+  PrintDeviceTime("one by one", *seq);
   if (o.heavy_tenant) {
     auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
     if (!heavy.ok()) return fail(heavy.status());
@@ -340,6 +383,12 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--rank", o.rank, "LoRA rank")->default_val(o.rank)->check(CLI::Range(1, 1024));
   app.add_option("--threads", o.threads, "CPU threads (0 = all cores)")->default_val(o.threads);
   app.add_option("--lr", o.lr, "AdamW learning rate")->default_val(o.lr)->check(CLI::Range(0.0, 10.0));
+  app.add_option("--publish-threads", o.publish_threads, "writer threads for save_weights_for_sampler (as loom serve's)")
+      ->default_val(o.publish_threads)
+      ->check(CLI::Range(1, 64));
+  app.add_option("--token-budget", o.token_budget, "tokens per training pass (as loom serve's)")
+      ->default_val(o.token_budget)
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
   const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
   o.sampler_steps = &step_flags;

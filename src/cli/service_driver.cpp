@@ -50,6 +50,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   service::ServiceOptions sopt;
   sopt.base_model_name = "loom/tiny-qwen3";
   sopt.token_budget = options.token_budget;
+  sopt.publish_threads = options.publish_threads;
   std::unique_ptr<engine::Sampler> sampler;
   if (options.with_sampler) {
     auto shared = (*engine)->SharedModel();

@@ -28,6 +28,7 @@ struct DriverOptions {
   int threads = 0;              // CPU intra-op threads, 0 = all cores
   int64_t token_budget = 8192;
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
+  int publish_threads = service::ServiceOptions{}.publish_threads;  // save_weights_for_sampler writers
   const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults
   const DecodeFlags* sampler_decode = nullptr;  // the sampler's decode switches (--cuda-graphs, ...), or its defaults
 };

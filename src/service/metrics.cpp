@@ -66,6 +66,17 @@ double Metrics::pass_seconds(const std::string& kind) const {
   return it == pass_seconds_.end() ? 0.0 : it->second;
 }
 
+int64_t Metrics::passes(const std::string& kind) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = passes_.find(kind);
+  return it == passes_.end() ? 0 : it->second;
+}
+
+int64_t Metrics::training_tokens() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return training_tokens_;
+}
+
 void Metrics::RecordPass(const std::string& kind, int64_t tokens, double fill_ratio, size_t models, double seconds) {
   (void)models;
   const auto now = Clock::now();

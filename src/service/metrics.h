@@ -73,6 +73,10 @@ class Metrics {
   int64_t responses(int status_code) const;
   // Engine seconds recorded for passes of this kind so far (0 for none).
   double pass_seconds(const std::string& kind) const;
+  // Engine passes of this kind so far.
+  int64_t passes(const std::string& kind) const;
+  // Tokens of the forward(_backward) passes so far.
+  int64_t training_tokens() const;
   // Writer-thread seconds of the publishes so far (RecordPublish).
   double publish_seconds() const;
 
