@@ -88,12 +88,16 @@ struct Pairs {
 // segment of the sorted pairs, over the non-empty segments only (a decode
 // step routes a few dozen of E * (U + 1)), so no factor is gathered for a
 // segment without rows, nor a shared one once per expert. A token meets only
-// its own slot's factors (group U: slot 0's, whose rows are selected away).
+// its own slot's factors, with alpha/r folded into its shared factor; group
+// U (no slot) meets zero factors, so its rows are exactly 0 whatever slot
+// 0's factors hold, and no [pairs, width] tensor is masked or scaled.
 struct ExpertLoraPlan {
   const SlotBank* bank = nullptr;
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
+  at::Tensor seg_keep;                            // [S, 1, 1] bool: the segment's group has a slot
+  at::Tensor group_keep, group_scale;             // [U + 1, 1, 1]: group < U; its alpha/r (0 for U)
 
   ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
     const int64_t U = r.num_slots(), sub = U + 1;
@@ -103,18 +107,26 @@ struct ExpertLoraPlan {
     tok_counts = at::zeros({sub}, kLong.device(dev)).scatter_add_(0, r.token_group, at::ones_like(r.token_group));
     const at::Tensor nz = at::nonzero(counts).squeeze(1);  // one host sync: the non-empty segments
     seg_counts = counts.index_select(0, nz);
-    seg_slot = r.group_slot.index_select(0, at::remainder(nz, sub));
+    const at::Tensor seg_group = at::remainder(nz, sub);
+    seg_slot = r.group_slot.index_select(0, seg_group);
     seg_expert = at::div(nz, sub, "floor");
+    seg_keep = (seg_group < U).view({-1, 1, 1});
+    group_keep = (at::arange(sub, kLong.device(dev)) < U).view({-1, 1, 1});
+    group_scale = r.scale.view({-1, 1, 1});
   }
-  // y [T, out] = x [T, in] f[slot(token)]^T, f [N, out, in] a shared factor.
+  // y [T, out] = alpha/r x [T, in] f[slot(token)]^T, f [N, out, in] a shared
+  // factor (0 for tokens without a slot).
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
-    const at::Tensor w = f.index_select(0, lora->group_slot).to(x.scalar_type());  // [U + 1, out, in]
+    const at::Tensor g = f.index_select(0, lora->group_slot);  // [U + 1, out, in]
+    const at::Tensor w = at::where(group_keep, g * group_scale, at::zeros_like(g)).to(x.scalar_type());
     const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
     return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
   }
-  // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in].
+  // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in]
+  // (0 for segments without a slot).
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
-    return GroupedLinear(x, f.index({seg_slot, seg_expert}).to(x.scalar_type()), seg_counts);
+    const at::Tensor g = f.index({seg_slot, seg_expert});  // [S, out, in]
+    return GroupedLinear(x, at::where(seg_keep, g, at::zeros_like(g)).to(x.scalar_type()), seg_counts);
   }
 };
 
@@ -127,22 +139,23 @@ at::Tensor Scaled(const ExpertLoraRows& rows, const at::Tensor& y, const at::Ten
 }
 
 // gate_up's delta per sorted pair [P, 2I] (A shared, B per expert):
-// (h A_slot^T) per token, taken to the pairs, times the segment's B.
+// (h A_slot^T) alpha/r per token, taken to the pairs, times the segment's B.
 at::Tensor GateUpDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& h, const Pairs& pairs,
                        at::ScalarType out) {
   const at::ScalarType ct = p.bank->ComputeType(h);
   const at::Tensor mid = p.PerToken(h.to(ct), t.A);  // [T, R]
-  return Scaled(p.lora->rows, p.PerSegment(pairs.Dispatch(mid), t.B), pairs.token).to(out);
+  return p.PerSegment(pairs.Dispatch(mid), t.B).to(out);
 }
 
 // down's delta per token [T, H] (A per expert, B shared), already weighted
-// by the routes: B_slot (sum over the token's pairs of p * A_segment act),
-// which is the sum of the pairs' weighted deltas with one B product per token.
+// by the routes: alpha/r B_slot (sum over the token's pairs of p * A_segment
+// act), which is the sum of the pairs' weighted deltas with one B product per
+// token.
 at::Tensor DownDelta(const ExpertLoraPlan& p, const LoraTarget& t, const at::Tensor& act, const Pairs& pairs,
                      const at::Tensor& weight) {
   const at::ScalarType ct = p.bank->ComputeType(act);
   const at::Tensor mid = p.PerSegment(act.to(ct), t.A) * weight.to(ct);  // [P, R]
-  return Scaled(p.lora->rows, p.PerToken(pairs.Combine(mid), t.B)).to(act.scalar_type());
+  return p.PerToken(pairs.Combine(mid), t.B).to(act.scalar_type());
 }
 
 // The pair form (ExpertLoraRows): the same deltas with batched matmuls over
