@@ -118,7 +118,8 @@ struct ExpertLoraPlan {
   // factor (0 for tokens without a slot).
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
     const at::Tensor g = f.index_select(0, lora->group_slot);  // [U + 1, out, in]
-    const at::Tensor w = at::where(group_keep, g * group_scale, at::zeros_like(g)).to(x.scalar_type());
+    const at::Tensor scaled = g * group_scale;
+    const at::Tensor w = (lora->unslotted ? at::where(group_keep, scaled, at::zeros_like(g)) : scaled).to(x.scalar_type());
     const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
     return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
   }
@@ -126,7 +127,8 @@ struct ExpertLoraPlan {
   // (0 for segments without a slot).
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
     const at::Tensor g = f.index({seg_slot, seg_expert});  // [S, out, in]
-    return GroupedLinear(x, at::where(seg_keep, g, at::zeros_like(g)).to(x.scalar_type()), seg_counts);
+    return GroupedLinear(x, (lora->unslotted ? at::where(seg_keep, g, at::zeros_like(g)) : g).to(x.scalar_type()),
+                         seg_counts);
   }
 };
 
@@ -247,6 +249,7 @@ ExpertLoraRouting ExpertLoraRouting::Make(const SlotBank& bank, const std::vecto
     const int s = seq_slot[i];
     if (!bank.trains(s, TargetGroup::kMlp)) {
       seq_group[i] = -1;
+      r.unslotted = r.unslotted || (i + 1 < seq_begin.size() && seq_begin[i + 1] > seq_begin[i]);
       continue;
     }
     auto it = std::find(r.slots.begin(), r.slots.end(), s);

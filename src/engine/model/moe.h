@@ -105,6 +105,7 @@ struct ExpertLoraRouting {
   at::Tensor slot_ids;         // [U] int64 on the device
   at::Tensor scale;            // [U + 1] fp32 on the device: each slot's alpha/r, then 0
   at::Tensor group_slot;       // [U + 1] int64 on the device: each group's slot (group U: slot 0's)
+  bool unslotted = false;      // some token is in group U (its sequence's slot does not train the mlp group)
   // Per token: its slot (group U: slot 0's, whose rows keep selects away),
   // keep and alpha/r, made once per batch; the segment form reads keep and
   // scale, the pair form all of it (undefined when U is 0).
