@@ -7,6 +7,7 @@
 
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "engine/lora/lora_nodes.h"
 #include "engine/model/compat.h"
 #include "engine/model/lean_ops.h"
 
@@ -63,6 +64,63 @@ struct CombineNode : torch::autograd::Function<CombineNode> {
   }
 };
 
+// Which rows of a factor F one use takes: out[i] = where(keep[i], F[slot[i]]
+// (or F[slot[i], expert[i]]) * mul[i], 0); expert, mul ([S] fp32) and keep
+// ([S] bool) are optional.
+struct FactorRows {
+  at::Tensor slot, expert, mul, keep;
+  at::Tensor Gather(const at::Tensor& F) const {
+    at::Tensor g = expert.defined() ? F.index({slot, expert}) : F.index_select(0, slot);
+    if (mul.defined()) g = g * mul.view({-1, 1, 1});
+    if (keep.defined()) g = at::where(keep.view({-1, 1, 1}), g, at::zeros_like(g));
+    return g;
+  }
+};
+
+// FactorRows' rows of F cast to the compute type ct, as one node whose
+// backward adds the rows' gradients into F's .grad in place (FactorGrad, as
+// lora_nodes.h's nodes do) and returns none for F: no dense zero gradient
+// of F's whole [N, ...] shape (every slot of the bank) per use. F is an
+// input only so that the node is part of every backward that reaches the
+// factors.
+struct FactorGatherNode : torch::autograd::Function<FactorGatherNode> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& F, const FactorRows& rows, int64_t ct) {
+    ctx->saved_data["F"] = F;
+    ctx->saved_data["slot"] = rows.slot;
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"expert", &rows.expert},
+                                  {"mul", &rows.mul},
+                                  {"keep", &rows.keep}})
+      if (t->defined()) ctx->saved_data[name] = *t;
+    at::NoGradGuard no_grad;
+    return rows.Gather(F).to(static_cast<at::ScalarType>(ct));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor F = ctx->saved_data["F"].toTensor();
+    const auto saved = [&](const char* name) {
+      auto it = ctx->saved_data.find(name);
+      return it == ctx->saved_data.end() ? at::Tensor() : it->second.toTensor();
+    };
+    const FactorRows rows{saved("slot"), saved("expert"), saved("mul"), saved("keep")};
+    at::Tensor g = grads[0].to(F.scalar_type());
+    if (rows.mul.defined()) g = g * rows.mul.view({-1, 1, 1});
+    if (rows.keep.defined()) g = at::where(rows.keep.view({-1, 1, 1}), g, at::zeros_like(g));
+    at::Tensor& grad = FactorGrad(F);
+    if (rows.expert.defined())
+      grad.index_put_({rows.slot, rows.expert}, g, /*accumulate=*/true);
+    else
+      grad.index_add_(0, rows.slot, g);
+    return {at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// FactorGatherNode's value, through the node where F takes gradients (else
+// plain ops).
+at::Tensor GatherFactors(const at::Tensor& F, const FactorRows& rows, at::ScalarType ct) {
+  if (c10::GradMode::is_enabled() && F.requires_grad())
+    return FactorGatherNode::apply(F, rows, static_cast<int64_t>(ct));
+  return rows.Gather(F).to(ct);
+}
+
 // The T * K (token, choice) pairs in sorted order (see DispatchNode), or,
 // with the experts split over ranks, the run of them that this rank's
 // experts take (a token has 0..K of those: plain gathers and index adds).
@@ -96,8 +154,8 @@ struct ExpertLoraPlan {
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
-  at::Tensor seg_keep;                            // [S, 1, 1] bool: the segment's group has a slot
-  at::Tensor group_keep, group_scale;             // [U + 1, 1, 1]: group < U; its alpha/r (0 for U)
+  at::Tensor seg_keep;                            // [S] bool: the segment's group has a slot
+  at::Tensor group_keep, group_scale;             // [U + 1]: group < U; its alpha/r (0 for U)
 
   ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
     const int64_t U = r.num_slots(), sub = U + 1;
@@ -110,25 +168,24 @@ struct ExpertLoraPlan {
     const at::Tensor seg_group = at::remainder(nz, sub);
     seg_slot = r.group_slot.index_select(0, seg_group);
     seg_expert = at::div(nz, sub, "floor");
-    seg_keep = (seg_group < U).view({-1, 1, 1});
-    group_keep = (at::arange(sub, kLong.device(dev)) < U).view({-1, 1, 1});
-    group_scale = r.scale.view({-1, 1, 1});
+    seg_keep = seg_group < U;
+    group_keep = at::arange(sub, kLong.device(dev)) < U;
+    group_scale = r.scale;
   }
   // y [T, out] = alpha/r x [T, in] f[slot(token)]^T, f [N, out, in] a shared
   // factor (0 for tokens without a slot).
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
-    const at::Tensor g = f.index_select(0, lora->group_slot);  // [U + 1, out, in]
-    const at::Tensor scaled = g * group_scale;
-    const at::Tensor w = (lora->unslotted ? at::where(group_keep, scaled, at::zeros_like(g)) : scaled).to(x.scalar_type());
+    const FactorRows rows{lora->group_slot, at::Tensor(), group_scale, lora->unslotted ? group_keep : at::Tensor()};
+    const at::Tensor w = GatherFactors(f, rows, x.scalar_type());  // [U + 1, out, in]
     const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
     return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
   }
   // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in]
   // (0 for segments without a slot).
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
-    const at::Tensor g = f.index({seg_slot, seg_expert});  // [S, out, in]
-    return GroupedLinear(x, (lora->unslotted ? at::where(seg_keep, g, at::zeros_like(g)) : g).to(x.scalar_type()),
-                         seg_counts);
+    const FactorRows rows{seg_slot, seg_expert, at::Tensor(), lora->unslotted ? seg_keep : at::Tensor()};
+    const at::Tensor w = GatherFactors(f, rows, x.scalar_type());  // [S, out, in]
+    return GroupedLinear(x, w, seg_counts);
   }
 };
 
