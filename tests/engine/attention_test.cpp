@@ -1,10 +1,14 @@
 // Padded attention (one SDPA over the right-padded batch) against the
 // per-sequence math reference: values and gradients into q, k, v, with
-// grouped-query heads, unequal lengths and an empty sequence.
+// grouped-query heads, unequal lengths and an empty sequence; and the
+// sinks-and-window variant's flash path on CUDA against its math path.
 #include "engine/model/attention.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
 
 namespace loom::engine {
 namespace {
@@ -60,6 +64,53 @@ TEST(PaddedAttention, MatchesPerSequenceMathWithGradients) {
   for (int variant = 1; variant < 3; ++variant) {
     const at::Tensor row = out[variant][10].view({H, hd});
     EXPECT_LT((row - v0[10].repeat_interleave(H / KVH, 0)).abs().max().item<double>(), 1e-6);
+  }
+}
+
+// gpt_oss's sinks and sliding window through the varlen flash kernel on
+// CUDA (bf16), against the per-sequence math path in fp32 (the reference)
+// and in bf16: outputs and gradients into q, k and v, with grouped-query
+// heads, a sequence longer than the window, and a window of 0 (full).
+TEST(VariantAttention, FlashSinksAndWindowMatchTheMathPathOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!VariantFlashAvailable()) GTEST_SKIP() << "no varlen flash kernel in this libtorch";
+  at::manual_seed(5);
+  const std::vector<int64_t> seq_begin = {0, 5, 45, 45, 68};
+  const int64_t T = 68, H = 8, KVH = 2, hd = 64;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor q0 = at::randn({T, H, hd}, cuda), k0 = at::randn({T, KVH, hd}, cuda),
+                   v0 = at::randn({T, KVH, hd}, cuda), gy = at::randn({T, H * hd}, cuda);
+  const at::Tensor sinks0 = at::randn({H}, cuda);
+  for (const int64_t window : {int64_t{16}, int64_t{0}}) {
+    // 0: math fp32 (reference), 1: math bf16, 2: flash bf16.
+    std::vector<at::Tensor> out, grads;
+    for (int path = 0; path < 3; ++path) {
+      const at::ScalarType t = path == 0 ? at::kFloat : at::kBFloat16;
+      at::Tensor q = q0.to(t).requires_grad_(), k = k0.to(t).requires_grad_(), v = v0.to(t).requires_grad_();
+      AttentionVariant var;
+      var.sinks = sinks0.to(t);
+      var.window = window;
+      const at::Tensor y = PackedCausalAttention(q, k, v, seq_begin,
+                                                 path == 2 ? AttentionKernel::kSdpa : AttentionKernel::kMath, nullptr, &var);
+      ASSERT_EQ(y.sizes(), (at::IntArrayRef{T, H * hd}));
+      (y.to(at::kFloat) * gy).sum().backward();
+      out.push_back(y.detach().to(at::kFloat));
+      for (const at::Tensor& x : {q, k, v}) grads.push_back(x.grad().to(at::kFloat));
+    }
+    const auto rel = [](const at::Tensor& a, const at::Tensor& ref) {
+      return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
+    };
+    const double math_out = rel(out[1], out[0]), flash_out = rel(out[2], out[0]);
+    std::printf("sink flash window %lld: output rel err flash %.2e (bf16 math %.2e)", static_cast<long long>(window),
+                flash_out, math_out);
+    EXPECT_LT(flash_out, std::max(2 * math_out, 1e-2)) << "window " << window;
+    for (int i = 0; i < 3; ++i) {
+      const double m = rel(grads[3 + i], grads[i]), f = rel(grads[6 + i], grads[i]);
+      std::printf(", grad %c flash %.2e (math %.2e)", "qkv"[i], f, m);
+      EXPECT_GT(grads[i].abs().max().item<double>(), 1e-3);
+      EXPECT_LT(f, std::max(2 * m, 2e-2)) << "window " << window << " grad " << i;
+    }
+    std::printf("\n");
   }
 }
 

@@ -1,8 +1,11 @@
 #include "engine/model/attention.h"
 
+#include <torch/csrc/autograd/custom_function.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "engine/model/compat.h"
 
@@ -74,6 +77,114 @@ at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Ten
   return o.reshape({heads, n, hd}).transpose(0, 1).reshape({n, heads * hd});
 }
 
+#if LOOM_TORCH_AT_LEAST(2, 5)
+// A sinks-and-window variant (gpt_oss) over the whole packed batch at once
+// through the varlen flash kernel, on CUDA in bf16/fp16; the math path
+// stays the reference. The window is flash's left window (window - 1 keys
+// before the query). The sinks ride on the kernel's log-sum-exp: a query
+// row's probabilities with the sink column are the kernel's times
+// sigma(lse - s_h) (the sink's exp joins the denominator), so the output is
+// o' = o sigma(lse - s_h). Backward: with s = sigma(lse - s_h), the kernel's
+// backward given grad_out = s dO' and out = o' yields exactly the gradients
+// of o' into q, k and v (its row term rowsum(grad_out o') = s^2 rowsum(dO' o)
+// is the one the sink's share of the denominator needs). The sinks are
+// frozen base weights: no gradient for them.
+struct SinkFlash {
+  at::Tensor cu;        // [S + 1] int32 on the device: the non-empty sequences' offsets
+  int64_t max_len = 0;
+  int64_t window = 0;   // 0 = every earlier key
+  std::optional<int64_t> Left() const { return window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt; }
+  std::optional<int64_t> Right() const { return window > 0 ? std::optional<int64_t>(0) : std::nullopt; }
+};
+
+struct SinkFlashOut {
+  at::Tensor out;          // [T, H, hd]: o'
+  at::Tensor lse;          // [H, T] fp32
+  at::Tensor share;        // [T, H, 1] fp32: sigma(lse - s_h)
+  at::Tensor rng, unused;  // the kernel's, for its backward
+};
+
+SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
+                              const SinkFlash& f) {
+  auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
+      q, k, v, f.cu, f.cu, f.max_len, f.max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt,
+      f.Left(), f.Right());
+  (void)debug;
+  const int64_t T = q.size(0), H = q.size(1);
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == H && lse.size(1) == T,
+              "the varlen flash kernel's log-sum-exp is not [heads, tokens]: ", lse.sizes());
+  SinkFlashOut r;
+  r.lse = lse;
+  r.share = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).t().unsqueeze(-1);
+  r.out = (out.to(at::kFloat) * r.share).to(q.scalar_type());
+  r.rng = rng;
+  r.unused = unused;
+  return r;
+}
+
+struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& sinks, const SinkFlash& f) {
+    at::NoGradGuard no_grad;
+    SinkFlashOut r = SinkFlashForward(q, k, v, sinks, f);
+    ctx->save_for_backward({q, k, v, r.out, r.lse, r.share, r.rng, r.unused, f.cu});
+    ctx->saved_data["max_len"] = f.max_len;
+    ctx->saved_data["window"] = f.window;
+    return r.out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &share = saved[5];
+    SinkFlash f{saved[8], ctx->saved_data["max_len"].toInt(), ctx->saved_data["window"].toInt()};
+    const at::Tensor g = (grads[0].to(at::kFloat) * share).to(q.scalar_type()).contiguous();
+    auto [dq, dk, dv] = at::_flash_attention_backward(g, q, k, v, out, lse, f.cu, f.cu, f.max_len, f.max_len, 0.0,
+                                                      /*is_causal=*/true, saved[6], saved[7], std::nullopt, f.Left(),
+                                                      f.Right());
+    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+// The variant over the packed batch through SinkFlash where it applies (a
+// CUDA bf16/fp16 batch, sinks given, no per-query keep, head dims a multiple
+// of 8 up to 256, libtorch 2.5+); else undefined (the caller takes the
+// per-sequence math path). q [T, H, hd], k/v [T, KVH, hd]; [T, H * hd].
+at::Tensor VariantFlash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const std::vector<int64_t>& seq_begin, const AttentionVariant& var) {
+#if LOOM_TORCH_AT_LEAST(2, 5)
+  const auto t = q.scalar_type();
+  const int64_t T = q.size(0), H = q.size(1), hd = q.size(2);
+  if (!q.is_cuda() || (t != at::kBFloat16 && t != at::kHalf) || !var.sinks.defined() || var.keep.defined() ||
+      hd % 8 != 0 || hd > 256 || v.size(-1) != hd || H % k.size(1) != 0 || T == 0)
+    return {};
+  SinkFlash f;
+  f.window = var.window;
+  std::vector<int32_t> cu{0};
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    if (len == 0) continue;
+    cu.push_back(static_cast<int32_t>(seq_begin[i + 1]));
+    f.max_len = std::max(f.max_len, len);
+  }
+  f.cu = at::tensor(cu, at::TensorOptions().dtype(at::kInt)).to(q.device());
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor o;
+  if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
+    o = SinkFlashNode::apply(qc, kc, vc, var.sinks, f);
+  else
+    o = SinkFlashForward(qc, kc, vc, var.sinks, f).out;
+  return o.reshape({T, H * hd});
+#else
+  (void)q;
+  (void)k;
+  (void)v;
+  (void)seq_begin;
+  (void)var;
+  return {};
+#endif
+}
+
 }  // namespace
 
 at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks) {
@@ -82,6 +193,8 @@ at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks) {
   const at::Tensor logits = at::cat({scores, sinks.expand(shape)}, -1);
   return at::softmax(logits, -1, logits.scalar_type()).narrow(-1, 0, scores.size(-1));
 }
+
+bool VariantFlashAvailable() { return LOOM_TORCH_AT_LEAST(2, 5); }
 
 AttentionKernel DefaultAttentionKernel() {
   return compat::kHasFusedSdpa ? AttentionKernel::kSdpa : AttentionKernel::kMath;
@@ -156,6 +269,8 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
                        q.size(1), q.size(-1), v.size(-1));
   if (variant && variant->plain()) variant = nullptr;
   if (padded && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
+  if (variant && kernel == AttentionKernel::kSdpa)
+    if (at::Tensor o = VariantFlash(q, k, v, seq_begin, *variant); o.defined()) return o;
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());

@@ -16,10 +16,11 @@ namespace loom::engine {
 // per-head sink logits s_h, one extra softmax column per query row that has
 // no value and is dropped after the softmax (rows then sum to < 1), and a
 // sliding window: query i sees keys j with i - window < j <= i (window keys,
-// itself included). Such layers always take the explicit-mask math path,
-// one sequence at a time, whatever the kernel or padded layout asked for:
-// slower than SDPA or the batched padded path (a [n, L] score matrix per
-// sequence, no fused kernel), but one obviously-correct route.
+// itself included). Such layers take the explicit-mask math path, one
+// sequence at a time, whatever the padded layout asked for (a [n, L] score
+// matrix per sequence: the obviously-correct route), except where
+// VariantFlashAvailable's kernel applies (training and full prefills on
+// CUDA with kSdpa, sinks and no keep).
 // A call may also name the keys each query keeps (`keep` [n, L] bool, on
 // top of the causal rule: DSA's choice, dsa.h); that is per sequence, so
 // it is set on a copy made for one PrefixCausalAttention call, never on a
@@ -87,6 +88,13 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded = nullptr,  // batched when given
                                  const AttentionVariant* variant = nullptr);
+
+// Whether a sinks-and-window variant (gpt_oss) on CUDA in bf16/fp16 takes
+// the varlen flash kernel over the whole packed batch in
+// PackedCausalAttention with kSdpa (libtorch 2.5+): its sinks ride on the
+// kernel's log-sum-exp (the output times sigma(lse - s_h)), its window is
+// the kernel's left window; the per-sequence math path stays the reference.
+bool VariantFlashAvailable();
 
 // One sequence's new tokens over its cached prefix plus themselves: q
 // [n, H, hd] holds the last n positions of k, v [L, KVH, hd], and query i
