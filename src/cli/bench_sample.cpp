@@ -21,6 +21,7 @@
 #include <future>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -138,6 +139,30 @@ Result<Timing> RunBatch(engine::Sampler& s, int batch, const std::vector<std::st
   return t;
 }
 
+// The bytes of base weights a batch-1 decode step reads: each tensor once
+// (a tied lm_head is the embedding), one row of an untied embedding, and
+// top-k of E of each expert tensor ([E, ...] with 3 dimensions); the floor
+// issue 20 names ("the active weights' bytes").
+double DecodeStepBytes(const engine::Transformer& model) {
+  const std::vector<at::Tensor> weights = model.BaseWeights();  // the embedding, the final norm, the lm_head, ...
+  const int64_t E = model.config().num_experts, k = model.config().num_experts_per_tok;
+  std::set<const void*> seen;
+  double bytes = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    if (!seen.insert(w.data_ptr()).second) continue;
+    const double all = static_cast<double>(w.numel()) * static_cast<double>(w.element_size());
+    const bool untied_embedding = i == 0 && weights.size() > 2 && weights[2].data_ptr() != w.data_ptr();
+    if (untied_embedding)
+      bytes += all / static_cast<double>(std::max<int64_t>(1, w.size(0)));
+    else if (E > 0 && k > 0 && w.dim() == 3 && w.size(0) == E)
+      bytes += all * static_cast<double>(k) / static_cast<double>(E);
+    else
+      bytes += all;
+  }
+  return bytes;
+}
+
 int Run(const Options& o) {
   if (o.threads > 0) at::set_num_threads(o.threads);
   std::string scratch;
@@ -167,6 +192,7 @@ int Run(const Options& o) {
 
   int64_t weight_bytes = 0;
   for (const at::Tensor& w : model->BaseWeights()) weight_bytes += w.numel() * w.element_size();
+  const double step_bytes = DecodeStepBytes(*model);
   int max_batch = 1;
   for (int b : o.batches) max_batch = std::max(max_batch, b);
   engine::SamplerOptions so;
@@ -242,7 +268,10 @@ int Run(const Options& o) {
   std::printf("model %s  device %s  dtype %s  weights %.1f MB  prompt %d  new tokens %d  rank %d\n",
               o.model_dir.empty() ? (o.preset + " (generated)").c_str() : o.model_dir.c_str(), cuda ? "cuda" : "cpu",
               bf16 ? "bf16" : "fp32", weight_bytes / 1e6, o.prompt_len, o.new_tokens, o.rank);
-  if (cuda) std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms\n", weight_bytes / 4.3e12 * 1e3);
+  if (cuda)
+    std::printf("memory floor per decode step at 4.3 TB/s: %.3f ms for all weights; %.3f ms for what a batch-1 step "
+                "reads (%.1f MB: each tensor once, one row of the embedding, top-k of the experts)\n",
+                weight_bytes / 4.3e12 * 1e3, step_bytes / 4.3e12 * 1e3, step_bytes / 1e6);
   // tokens/s and ms/step: wall time over decode steps, the prompts'
   // prefill included; decode ms: one decode step alone (sampling included);
   // decode tok/s: the tokens of decode steps (each sequence's first token

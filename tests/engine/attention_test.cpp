@@ -86,7 +86,8 @@ TEST(VariantAttention, FlashSinksAndWindowMatchTheMathPathOnCuda) {
     std::vector<at::Tensor> out, grads;
     for (int path = 0; path < 3; ++path) {
       const at::ScalarType t = path == 0 ? at::kFloat : at::kBFloat16;
-      at::Tensor q = q0.to(t).requires_grad_(), k = k0.to(t).requires_grad_(), v = v0.to(t).requires_grad_();
+      at::Tensor q = q0.to(t).clone().requires_grad_(), k = k0.to(t).clone().requires_grad_(),
+                 v = v0.to(t).clone().requires_grad_();
       AttentionVariant var;
       var.sinks = sinks0.to(t);
       var.window = window;
