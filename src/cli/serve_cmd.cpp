@@ -20,6 +20,7 @@
 #include "cli/trainer_group.h"
 #include "cli/slot_plan.h"
 #include "cli/step_flags.h"
+#include "service/pass_room.h"
 #include "common/log.h"
 #include "engine/api.h"
 #include "engine/sample_api.h"
@@ -36,10 +37,6 @@
 namespace loom::cli {
 
 namespace {
-
-// With several models, the fewest tokens per training pass each one's share
-// of the device memory must hold, or `loom serve` refuses to start.
-constexpr int64_t kMinPassTokens = 512;
 
 int Fail(const std::string& message) {
   std::fprintf(stderr, "loom serve: %s\n", message.c_str());
@@ -333,12 +330,7 @@ int Serve(int argc, char** argv) {
     const int64_t pass_limit = free_limit / n;
     m.token_budget = token_budget > 0 ? token_budget : pass_limit > 0 ? pass_limit : 8192;
     if (free_limit <= 0) continue;  // the CPU: memory sets no limit the engine knows of
-    if (n > 1 && pass_limit < kMinPassTokens) {
-      return Fail(fmt::format("{}the {} models together leave room for {} tokens per training pass of '{}' ({}), "
-                              "fewer than {}; serve fewer models or lower --max-adapters, --kv-budget-tokens or "
-                              "--sampler-adapters",
-                              tag, n, pass_limit, m.name, m.engine->MemoryPlanReport(), kMinPassTokens));
-    }
+    if (Status room = service::CheckPassRoom(*m.engine, n, m.name); !room.ok()) return Fail(tag + room.message());
     std::fprintf(stderr, "loom serve: %stoken budget %lld tokens per pass (%s; at most %lld fit%s)\n", tag.c_str(),
                  static_cast<long long>(m.token_budget), m.engine->MemoryPlanReport().c_str(),
                  static_cast<long long>(pass_limit), n == 1 ? "" : fmt::format(", 1/{} of the room", n).c_str());

@@ -1,6 +1,8 @@
 // The in-process Tinker client of service_driver.h.
 #include "cli/service_driver.h"
 
+#include "service/pass_room.h"
+
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
@@ -65,6 +67,9 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     if (!opened.ok()) return opened.status();
     sampler = std::move(*opened);
   }
+  // As loom serve: a server whose slots and sampler leave no room to train is refused here.
+  if (Status room = service::CheckPassRoom(**engine, 1, model_dir.empty() ? "embedded tiny qwen3" : model_dir); !room.ok())
+    return room;
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
   if (sampler) d->service_->AttachSampler(std::move(sampler));

@@ -46,6 +46,11 @@ class FakeEngine : public engine::Engine {
 
   const engine::ModelInfo& info() const override { return info_; }
 
+  // What the memory plan reports (0: no limit, as on the CPU).
+  int64_t max_pass_tokens = 0;
+  int64_t MaxPassTokens() const override { return max_pass_tokens; }
+  std::string MemoryPlanReport() const override { return max_pass_tokens > 0 ? "a fake plan" : ""; }
+
   loom::Status ValidateForwardBackward(const engine::ForwardBackwardCall& call) const override {
     if (call.data.empty()) return Status::Invalid("data: at least one datum is required");
     for (size_t i = 0; i < call.data.size(); ++i) {

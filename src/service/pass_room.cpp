@@ -1,0 +1,21 @@
+#include "service/pass_room.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace loom::service {
+
+Status CheckPassRoom(const engine::Engine& engine, int64_t models, const std::string& name) {
+  const int64_t free_limit = engine.MaxPassTokens();
+  const int64_t share = free_limit / std::max<int64_t>(1, models);
+  if (free_limit <= 0 || share >= kMinPassTokens) return Status::Ok();
+  const std::string who =
+      models > 1 ? fmt::format("the {} models together leave", models) : std::string("the slots and the sampler leave");
+  return Status::Invalid(fmt::format(
+      "{} room for {} tokens per training pass of '{}' ({}), fewer than {}; {}lower --max-adapters, "
+      "--kv-budget-tokens or --sampler-adapters",
+      who, share, name, engine.MemoryPlanReport(), kMinPassTokens, models > 1 ? "serve fewer models or " : ""));
+}
+
+}  // namespace loom::service

@@ -1,0 +1,27 @@
+// CheckPassRoom: whether a served model's device memory, after its adapter
+// slots and every sampler's KV cache are allocated, leaves room to train. A
+// server whose slots and sampler leave no room would refuse every
+// forward_backward; `loom serve` and the benches' in-process service refuse
+// to start instead, naming the flags that free memory.
+//
+// Threading: call before the service starts.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "common/status.h"
+#include "engine/api.h"
+
+namespace loom::service {
+
+// The fewest tokens per training pass that a model's share of the device
+// memory must hold.
+constexpr int64_t kMinPassTokens = 512;
+
+// Invalid when engine's room for activations (Engine::MaxPassTokens, with
+// every layer recomputed), split over `models` models served at once, holds
+// fewer than kMinPassTokens tokens; Ok where memory sets no limit (the CPU,
+// MaxPassTokens 0). name: the model's, for the message.
+Status CheckPassRoom(const engine::Engine& engine, int64_t models, const std::string& name);
+
+}  // namespace loom::service

@@ -1,0 +1,36 @@
+// CheckPassRoom: a server whose slots and sampler leave no room to train is
+// refused at start-up with the flags that free memory, not by refusing
+// every forward_backward later.
+#include "service/pass_room.h"
+
+#include <gtest/gtest.h>
+
+#include "fake_engine.h"
+
+namespace loom::service {
+namespace {
+
+TEST(PassRoom, RefusesAServerWithNoRoomToTrainNamingTheFlags) {
+  loom::testing::FakeEngine engine;
+  EXPECT_TRUE(CheckPassRoom(engine, 1, "m").ok());  // no limit known (the CPU)
+  engine.max_pass_tokens = 1;
+  Status s = CheckPassRoom(engine, 1, "m");
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  for (const char* part : {"room for 1 tokens per training pass of 'm'", "fewer than 512", "--max-adapters",
+                           "--kv-budget-tokens", "--sampler-adapters", "a fake plan"})
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " in " << s.message();
+  EXPECT_EQ(s.message().find("serve fewer models"), std::string::npos);
+  engine.max_pass_tokens = kMinPassTokens;
+  EXPECT_TRUE(CheckPassRoom(engine, 1, "m").ok());
+  // Two models at once share the room: each must hold the minimum.
+  Status two = CheckPassRoom(engine, 2, "m");
+  ASSERT_FALSE(two.ok());
+  EXPECT_NE(two.message().find("the 2 models together leave room for 256 tokens"), std::string::npos) << two.message();
+  EXPECT_NE(two.message().find("serve fewer models"), std::string::npos);
+  engine.max_pass_tokens = 2 * kMinPassTokens;
+  EXPECT_TRUE(CheckPassRoom(engine, 2, "m").ok());
+}
+
+}  // namespace
+}  // namespace loom::service
