@@ -51,6 +51,7 @@ struct RlOptions {
   int threads = 0;
   double lr = 1e-3;
   bool heavy_tenant = false;
+  bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
   const StepFlags* sampler_steps = nullptr;
@@ -118,11 +119,17 @@ Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, int group, uin
   std::uniform_int_distribution<int32_t> tok(0, static_cast<int32_t>(d.info().vocab_size) - 1);
   std::vector<int32_t> prompt(static_cast<size_t>(o.prompt_len));
   for (int32_t& p : prompt) p = tok(rng);
-  auto path = d.SaveForSampler(t, "v0");
-  if (!path.ok()) return path.status();
+  // The version the next step samples: a named save's path (a sampling
+  // session is made on it), or with --unnamed-saves the ephemeral sampler of
+  // an unnamed save (the SDK's save_weights_and_get_sampling_client).
+  const auto save = [&](const std::string& name) {
+    return o.unnamed_saves ? d.SaveAndGetSampler(t) : d.SaveForSampler(t, name);
+  };
+  auto version = save("v0");
+  if (!version.ok()) return version.status();
   for (int step = 0; step < o.steps; ++step) {
     auto t0 = Clock::now();
-    auto session = d.NewSamplingSession(t, *path);
+    auto session = o.unnamed_saves ? version : d.NewSamplingSession(t, *version);
     if (!session.ok()) return session.status();
     tinker::SamplingParams params;
     params.max_tokens = o.new_tokens;
@@ -152,8 +159,8 @@ Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, int group, uin
     phases->train += Since(t0);
 
     t0 = Clock::now();
-    path = d.SaveForSampler(t, "step-" + std::to_string(step + 1));
-    if (!path.ok()) return path.status();
+    version = save("step-" + std::to_string(step + 1));
+    if (!version.ok()) return version.status();
     phases->save += Since(t0);
   }
   return Status::Ok();
@@ -315,10 +322,10 @@ int BenchRlRun(const RlOptions& o) {
   std::vector<Tenant>&together = sets[0], &alone = sets[1];
   const auto& info = d.info();
   std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g; "
-              "%d publish threads, token budget %lld\n",
+              "%d publish threads, token budget %lld, %s saves\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
               info.device.c_str(), info.dtype.c_str(), o.tenants, o.steps, o.group, o.prompt_len, o.new_tokens, o.rank,
-              o.lr, o.publish_threads, static_cast<long long>(o.token_budget));
+              o.lr, o.publish_threads, static_cast<long long>(o.token_budget), o.unnamed_saves ? "unnamed" : "named");
   auto conc = Round(d, together, o, /*concurrent=*/true, 11);
   if (!conc.ok()) return fail(conc.status());
   auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
@@ -389,6 +396,9 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--token-budget", o.token_budget, "tokens per training pass (as loom serve's)")
       ->default_val(o.token_budget)
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  app.add_flag("--unnamed-saves", o.unnamed_saves,
+               "save each version unnamed and sample its sampling session, as the SDK's "
+               "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
   const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
   o.sampler_steps = &step_flags;

@@ -157,6 +157,21 @@ Result<std::string> ServiceDriver::SaveForSampler(Tenant& t, const std::string& 
   return result->path->ToString();
 }
 
+Result<std::string> ServiceDriver::SaveAndGetSampler(Tenant& t) {
+  tinker::SaveWeightsForSamplerRequest save;
+  save.model_id = t.model_id;
+  save.seq_id = t.next_seq++;
+  save.sampling_session_seq_id = t.next_sampling_seq++;
+  auto sub = service_->SaveWeightsForSampler({t.name, ""}, save);
+  if (!sub.ok()) return sub.status();
+  auto saved = Await(t, sub->request_id);
+  if (!saved.ok()) return saved.status();
+  const auto* result = std::get_if<tinker::SaveWeightsForSamplerResult>(saved->result.get());
+  if (!result || !result->sampling_session_id)
+    return Status::Internal("save_weights_for_sampler answered without a sampling session");
+  return *result->sampling_session_id;
+}
+
 Result<std::string> ServiceDriver::NewSamplingSession(Tenant& t, const std::string& model_path) {
   tinker::CreateSamplingSessionRequest session;
   session.session_id = t.session_id;

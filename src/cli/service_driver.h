@@ -60,6 +60,9 @@ class ServiceDriver {
   // save_weights_for_sampler of the tenant's adapter as `name`, waited for:
   // the snapshot's tinker:// path.
   Result<std::string> SaveForSampler(Tenant& t, const std::string& name);
+  // The unnamed save_weights_for_sampler (the SDK's
+  // save_weights_and_get_sampling_client), waited for: its sampling session.
+  Result<std::string> SaveAndGetSampler(Tenant& t);
   // A sampling session on model_path (a snapshot's tinker:// path), or on the
   // base model when model_path is "", in the tenant's session.
   Result<std::string> NewSamplingSession(Tenant& t, const std::string& model_path);

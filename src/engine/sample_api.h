@@ -30,6 +30,10 @@ using SampleStopReason = tinker::StopReason;
 
 struct SampleCall {
   std::string adapter_dir;         // PEFT snapshot directory; empty = the base model
+  // Set: the adapter's weights in memory (an ephemeral sampler's snapshot,
+  // not yet or never on disk), installed from here when adapter_dir, then
+  // only its key, is not cached; where Sampler::SamplesFromMemory.
+  std::shared_ptr<const SlotSnapshot> snapshot;
   std::vector<int32_t> prompt;
   int32_t num_samples = 1;
   SamplingParams params;
@@ -230,6 +234,10 @@ class Sampler {
   // directory loads from disk as before); a snapshot of another engine's
   // kind is ignored. Any thread; never waits for a step.
   virtual void Offer(const std::string& adapter_dir, std::shared_ptr<const SlotSnapshot> snapshot) = 0;
+
+  // Whether Submit takes a call's in-memory snapshot (SampleCall::snapshot);
+  // a sampler that reads only directories (a replica's gateway) does not.
+  virtual bool SamplesFromMemory() const { return false; }
 
   virtual SamplerStats stats() const = 0;
 };

@@ -36,7 +36,23 @@ void Publisher::Stop() {
     if (w.joinable()) w.join();
 }
 
+void Publisher::OpenEphemeral(Job& job) {
+  if (!job.sampler) return;
+  {
+    std::lock_guard<std::mutex> lock(lock_.mu);
+    const engine::Sampler* sampler = sampling_.sampler.get();  // lives until ~Service, after Stop()
+    if (sampler == nullptr || !sampler->SamplesFromMemory()) return;
+    Sessions::SamplingSession session = *job.sampler;
+    session.snapshot = job.publication.snapshot;
+    session.snapshot_key = "snapshot:" + job.request_id;  // no directory's name; one per save
+    sessions_.AddSamplerLocked(std::move(session), job.session_id);
+  }
+  job.answered = true;
+  futures_.Complete(job.request_id, tinker::SaveWeightsForSamplerResult{std::nullopt, job.sampler->sampler_id});
+}
+
 void Publisher::Submit(Job job) {
+  OpenEphemeral(job);  // before the queue's lock (lock order: ServiceLock::mu first)
   std::unique_lock<std::mutex> lock(mu_);
   changed_.wait(lock, [&] { return queue_.size() + writing_.size() < capacity_; });
   queue_.push_back(std::move(job));
@@ -85,23 +101,33 @@ void Publisher::Finish(Job& job) {
   if (!committed.ok()) {
     log::Warn("publish_failed model={} path={} error=\"{}\"", pub.spec.model_id, pub.path.ToString(),
               committed.status().message());
-    return futures_.Fail(job.request_id, committed.status());
+    // An answered ephemeral sampler keeps sampling its snapshot from memory.
+    if (!job.answered) futures_.Fail(job.request_id, committed.status());
+    return;
   }
   engine::Sampler* sampler = nullptr;
   std::optional<std::string> sampler_id;
   {
     std::lock_guard<std::mutex> lock(lock_.mu);
     sampler = sampling_.sampler.get();  // lives until ~Service, after Stop()
-    if (job.sampler) {  // an unnamed save opens a sampling session on its snapshot
+    if (job.answered) {  // the ephemeral sampler samples the committed copy from now on
+      sessions_.CommitSamplerLocked(job.sampler->sampler_id, pub.path);
+    } else if (job.sampler) {  // an unnamed save opens a sampling session on its snapshot
       job.sampler->model_path = pub.path;
       sampler_id = job.sampler->sampler_id;
       sessions_.AddSamplerLocked(*job.sampler, job.session_id);
     }
   }
-  // Before the answer: a sample the client sends once it has the path finds the offer.
-  if (sampler) sampler->Offer(committed->dir, pub.snapshot);
+  // Before the answer: a sample the client sends once it has the path finds
+  // the offer. An ephemeral sampler's samples took the snapshot itself; an
+  // offer for its committed copy would wait in the sampler's bounded queue,
+  // holding device memory, for samples that mostly never come (a later one
+  // reads the files).
+  if (sampler && !job.answered) sampler->Offer(committed->dir, pub.snapshot);
   pub.snapshot.reset();
-  futures_.Complete(job.request_id, tinker::SaveWeightsForSamplerResult{pub.path, sampler_id});
+  if (!job.answered)
+    futures_.Complete(job.request_id,
+                      tinker::SaveWeightsForSamplerResult{job.sampler ? std::nullopt : std::optional(pub.path), sampler_id});
 }
 
 }  // namespace loom::service

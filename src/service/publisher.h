@@ -5,7 +5,11 @@
 // offers the snapshot to the sampler under the committed directory (so the
 // next sample of that version reads no file), opens the sampling session of
 // an unnamed save, and only then answers the future: a path a client has
-// been given is on disk, in the registry, and survives a restart.
+// been given is on disk, in the registry, and survives a restart. An unnamed
+// save (the wire's ephemeral sampler, which the cookbook's RL recipes make
+// every step) gets no path: where the sampler samples from memory its
+// session opens on the snapshot itself and the future is answered at once
+// (OpenEphemeral), and the write follows off the client's path.
 //
 // Owns: the queue of publications waiting or being written, the writer
 // threads.
@@ -56,6 +60,7 @@ class Publisher {
     Checkpoints::Publication publication;
     std::optional<Sessions::SamplingSession> sampler;  // model_path set once committed
     std::string session_id;                            // the sampler's session
+    bool answered = false;  // an ephemeral sampler's save, answered at Submit (OpenEphemeral)
   };
 
   Publisher(int threads, size_t capacity, Checkpoints& checkpoints, FutureTable& futures, Metrics& metrics,
@@ -72,6 +77,13 @@ class Publisher {
   size_t pending() const;
 
  private:
+  // An unnamed save (job.sampler set) where the sampler samples from
+  // memory: opens its sampling session on the snapshot itself and answers
+  // the future now (sampling_session_id, no path, as the wire's ephemeral
+  // sampler: spec 5.17), so the client's next sample waits for no write;
+  // the write and commit follow as for any save, then point the session at
+  // the committed directory. Else nothing (answered after the commit).
+  void OpenEphemeral(Job& job);
   void Writer();
   // The oldest queued job whose model has none being written, taken out; nullopt when none.
   std::optional<Job> TakeLocked();

@@ -129,7 +129,11 @@ Result<SampleSubmitted> Service::Sample(const Caller& caller, const tinker::Samp
       return Status::Invalid(fmt::format("asample.base_model: '{}' differs from the sampling session's '{}'",
                                          *request.base_model, session.base_model));
     }
-    if (session.model_path) {
+    if (session.snapshot) {
+      // An ephemeral sampler whose snapshot is not committed yet: from memory.
+      call.adapter_dir = session.snapshot_key;
+      call.snapshot = session.snapshot;
+    } else if (session.model_path) {
       // Resolved now, not at session creation: a deleted or unpublished
       // snapshot stops being sampleable.
       auto ckpt = registry_->GetCheckpoint(*session.model_path);

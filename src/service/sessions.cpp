@@ -69,6 +69,14 @@ const Sessions::SamplingSession* Sessions::FindSamplerLocked(const std::string& 
   return it == samplers_.end() ? nullptr : &it->second;
 }
 
+void Sessions::CommitSamplerLocked(const std::string& sampler_id, const tinker::TinkerPath& path) {
+  auto it = samplers_.find(sampler_id);
+  if (it == samplers_.end()) return;
+  it->second.model_path = path;
+  it->second.snapshot.reset();
+  it->second.snapshot_key.clear();
+}
+
 std::vector<Sessions::Session*> Sessions::ExpireIdleLocked(Clock::time_point now) {
   std::vector<Session*> expired;
   for (auto& [id, session] : sessions_) {

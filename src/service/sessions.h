@@ -19,6 +19,7 @@
 #pragma once
 #include <chrono>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,10 @@
 #include "tinker/path.h"
 #include "tinker/requests.h"
 #include "tinker/results.h"
+
+namespace loom::engine {
+class SlotSnapshot;  // engine/api.h
+}  // namespace loom::engine
 
 namespace loom::service {
 
@@ -49,7 +54,13 @@ class Sessions {
     std::string sampler_id;
     std::string owner;
     std::string base_model;
-    std::optional<tinker::TinkerPath> model_path;  // unset: the base model
+    std::optional<tinker::TinkerPath> model_path;  // unset: the base model (or, with snapshot, not yet committed)
+    // An ephemeral sampler (an unnamed save_weights_for_sampler, answered
+    // once its snapshot reached the sampler): the weights in memory and the
+    // key the sampler caches them under, until the snapshot's write commits
+    // (CommitSamplerLocked sets model_path then and drops them).
+    std::shared_ptr<const engine::SlotSnapshot> snapshot;
+    std::string snapshot_key;
   };
 
   Sessions(const ServiceOptions& options, ServiceLock& lock, IdempotencyMemory& idempotency,
@@ -68,6 +79,9 @@ class Sessions {
   // Records a sampling session and lists it on its session (if that is still known).
   void AddSamplerLocked(SamplingSession sampler, const std::string& session_id);
   const SamplingSession* FindSamplerLocked(const std::string& sampler_id) const;
+  // An ephemeral sampler's snapshot is on disk as `path`: the session samples
+  // it from there on (a no-op when the session is gone).
+  void CommitSamplerLocked(const std::string& sampler_id, const tinker::TinkerPath& path);
   // The janitor: marks the sessions idle longer than session_ttl expired and
   // returns them (their models are the caller's to fail).
   std::vector<Session*> ExpireIdleLocked(Clock::time_point now);

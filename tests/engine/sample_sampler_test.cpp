@@ -352,6 +352,37 @@ TEST(Sampler, OffersBeyondTheAdapterSlotsDropTheOldest) {
   EXPECT_EQ(s->stats().adapter_installs, 1);
 }
 
+// An ephemeral sampler's call carries its weights (SampleCall::snapshot)
+// under a key that names no directory: installed from the call, never read
+// from disk, the same tokens as the directory's copy; evicted, the call's
+// snapshot installs it again.
+TEST(Sampler, ACallsOwnSnapshotIsInstalledUnderAKeyThatNamesNoDirectory) {
+  const SampleCall from_disk = Call(kPrompt, 12, 1.0, W().adapter1, 21);
+  const SampleOutput want = SampleNow(*Open(), from_disk);
+  SamplerOptions two;
+  two.sampler_adapters = 2;
+  auto s = Open(two);
+  EXPECT_TRUE(s->SamplesFromMemory());
+  SampleCall call = from_disk;
+  call.adapter_dir = "snapshot:future-1";
+  call.snapshot = SnapshotOf(W().adapter1);
+  EXPECT_TRUE(s->Validate(call).ok());
+  SampleCall without = call;
+  without.snapshot.reset();
+  EXPECT_EQ(s->Validate(without).code(), Code::kNotFound);  // no such directory, no weights
+  const SampleOutput got = SampleNow(*s, call);
+  ASSERT_EQ(got.sequences.size(), 1u);
+  EXPECT_EQ(got.sequences[0].tokens, want.sequences[0].tokens);
+  EXPECT_EQ(got.sequences[0].logprobs, want.sequences[0].logprobs);
+  EXPECT_EQ(s->stats().adapter_installs, 1);
+  // Two other adapters evict it; the call's snapshot brings it back.
+  SampleNow(*s, Call(kPrompt, 2, 0.0, W().adapter1));
+  SampleNow(*s, Call(kPrompt, 2, 0.0, W().adapter2));
+  EXPECT_EQ(SampleNow(*s, call).sequences[0].tokens, want.sequences[0].tokens);
+  EXPECT_EQ(s->stats().adapter_installs, 2);
+  EXPECT_EQ(s->stats().adapter_loads, 2);  // adapter1 and adapter2 from their directories
+}
+
 TEST(Sampler, ContextWindowAndInputErrors) {
   SamplerOptions o;
   o.context_window = 64;

@@ -7,6 +7,7 @@
 // Thread-safe; Hold() keeps calls queued until Release(); Cancel() fails a
 // session's queued calls; Offer() only records the offers.
 #pragma once
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <limits>
@@ -107,6 +108,11 @@ class FakeSampler : public engine::Sampler {
     offers_.emplace_back(dir, std::move(snapshot));
   }
 
+  // Whether it takes calls' in-memory snapshots (as the in-process sampler
+  // does; off by default, as a replica's gateway).
+  bool SamplesFromMemory() const override { return samples_from_memory_; }
+  void set_samples_from_memory(bool on) { samples_from_memory_ = on; }
+
   engine::SamplerStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     engine::SamplerStats s;
@@ -185,6 +191,7 @@ class FakeSampler : public engine::Sampler {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool hold_ = false;
+  std::atomic<bool> samples_from_memory_{false};
   bool stop_ = false;
   int64_t done_ = 0;
   std::deque<std::pair<engine::SampleCall, engine::SampleCallback>> queue_;

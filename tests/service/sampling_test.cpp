@@ -326,6 +326,52 @@ TEST_F(SamplingServiceTest, UnnamedSaveForSamplerSessionIsSampleable) {
   EXPECT_EQ(service_->GetSampler({"bob", ""}, sampling).status().code(), Code::kNotFound);
 }
 
+// Where the sampler samples from memory, an unnamed save (the wire's
+// ephemeral sampler) is answered before its write: no path, a sampling
+// session whose calls carry the snapshot itself; once the write commits,
+// the session samples the committed directory and the checkpoint is listed.
+TEST_F(SamplingServiceTest, AnEphemeralSamplerIsAnsweredBeforeItsWriteAndSamplesFromMemory) {
+  sampler_->set_samples_from_memory(true);
+  const std::string s = Session("alice");
+  const std::string model = Model("alice", s);
+  engine_->HoldWrites();
+  const std::string save = SubmitSave("alice", model, 1, "");
+  FutureView v = Wait("alice", save);  // while the write is held
+  ASSERT_EQ(v.state, FutureState::kDone) << v.error.message();
+  const nlohmann::json result = wire::FutureResultJson(*v.result);
+  const std::string sampling = result.value("sampling_session_id", "");
+  EXPECT_EQ(sampling, s + ":sample:1");
+  EXPECT_TRUE(!result.contains("path") || result["path"].is_null()) << result.dump();
+  auto info = testing::AsJson(service_->GetSampler({"alice", ""}, sampling), wire::GetSamplerJson);
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(!info->contains("model_path") || (*info)["model_path"].is_null()) << info->dump();
+  auto first = service_->Sample({"alice", ""}, Req(sampling, 0, {1, 2}));
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  EXPECT_EQ(Wait("alice", first->request_id).state, FutureState::kDone);
+  const engine::SampleCall from_memory = sampler_->calls().back();
+  EXPECT_EQ(from_memory.adapter_dir.rfind("snapshot:", 0), 0u) << from_memory.adapter_dir;
+  EXPECT_TRUE(from_memory.snapshot != nullptr);
+  EXPECT_EQ(service_->Sample({"bob", ""}, Req(sampling, 1, {1})).status().code(), Code::kNotFound);
+
+  engine_->ReleaseWrites();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string committed;
+  while (committed.empty() && std::chrono::steady_clock::now() < deadline) {
+    auto now = testing::AsJson(service_->GetSampler({"alice", ""}, sampling), wire::GetSamplerJson);
+    if (now.ok() && now->contains("model_path") && (*now)["model_path"].is_string()) committed = (*now)["model_path"];
+    else std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_NE(committed.find("/sampler_weights/"), std::string::npos) << committed;
+  auto second = service_->Sample({"alice", ""}, Req(sampling, 2, {1, 2}));
+  ASSERT_TRUE(second.ok()) << second.status().message();
+  EXPECT_EQ(Wait("alice", second->request_id).state, FutureState::kDone);
+  const engine::SampleCall from_disk = sampler_->calls().back();
+  EXPECT_EQ(from_disk.snapshot, nullptr);
+  EXPECT_EQ(from_disk.adapter_dir.rfind("snapshot:", 0), std::string::npos) << from_disk.adapter_dir;
+  EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(from_disk.adapter_dir)));
+  EXPECT_TRUE(sampler_->offered_dirs().empty());  // the samples took the snapshot itself
+}
+
 TEST_F(SamplingServiceTest, DeletedSnapshotIs404AtSampleTime) {
   const std::string s = Session("alice");
   const std::string model = Model("alice", s);

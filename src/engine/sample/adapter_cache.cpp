@@ -26,22 +26,25 @@ void AdapterCache::Offer(const std::string& dir_in, std::shared_ptr<const PeftSn
   while (offers_.size() > entries_.size()) offers_.pop_front();
 }
 
-Status AdapterCache::Fill(int slot, const std::string& dir) {
+Status AdapterCache::Fill(int slot, const std::string& dir, std::shared_ptr<const PeftSnapshot> own) {
   const auto offer = std::find_if(offers_.begin(), offers_.end(), [&](const auto& o) { return o.first == dir; });
-  if (offer == offers_.end()) {
+  if (!own && offer == offers_.end()) {
     if (Status s = LoadPeft(*bank_, slot, dir); !s.ok()) return s;
     ++loads_;
     return Status::Ok();
   }
-  const std::shared_ptr<const PeftSnapshot> snapshot = std::move(offer->second);
-  offers_.erase(offer);
+  std::shared_ptr<const PeftSnapshot> snapshot = std::move(own);
+  if (offer != offers_.end()) {
+    if (!snapshot) snapshot = std::move(offer->second);
+    offers_.erase(offer);
+  }
   snapshot->Ready();
   if (Status s = InstallPeft(*bank_, slot, snapshot->adapter()); !s.ok()) return s;
   ++installs_;
   return Status::Ok();
 }
 
-Result<AdapterCache::Acquired> AdapterCache::Acquire(const std::string& dir_in) {
+Result<AdapterCache::Acquired> AdapterCache::Acquire(const std::string& dir_in, std::shared_ptr<const PeftSnapshot> own) {
   const std::string dir = Canonical(dir_in);
   ++clock_;
   if (auto it = slot_of_.find(dir); it != slot_of_.end()) {
@@ -68,7 +71,7 @@ Result<AdapterCache::Acquired> AdapterCache::Acquire(const std::string& dir_in) 
     e.dir.clear();
     ++evictions_;
   }
-  if (Status s = Fill(victim, dir); !s.ok()) {
+  if (Status s = Fill(victim, dir, std::move(own)); !s.ok()) {
     bank_->Release(victim);
     return s;
   }

@@ -38,10 +38,12 @@ class AdapterCache {
     int slot = -1;
     bool fresh = false;  // the slot was (re)bound now: its device copies are stale
   };
-  // The slot holding dir, installed or loaded now if it is not cached;
-  // takes a hold. Exhausted when every slot is held (the caller retries
-  // later); a load error (missing or malformed snapshot) is returned as is.
-  Result<Acquired> Acquire(const std::string& dir);
+  // The slot holding dir, installed or loaded now if it is not cached (from
+  // `own`, the call's in-memory snapshot, when given; else from an offer,
+  // else from disk); takes a hold. Exhausted when every slot is held (the
+  // caller retries later); a load error (missing or malformed snapshot) is
+  // returned as is.
+  Result<Acquired> Acquire(const std::string& dir, std::shared_ptr<const PeftSnapshot> own = nullptr);
   void Release(int slot);
 
   int64_t loads() const { return loads_; }
@@ -54,8 +56,9 @@ class AdapterCache {
     int holds = 0;
     uint64_t last_use = 0;
   };
-  // Fills slot with dir: from its offer (taken out of offers_), else from disk.
-  Status Fill(int slot, const std::string& dir);
+  // Fills slot with dir: from own when given, else from its offer (taken
+  // out of offers_), else from disk.
+  Status Fill(int slot, const std::string& dir, std::shared_ptr<const PeftSnapshot> own);
 
   SlotBank* bank_;
   std::vector<Entry> entries_;

@@ -215,6 +215,8 @@ class SamplerImpl final : public Sampler {
     if (!stop_) offers_.emplace_back(adapter_dir, std::move(peft));
   }
 
+  bool SamplesFromMemory() const override { return true; }
+
   SamplerStats stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;

@@ -84,7 +84,8 @@ void Scheduler::Admit() {
     const int64_t n = r.call.num_samples, P = r.prompt_len();
     int slot = -1;
     if (!r.call.adapter_dir.empty()) {
-      Result<AdapterCache::Acquired> got = adapters_.Acquire(r.call.adapter_dir);
+      Result<AdapterCache::Acquired> got =
+          adapters_.Acquire(r.call.adapter_dir, std::dynamic_pointer_cast<const PeftSnapshot>(r.call.snapshot));
       if (!got.ok() && got.status().code() == Code::kResourceExhausted) return sched::Take::kRefused;
       if (!got.ok()) {
         Complete(*owned, got.status());

@@ -59,7 +59,8 @@ Status ValidateSampleCall(const SamplerInfo& info, const SampleCall& c) {
     return Status::Invalid("the request needs " + std::to_string(need * info.block_size) +
                            " KV cache tokens (prompt + max_tokens for each of num_samples), more than the "
                            "sampler's KV budget of " + std::to_string(info.kv_tokens));
-  if (!c.adapter_dir.empty() && !std::filesystem::exists(std::filesystem::path(c.adapter_dir) / "adapter_config.json"))
+  if (!c.adapter_dir.empty() && !c.snapshot &&
+      !std::filesystem::exists(std::filesystem::path(c.adapter_dir) / "adapter_config.json"))
     return Status::NotFound("sampler snapshot " + c.adapter_dir + " has no adapter_config.json");
   return Status::Ok();
 }
