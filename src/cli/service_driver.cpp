@@ -1,12 +1,11 @@
 // The in-process Tinker client of service_driver.h.
 #include "cli/service_driver.h"
 
-#include "service/pass_room.h"
-
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
 
+#include "service/pass_room.h"
 #include "testmodel/make_model.h"
 #include "store/registry.h"
 

@@ -154,8 +154,10 @@ struct ExpertLoraPlan {
   const ExpertLoraRouting* lora = nullptr;
   at::Tensor tok_order, tok_inverse, tok_counts;  // tokens sorted by group; its inverse; [U + 1]
   at::Tensor seg_slot, seg_expert, seg_counts;    // the non-empty (expert, group) segments
+  at::Tensor group_scale;                         // [U + 1]: each group's alpha/r (0 for U)
+  // Only when some token has no slot (ExpertLoraRouting::unslotted), else undefined:
   at::Tensor seg_keep;                            // [S] bool: the segment's group has a slot
-  at::Tensor group_keep, group_scale;             // [U + 1]: group < U; its alpha/r (0 for U)
+  at::Tensor group_keep;                          // [U + 1] bool: group < U
 
   ExpertLoraPlan(const SlotBank& b, const ExpertLoraRouting& r, const at::Tensor& counts, int64_t T) : bank(&b), lora(&r) {
     const int64_t U = r.num_slots(), sub = U + 1;
@@ -168,14 +170,16 @@ struct ExpertLoraPlan {
     const at::Tensor seg_group = at::remainder(nz, sub);
     seg_slot = r.group_slot.index_select(0, seg_group);
     seg_expert = at::div(nz, sub, "floor");
-    seg_keep = seg_group < U;
-    group_keep = at::arange(sub, kLong.device(dev)) < U;
     group_scale = r.scale;
+    if (r.unslotted) {
+      seg_keep = seg_group < U;
+      group_keep = at::arange(sub, kLong.device(dev)) < U;
+    }
   }
   // y [T, out] = alpha/r x [T, in] f[slot(token)]^T, f [N, out, in] a shared
   // factor (0 for tokens without a slot).
   at::Tensor PerToken(const at::Tensor& x, const at::Tensor& f) const {
-    const FactorRows rows{lora->group_slot, at::Tensor(), group_scale, lora->unslotted ? group_keep : at::Tensor()};
+    const FactorRows rows{lora->group_slot, at::Tensor(), group_scale, group_keep};
     const at::Tensor w = GatherFactors(f, rows, x.scalar_type());  // [U + 1, out, in]
     const at::Tensor sorted = PermuteRowsNode::apply(x, tok_order, tok_inverse);
     return PermuteRowsNode::apply(GroupedLinear(sorted, w, tok_counts), tok_inverse, tok_order);
@@ -183,7 +187,7 @@ struct ExpertLoraPlan {
   // y [P, out] = x [P, in] f[slot, expert]^T per sorted pair, f [N, E, out, in]
   // (0 for segments without a slot).
   at::Tensor PerSegment(const at::Tensor& x, const at::Tensor& f) const {
-    const FactorRows rows{seg_slot, seg_expert, at::Tensor(), lora->unslotted ? seg_keep : at::Tensor()};
+    const FactorRows rows{seg_slot, seg_expert, at::Tensor(), seg_keep};
     const at::Tensor w = GatherFactors(f, rows, x.scalar_type());  // [S, out, in]
     return GroupedLinear(x, w, seg_counts);
   }
