@@ -302,7 +302,9 @@ int BenchRlRun(const RlOptions& o) {
   opt.model_dir = o.model_dir;
   opt.data_dir = data_dir;
   const int rounds = o.heavy_tenant ? 3 : 2;
-  opt.max_slots = rounds * o.tenants;  // fresh tenants for each round
+  // Fresh tenants for each round, the last round's unloaded first: the
+  // slots of one round's tenants, as a server of N tenants holds.
+  opt.max_slots = o.tenants;
   opt.max_rank = o.rank;
   opt.threads = o.threads;
   opt.with_sampler = true;
@@ -313,22 +315,34 @@ int BenchRlRun(const RlOptions& o) {
   auto driver = ServiceDriver::Open(opt);
   if (!driver.ok()) return fail(driver.status());
   ServiceDriver& d = **driver;
-  std::vector<std::vector<Tenant>> sets(static_cast<size_t>(rounds));
-  for (int i = 0; i < rounds * o.tenants; ++i) {
-    auto t = d.NewTenant("tenant-" + std::to_string(i), o.rank, static_cast<uint64_t>(i % o.tenants + 1));
-    if (!t.ok()) return fail(t.status());
-    sets[static_cast<size_t>(i / o.tenants)].push_back(*t);
-  }
-  std::vector<Tenant>&together = sets[0], &alone = sets[1];
+  // Round k's tenants (tenant-kN .. tenant-kN+N-1, seeds 1..N in every
+  // round), after round k-1's are unloaded.
+  std::vector<Tenant> previous;
+  auto fresh = [&](int k) -> Result<std::vector<Tenant>> {
+    for (const Tenant& t : previous)
+      if (Status s = d.Unload(t); !s.ok()) return s;
+    std::vector<Tenant> set;
+    for (int i = 0; i < o.tenants; ++i) {
+      auto t = d.NewTenant("tenant-" + std::to_string(k * o.tenants + i), o.rank, static_cast<uint64_t>(i + 1));
+      if (!t.ok()) return t.status();
+      set.push_back(*t);
+    }
+    previous = set;
+    return set;
+  };
   const auto& info = d.info();
   std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g; "
               "%d publish threads, token budget %lld, %s saves\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
               info.device.c_str(), info.dtype.c_str(), o.tenants, o.steps, o.group, o.prompt_len, o.new_tokens, o.rank,
               o.lr, o.publish_threads, static_cast<long long>(o.token_budget), o.unnamed_saves ? "unnamed" : "named");
-  auto conc = Round(d, together, o, /*concurrent=*/true, 11);
+  auto together = fresh(0);
+  if (!together.ok()) return fail(together.status());
+  auto conc = Round(d, *together, o, /*concurrent=*/true, 11);
   if (!conc.ok()) return fail(conc.status());
-  auto seq = Round(d, alone, o, /*concurrent=*/false, 11);
+  auto alone = fresh(1);
+  if (!alone.ok()) return fail(alone.status());
+  auto seq = Round(d, *alone, o, /*concurrent=*/false, 11);
   if (!seq.ok()) return fail(seq.status());
   std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s %10s\n", "tenants", "steps/s", "steps/s/ten",
               "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory",
@@ -350,7 +364,9 @@ int BenchRlRun(const RlOptions& o) {
   PrintDeviceTime("together", *conc);
   PrintDeviceTime("one by one", *seq);
   if (o.heavy_tenant) {
-    auto heavy = Round(d, sets[2], o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
+    auto set = fresh(2);
+    if (!set.ok()) return fail(set.status());
+    auto heavy = Round(d, *set, o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
     if (!heavy.ok()) return fail(heavy.status());
     Print("with heavy", *heavy, o);
     // The light tenants (1..N-1): their mean client seconds per step beside

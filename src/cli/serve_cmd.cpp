@@ -316,11 +316,22 @@ int Serve(int argc, char** argv) {
       auto local = engine::Sampler::Open(
           (*engine)->SharedModel(), sampler_options(m.dir, trainer.max_slots, trainer.max_rank, trainer.context_window));
       if (!local.ok()) return Fail(flag + ": sampler: " + local.status().message());
-      std::fprintf(stderr, "loom serve: %ssampler: %d adapter slots\n", tag.c_str(), (*local)->info().sampler_adapters);
+      const engine::SamplerInfo& si = (*local)->info();
+      std::fprintf(stderr, "loom serve: %ssampler: %d adapter slots%s\n", tag.c_str(), si.sampler_adapters,
+                   si.probe_prefill_tokens > 0
+                       ? fmt::format("; {} MiB kept for its steps (measured at start-up: a prefill of {} tokens and a "
+                                     "decode step of {} rows)",
+                                     si.step_reserve_bytes >> 20, si.probe_prefill_tokens, si.probe_decode_rows)
+                             .c_str()
+                       : "");
       sampler = std::move(*local);
     }
     opened.push_back({m.name, std::move(*engine), std::move(sampler), 0});
   }
+  // Every trainer on the device leaves every sampler's step reserve free.
+  for (OpenedModel& m : opened)
+    for (const OpenedModel& other : opened)
+      if (other.sampler) m.engine->ShareDevice(other.sampler->device_reserve());
   // After every sampler's KV cache is allocated: the pass limit is what is
   // left, and the models' passes may run at once, so each gets an equal share.
   const int64_t n = static_cast<int64_t>(opened.size());

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <mutex>
 
+#include "common/log.h"
 #include "service/pass_room.h"
 #include "testmodel/make_model.h"
 #include "store/registry.h"
@@ -65,10 +66,13 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     auto opened = engine::Sampler::Open(shared, samp);
     if (!opened.ok()) return opened.status();
     sampler = std::move(*opened);
+    (*engine)->ShareDevice(sampler->device_reserve());
   }
   // As loom serve: a server whose slots and sampler leave no room to train is refused here.
   if (Status room = service::CheckPassRoom(**engine, 1, model_dir.empty() ? "embedded tiny qwen3" : model_dir); !room.ok())
     return room;
+  if (const int64_t limit = (*engine)->MaxPassTokens(); limit > 0)
+    log::Info("trainer: at most {} tokens a pass ({})", limit, (*engine)->MemoryPlanReport());
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
   if (sampler) d->service_->AttachSampler(std::move(sampler));
@@ -95,6 +99,13 @@ Result<Tenant> ServiceDriver::NewTenant(const std::string& name, int rank, uint6
   auto done = Await(t, sub->request_id);
   if (!done.ok()) return done.status();
   return t;
+}
+
+Status ServiceDriver::Unload(const Tenant& t) {
+  auto sub = service_->UnloadModel({t.name, ""}, t.model_id);
+  if (!sub.ok()) return sub.status();
+  auto done = Await(t, sub->request_id);
+  return done.ok() ? Status::Ok() : done.status();
 }
 
 Result<std::string> ServiceDriver::SubmitForwardBackward(Tenant& t, engine::ForwardBackwardCall call) {

@@ -54,6 +54,8 @@ class ServiceDriver {
   // Submits without waiting; returns the request id.
   Result<std::string> SubmitForwardBackward(Tenant& t, engine::ForwardBackwardCall call);
   Result<std::string> SubmitOptimStep(Tenant& t, const engine::AdamParams& adam);
+  // unload_model of the tenant's model, waited for: its trainer slot is free.
+  Status Unload(const Tenant& t);
   // Blocks until the future finishes; its error when it failed.
   Result<service::FutureView> Await(const Tenant& t, const std::string& request_id);
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/device_reserve.h"
 #include "tinker/types.h"
 
 namespace loom::engine {
@@ -228,6 +229,10 @@ class Engine {
   virtual int64_t MaxPassTokens() const { return 0; }
   // One line on how the pass limit was measured (empty where none was).
   virtual std::string MemoryPlanReport() const { return {}; }
+  // Another user of this device (a sampler on the shared base) whose
+  // reserve MaxPassTokens and the passes' plans leave free from now on.
+  // Before the engine's first pass; not safe beside one.
+  virtual void ShareDevice(std::shared_ptr<const DeviceReserve> neighbour) { (void)neighbour; }
   // The training graphs so far (EngineOptions::graph_max_tokens): passes run
   // in the uniform layout, keys captured, passes replayed, the pool's bytes.
   struct GraphStats {

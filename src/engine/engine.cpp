@@ -155,6 +155,10 @@ class TrainingEngine final : public Engine {
     ResetPeakMemory();
   }
 
+  void ShareDevice(std::shared_ptr<const DeviceReserve> neighbour) override {
+    if (neighbour) neighbours_.push_back(std::move(neighbour));
+  }
+
   int64_t MaxPassTokens() const override {
     if (!cost_.known()) return 0;
     return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations()));
@@ -167,7 +171,8 @@ class TrainingEngine final : public Engine {
                static_cast<int64_t>(cost_.recomputed / 1024), " KiB with every layer recomputed, plus ",
                static_cast<int64_t>(cost_.fixed / kMiB), " MiB per pass (probes of ", probe_tokens_, " and ",
                2 * probe_tokens_, " tokens); ", static_cast<int64_t>(FreeForActivations() / kMiB),
-               " MiB free for them now");
+               " MiB free for them now", neighbours_.empty() ? std::string() : Cat(", beside ", NeighbourReserve() / (1 << 20),
+               " MiB the sampler keeps for its steps"));
   }
 
   Status BindSlot(int slot, const LoraConfig& config) override {
@@ -241,31 +246,14 @@ class TrainingEngine final : public Engine {
   void ForgetGradMark(int slot) override { marks_.erase(slot); }
 
   DeviceMemory Memory() const override {
-    DeviceMemory m;
-#if LOOM_CUDA_KERNELS
-    if (model_->device().is_cuda()) {
-      namespace alloc = c10::cuda::CUDACachingAllocator;
-      const auto stats = alloc::getDeviceStats(model_->device().index() < 0 ? 0 : model_->device().index());
-      constexpr size_t all = 0;  // StatType::AGGREGATE (its namespace moved between 1.13 and 2.x)
-      m.allocated = stats.allocated_bytes[all].current;
-      m.peak_allocated = stats.allocated_bytes[all].peak;
-      m.reserved = stats.reserved_bytes[all].current;
-      m.device_mallocs = stats.segment[all].allocated;
-      m.alloc_retries = stats.num_alloc_retries;
-    }
-#endif
-    return m;
+    const AllocatorCounters c = ReadAllocator(model_->device());
+    return DeviceMemory{c.allocated, c.peak_allocated, c.reserved, c.mallocs, c.retries};
   }
   GraphStats TrainGraphStats() const override {
     const auto& s = graphs_.stats();
     return GraphStats{s.passes, s.captures, s.replays, s.pool_bytes};
   }
-  void ResetPeakMemory() override {
-#if LOOM_CUDA_KERNELS
-    if (model_->device().is_cuda())
-      c10::cuda::CUDACachingAllocator::resetPeakStats(model_->device().index() < 0 ? 0 : model_->device().index());
-#endif
-  }
+  void ResetPeakMemory() override { ResetAllocatorPeak(model_->device()); }
 
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
     UseThisThread();
@@ -326,17 +314,24 @@ class TrainingEngine final : public Engine {
  private:
   // Device memory a pass may fill: 90% of the device (the caching
   // allocator's rounding and fragmentation take the rest) less what live
-  // tensors hold now (weights, slots, moments, the sampler's KV cache).
+  // tensors hold now (weights, slots, moments, the sampler's KV cache), the
+  // training graphs' pool and what the device's other users keep in reserve
+  // (ShareDevice: the sampler's largest step and its graphs' idle pool).
   double FreeForActivations() const {
 #if LOOM_CUDA_KERNELS
     if (model_->device().is_cuda()) {
       const auto* props = at::cuda::getDeviceProperties(model_->device().index() < 0 ? 0 : model_->device().index());
       // The training graphs' pool is reserved for them, allocated or not.
       return 0.90 * static_cast<double>(props->totalGlobalMem) - static_cast<double>(Memory().allocated) -
-             static_cast<double>(graphs_.stats().pool_bytes);
+             static_cast<double>(graphs_.stats().pool_bytes) - static_cast<double>(NeighbourReserve());
     }
 #endif
     return 0;
+  }
+  int64_t NeighbourReserve() const {
+    int64_t bytes = 0;
+    for (const auto& n : neighbours_) bytes += n->bytes.load(std::memory_order_relaxed);
+    return bytes;
   }
 
   // Every datum's tokens (invalid calls are left out of the pass later, so
@@ -416,6 +411,7 @@ class TrainingEngine final : public Engine {
   int64_t recompute_layers_;  // -1: planned per pass
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
+  std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice
   std::thread::id configured_thread_ = std::this_thread::get_id();
   std::shared_ptr<Transformer> model_;  // shared with the Sampler (SharedModel)
   ModelInfo info_;

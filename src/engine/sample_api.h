@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "engine/device_reserve.h"
 #include "tinker/types.h"
 
 namespace loom::engine {
@@ -126,6 +127,11 @@ struct SamplerOptions {
   // step, so requests sent together share one prefill. 0 = start at once.
   std::chrono::microseconds admission_window{0};
   DecodeOptions decode;
+  // At start-up, run the largest steps once (Scheduler::Probe) and keep
+  // their working memory in reserve (Sampler::device_reserve, which the
+  // trainer leaves free). Unset: on a CUDA device only; true: also on the
+  // CPU, where nothing is measured (tests of the probe's traces).
+  std::optional<bool> probe_steps;
 };
 
 // The most of the device's memory the auto --sampler-adapters takes.
@@ -142,6 +148,12 @@ struct SamplerInfo {
   std::vector<int32_t> eos_token_ids;
   int32_t max_num_samples = 0;    // num_samples a call may ask for (max_num_samples, at most max_batch_rows)
   int max_rank = 0;               // the largest LoRA rank of a snapshot it samples
+  // Device memory its steps take beyond its live tensors, measured at
+  // start-up (SamplerOptions::probe_steps; 0 where not probed): the largest
+  // step's working memory and the decode graphs' idle pool.
+  int64_t step_reserve_bytes = 0;
+  int64_t probe_prefill_tokens = 0;  // the probe's prefill (0: none ran)
+  int64_t probe_decode_rows = 0;     // and its decode step's rows
 };
 
 // Blocks of block_size tokens one call needs at most: every sample holds
@@ -238,6 +250,10 @@ class Sampler {
   // Whether Submit takes a call's in-memory snapshot (SampleCall::snapshot);
   // a sampler that reads only directories (a replica's gateway) does not.
   virtual bool SamplesFromMemory() const { return false; }
+
+  // What this sampler keeps in reserve on the device it shares with a
+  // trainer (Engine::ShareDevice); null for one that holds no device.
+  virtual std::shared_ptr<const DeviceReserve> device_reserve() const { return nullptr; }
 
   virtual SamplerStats stats() const = 0;
 };

@@ -270,6 +270,34 @@ TEST(Sampler, TwoAdaptersInOneDecodeStepEachEqualTheirSoloRun) {
   EXPECT_GE(s->stats().max_adapters_in_step, 2);
 }
 
+TEST(Sampler, TheStartUpProbeOfItsLargestStepsLeavesNoTrace) {
+  // The probe (on the CPU only when asked) prefills into free KV blocks and
+  // decodes max_batch_rows rows through a scratch adapter in slot 0; after
+  // it every block and slot is free and sampling is unchanged.
+  SamplerOptions probed;
+  probed.probe_steps = true;
+  probed.max_prefill_tokens = 48;
+  probed.max_batch_rows = 8;
+  SamplerOptions plain = probed;
+  plain.probe_steps = false;
+  auto p = Open(probed), q = Open(plain);
+  EXPECT_EQ(p->info().probe_prefill_tokens, 48);
+  EXPECT_EQ(p->info().probe_decode_rows, 8);
+  EXPECT_EQ(q->info().probe_prefill_tokens, 0);
+  ASSERT_NE(p->device_reserve(), nullptr);
+  EXPECT_EQ(p->device_reserve()->bytes.load(), 0) << "nothing is measured on the CPU";
+  const SamplerStats fresh = p->stats();
+  EXPECT_EQ(fresh.kv_blocks_free, p->info().kv_blocks);
+  EXPECT_EQ(fresh.kv_blocks_cached, 0);
+  EXPECT_EQ(fresh.requests_done + fresh.prefill_steps + fresh.decode_steps, 0);
+  for (const std::string& adapter : {W().adapter1, std::string()}) {
+    const SampleOutput a = SampleNow(*p, Call(kPrompt, 24, 1.0, adapter, 5));
+    const SampleOutput b = SampleNow(*q, Call(kPrompt, 24, 1.0, adapter, 5));
+    EXPECT_EQ(a.sequences[0].tokens, b.sequences[0].tokens) << adapter;
+    EXPECT_EQ(a.sequences[0].logprobs, b.sequences[0].logprobs) << adapter;
+  }
+}
+
 TEST(Sampler, EvictedAdapterReloadsWithUnchangedResults) {
   SamplerOptions two;
   two.sampler_adapters = 2;

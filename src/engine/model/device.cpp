@@ -57,15 +57,43 @@ double HostAvailableBytes() {
 double DeviceFreeBytes(at::Device device) {
 #if LOOM_CUDA_KERNELS
   if (device.is_cuda()) {
-    const int index = device.index() < 0 ? 0 : device.index();
-    const auto* props = at::cuda::getDeviceProperties(index);
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
-    constexpr size_t all = 0;  // StatType::AGGREGATE
-    return static_cast<double>(props->totalGlobalMem) - static_cast<double>(stats.allocated_bytes[all].current);
+    const auto* props = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index());
+    return static_cast<double>(props->totalGlobalMem) - static_cast<double>(ReadAllocator(device).allocated);
   }
 #endif
   (void)device;
   return HostAvailableBytes();
+}
+
+AllocatorCounters ReadAllocator(at::Device device) {
+  AllocatorCounters c;
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
+    constexpr size_t all = 0;  // StatType::AGGREGATE (its namespace moved between 1.13 and 2.x)
+    c.allocated = stats.allocated_bytes[all].current;
+    c.peak_allocated = stats.allocated_bytes[all].peak;
+    c.reserved = stats.reserved_bytes[all].current;
+    c.mallocs = stats.segment[all].allocated;
+    c.retries = stats.num_alloc_retries;
+  }
+#endif
+  (void)device;
+  return c;
+}
+
+void ResetAllocatorPeak(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index() < 0 ? 0 : device.index());
+#endif
+  (void)device;
+}
+
+void ReleaseAllocatorCache(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  (void)device;
 }
 
 }  // namespace loom::engine

@@ -25,4 +25,18 @@ double HostAvailableBytes();
 // slots); on the CPU HostAvailableBytes().
 double DeviceFreeBytes(at::Device device);
 
+// The CUDA caching allocator's counters on `device` (all 0 elsewhere).
+struct AllocatorCounters {
+  int64_t allocated = 0;       // held by live tensors now (private graph pools' included)
+  int64_t peak_allocated = 0;  // the most since the last ResetAllocatorPeak
+  int64_t reserved = 0;        // taken from the driver (live tensors and the cache)
+  int64_t mallocs = 0;         // segments taken from the driver (cudaMalloc calls)
+  int64_t retries = 0;         // cudaMallocs retried after freeing the cache
+};
+AllocatorCounters ReadAllocator(at::Device device);
+void ResetAllocatorPeak(at::Device device);
+// Gives the cached blocks no live tensor holds back to the driver (a graph
+// pool's blocks stay with it).
+void ReleaseAllocatorCache(at::Device device);
+
 }  // namespace loom::engine

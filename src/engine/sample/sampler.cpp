@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/batch_window.h"
+#include "common/log.h"
 #include "engine/io/peft_snapshot.h"
 #include "engine/api.h"
 #include "engine/model/device.h"
@@ -120,6 +121,45 @@ Status CheckDeviceRoom(const Transformer& model, const SamplerOptions& options, 
 }
 
 class SamplerImpl final : public Sampler {
+ private:
+  // Scheduler::Probe on this device, measured by the caching allocator:
+  // the reserve is the peak above the live tensors after it (the largest
+  // step's working memory) plus what the probe left reserved and unused
+  // (the decode graphs' pool, which no other allocation can take). Before
+  // the decode thread starts; the trainer runs nothing yet.
+  Status ProbeSteps() {
+    c10::NoGradGuard no_grad;
+    const int64_t tokens = std::max<int64_t>(1, std::min(options_.max_prefill_tokens, info_.context_window - 1));
+    try {
+      ReleaseAllocatorCache(device_);
+      const AllocatorCounters before = ReadAllocator(device_);
+      ResetAllocatorPeak(device_);
+      scheduler_->Probe(tokens, info_.context_window);
+      ReleaseAllocatorCache(device_);
+      const AllocatorCounters after = ReadAllocator(device_);
+      const int64_t working = std::max<int64_t>(0, after.peak_allocated - after.allocated);
+      const int64_t pool =
+          std::max<int64_t>(0, (after.reserved - after.allocated) - (before.reserved - before.allocated));
+      info_.step_reserve_bytes = working + pool;
+      info_.probe_prefill_tokens = tokens;
+      info_.probe_decode_rows = std::min<int64_t>(options_.max_batch_rows, info_.kv_blocks);
+      reserve_->bytes.store(info_.step_reserve_bytes);
+      if (device_.is_cuda())
+        log::Info("sampler: its largest steps (a prefill of {} tokens, a decode step of {} rows) take {} MiB beyond "
+                  "its tensors ({} MiB working memory, {} MiB idle graph pool): kept in reserve",
+                  tokens, info_.probe_decode_rows, info_.step_reserve_bytes >> 20, working >> 20, pool >> 20);
+      return Status::Ok();
+    } catch (const std::exception& e) {
+      ReleaseAllocatorCache(device_);
+      return Status::Invalid("the sampler's largest steps, a prefill of " + std::to_string(tokens) +
+                             " prompt tokens (--max-prefill-tokens) and a decode step of " +
+                             std::to_string(options_.max_batch_rows) +
+                             " rows (--max-batch-rows), do not fit on " + device_.str() +
+                             " beside its KV cache and adapter slots (" + e.what() +
+                             "): lower those flags, --kv-budget-tokens or --sampler-adapters");
+    }
+  }
+
  public:
   SamplerImpl(std::shared_ptr<const Transformer> model, const SamplerOptions& options,
               std::unique_ptr<Detokenizer> detok, SamplerInfo info)
@@ -146,9 +186,14 @@ class SamplerImpl final : public Sampler {
     device_ = model->device();
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);
+    if (options.probe_steps.value_or(device_.is_cuda())) probe_ = ProbeSteps();
     stats_ = scheduler_->stats();
     thread_ = std::thread([this] { Loop(); });
   }
+
+  // Whether the start-up probe's steps fit (Open refuses the sampler if not).
+  const Status& probe_status() const { return probe_; }
+  std::shared_ptr<const DeviceReserve> device_reserve() const override { return reserve_; }
 
   ~SamplerImpl() override {
     {
@@ -303,6 +348,8 @@ class SamplerImpl final : public Sampler {
 
   SamplerOptions options_;
   at::Device device_ = at::kCPU;
+  std::shared_ptr<DeviceReserve> reserve_ = std::make_shared<DeviceReserve>();
+  Status probe_ = Status::Ok();
   std::unique_ptr<Detokenizer> detok_;
   SamplerInfo info_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -373,7 +420,9 @@ Result<std::unique_ptr<Sampler>> Sampler::Open(std::shared_ptr<const Transformer
   SamplerOptions chosen = options;
   chosen.sampler_adapters = info.sampler_adapters;
   try {
-    return std::unique_ptr<Sampler>(new SamplerImpl(std::move(model), chosen, std::move(detok), std::move(info)));
+    auto impl = std::make_unique<SamplerImpl>(std::move(model), chosen, std::move(detok), std::move(info));
+    if (!impl->probe_status().ok()) return impl->probe_status();
+    return std::unique_ptr<Sampler>(std::move(impl));
   } catch (const std::exception& e) {  // e.g. the allocator, when another process took the memory meanwhile
     return Status::Internal(std::string("sampler: allocating its KV cache, states and adapter slots: ") + e.what());
   }

@@ -7,6 +7,7 @@
 #include <exception>
 #include <iterator>
 #include <map>
+#include <stdexcept>
 
 #include "engine/sample/op_count.h"
 #include "engine/sample/sampling.h"
@@ -27,6 +28,63 @@ Scheduler::Scheduler(std::shared_ptr<const Transformer> model, std::unique_ptr<S
   // One state slot a row: at most max_batch_rows sequences run at once.
   if (runner_.ReserveStates(limits_.max_batch_rows))
     for (int i = limits_.max_batch_rows - 1; i >= 0; --i) free_states_.push_back(i);
+}
+
+void Scheduler::Probe(int64_t prefill_tokens, int64_t context_window) {
+  const int64_t bs = blocks_.block_size(), nblocks = blocks_.num_blocks();
+  const int64_t V = runner_.model().config().vocab_size;
+  const bool lora = bank_->num_slots() > 0;
+  if (lora) {
+    LoraConfig scratch;
+    scratch.rank = bank_->max_rank();
+    scratch.alpha = scratch.rank;
+    scratch.seed = 1;
+    if (Status st = bank_->Bind(0, scratch); !st.ok()) throw std::runtime_error(st.message());
+    runner_.SlotChanged(0);
+  }
+  struct Release {
+    Scheduler* s;
+    bool lora;
+    ~Release() {
+      if (!lora) return;
+      s->bank_->Release(0);
+      s->runner_.SlotChanged(0);
+    }
+  } release{this, lora};
+  SampleRequest r;
+  r.slot = lora ? 0 : -1;
+  const int64_t T = std::max<int64_t>(1, std::min(prefill_tokens, nblocks * bs));
+  for (int64_t i = 0; i < T; ++i) r.call.prompt.push_back(static_cast<int32_t>((i * 7919 + 1) % V));
+  auto s0 = std::make_unique<Sequence>();
+  s0->request = &r;
+  for (int64_t b = 0; b * bs < T; ++b) s0->block_table.push_back(static_cast<int>(b));
+  if (!free_states_.empty()) s0->state = free_states_.back();
+  r.sequences.push_back(std::move(s0));
+  runner_.Prefill({PrefillChunk{&r, 0, T}});
+  // The decode rows: each at a context of its share of the cache.
+  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(limits_.max_batch_rows, nblocks));
+  const int64_t per_row = std::max<int64_t>(1, nblocks / rows);
+  const int64_t context = std::max<int64_t>(1, std::min(per_row * bs, context_window));
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  std::vector<Sequence*> step;
+  for (int64_t i = 0; i < rows; ++i) {
+    auto q = std::make_unique<Sequence>();
+    q->request = &r;
+    q->tokens = {1};
+    for (int64_t b = 0; b < per_row; ++b) q->block_table.push_back(static_cast<int>(i * per_row + b));
+    q->cached = context - 1;
+    if (i < static_cast<int64_t>(free_states_.size())) q->state = free_states_[static_cast<size_t>(i)];
+    step.push_back(q.get());
+    seqs.push_back(std::move(q));
+  }
+  const at::Tensor logits = runner_.Decode(step);
+  std::vector<RowChoiceParams> params(static_cast<size_t>(rows));
+  for (RowChoiceParams& p : params) {
+    p.top_k = 50;
+    p.top_p = 0.9;
+    p.u = 0.5;
+  }
+  (void)ChooseTokens(logits, params);
 }
 
 void Scheduler::EnsureBlock(Sequence& s, int64_t pos) {

@@ -80,6 +80,16 @@ class Scheduler {
   SamplerStats stats() const;
   const BlockManager& blocks() const { return blocks_; }
 
+  // Runs, at start-up (idle, every block and slot free), the steps whose
+  // working memory is the largest this scheduler will need, so the caller
+  // can measure it: an eager prefill of `prefill_tokens` new tokens and a
+  // decode step of max_batch_rows rows at a context that fills the KV cache
+  // (at most context_window; on CUDA its graph is captured then), both through a scratch adapter at
+  // the bank's max rank, and the truncated sampling of those rows. It writes
+  // only into free KV blocks, binds and releases slot 0, publishes nothing,
+  // and completes no request. Throws what the device throws.
+  void Probe(int64_t prefill_tokens, int64_t context_window);
+
  private:
   void Admit();
   void PrefillStep(std::vector<PrefillChunk> chunks);
