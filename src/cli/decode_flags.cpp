@@ -32,6 +32,11 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "eager, 2.4-5x slower on the H200)")
       ->default_val(moe_graphs_)
       ->check(on_off);
+  app.add_option("--moe-decode-gemv", moe_gemv_,
+                 "on | off: on the MoE decode graphs, steps of at most 32 (token, expert) pairs run each pair's "
+                 "expert projections as matrix-vector products (off: grouped GEMMs over the sorted pairs)")
+      ->default_val(moe_gemv_)
+      ->check(on_off);
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -45,6 +50,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.fast_prefill_tokens = fast_prefill_;
   o.priority_stream = stream_ == "priority";
   o.moe_graphs = moe_graphs_ == "on";
+  o.moe_gemv = moe_gemv_ == "on";
   return o;
 }
 

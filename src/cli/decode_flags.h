@@ -19,7 +19,8 @@ class DecodeFlags {
   engine::DecodeOptions options() const;
 
  private:
-  std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on";
+  std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on",
+              moe_gemv_ = "on";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };

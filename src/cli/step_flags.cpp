@@ -25,6 +25,13 @@ StepFlags::StepFlags(CLI::App& app) {
                  "--contended-prefill-tokens)")
       ->default_val(mixed_)
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--device-turn-ms", turn_ms_,
+                 "how the sampler's steps share a GPU with the trainer's passes: 0 = interleaved on one stream in "
+                 "launch order; N > 0 = in turns, first come first served, each turn ending with the device's "
+                 "queued work done, the sampler keeping its turn for consecutive steps until idle or, while a "
+                 "pass waits, N ms")
+      ->default_val(turn_ms_)
+      ->check(CLI::Range(int64_t{0}, int64_t{60000}));
 }
 
 void StepFlags::Apply(engine::SamplerOptions* o) const {
@@ -32,6 +39,7 @@ void StepFlags::Apply(engine::SamplerOptions* o) const {
   o->contended_prefill_tokens = values_.contended_prefill_tokens;
   o->contended_decode_rows = values_.contended_decode_rows;
   o->mixed_steps = mixed_ == "on";
+  o->device_turn = std::chrono::milliseconds(turn_ms_);
 }
 
 }  // namespace loom::cli

@@ -156,7 +156,9 @@ class TrainingEngine final : public Engine {
   }
 
   void ShareDevice(std::shared_ptr<const DeviceReserve> neighbour) override {
-    if (neighbour) neighbours_.push_back(std::move(neighbour));
+    if (!neighbour) return;
+    if (neighbour->turns) turns_.push_back(neighbour->turns);
+    neighbours_.push_back(std::move(neighbour));
   }
 
   int64_t MaxPassTokens() const override {
@@ -202,6 +204,7 @@ class TrainingEngine final : public Engine {
 
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
     UseThisThread();
+    const DeviceTurn turn = TakeTurn();
     std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
     // Where each training slot's gradient stood, to undo a half-done backward.
     std::vector<train::GradMark> before;
@@ -257,6 +260,7 @@ class TrainingEngine final : public Engine {
 
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
     UseThisThread();
+    const DeviceTurn turn = TakeTurn();
     try {
       return optimizer_.Step(bank_, calls);
     } catch (const std::exception& e) {
@@ -328,6 +332,25 @@ class TrainingEngine final : public Engine {
 #endif
     return 0;
   }
+  // A pass's or a step's turns on the device shared with the samplers that
+  // take turns (DeviceReserve::turns), in a fixed order; on leaving, the
+  // device's queued work is done first, so the next holder never waits on it.
+  struct DeviceTurn {
+    std::vector<DeviceTurns::Turn> turns;
+    at::Device device = at::kCPU;
+    DeviceTurn() = default;
+    DeviceTurn(DeviceTurn&&) = default;
+    ~DeviceTurn() {
+      if (!turns.empty()) SynchronizeDevice(device);
+    }
+  };
+  DeviceTurn TakeTurn() const {
+    DeviceTurn t;
+    t.device = model_->device();
+    for (const auto& turns : turns_) t.turns.push_back(turns->Take());
+    return t;
+  }
+
   int64_t NeighbourReserve() const {
     int64_t bytes = 0;
     for (const auto& n : neighbours_) bytes += n->bytes.load(std::memory_order_relaxed);
@@ -412,6 +435,7 @@ class TrainingEngine final : public Engine {
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
   std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice
+  std::vector<std::shared_ptr<DeviceTurns>> turns_;               // theirs that take turns
   std::thread::id configured_thread_ = std::this_thread::get_id();
   std::shared_ptr<Transformer> model_;  // shared with the Sampler (SharedModel)
   ModelInfo info_;

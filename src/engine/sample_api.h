@@ -76,6 +76,11 @@ struct DecodeOptions {
   // than the eager one, and 8 adapters at batch 64 2.4x (docs/benchmarks.md).
   // Off: MoE models decode eager.
   bool moe_graphs = true;
+  // --moe-decode-gemv on (the default): on those graphs, a step of at most
+  // 32 (token, expert) pairs (4 rows at top-8) runs each pair's expert
+  // projections as matrix-vector products over its own expert's rows
+  // (MoeForward's pair_gemv); off: the sorted pairs' grouped GEMMs.
+  bool moe_gemv = true;
 };
 
 struct SamplerOptions {
@@ -127,6 +132,12 @@ struct SamplerOptions {
   // step, so requests sent together share one prefill. 0 = start at once.
   std::chrono::microseconds admission_window{0};
   DecodeOptions decode;
+  // How the sampler's steps share a CUDA device with the trainer's passes
+  // (engine/device_reserve.h): 0 = interleaved, both launching on the
+  // stream in launch order; > 0 = in turns (DeviceTurns, first come first
+  // served), the sampler keeping its turn for consecutive steps until it
+  // is idle or, while a pass waits, this long has passed.
+  std::chrono::milliseconds device_turn{0};
   // At start-up, run the largest steps once (Scheduler::Probe) and keep
   // their working memory in reserve (Sampler::device_reserve, which the
   // trainer leaves free). Unset: on a CUDA device only; true: also on the

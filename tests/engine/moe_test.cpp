@@ -280,6 +280,50 @@ TEST(MoeCuda, GroupedGemmMatchesTheCpuPath) {
   EXPECT_LT(RelDiff(g_gpu, g_cpu), 0.05);
 }
 
+// The decode graphs' pair_gemv (each pair's expert projections as
+// matrix-vector products) against the same block on the sorted pairs'
+// grouped GEMMs: with and without the rows' expert LoRA, and with
+// gpt_oss's biases and clamped SwiGLU; past 32 pairs it is the grouped path.
+TEST(MoeCuda, PairGemvMatchesTheGroupedPairForm) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const int64_t E = 8, H = 64, I = 32, R = 8;
+  at::manual_seed(21);
+  MoeWeights w;
+  w.router = at::randn({E, H}).to(at::kCUDA, at::kBFloat16);
+  w.gate_up = (0.2 * at::randn({E, 2 * I, H})).to(at::kCUDA, at::kBFloat16);
+  w.down = (0.2 * at::randn({E, H, I})).to(at::kCUDA, at::kBFloat16);
+  w.top_k = 2;
+  w.norm_topk = true;
+  SlotBank bank(2, R, at::kCUDA, ExpertTargets(E, H, I));
+  BindRandom(bank, 0, 8, 16.0, 1, 0.3);
+  BindRandom(bank, 1, 4, 8.0, 2, 0.3);
+  c10::NoGradGuard no_grad;
+  const auto check = [&](const MoeWeights& m, int64_t T, const std::string& what) {
+    const at::Tensor h = at::randn({T, H}).to(at::kCUDA, at::kBFloat16);
+    std::vector<int32_t> slots;
+    for (int64_t t = 0; t < T; ++t) slots.push_back(static_cast<int32_t>(t % 3) - 1);  // -1, 0, 1, ...
+    const ExpertLoraRows rows = ExpertLoraRows::FromSlots(bank, at::tensor(slots, at::kInt).to(at::kCUDA));
+    for (const ExpertLoraRows& r : {rows, ExpertLoraRows{}}) {
+      const at::Tensor want = MoeForward(m, h, bank, &bank.targets()[0], &bank.targets()[1], r, false);
+      const at::Tensor got = MoeForward(m, h, bank, &bank.targets()[0], &bank.targets()[1], r, true);
+      const std::string label = what + " T=" + std::to_string(T) + (r.defined() ? " lora" : " base");
+      if (T * m.top_k > 32) {
+        EXPECT_TRUE(at::equal(got, want)) << label;
+      } else {
+        EXPECT_LT(RelDiff(got.to(at::kFloat).cpu(), want.to(at::kFloat).cpu()), 0.02) << label;
+      }
+    }
+  };
+  for (int64_t T : {1, 4, 16, 20}) check(w, T, "qwen3_moe");
+  MoeWeights biased = w;
+  biased.gate_up_bias = (0.1 * at::randn({E, 2 * I})).to(at::kCUDA, at::kBFloat16);
+  biased.down_bias = (0.1 * at::randn({E, H})).to(at::kCUDA, at::kBFloat16);
+  biased.activation = MoeActivation::kClampedSwiGlu;
+  biased.router_kind = MoeRouter::kTopKSoftmax;
+  biased.router_bias = (0.1 * at::randn({E})).to(at::kCUDA, at::kBFloat16);
+  for (int64_t T : {1, 3}) check(biased, T, "gpt_oss");
+}
+
 class MoePeft : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -12,7 +12,9 @@
 #include <filesystem>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "engine/io/peft.h"
 #include "engine/io/peft_snapshot.h"
@@ -296,6 +298,61 @@ TEST(Sampler, TheStartUpProbeOfItsLargestStepsLeavesNoTrace) {
     EXPECT_EQ(a.sequences[0].tokens, b.sequences[0].tokens) << adapter;
     EXPECT_EQ(a.sequences[0].logprobs, b.sequences[0].logprobs) << adapter;
   }
+}
+
+TEST(DeviceTurns, TurnsAreTakenInArrivalOrder) {
+  DeviceTurns turns;
+  DeviceTurns::Turn first = turns.Take();
+  EXPECT_FALSE(turns.contended());
+  std::vector<int> order;
+  std::mutex mu;
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 3; ++i) {
+    waiters.emplace_back([&, i] {
+      DeviceTurns::Turn t = turns.Take();
+      std::lock_guard<std::mutex> lock(mu);
+      order.push_back(i);
+    });
+    // Each waiter queued before the next starts.
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  EXPECT_TRUE(turns.contended());
+  first.Release();
+  for (auto& w : waiters) w.join();
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+  EXPECT_FALSE(turns.contended());
+}
+
+TEST(Sampler, InTurnsItRunsNoStepWhileAnotherHoldsTheDevice) {
+  // --device-turn-ms: the trainer's pass holds a turn; the sampler's steps
+  // wait for it, and a running request gives its turn up within the
+  // turn's time once a pass waits.
+  SamplerOptions o;
+  o.device_turn = std::chrono::milliseconds(1);
+  auto s = Open(o);
+  ASSERT_NE(s->device_reserve(), nullptr);
+  const std::shared_ptr<DeviceTurns> turns = s->device_reserve()->turns;
+  ASSERT_NE(turns, nullptr);
+  const auto steps = [&] { return s->stats().decode_steps + s->stats().prefill_steps; };
+  {
+    DeviceTurns::Turn pass = turns->Take();
+    auto f = Start(*s, Call(kPrompt, 8, 0.0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(steps(), 0) << "a step ran during another's turn";
+    pass.Release();
+    ASSERT_TRUE(f.get().ok());
+  }
+  auto f = Start(*s, Call(kPrompt, 400, 0.0));
+  while (steps() < 3) std::this_thread::yield();
+  {
+    DeviceTurns::Turn pass = turns->Take();  // granted once the sampler's turn ends
+    const int64_t during = steps();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(steps(), during);
+  }
+  Result<SampleOutput> r = f.get();
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(r->sequences[0].tokens.size(), 400u);
 }
 
 TEST(Sampler, EvictedAdapterReloadsWithUnchangedResults) {

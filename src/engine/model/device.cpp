@@ -3,6 +3,8 @@
 #if LOOM_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #endif
 
 #include <fstream>
@@ -92,6 +94,16 @@ void ResetAllocatorPeak(at::Device device) {
 void ReleaseAllocatorCache(at::Device device) {
 #if LOOM_CUDA_KERNELS
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  (void)device;
+}
+
+void SynchronizeDevice(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) {
+    c10::cuda::CUDAGuard guard(device.index() < 0 ? 0 : device.index());
+    c10::cuda::device_synchronize();
+  }
 #endif
   (void)device;
 }

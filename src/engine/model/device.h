@@ -38,5 +38,7 @@ void ResetAllocatorPeak(at::Device device);
 // Gives the cached blocks no live tensor holds back to the driver (a graph
 // pool's blocks stay with it).
 void ReleaseAllocatorCache(at::Device device);
+// Waits for all work queued on a CUDA device (nothing elsewhere).
+void SynchronizeDevice(at::Device device);
 
 }  // namespace loom::engine

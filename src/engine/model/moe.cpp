@@ -5,11 +5,18 @@
 #include <stdexcept>
 #include <tuple>
 
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "engine/lora/lora_nodes.h"
 #include "engine/model/compat.h"
 #include "engine/model/lean_ops.h"
+
+#if LOOM_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+
+#include "engine/model/cuda/gemv.h"
+#endif
 
 namespace loom::engine {
 namespace {
@@ -384,14 +391,71 @@ std::pair<at::Tensor, at::Tensor> Route(const MoeWeights& w, const at::Tensor& h
   return {top_p.to(h.scalar_type()), top_e};
 }
 
+// The pair form's block for a decode step's few pairs (moe.h,
+// MoeForward's pair_gemv): the T * K pairs in (token, choice) order, each
+// pair's two projections one matrix-vector product over its own expert's
+// rows (cuda::ExpertGemv), so no sort, no dispatch, and no grouped GEMM
+// whose tiles are mostly padding at a row or two a group. Undefined where
+// it does not apply (not CUDA bf16, experts split, too many pairs,
+// misaligned), and the caller runs the grouped path. No autograd: the
+// sampler's no-grad steps only.
+at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
+                         const LoraTarget* down, const ExpertLoraRows* rows, const at::Tensor& top_p,
+                         const at::Tensor& top_e) {
+#if LOOM_CUDA_KERNELS
+  const int64_t T = h.size(0), K = w.top_k, P = T * K, H = h.size(1);
+  const int64_t I2 = w.gate_up.size(1), I = w.down.size(2);
+  if (!h.is_cuda() || h.scalar_type() != at::kBFloat16 || w.gate_up.scalar_type() != at::kBFloat16 ||
+      w.down.scalar_type() != at::kBFloat16 || w.gate_up.size(0) != w.router.size(0) || P > cuda::kExpertGemvMaxPairs)
+    return {};
+  const at::Tensor x = h.contiguous(), experts = top_e.reshape({-1}).to(at::kLong).contiguous();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
+  at::Tensor gu = at::empty({P, I2}, h.options());
+  const at::Tensor gate_up_bias = w.gate_up_bias.defined() ? w.gate_up_bias.contiguous() : at::Tensor();
+  const at::Tensor down_bias = w.down_bias.defined() ? w.down_bias.contiguous() : at::Tensor();
+  const auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr() : nullptr; };
+  if (!w.gate_up.is_contiguous() || !w.down.is_contiguous() ||
+      !cuda::ExpertGemv(true, x.data_ptr(), H, K, w.gate_up.data_ptr(), bias(gate_up_bias), experts.data_ptr<int64_t>(),
+                        gu.data_ptr(), P, I2, H, stream))
+    return {};
+  const bool lora = rows && rows->defined() && gate_up && down;
+  Pairs pairs;
+  pairs.K = K;
+  pairs.position = at::arange(P, kLong.device(h.device()));
+  pairs.token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
+  PairFactors factors;
+  if (lora) {
+    factors = {rows->slot.index_select(0, pairs.token), experts};
+    gu = gu + GateUpDeltaPairs(bank, *rows, *gate_up, h, pairs, factors, gu.scalar_type());
+  }
+  const at::Tensor act =
+      (w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu)).contiguous();  // [P, I]
+  at::Tensor y = at::empty({P, H}, h.options());
+  if (!cuda::ExpertGemv(true, act.data_ptr(), I, 1, w.down.data_ptr(), bias(down_bias), experts.data_ptr<int64_t>(),
+                        y.data_ptr(), P, H, I, stream))
+    return {};
+  const at::Tensor weight = top_p.reshape({-1}).unsqueeze(1);  // [P, 1]
+  at::Tensor out = pairs.Combine((y * weight).to(y.scalar_type()));
+  if (lora) out = out + DownDeltaPairs(bank, *rows, *down, act, pairs, factors, weight);
+  return out;
+#else
+  (void)w, (void)h, (void)bank, (void)gate_up, (void)down, (void)rows, (void)top_p, (void)top_e;
+  return {};
+#endif
+}
+
 // The block (moe.h) with the expert LoRA in the segment form (seg), the
-// pair form (rows), or neither.
+// pair form (rows), or neither; pair_gemv: the pair form may take
+// PairGemvBlock.
 at::Tensor Block(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
-                 const LoraTarget* down, const ExpertLoraRouting* seg, const ExpertLoraRows* rows) {
+                 const LoraTarget* down, const ExpertLoraRouting* seg, const ExpertLoraRows* rows,
+                 bool pair_gemv = false) {
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
   // Experts split over ranks (parallel.h): this rank's are [e0, e0 + El).
   const int64_t El = w.gate_up.size(0), e0 = w.expert_begin;
   const auto [top_p, top_e] = Route(w, h);
+  if (pair_gemv && !seg && !at::GradMode::is_enabled())
+    if (at::Tensor out = PairGemvBlock(w, h, bank, gate_up, down, rows, top_p, top_e); out.defined()) return out;
 
   // The T * K (token, choice) pairs sorted by segment: expert, then (the
   // segment form) the token's LoRA group within the expert (stable: token
@@ -479,8 +543,8 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 }
 
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
-                      const LoraTarget* down, const ExpertLoraRows& rows) {
-  return Block(w, h, bank, gate_up, down, nullptr, &rows);
+                      const LoraTarget* down, const ExpertLoraRows& rows, bool pair_gemv) {
+  return Block(w, h, bank, gate_up, down, nullptr, &rows, pair_gemv);
 }
 
 }  // namespace loom::engine

@@ -137,8 +137,13 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 // The block with the expert LoRA in the pair form (rows undefined: the base
 // alone). With bf16 on CUDA and at most 512 experts, all on this rank, it
 // reads nothing on the host (MoeReadsNoHost), so a CUDA graph can hold it.
+// pair_gemv (the sampler's decode graphs, DecodeOptions::moe_gemv): without
+// grad, on CUDA in bf16 with every expert on this rank and at most
+// kExpertGemvMaxPairs (32) pairs, each pair's projections are
+// matrix-vector products over its own expert's rows instead of the sorted
+// pairs' grouped GEMMs (the same sums in another order).
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
-                      const LoraTarget* down, const ExpertLoraRows& rows);
+                      const LoraTarget* down, const ExpertLoraRows& rows, bool pair_gemv = false);
 // Whether MoeForward with ExpertLoraRows reads nothing on the host for rows
 // of dtype `dtype` on `device` (GroupedLinear's one-call case, all experts).
 bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device& device);

@@ -187,6 +187,7 @@ class SamplerImpl final : public Sampler {
     scheduler_ = std::make_unique<Scheduler>(std::move(model), std::move(bank), info_.kv_blocks, info_.block_size,
                                              limits, options.decode, detok_.get(), info_.eos_token_ids);
     if (options.probe_steps.value_or(device_.is_cuda())) probe_ = ProbeSteps();
+    if (options.device_turn.count() > 0) reserve_->turns = std::make_shared<DeviceTurns>();
     stats_ = scheduler_->stats();
     thread_ = std::thread([this] { Loop(); });
   }
@@ -287,6 +288,8 @@ class SamplerImpl final : public Sampler {
       own_stream.emplace(stream);
     }
 #endif
+    DeviceTurns::Turn turn;  // DeviceReserve::turns: held across consecutive steps
+    std::chrono::steady_clock::time_point turn_began;
     for (;;) {
       std::vector<std::pair<std::string, Status>> cancels;
       {
@@ -305,12 +308,26 @@ class SamplerImpl final : public Sampler {
       }
       // Cancels land between steps, so a cancelled call runs no further step.
       for (const auto& [session, why] : cancels) scheduler_->Cancel(session, why);
-      if (!scheduler_->idle()) scheduler_->Step();
+      if (!scheduler_->idle()) {
+        if (reserve_->turns && !turn.held()) {
+          turn = reserve_->turns->Take();
+          turn_began = std::chrono::steady_clock::now();
+        }
+        scheduler_->Step();
+      }
+
       {
         std::lock_guard<std::mutex> lock(mu_);
         stats_ = scheduler_->stats();
       }
       RunCompleted();
+      // The turn ends when there is no step to run, or when its time is up
+      // and a pass waits; the device's queued work first.
+      if (turn.held() && (scheduler_->idle() || (std::chrono::steady_clock::now() - turn_began >= options_.device_turn &&
+                                                 reserve_->turns->contended()))) {
+        SynchronizeDevice(device_);
+        turn.Release();
+      }
     }
     std::vector<std::unique_ptr<SampleRequest>> left;
     {

@@ -16,7 +16,7 @@
 #include "engine/model/transformer_impl.h"
 #include "engine/sample/cuda/attention.h"
 #include "engine/sample/cuda/decode_profiler.h"
-#include "engine/sample/cuda/gemv.h"
+#include "engine/model/cuda/gemv.h"
 #include "engine/sample/cuda/lora.h"
 #include "engine/sample/cuda/rmsnorm.h"
 #include "engine/sample/cuda/rope.h"
@@ -96,6 +96,7 @@ class CudaFastDecode final : public FastDecode {
         stale_(bank ? static_cast<size_t>(bank->num_slots()) : 0, true),
         pool_(at::cuda::graph_pool_handle()),
         gemv_(options.gemv),
+        moe_gemv_(options.moe_gemv),
         split_(options.split_shrink),
         profiler_(std::move(profiler)) {
     // The LoRA branch at the highest priority, so that its few blocks are
@@ -397,7 +398,7 @@ class CudaFastDecode final : public FastDecode {
       if (l.moe.defined()) {  // the experts' block: ATen ops that read nothing on the host (Supported)
         const auto& [gate_up_t, down_t] = experts_.empty() ? std::pair<const LoraTarget*, const LoraTarget*>{}
                                                            : experts_[static_cast<size_t>(i)];
-        pending = MoeForward(l.moe, h, *bank_, gate_up_t, down_t, expert_rows);
+        pending = MoeForward(l.moe, h, *bank_, gate_up_t, down_t, expert_rows, moe_gemv_);
         pending_delta = false;
         Mark("moe", st);
         continue;
@@ -448,6 +449,7 @@ class CudaFastDecode final : public FastDecode {
   LoraGroup head_group_;  // lm_head's; its A is defined when lm_head has a LoRA target
   bool has_lora_ = false;
   bool gemv_;   // DecodeOptions::gemv off: cuBLAS for every projection
+  bool moe_gemv_;  // DecodeOptions::moe_gemv: MoeForward's pair_gemv
   bool split_;  // DecodeOptions::split_shrink off: a LoRA shrink's d_in on one block per output tile
   std::unique_ptr<DecodeProfiler> profiler_;  // null in production
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)

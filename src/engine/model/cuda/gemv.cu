@@ -1,5 +1,5 @@
 // Gemv (gemv.h).
-#include "engine/sample/cuda/gemv.h"
+#include "engine/model/cuda/gemv.h"
 
 #include "engine/sample/cuda/device.cuh"
 
@@ -25,14 +25,23 @@ constexpr int kGemvUnroll = 4;  // 16-byte weight loads in flight per lane
 
 // One warp per output column c (a row of W), all M rows of x against it.
 // Lane l reads elements [l * V, l * V + V) of every 32 * V.
+// With experts (M == 1): blockIdx.y is pair p, which reads x row p / x_div,
+// expert experts[p]'s matrix and bias, and writes y row p.
 template <typename T, int M>
 __global__ void GemvKernel(const T* x, int64_t ldx, const T* W, const T* bias, void* y, bool y_f32, int64_t n,
-                           int64_t k) {
+                           int64_t k, const int64_t* experts, int64_t x_div) {
   constexpr int V = 16 / sizeof(T);
   constexpr int64_t kStep = 32 * V;
   const int lane = threadIdx.x & 31;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kGemvWarps + (threadIdx.x >> 5);
   if (c >= n) return;
+  if (experts != nullptr) {
+    const int64_t p = blockIdx.y, e = experts[p];
+    x += p / x_div * ldx;
+    W += e * n * k;
+    if (bias) bias += e * n;
+    y = y_f32 ? static_cast<void*>(static_cast<float*>(y) + p * n) : static_cast<void*>(static_cast<T*>(y) + p * n);
+  }
   const T* w = W + c * k;
   float acc[M];
 #pragma unroll
@@ -74,9 +83,10 @@ __global__ void GemvKernel(const T* x, int64_t ldx, const T* W, const T* bias, v
 
 template <typename T, int M>
 void LaunchGemv(const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t n, int64_t k,
-                cudaStream_t stream) {
-  GemvKernel<T, M><<<Blocks(n, kGemvWarps), 32 * kGemvWarps, 0, stream>>>(
-      static_cast<const T*>(x), ldx, static_cast<const T*>(W), static_cast<const T*>(bias), y, y_f32, n, k);
+                cudaStream_t stream, const int64_t* experts = nullptr, int64_t x_div = 1, int64_t pairs = 1) {
+  const dim3 grid(static_cast<unsigned>(Blocks(n, kGemvWarps)), static_cast<unsigned>(pairs));
+  GemvKernel<T, M><<<grid, 32 * kGemvWarps, 0, stream>>>(static_cast<const T*>(x), ldx, static_cast<const T*>(W),
+                                                         static_cast<const T*>(bias), y, y_f32, n, k, experts, x_div);
 }
 
 template <typename T>
@@ -99,6 +109,19 @@ bool GemvFor(const void* x, int64_t ldx, const void* W, const void* bias, void* 
 }
 
 }  // namespace
+
+bool ExpertGemv(bool bf16, const void* x, int64_t ldx, int64_t x_div, const void* W, const void* bias,
+                const int64_t* experts, void* y, int64_t pairs, int64_t n, int64_t k, cudaStream_t stream) {
+  if (pairs <= 0 || pairs > kExpertGemvMaxPairs || n <= 0 || k <= 0 || x_div < 1 || experts == nullptr) return false;
+  const int64_t V = bf16 ? 8 : 4;
+  if (k % V != 0 || ldx % V != 0 || !Aligned16(x) || !Aligned16(W)) return false;
+  if (bf16) {
+    LaunchGemv<bf16_t, 1>(x, ldx, W, bias, y, false, n, k, stream, experts, x_div, pairs);
+  } else {
+    LaunchGemv<float, 1>(x, ldx, W, bias, y, false, n, k, stream, experts, x_div, pairs);
+  }
+  return true;
+}
 
 bool Gemv(bool bf16, const void* x, int64_t ldx, const void* W, const void* bias, void* y, bool y_f32, int64_t rows,
           int64_t n, int64_t k, cudaStream_t stream) {
