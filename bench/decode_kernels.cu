@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "engine/sample/cuda/attention.h"
-#include "engine/sample/cuda/gemv.h"
+#include "engine/model/cuda/gemv.h"
 #include "engine/sample/cuda/lora.h"
 #include "engine/sample/cuda/rmsnorm.h"
 #include "engine/sample/cuda/rope.h"
