@@ -166,6 +166,9 @@ TEST_P(MoeBlock, ThePairFormMatchesTokenByToken) {
   ExpertLoraRows in_runs = rows;
   in_runs.run_bytes = 3 * 2 * kI * kR * static_cast<int64_t>(sizeof(float));
   EXPECT_LT(MaxDiff(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], in_runs), at::stack(want)), 1e-5);
+  // pair_gemv needs the CUDA kernels: on the CPU the block is the same.
+  EXPECT_FALSE(PairGemvApplies(w, h.narrow(0, 0, 2)));
+  EXPECT_TRUE(at::equal(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], rows, true), from_slots));
   // The base block alone (undefined rows) is the block without LoRA.
   EXPECT_TRUE(at::equal(MoeForward(w, h, bank, &bank.targets()[0], &bank.targets()[1], ExpertLoraRows{}),
                         MoeForward(w, h, bank, nullptr, nullptr, nullptr)));
@@ -284,6 +287,7 @@ TEST(MoeCuda, GroupedGemmMatchesTheCpuPath) {
 // matrix-vector products) against the same block on the sorted pairs'
 // grouped GEMMs: with and without the rows' expert LoRA, and with
 // gpt_oss's biases and clamped SwiGLU; past 32 pairs it is the grouped path.
+// Where PairGemvApplies the gemv path runs or throws (no silent fallback).
 TEST(MoeCuda, PairGemvMatchesTheGroupedPairForm) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const int64_t E = 8, H = 64, I = 32, R = 8;
@@ -303,6 +307,7 @@ TEST(MoeCuda, PairGemvMatchesTheGroupedPairForm) {
     std::vector<int32_t> slots;
     for (int64_t t = 0; t < T; ++t) slots.push_back(static_cast<int32_t>(t % 3) - 1);  // -1, 0, 1, ...
     const ExpertLoraRows rows = ExpertLoraRows::FromSlots(bank, at::tensor(slots, at::kInt).to(at::kCUDA));
+    EXPECT_EQ(PairGemvApplies(m, h), T * m.top_k <= kPairGemvMaxPairs) << what << " T=" << T;
     for (const ExpertLoraRows& r : {rows, ExpertLoraRows{}}) {
       const at::Tensor want = MoeForward(m, h, bank, &bank.targets()[0], &bank.targets()[1], r, false);
       const at::Tensor got = MoeForward(m, h, bank, &bank.targets()[0], &bank.targets()[1], r, true);

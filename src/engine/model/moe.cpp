@@ -1,6 +1,7 @@
 #include "engine/model/moe.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <tuple>
@@ -403,21 +404,22 @@ at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBan
                          const LoraTarget* down, const ExpertLoraRows* rows, const at::Tensor& top_p,
                          const at::Tensor& top_e) {
 #if LOOM_CUDA_KERNELS
+  static_assert(kPairGemvMaxPairs == cuda::kExpertGemvMaxPairs);
+  if (!PairGemvApplies(w, h)) return {};
   const int64_t T = h.size(0), K = w.top_k, P = T * K, H = h.size(1);
   const int64_t I2 = w.gate_up.size(1), I = w.down.size(2);
-  if (!h.is_cuda() || h.scalar_type() != at::kBFloat16 || w.gate_up.scalar_type() != at::kBFloat16 ||
-      w.down.scalar_type() != at::kBFloat16 || w.gate_up.size(0) != w.router.size(0) || P > cuda::kExpertGemvMaxPairs)
-    return {};
   const at::Tensor x = h.contiguous(), experts = top_e.reshape({-1}).to(at::kLong).contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
   at::Tensor gu = at::empty({P, I2}, h.options());
   const at::Tensor gate_up_bias = w.gate_up_bias.defined() ? w.gate_up_bias.contiguous() : at::Tensor();
   const at::Tensor down_bias = w.down_bias.defined() ? w.down_bias.contiguous() : at::Tensor();
   const auto bias = [](const at::Tensor& b) { return b.defined() ? b.data_ptr() : nullptr; };
-  if (!w.gate_up.is_contiguous() || !w.down.is_contiguous() ||
-      !cuda::ExpertGemv(true, x.data_ptr(), H, K, w.gate_up.data_ptr(), bias(gate_up_bias), experts.data_ptr<int64_t>(),
-                        gu.data_ptr(), P, I2, H, stream))
-    return {};
+  // PairGemvApplies checked what ExpertGemv refuses.
+  const auto launched = [](bool ok) {
+    if (!ok) throw std::logic_error("MoeForward: ExpertGemv refused operands PairGemvApplies passed");
+  };
+  launched(cuda::ExpertGemv(true, x.data_ptr(), H, K, w.gate_up.data_ptr(), bias(gate_up_bias),
+                            experts.data_ptr<int64_t>(), gu.data_ptr(), P, I2, H, stream));
   const bool lora = rows && rows->defined() && gate_up && down;
   Pairs pairs;
   pairs.K = K;
@@ -431,9 +433,8 @@ at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBan
   const at::Tensor act =
       (w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu)).contiguous();  // [P, I]
   at::Tensor y = at::empty({P, H}, h.options());
-  if (!cuda::ExpertGemv(true, act.data_ptr(), I, 1, w.down.data_ptr(), bias(down_bias), experts.data_ptr<int64_t>(),
-                        y.data_ptr(), P, H, I, stream))
-    return {};
+  launched(cuda::ExpertGemv(true, act.data_ptr(), I, 1, w.down.data_ptr(), bias(down_bias), experts.data_ptr<int64_t>(),
+                            y.data_ptr(), P, H, I, stream));
   const at::Tensor weight = top_p.reshape({-1}).unsqueeze(1);  // [P, 1]
   at::Tensor out = pairs.Combine((y * weight).to(y.scalar_type()));
   if (lora) out = out + DownDeltaPairs(bank, *rows, *down, act, pairs, factors, weight);
@@ -531,6 +532,20 @@ bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device&
   return compat::kHasGroupedMm && device.is_cuda() && dtype == at::kBFloat16 &&
          w.gate_up.scalar_type() == at::kBFloat16 && w.down.scalar_type() == at::kBFloat16 &&
          w.gate_up.size(0) == E && E <= kGroupedMmMaxGroups && H % 8 == 0 && I % 8 == 0;
+}
+
+bool PairGemvApplies(const MoeWeights& w, const at::Tensor& h) {
+#if LOOM_CUDA_KERNELS
+  constexpr bool kHasKernels = true;
+#else
+  constexpr bool kHasKernels = false;
+#endif
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  const int64_t H = h.size(1), I = w.down.size(2);
+  return kHasKernels && h.is_cuda() && h.scalar_type() == at::kBFloat16 &&
+         w.gate_up.scalar_type() == at::kBFloat16 && w.down.scalar_type() == at::kBFloat16 &&
+         w.gate_up.size(0) == w.router.size(0) && h.size(0) * w.top_k <= kPairGemvMaxPairs && H % 8 == 0 &&
+         I % 8 == 0 && w.gate_up.is_contiguous() && w.down.is_contiguous() && aligned(w.gate_up) && aligned(w.down);
 }
 
 bool PairFormFits(int64_t pairs, const at::Device& device) {

@@ -138,8 +138,7 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 // alone). With bf16 on CUDA and at most 512 experts, all on this rank, it
 // reads nothing on the host (MoeReadsNoHost), so a CUDA graph can hold it.
 // pair_gemv (the sampler's decode graphs, DecodeOptions::moe_gemv): without
-// grad, on CUDA in bf16 with every expert on this rank and at most
-// kExpertGemvMaxPairs (32) pairs, each pair's projections are
+// grad and where PairGemvApplies, each pair's projections are
 // matrix-vector products over its own expert's rows instead of the sorted
 // pairs' grouped GEMMs (the same sums in another order).
 at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
@@ -147,6 +146,12 @@ at::Tensor MoeForward(const MoeWeights& w, const at::Tensor& h, const SlotBank& 
 // Whether MoeForward with ExpertLoraRows reads nothing on the host for rows
 // of dtype `dtype` on `device` (GroupedLinear's one-call case, all experts).
 bool MoeReadsNoHost(const MoeWeights& w, at::ScalarType dtype, const at::Device& device);
+// Whether MoeForward's pair_gemv takes h's rows that way: a CUDA build, h
+// and the experts bf16 on CUDA, every expert on this rank, at most
+// kPairGemvMaxPairs (token, expert) pairs (4 rows at top-8), widths a
+// multiple of 8 and the expert tensors contiguous and 16-byte aligned.
+inline constexpr int64_t kPairGemvMaxPairs = 32;
+bool PairGemvApplies(const MoeWeights& w, const at::Tensor& h);
 
 // y[rows of g] = x[rows of g] w[g]^T for groups g of consecutive rows:
 // x [P, in], w [G, out, in], counts [G] int64 on x's device (summing to P).

@@ -315,7 +315,6 @@ class SamplerImpl final : public Sampler {
         }
         scheduler_->Step();
       }
-
       {
         std::lock_guard<std::mutex> lock(mu_);
         stats_ = scheduler_->stats();
