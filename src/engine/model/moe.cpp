@@ -397,9 +397,8 @@ std::pair<at::Tensor, at::Tensor> Route(const MoeWeights& w, const at::Tensor& h
 // pair's two projections one matrix-vector product over its own expert's
 // rows (cuda::ExpertGemv), so no sort, no dispatch, and no grouped GEMM
 // whose tiles are mostly padding at a row or two a group. Undefined where
-// it does not apply (not CUDA bf16, experts split, too many pairs,
-// misaligned), and the caller runs the grouped path. No autograd: the
-// sampler's no-grad steps only.
+// PairGemvApplies is false (the caller then runs the grouped path). No
+// autograd: the sampler's no-grad steps only.
 at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
                          const LoraTarget* down, const ExpertLoraRows* rows, const at::Tensor& top_p,
                          const at::Tensor& top_e) {
