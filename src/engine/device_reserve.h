@@ -57,11 +57,13 @@ class DeviceTurns {
     cv_.wait(lock, [&] { return serving_ == mine; });
     return Turn(this);
   }
-  // Whether someone waits for a turn now (the holder may end its turn early).
-  bool contended() const {
+  // Callers waiting for a turn now (not counting the holder).
+  int64_t waiting() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return next_ > serving_ + 1;
+    return next_ > serving_ ? static_cast<int64_t>(next_ - serving_ - 1) : 0;
   }
+  // Whether someone waits for a turn now (the holder may end its turn early).
+  bool contended() const { return waiting() > 0; }
 
  private:
   void Next() {

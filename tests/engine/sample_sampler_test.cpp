@@ -314,7 +314,7 @@ TEST(DeviceTurns, TurnsAreTakenInArrivalOrder) {
       order.push_back(i);
     });
     // Each waiter queued before the next starts.
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    while (turns.waiting() < i + 1) std::this_thread::yield();
   }
   EXPECT_TRUE(turns.contended());
   first.Release();
