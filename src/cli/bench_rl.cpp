@@ -335,7 +335,7 @@ int BenchRlRun(const RlOptions& o) {
               "%d publish threads, token budget %lld, %s saves\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
               info.device.c_str(), info.dtype.c_str(), o.tenants, o.steps, o.group, o.prompt_len, o.new_tokens, o.rank,
-              o.lr, o.publish_threads, static_cast<long long>(o.token_budget), o.unnamed_saves ? "unnamed" : "named");
+              o.lr, o.publish_threads, static_cast<long long>(d.token_budget()), o.unnamed_saves ? "unnamed" : "named");
   auto together = fresh(0);
   if (!together.ok()) return fail(together.status());
   auto conc = Round(d, *together, o, /*concurrent=*/true, 11);
@@ -409,9 +409,11 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--publish-threads", o.publish_threads, "writer threads for save_weights_for_sampler (as loom serve's)")
       ->default_val(o.publish_threads)
       ->check(CLI::Range(1, 64));
-  app.add_option("--token-budget", o.token_budget, "tokens per training pass (as loom serve's)")
+  app.add_option("--token-budget", o.token_budget,
+                 "tokens per training pass, as loom serve's (0 = as serve's default: on a GPU the most that fit, "
+                 "measured at start-up; 8192 on the CPU)")
       ->default_val(o.token_budget)
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");

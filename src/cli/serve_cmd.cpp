@@ -339,7 +339,7 @@ int Serve(int argc, char** argv) {
     const std::string tag = n == 1 ? "" : "model " + m.name + ": ";
     const int64_t free_limit = m.engine->MaxPassTokens();
     const int64_t pass_limit = free_limit / n;
-    m.token_budget = token_budget > 0 ? token_budget : pass_limit > 0 ? pass_limit : 8192;
+    m.token_budget = service::TokenBudget(*m.engine, n, token_budget);
     if (free_limit <= 0) continue;  // the CPU: memory sets no limit the engine knows of
     if (Status room = service::CheckPassRoom(*m.engine, n, m.name); !room.ok()) return Fail(tag + room.message());
     std::fprintf(stderr, "loom serve: %stoken budget %lld tokens per pass (%s; at most %lld fit%s)\n", tag.c_str(),

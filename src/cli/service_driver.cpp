@@ -51,7 +51,6 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   if (!registry.ok()) return registry.status();
   service::ServiceOptions sopt;
   sopt.base_model_name = "loom/tiny-qwen3";
-  sopt.token_budget = options.token_budget;
   sopt.publish_threads = options.publish_threads;
   std::unique_ptr<engine::Sampler> sampler;
   if (options.with_sampler) {
@@ -61,6 +60,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     samp.model_dir = model_dir;
     samp.max_rank = options.max_rank;
     samp.trainer_slots = options.max_slots;  // sampler_adapters auto: one per slot, memory permitting
+    samp.admission_window = sopt.batch_window;  // as loom serve (--batch-window-ms)
     if (options.sampler_steps) options.sampler_steps->Apply(&samp);
     if (options.sampler_decode) samp.decode = options.sampler_decode->options();
     auto opened = engine::Sampler::Open(shared, samp);
@@ -73,6 +73,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     return room;
   if (const int64_t limit = (*engine)->MaxPassTokens(); limit > 0)
     log::Info("trainer: at most {} tokens a pass ({})", limit, (*engine)->MemoryPlanReport());
+  sopt.token_budget = service::TokenBudget(**engine, 1, options.token_budget);
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
   if (sampler) d->service_->AttachSampler(std::move(sampler));

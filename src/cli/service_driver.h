@@ -26,7 +26,7 @@ struct DriverOptions {
   int max_slots = 8;
   int max_rank = 16;
   int threads = 0;              // CPU intra-op threads, 0 = all cores
-  int64_t token_budget = 8192;
+  int64_t token_budget = 0;      // tokens per pass; 0: as loom serve (service::TokenBudget: on a GPU the most that fit)
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
   int publish_threads = service::ServiceOptions{}.publish_threads;  // save_weights_for_sampler writers
   const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults
@@ -48,6 +48,8 @@ class ServiceDriver {
 
   service::Service& service() { return *service_; }
   const engine::ModelInfo& info() const { return service_->model_info(); }
+  // Tokens per packed pass (DriverOptions::token_budget resolved).
+  int64_t token_budget() const { return service_->options().token_budget; }
 
   // A session and a LoRA model of this rank and seed for `name`.
   Result<Tenant> NewTenant(const std::string& name, int rank, uint64_t seed);

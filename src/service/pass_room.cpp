@@ -18,4 +18,10 @@ Status CheckPassRoom(const engine::Engine& engine, int64_t models, const std::st
       who, share, name, engine.MemoryPlanReport(), kMinPassTokens, models > 1 ? "serve fewer models or " : ""));
 }
 
+int64_t TokenBudget(const engine::Engine& engine, int64_t models, int64_t asked) {
+  if (asked > 0) return asked;
+  const int64_t share = engine.MaxPassTokens() / std::max<int64_t>(1, models);
+  return share > 0 ? share : kDefaultTokenBudget;
+}
+
 }  // namespace loom::service

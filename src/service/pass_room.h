@@ -24,4 +24,14 @@ constexpr int64_t kMinPassTokens = 512;
 // MaxPassTokens 0). name: the model's, for the message.
 Status CheckPassRoom(const engine::Engine& engine, int64_t models, const std::string& name);
 
+// Tokens per packed pass where no --token-budget is given on a device whose
+// memory sets no limit the engine knows of (the CPU).
+constexpr int64_t kDefaultTokenBudget = 8192;
+
+// The token budget of a model's passes: `asked` when > 0 (--token-budget),
+// else its share of the room for activations (MaxPassTokens / models), else
+// kDefaultTokenBudget. `loom serve` and the benches' in-process service
+// (cli/service_driver.h) both size their passes by it.
+int64_t TokenBudget(const engine::Engine& engine, int64_t models, int64_t asked);
+
 }  // namespace loom::service
