@@ -51,14 +51,14 @@ Status Planner::Push(Request request) {
   return Status::Ok();
 }
 
-std::optional<Pass> Planner::Next() {
+std::optional<Pass> Planner::Next(int64_t room) {
   if (models_.empty()) return std::nullopt;
   const std::string anchor_model = OldestTicket(models_);
   auto anchor = models_.find(anchor_model);
   Pass pass;
   switch (anchor->second.requests.front().request.kind) {
     case OpKind::kPackable:
-      pass = PlanPackable(anchor_model);
+      pass = PlanPackable(anchor_model, room > 0 ? std::min(room, options_.token_budget) : options_.token_budget);
       last_fill_ratio_ = pass.fill_ratio();
       break;
     case OpKind::kOptim:
@@ -71,8 +71,7 @@ std::optional<Pass> Planner::Next() {
   return pass;
 }
 
-Pass Planner::PlanPackable(const std::string& anchor_model) {
-  const int64_t budget = options_.token_budget;
+Pass Planner::PlanPackable(const std::string& anchor_model, int64_t budget) {
   const std::string key = models_.at(anchor_model).requests.front().request.batch_key;
   Pass pass;
   pass.kind = OpKind::kPackable;

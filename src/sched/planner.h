@@ -117,7 +117,12 @@ class Planner {
   Status Push(Request request);
   // The next engine pass, or nullopt when every queue is empty. The pieces it
   // returns are removed from the queues (the service must run or fail them).
-  std::optional<Pass> Next();
+  // room > 0: the most tokens the device holds for a pass now (memory held
+  // since start-up, by snapshots or the sampler, shrinks it below the
+  // budget); a packable pass is planned to min(token_budget, room), so the
+  // requests that would overflow wait for the next pass instead of failing
+  // this one. 0: no limit known.
+  std::optional<Pass> Next(int64_t room = 0);
 
   // Removes one queued request (e.g. it failed in an earlier piece); returns
   // false when it is not queued. Its remaining datums will not be planned.
@@ -153,7 +158,7 @@ class Planner {
     DrrFlow drr;                  // DRR deficit (tokens) and this pass's quantum
   };
 
-  Pass PlanPackable(const std::string& anchor_model);
+  Pass PlanPackable(const std::string& anchor_model, int64_t budget);
   Pass PlanOptim();
   Pass PlanExclusive(const std::string& anchor_model);
   // After `model` got pieces of a pass: renews its ticket, or forgets the

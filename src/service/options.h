@@ -18,6 +18,11 @@ struct ServiceOptions {
   double lora_alpha = 32.0;
   std::string instance_tag;  // prefix of request ids; "" = random
   int64_t token_budget = 8192;  // --token-budget: tokens per packed forward(_backward) pass
+  // Base models whose passes share the device's room for activations (the
+  // Service sets it to its base models' count): a pass is planned to at most
+  // Engine::MaxPassTokens() / room_share tokens, the room free when it is
+  // planned, as `loom serve` sized token_budget at start-up.
+  int64_t room_share = 1;
   // --batch-window-ms: before a pass, the engine waits until no request has
   // arrived for this long (tenants submitting "at once" land in one pass),
   // but never keeps a request waiting longer than BatchWindow::kMaxWindows

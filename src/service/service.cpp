@@ -2,6 +2,8 @@
 // call: sessions, training models (admission), checkpoints, the train loop.
 #include "service/service.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "service/util.h"
@@ -33,7 +35,9 @@ Service::Service(ServiceOptions options, std::vector<BaseModelSpec> bases, std::
       catalog_(options_, *registry_),
       janitor_(options_, futures_, sessions_, bases_, idempotency_, catalog_) {
   const SharedParts shared{*registry_, futures_, metrics_, usage_, lock_, sessions_, idempotency_};
-  for (BaseModelSpec& spec : bases) bases_.push_back(std::make_unique<BaseModel>(options_, std::move(spec), shared));
+  ServiceOptions per_base = options_;
+  per_base.room_share = std::max<int64_t>(1, static_cast<int64_t>(bases.size()));
+  for (BaseModelSpec& spec : bases) bases_.push_back(std::make_unique<BaseModel>(per_base, std::move(spec), shared));
 }
 
 Service::~Service() { Stop(); }

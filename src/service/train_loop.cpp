@@ -207,7 +207,11 @@ void TrainLoop::FeedLocked() {
 
 std::optional<TrainLoop::PassWork> TrainLoop::PlanLocked(std::unique_lock<std::mutex>& lock) {
   if (BatchWindowOpenLocked(lock)) return std::nullopt;
-  auto pass = planner_.Next();
+  // The room free now, not only the budget sized at start-up: snapshots
+  // awaiting their writers and the allocator's cache hold memory a pass
+  // planned to the budget could need, and that pass would fail whole.
+  const int64_t free_now = engine_.MaxPassTokens();
+  auto pass = planner_.Next(free_now > 0 ? std::max<int64_t>(1, free_now / options_.room_share) : 0);
   if (!pass) return std::nullopt;
   PassWork work = TakePassLocked(std::move(*pass));
   if (work.pieces.empty()) return std::nullopt;

@@ -89,6 +89,31 @@ TEST(PlannerTest, SameKeyPacksAcrossModels) {
   EXPECT_FALSE(p.Next().has_value());
 }
 
+// The room free on the device now caps a pass below the budget; the
+// requests it leaves out run in the next pass, which gets the room then.
+TEST(PlannerTest, TheRoomFreeNowCapsAPassBelowTheBudget) {
+  Planner p({100});
+  ASSERT_TRUE(p.Push(Packable(1, "a", {20, 20})).ok());
+  ASSERT_TRUE(p.Push(Packable(2, "b", {20, 20})).ok());
+  ASSERT_TRUE(p.Push(Packable(3, "c", {20, 20})).ok());
+  auto first = p.Next(/*room=*/50);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->token_budget, 50);
+  EXPECT_LE(first->tokens, 50);
+  EXPECT_EQ(first->tokens, 40);  // two datums of 20 fit in 50, a third does not
+  auto second = p.Next(/*room=*/1000);  // more room than the budget: the budget holds
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->token_budget, 100);
+  EXPECT_EQ(second->tokens, 80);
+  EXPECT_TRUE(p.empty());
+  // No room known (0): the budget.
+  ASSERT_TRUE(p.Push(Packable(4, "a", {60, 60})).ok());
+  auto third = p.Next(0);
+  ASSERT_TRUE(third.has_value());
+  EXPECT_EQ(third->token_budget, 100);
+  EXPECT_EQ(third->tokens, 60);
+}
+
 TEST(PlannerTest, DifferentKeysAreNotMixed) {
   Planner p({1000});
   ASSERT_TRUE(p.Push(Packable(1, "a", {10}, kCE)).ok());
