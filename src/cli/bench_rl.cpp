@@ -32,7 +32,9 @@
 #include <vector>
 
 #include "cli/bench_rl.h"
+#include "cli/gpu_busy.h"
 #include "cli/service_driver.h"
+#include "engine/model/device.h"
 
 namespace loom::cli {
 namespace {
@@ -177,6 +179,7 @@ struct RoundResult {
   std::vector<double> first_lp, last_lp;
   std::vector<double> tenant_seconds;  // each tenant's client seconds over its steps
   int64_t device_mallocs = 0, alloc_retries = 0;  // the device allocator's, during the round
+  double gpu_busy = -1;  // NVML's utilization over the round (GpuBusyMeter), -1 where there is no meter
   // Where the device time went: the sampler's steps and the trainer's passes.
   int64_t decode_steps = 0, prefill_steps = 0, tokens_generated = 0, max_rows = 0;
   double decode_seconds = 0, prefill_seconds = 0;
@@ -187,7 +190,7 @@ struct RoundResult {
 // The tenants' loops, concurrently (one thread each) or one after another;
 // tenant 0 samples heavy_group completions per step when that is > 0.
 Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const RlOptions& o, bool concurrent,
-                          uint32_t seed, int heavy_group = 0) {
+                          uint32_t seed, GpuBusyMeter* meter, int heavy_group = 0) {
   auto& metrics = d.service().metrics();
   const auto engine_seconds = [&] {
     double s = 0;
@@ -203,6 +206,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   std::vector<Phases> phases(tenants.size());
   std::vector<std::vector<double>> lps(tenants.size());
   std::vector<Status> status(tenants.size(), Status::Ok());
+  if (meter) meter->Start();
   const auto t0 = Clock::now();
   auto one = [&](size_t i) {
     const int group = i == 0 && heavy_group > 0 ? heavy_group : o.group;
@@ -217,6 +221,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   }
   RoundResult r;
   r.wall = Since(t0);
+  if (meter) r.gpu_busy = meter->Stop();
   for (size_t i = 0; i < tenants.size(); ++i) {
     if (!status[i].ok()) return status[i];
     r.phases += phases[i];
@@ -250,10 +255,12 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
 }
 
 // The share of the round's wall time the device was busy training or
-// sampling: the trainer's passes and the sampler's steps are timed on their
-// own threads and may overlap, so the union of the two lies between the
-// larger of them and their sum.
+// sampling: on a GPU with NVML, its utilization over the round (the share of
+// time a kernel ran); elsewhere estimated from the trainer's passes and the
+// sampler's steps, timed on their own threads, which may overlap, so the
+// union of the two lies between the larger of them and their sum.
 std::string BusyShare(const RoundResult& r) {
+  if (r.gpu_busy >= 0) return fmt::format("{:.0f}%", 100 * r.gpu_busy);
   const double lo = std::max(r.busy, r.sampling) / r.wall, hi = std::min(1.0, (r.busy + r.sampling) / r.wall);
   return fmt::format("{:.0f}-{:.0f}%", 100 * lo, 100 * hi);
 }
@@ -331,6 +338,12 @@ int BenchRlRun(const RlOptions& o) {
     return set;
   };
   const auto& info = d.info();
+  // On a GPU the busy column is measured (NVML); elsewhere, or without NVML, estimated.
+  std::unique_ptr<GpuBusyMeter> meter;
+  if (info.device != "cpu") {
+    at::Device dev(at::kCPU);
+    if (engine::ResolveDevice(info.device, &dev).ok()) meter = GpuBusyMeter::Open(engine::PciBusId(dev));
+  }
   std::printf("model %s (%s, %s/%s), %d tenants x %d steps: group %d, prompt %d, %d new tokens, rank %d, lr %g; "
               "%d publish threads, token budget %lld, %s saves\n",
               o.model_dir.empty() ? "embedded tiny qwen3" : o.model_dir.c_str(), info.model_type.c_str(),
@@ -338,11 +351,11 @@ int BenchRlRun(const RlOptions& o) {
               o.lr, o.publish_threads, static_cast<long long>(d.token_budget()), o.unnamed_saves ? "unnamed" : "named");
   auto together = fresh(0);
   if (!together.ok()) return fail(together.status());
-  auto conc = Round(d, *together, o, /*concurrent=*/true, 11);
+  auto conc = Round(d, *together, o, /*concurrent=*/true, 11, meter.get());
   if (!conc.ok()) return fail(conc.status());
   auto alone = fresh(1);
   if (!alone.ok()) return fail(alone.status());
-  auto seq = Round(d, *alone, o, /*concurrent=*/false, 11);
+  auto seq = Round(d, *alone, o, /*concurrent=*/false, 11, meter.get());
   if (!seq.ok()) return fail(seq.status());
   std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s %10s\n", "tenants", "steps/s", "steps/s/ten",
               "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory",
@@ -353,9 +366,11 @@ int BenchRlRun(const RlOptions& o) {
               "  engine ms: engine time per step; save/busy: the saves' share of it (the snapshot, on the engine thread);\n"
               "  snap ms / write ms: per save, engine-thread time and writer-thread time (PEFT files + commit, off the\n"
               "  engine thread); disk/memory: how the sampler got the versions it sampled: loads from disk / installs\n"
-              "  from the trainer's snapshot; busy: the share of the round's wall time the device trained or sampled,\n"
-              "  between max(engine, sampler) and their sum, as the trainer's passes and the sampler's steps may overlap)\n",
-              (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall));
+              "  from the trainer's snapshot; busy: the share of the round's wall time the device trained or sampled:\n"
+              "  %s)\n",
+              (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall),
+              meter ? "NVML's GPU utilization (the share of time a kernel ran, as nvidia-smi's), polled every 50 ms"
+                    : "between max(engine, sampler) and their sum, as the trainer's passes and the sampler's steps may overlap");
   if (info.device != "cpu")  // where a save's snapshot may wait: its copy's memory from the driver
     std::printf("device allocator, together / one by one: %lld / %lld cudaMalloc calls, %lld / %lld retried after "
                 "freeing its cache (each retry waits for all queued device work)\n",
@@ -366,7 +381,7 @@ int BenchRlRun(const RlOptions& o) {
   if (o.heavy_tenant) {
     auto set = fresh(2);
     if (!set.ok()) return fail(set.status());
-    auto heavy = Round(d, *set, o, /*concurrent=*/true, 11, kHeavyFactor * o.group);
+    auto heavy = Round(d, *set, o, /*concurrent=*/true, 11, meter.get(), kHeavyFactor * o.group);
     if (!heavy.ok()) return fail(heavy.status());
     Print("with heavy", *heavy, o);
     // The light tenants (1..N-1): their mean client seconds per step beside

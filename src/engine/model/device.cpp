@@ -108,4 +108,15 @@ void SynchronizeDevice(at::Device device) {
   (void)device;
 }
 
+std::string PciBusId(at::Device device) {
+#if LOOM_CUDA_KERNELS
+  if (device.is_cuda()) {
+    char id[32] = {};
+    if (cudaDeviceGetPCIBusId(id, sizeof(id), device.index() < 0 ? 0 : device.index()) == cudaSuccess) return id;
+  }
+#endif
+  (void)device;
+  return {};
+}
+
 }  // namespace loom::engine

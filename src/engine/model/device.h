@@ -40,5 +40,8 @@ void ResetAllocatorPeak(at::Device device);
 void ReleaseAllocatorCache(at::Device device);
 // Waits for all work queued on a CUDA device (nothing elsewhere).
 void SynchronizeDevice(at::Device device);
+// The PCI bus id of a CUDA device ("0000:1B:00.0", as NVML names it); ""
+// for the CPU or a build without CUDA.
+std::string PciBusId(at::Device device);
 
 }  // namespace loom::engine
