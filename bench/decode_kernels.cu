@@ -15,6 +15,10 @@
 // the same one after the other. Where the two are equal, nothing overlaps.
 // `(split)`: the shrink splits a long d_in over several blocks per output
 // tile (k::ShrinkScratch), as the sampler's step does by default.
+// `attn ctx C dims|tokens`: DecodeAttention of every row over C tokens of
+// its paged K/V (blocks scattered), in each k::AttentionForm, with the two
+// forms' largest difference printed after the table
+// (DECODE_KERNELS_CTX="C ...": other context lengths).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -42,6 +46,7 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kLayers = 36, kHidden = 2560, kHeads = 32, kKvHeads = 8, kHeadDim = 128, kInter = 9728;
 constexpr int kVocab = 151936, kSlots = 8, kRank = 32, kRepeats = 4, kMaxRows = 512;
+constexpr int kKvBlock = 16;  // the sampler's KV block (tokens)
 // Timed replays per kernel; DECODE_KERNELS_REPLAYS overrides (profilers: 1).
 int replays = 20;
 
@@ -295,6 +300,19 @@ int main(int argc, char** argv) {
     cudaStreamWaitEvent(s, join, 0);
   };
 
+  // Context lengths of the attention rows (DECODE_KERNELS_CTX="64 192 320" by default).
+  std::vector<int> contexts = {64, 192, 320};
+  if (const char* c = std::getenv("DECODE_KERNELS_CTX")) {
+    contexts.clear();
+    for (const char* p = c; *p;) {
+      char* end = nullptr;
+      const long v = std::strtol(p, &end, 10);
+      if (end == p) break;
+      if (v > 0) contexts.push_back(static_cast<int>(v));
+      p = end;
+    }
+  }
+  std::vector<std::string> attn_checks;
   std::printf("decode kernels, qwen3-4b shapes, LoRA rank %d, %d slots, us per launch\n", kRank, kSlots);
   for (int rows : row_counts) {
     if (rows < 1 || rows > kMaxRows) continue;
@@ -369,8 +387,52 @@ int main(int argc, char** argv) {
     run("norm (x + add + delta)", [&](int, cudaStream_t s) {
       k::RmsNorm(true, x2, y, delta, x2, norm_w, x, rows, kHidden, 1e-6f, s);
     });
+    // Attention over each context length, both forms (kTokens where
+    // TokenLanesApply, else it is kDims again), and how far apart they are.
+    for (int ctx : contexts) {
+      const int width = (ctx + kKvBlock - 1) / kKvBlock;
+      const int64_t blocks = static_cast<int64_t>(rows) * width;
+      std::vector<int32_t> tab(static_cast<size_t>(blocks));
+      for (int64_t i = 0; i < blocks; ++i) tab[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7) % blocks);
+      int32_t* table = Zeros<int32_t>(static_cast<size_t>(blocks));
+      std::vector<int32_t> lens(static_cast<size_t>(rows), ctx);
+      int32_t* ctx_len = Zeros<int32_t>(static_cast<size_t>(rows));
+      cudaMemcpy(table, tab.data(), sizeof(int32_t) * tab.size(), cudaMemcpyHostToDevice);
+      cudaMemcpy(ctx_len, lens.data(), sizeof(int32_t) * lens.size(), cudaMemcpyHostToDevice);
+      // Two pools, alternated by layer: a step's K/V comes from memory, not L2.
+      const size_t pool = static_cast<size_t>(blocks) * kKvBlock * kKvHeads * kHeadDim;
+      bf16* kp[2] = {Random(pool, 1.0f, rng), Random(pool, 1.0f, rng)};
+      bf16* vp[2] = {Random(pool, 1.0f, rng), Random(pool, 1.0f, rng)};
+      bf16* outs[2] = {Zeros<bf16>(static_cast<size_t>(rows) * kHeads * kHeadDim),
+                       Zeros<bf16>(static_cast<size_t>(rows) * kHeads * kHeadDim)};
+      const k::AttentionForm forms[2] = {k::AttentionForm::kDims, k::AttentionForm::kTokens};
+      for (int f = 0; f < 2; ++f) {
+        const std::string n = "attn ctx " + std::to_string(ctx) + (f == 0 ? " dims" : " tokens");
+        run(n.c_str(), [&, f](int l, cudaStream_t s) {
+          k::DecodeAttention(true, x, kp[l % 2], vp[l % 2], table, width, ctx_len, kKvBlock, outs[f], rows, kHeads,
+                             kKvHeads, kHeadDim, s, forms[f]);
+        });
+      }
+      const size_t n_out = static_cast<size_t>(rows) * kHeads * kHeadDim;
+      std::vector<bf16> a(n_out), b(n_out);
+      Check(cudaStreamSynchronize(st), "attention");
+      cudaMemcpy(a.data(), outs[0], n_out * sizeof(bf16), cudaMemcpyDeviceToHost);
+      cudaMemcpy(b.data(), outs[1], n_out * sizeof(bf16), cudaMemcpyDeviceToHost);
+      double diff = 0;
+      for (size_t i = 0; i < n_out; ++i)
+        diff = std::max(diff, std::abs(double(__bfloat162float(a[i])) - __bfloat162float(b[i])));
+      attn_checks.push_back("rows " + std::to_string(rows) + " ctx " + std::to_string(ctx) + ": tokens form " +
+                            (k::TokenLanesApply(true, rows, kHeads, kKvHeads, kHeadDim) ? "runs" : "falls back") +
+                            ", max |dims - tokens| " + std::to_string(diff));
+      for (void* p : {static_cast<void*>(table), static_cast<void*>(ctx_len), static_cast<void*>(kp[0]),
+                      static_cast<void*>(kp[1]), static_cast<void*>(vp[0]), static_cast<void*>(vp[1]),
+                      static_cast<void*>(outs[0]), static_cast<void*>(outs[1])})
+        cudaFree(p);
+    }
     std::printf("\nrows %d\n", rows);
     for (const auto& [name, us] : out) std::printf("  %-24s %8.2f\n", name.c_str(), us);
+    for (const std::string& c : attn_checks) std::printf("  check: %s\n", c.c_str());
+    attn_checks.clear();
   }
   Check(cudaDeviceSynchronize(), "sync");
   return 0;

@@ -37,6 +37,12 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "expert projections as matrix-vector products (off: grouped GEMMs over the sorted pairs)")
       ->default_val(moe_gemv_)
       ->check(on_off);
+  app.add_option("--decode-attention", attention_,
+                 "dims | tokens: the decode graphs' attention kernel for bf16 models with head_dim 128 at many rows: "
+                 "each warp's lanes split a head's dims (dims), or each half warp takes a token (tokens, K and V of "
+                 "several tokens loaded together; for wide steps over longer contexts)")
+      ->default_val(attention_)
+      ->check(CLI::IsMember({"dims", "tokens"}));
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -51,6 +57,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.priority_stream = stream_ == "priority";
   o.moe_graphs = moe_graphs_ == "on";
   o.moe_gemv = moe_gemv_ == "on";
+  o.attention_tokens = attention_ == "tokens";
   return o;
 }
 

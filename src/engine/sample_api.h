@@ -81,6 +81,12 @@ struct DecodeOptions {
   // projections as matrix-vector products over its own expert's rows
   // (MoeForward's pair_gemv); off: the sorted pairs' grouped GEMMs.
   bool moe_gemv = true;
+  // --decode-attention tokens: on the decode graphs, bf16 models with
+  // head_dim 128 attend with each half warp on a token (cuda::AttentionForm
+  // ::kTokens) where a step has rows enough to fill the device; dims (the
+  // default until it is measured on a GPU): each warp's lanes split a head's
+  // dims.
+  bool attention_tokens = false;
 };
 
 struct SamplerOptions {

@@ -97,6 +97,7 @@ class CudaFastDecode final : public FastDecode {
         pool_(at::cuda::graph_pool_handle()),
         gemv_(options.gemv),
         moe_gemv_(options.moe_gemv),
+        attention_(options.attention_tokens ? cuda::AttentionForm::kTokens : cuda::AttentionForm::kDims),
         split_(options.split_shrink),
         profiler_(std::move(profiler)) {
     // The LoRA branch at the highest priority, so that its few blocks are
@@ -386,7 +387,7 @@ class CudaFastDecode final : public FastDecode {
                             cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
       Mark("rope", st);
       cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
-                            ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st);
+                            ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st, attention_);
       Mark("attn", st);
       fork(i, 1, attn, slot_attn, d_hidden);
       at::Tensor o = Linear(attn, l.o_w, l.o_b, false, st);
@@ -450,6 +451,7 @@ class CudaFastDecode final : public FastDecode {
   bool has_lora_ = false;
   bool gemv_;   // DecodeOptions::gemv off: cuBLAS for every projection
   bool moe_gemv_;  // DecodeOptions::moe_gemv: MoeForward's pair_gemv
+  cuda::AttentionForm attention_;  // DecodeOptions::attention_tokens
   bool split_;  // DecodeOptions::split_shrink off: a LoRA shrink's d_in on one block per output tile
   std::unique_ptr<DecodeProfiler> profiler_;  // null in production
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
