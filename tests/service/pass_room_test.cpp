@@ -32,5 +32,17 @@ TEST(PassRoom, RefusesAServerWithNoRoomToTrainNamingTheFlags) {
   EXPECT_TRUE(CheckPassRoom(engine, 2, "m").ok());
 }
 
+// The token budget of serve and the benches' service: the flag when given,
+// else the model's share of the room, else (no limit known: the CPU) 8192.
+TEST(PassRoom, TheTokenBudgetIsTheFlagElseTheShareOfTheRoom) {
+  loom::testing::FakeEngine engine;
+  EXPECT_EQ(TokenBudget(engine, 1, 0), kDefaultTokenBudget);
+  EXPECT_EQ(TokenBudget(engine, 1, 300), 300);
+  engine.max_pass_tokens = 40000;
+  EXPECT_EQ(TokenBudget(engine, 1, 0), 40000);
+  EXPECT_EQ(TokenBudget(engine, 2, 0), 20000);
+  EXPECT_EQ(TokenBudget(engine, 2, 300), 300);
+}
+
 }  // namespace
 }  // namespace loom::service

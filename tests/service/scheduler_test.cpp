@@ -85,6 +85,29 @@ TEST_F(SchedulerTest, SameKeyPacksAcrossModelsUpToTheBudget) {
   EXPECT_EQ(rest, (std::multiset<size_t>{2, 2, 1}));
 }
 
+// The room the device has free when a pass is planned (Engine::MaxPassTokens,
+// smaller than at start-up while snapshots and the sampler hold memory) caps
+// the pass below the budget: the requests that do not fit wait for the next
+// pass instead of failing this one whole.
+TEST_F(SchedulerTest, APassIsPlannedToTheRoomFreeNowBelowTheBudget) {
+  Open(/*token_budget=*/1000);
+  engine_->max_pass_tokens = 12;  // before any request: the train loop reads it when it plans
+  const std::string w = NewModel("w");
+  std::vector<std::string> models;
+  for (const char* t : {"a", "b", "c", "d"}) models.push_back(NewModel(t));
+  engine_->Hold();
+  const std::string warm = Submit("w", Fb(w, 1, 1, {3}));
+  engine_->WaitInForward();
+  std::vector<std::string> ids;
+  const char* tenants[] = {"a", "b", "c", "d"};
+  for (int i = 0; i < 4; ++i) ids.push_back(Submit(tenants[i], Fb(models[i], 1, 2 + i, {6})));
+  engine_->Release();
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
+  EXPECT_EQ(Wait("w", warm).state, FutureState::kDone);
+  // warm alone; then 12 tokens a pass (the budget of 1000 would take all 24 at once).
+  EXPECT_EQ(engine_->batch_sizes(), (std::vector<size_t>{1, 2, 2}));
+}
+
 // With the batch window they land in one pass; without it the engine starts
 // on the first arrival.
 TEST_F(SchedulerTest, BatchWindowGathersRequestsSentTogether) {
