@@ -5,6 +5,7 @@
 // /metrics reports what happened.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <regex>
 
 #include "sched_fixture.h"
@@ -28,6 +29,26 @@ class SchedulerTest : public SchedFixture {
       std::this_thread::sleep_for(gap);
     }
     for (int i = 0; i < 6; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
+    return engine_->batch_sizes();
+  }
+  // Tenant w's first pass holds the engine while tenants a-d submit a
+  // forward_backward of 6 tokens each, and then `also` submits what else w
+  // sends (returning the ids); returns the engine's pass sizes once all are done.
+  std::vector<size_t> FourBehindAPass(const std::function<std::vector<std::string>(const std::string&)>& also = {}) {
+    const std::string w = NewModel("w");
+    std::vector<std::string> models;
+    for (const char* t : {"a", "b", "c", "d"}) models.push_back(NewModel(t));
+    engine_->Hold();
+    const std::string warm = Submit("w", Fb(w, 1, 1, {3}));
+    engine_->WaitInForward();
+    std::vector<std::string> ids;
+    const char* tenants[] = {"a", "b", "c", "d"};
+    for (int i = 0; i < 4; ++i) ids.push_back(Submit(tenants[i], Fb(models[i], 1, 2 + i, {6})));
+    std::vector<std::string> more = also ? also(w) : std::vector<std::string>{};
+    engine_->Release();
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
+    EXPECT_EQ(Wait("w", warm).state, FutureState::kDone);
+    for (const std::string& id : more) EXPECT_EQ(Wait("w", id).state, FutureState::kDone);
     return engine_->batch_sizes();
   }
 };
@@ -62,23 +83,11 @@ TEST_F(SchedulerTest, RequestAboveTheBudgetIsSplitAndAnsweredOnceInDatumOrder) {
 
 TEST_F(SchedulerTest, SameKeyPacksAcrossModelsUpToTheBudget) {
   Open(/*token_budget=*/12);
-  const std::string w = NewModel("w");
-  std::vector<std::string> models;
-  for (const char* t : {"a", "b", "c", "d"}) models.push_back(NewModel(t));
-  engine_->Hold();
-  const std::string warm = Submit("w", Fb(w, 1, 1, {3}));
-  engine_->WaitInForward();
-  std::vector<std::string> ids;
-  const char* tenants[] = {"a", "b", "c", "d"};
-  for (int i = 0; i < 4; ++i) ids.push_back(Submit(tenants[i], Fb(models[i], 1, 2 + i, {6})));
   // A different loss does not join them.
-  const std::string is_id = Submit("w", Fb(w, 2, 9, {2}, "importance_sampling"));
-  engine_->Release();
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
-  EXPECT_EQ(Wait("w", warm).state, FutureState::kDone);
-  EXPECT_EQ(Wait("w", is_id).state, FutureState::kDone);
+  auto sizes = FourBehindAPass([&](const std::string& w) {
+    return std::vector<std::string>{Submit("w", Fb(w, 2, 9, {2}, "importance_sampling"))};
+  });
   // warm alone; then 6+6 = 12 tokens per pass; importance_sampling alone.
-  auto sizes = engine_->batch_sizes();
   ASSERT_EQ(sizes.size(), 4u);
   EXPECT_EQ(sizes[0], 1u);
   std::multiset<size_t> rest(sizes.begin() + 1, sizes.end());
@@ -92,20 +101,8 @@ TEST_F(SchedulerTest, SameKeyPacksAcrossModelsUpToTheBudget) {
 TEST_F(SchedulerTest, APassIsPlannedToTheRoomFreeNowBelowTheBudget) {
   Open(/*token_budget=*/1000);
   engine_->max_pass_tokens = 12;  // before any request: the train loop reads it when it plans
-  const std::string w = NewModel("w");
-  std::vector<std::string> models;
-  for (const char* t : {"a", "b", "c", "d"}) models.push_back(NewModel(t));
-  engine_->Hold();
-  const std::string warm = Submit("w", Fb(w, 1, 1, {3}));
-  engine_->WaitInForward();
-  std::vector<std::string> ids;
-  const char* tenants[] = {"a", "b", "c", "d"};
-  for (int i = 0; i < 4; ++i) ids.push_back(Submit(tenants[i], Fb(models[i], 1, 2 + i, {6})));
-  engine_->Release();
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(Wait(tenants[i], ids[i]).state, FutureState::kDone);
-  EXPECT_EQ(Wait("w", warm).state, FutureState::kDone);
   // warm alone; then 12 tokens a pass (the budget of 1000 would take all 24 at once).
-  EXPECT_EQ(engine_->batch_sizes(), (std::vector<size_t>{1, 2, 2}));
+  EXPECT_EQ(FourBehindAPass(), (std::vector<size_t>{1, 2, 2}));
 }
 
 // With the batch window they land in one pass; without it the engine starts

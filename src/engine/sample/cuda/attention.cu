@@ -15,6 +15,28 @@ namespace {
 constexpr int kAttnWarps = 8;
 constexpr int kAttnBatch = 4;
 
+// After __syncthreads: merges the block's kParts partial online softmaxes
+// (each part's maximum, sum of weights and weighted values per head; a part
+// that saw no token has maximum -inf) into the G heads of one row, out
+// pointing at the first of them.
+template <typename T, int kParts, int G, int hd>
+__device__ __forceinline__ void MergeParts(const float (&part_m)[kParts][G], const float (&part_l)[kParts][G],
+                                           const float (&part_acc)[kParts][G][hd], T* out) {
+  for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
+    const int g = i / hd, c = i % hd;
+    float M = -INFINITY;
+    for (int p = 0; p < kParts; ++p) M = fmaxf(M, part_m[p][g]);
+    float L = 0.0f, o = 0.0f;
+    for (int p = 0; p < kParts; ++p) {
+      if (part_m[p][g] == -INFINITY) continue;
+      const float f = expf(part_m[p][g] - M);
+      L += part_l[p][g] * f;
+      o += part_acc[p][g][c] * f;
+    }
+    out[g * hd + c] = FromF<T>(o / L);
+  }
+}
+
 // Grid (rows, heads / G), kAttnWarps warps. A block serves G query heads of
 // one grouped-query K/V head, so each K/V row it loads serves G dot products
 // (a prefill step on the decode graphs has many rows over long contexts:
@@ -101,19 +123,7 @@ __global__ void DecodeAttentionKernel(const T* q, const T* k_pool, const T* v_po
     for (int e = 0; e < E; ++e) part_acc[warp][g][lane * E + e] = acc[g][e];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
-    const int g = i / hd, j = i % hd;
-    float M = -INFINITY;
-    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, part_m[w][g]);
-    float L = 0.0f, o = 0.0f;
-    for (int w = 0; w < kAttnWarps; ++w) {
-      if (part_m[w][g] == -INFINITY) continue;  // a warp that saw no token
-      const float f = expf(part_m[w][g] - M);
-      L += part_l[w][g] * f;
-      o += part_acc[w][g][j] * f;
-    }
-    out[(s * heads + h0 + g) * hd + j] = FromF<T>(o / L);
-  }
+  MergeParts<T>(part_m, part_l, part_acc, out + (s * heads + h0) * hd);
 }
 
 // Blocks a launch wants before it trades them for K/V reuse (G > 1): about
@@ -246,19 +256,7 @@ __global__ void __launch_bounds__(32 * kTokWarps)
     for (int e = 0; e < kTokDims; ++e) part_acc[part][g][j * kTokDims + e] = acc[g][e];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
-    const int g = i / hd, c = i % hd;
-    float M = -INFINITY;
-    for (int p = 0; p < kParts; ++p) M = fmaxf(M, part_m[p][g]);
-    float L = 0.0f, o = 0.0f;
-    for (int p = 0; p < kParts; ++p) {
-      if (part_m[p][g] == -INFINITY) continue;  // a half that saw no token
-      const float f = expf(part_m[p][g] - M);
-      L += part_l[p][g] * f;
-      o += part_acc[p][g][c] * f;
-    }
-    out[(s * heads + h0 + g) * hd + c] = FromF<bf16_t>(o / L);
-  }
+  MergeParts<bf16_t>(part_m, part_l, part_acc, out + (s * heads + h0) * hd);
 }
 
 void LaunchAttentionTokens(const void* q, const void* k_pool, const void* v_pool, const int32_t* table,
