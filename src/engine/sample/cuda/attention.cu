@@ -15,13 +15,25 @@ namespace {
 constexpr int kAttnWarps = 8;
 constexpr int kAttnBatch = 4;
 
-// After __syncthreads: merges the block's kParts partial online softmaxes
-// (each part's maximum, sum of weights and weighted values per head; a part
-// that saw no token has maximum -inf) into the G heads of one row, out
-// pointing at the first of them.
-template <typename T, int kParts, int G, int hd>
-__device__ __forceinline__ void MergeParts(const float (&part_m)[kParts][G], const float (&part_l)[kParts][G],
-                                           const float (&part_acc)[kParts][G][hd], T* out) {
+// The end of a block: each thread stores its part of the online softmax
+// (part `part`: its maximum and sum of weights per head, stored by the
+// part's `writer` thread, and the weighted values of dims [dim0, dim0 + D)),
+// then the block merges the kParts parts (one that saw no token has maximum
+// -inf) into the G heads of its row, out pointing at the first of them.
+template <typename T, int kParts, int G, int hd, int D>
+__device__ __forceinline__ void FinishParts(int part, bool writer, int dim0, const float (&m)[G], const float (&l)[G],
+                                            const float (&acc)[G][D], float (&part_m)[kParts][G],
+                                            float (&part_l)[kParts][G], float (&part_acc)[kParts][G][hd], T* out) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (writer) {
+      part_m[part][g] = m[g];
+      part_l[part][g] = l[g];
+    }
+#pragma unroll
+    for (int e = 0; e < D; ++e) part_acc[part][g][dim0 + e] = acc[g][e];
+  }
+  __syncthreads();
   for (int i = threadIdx.x; i < G * hd; i += blockDim.x) {
     const int g = i / hd, c = i % hd;
     float M = -INFINITY;
@@ -113,17 +125,7 @@ __global__ void DecodeAttentionKernel(const T* q, const T* k_pool, const T* v_po
       }
     }
   }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      part_m[warp][g] = m[g];
-      part_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < E; ++e) part_acc[warp][g][lane * E + e] = acc[g][e];
-  }
-  __syncthreads();
-  MergeParts<T>(part_m, part_l, part_acc, out + (s * heads + h0) * hd);
+  FinishParts(warp, lane == 0, lane * E, m, l, acc, part_m, part_l, part_acc, out + (s * heads + h0) * hd);
 }
 
 // Blocks a launch wants before it trades them for K/V reuse (G > 1): about
@@ -137,6 +139,14 @@ int HeadsPerBlock(int64_t rows, int64_t heads, int64_t kv_heads) {
   for (int g : {4, 2})
     if (group % g == 0 && rows * (heads / g) >= kAttnMinBlocks) return g;
   return 1;
+}
+
+// go(std::integral_constant<int, G>{}): a kernel's launch with G heads a block.
+template <typename Go>
+void WithHeadsPerBlock(int G, Go&& go) {
+  if (G == 4) return go(std::integral_constant<int, 4>{});
+  if (G == 2) return go(std::integral_constant<int, 2>{});
+  go(std::integral_constant<int, 1>{});
 }
 
 // ---- AttentionForm::kTokens (bf16, head_dim 128) ----
@@ -245,18 +255,8 @@ __global__ void __launch_bounds__(32 * kTokWarps)
       }
     }
   }
-  const int part = warp * 2 + half;
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (j == 0) {
-      part_m[part][g] = m[g];
-      part_l[part][g] = l[g];
-    }
-#pragma unroll
-    for (int e = 0; e < kTokDims; ++e) part_acc[part][g][j * kTokDims + e] = acc[g][e];
-  }
-  __syncthreads();
-  MergeParts<bf16_t>(part_m, part_l, part_acc, out + (s * heads + h0) * hd);
+  FinishParts(warp * 2 + half, j == 0, j * kTokDims, m, l, acc, part_m, part_l, part_acc,
+              out + (s * heads + h0) * hd);
 }
 
 void LaunchAttentionTokens(const void* q, const void* k_pool, const void* v_pool, const int32_t* table,
@@ -271,11 +271,7 @@ void LaunchAttentionTokens(const void* q, const void* k_pool, const void* v_pool
         table_stride, ctx_len, static_cast<int>(block_size), static_cast<bf16_t*>(out), static_cast<int>(heads),
         static_cast<int>(kv_heads), scale);
   };
-  switch (HeadsPerBlock(rows, heads, kv_heads)) {
-    case 4: return go(std::integral_constant<int, 4>{});
-    case 2: return go(std::integral_constant<int, 2>{});
-    default: return go(std::integral_constant<int, 1>{});
-  }
+  WithHeadsPerBlock(HeadsPerBlock(rows, heads, kv_heads), go);
 }
 
 template <typename T, int E>
@@ -292,9 +288,7 @@ void LaunchAttention(const void* q, const void* k_pool, const void* v_pool, cons
         ctx_len, static_cast<int>(block_size), static_cast<T*>(out), static_cast<int>(heads),
         static_cast<int>(kv_heads), scale);
   };
-  if (G == 4) return go(std::integral_constant<int, 4>{});
-  if (G == 2) return go(std::integral_constant<int, 2>{});
-  go(std::integral_constant<int, 1>{});
+  WithHeadsPerBlock(G, go);
 }
 
 }  // namespace
