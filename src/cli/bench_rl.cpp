@@ -181,7 +181,7 @@ struct RoundResult {
   int64_t device_mallocs = 0, alloc_retries = 0;  // the device allocator's, during the round
   double gpu_busy = -1;  // NVML's utilization over the round (GpuBusyMeter), -1 where there is no meter
   // Where the device time went: the sampler's steps and the trainer's passes.
-  int64_t decode_steps = 0, prefill_steps = 0, tokens_generated = 0, max_rows = 0;
+  int64_t decode_steps = 0, prefill_steps = 0, decode_rows = 0, max_rows = 0;
   double decode_seconds = 0, prefill_seconds = 0;
   int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
   double fb_seconds = 0, optim_seconds = 0;
@@ -239,7 +239,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   r.memory_installs = sampler1.adapter_installs - sampler0.adapter_installs;
   r.decode_steps = sampler1.decode_steps - sampler0.decode_steps;
   r.prefill_steps = sampler1.prefill_steps - sampler0.prefill_steps;
-  r.tokens_generated = sampler1.tokens_generated - sampler0.tokens_generated;
+  r.decode_rows = sampler1.decode_rows - sampler0.decode_rows;
   r.max_rows = sampler1.max_rows_in_step;  // over the run so far
   r.decode_seconds = sampler1.decode_seconds - sampler0.decode_seconds;
   r.prefill_seconds = sampler1.prefill_seconds - sampler0.prefill_seconds;
@@ -284,7 +284,7 @@ void PrintDeviceTime(const char* name, const RoundResult& r) {
               "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass), %lld optim_step "
               "passes (%.1f ms)\n",
               name, static_cast<long long>(r.decode_steps),
-              r.decode_steps > 0 ? static_cast<double>(r.tokens_generated) / static_cast<double>(r.decode_steps) : 0.0,
+              r.decode_steps > 0 ? static_cast<double>(r.decode_rows) / static_cast<double>(r.decode_steps) : 0.0,
               static_cast<long long>(r.max_rows), per(r.decode_seconds, r.decode_steps),
               static_cast<long long>(r.prefill_steps), per(r.prefill_seconds, r.prefill_steps),
               static_cast<long long>(r.fb_passes),

@@ -190,6 +190,7 @@ struct SamplerStats {
   int64_t decode_steps = 0;
   int64_t prefill_steps = 0;
   int64_t tokens_generated = 0;
+  int64_t decode_rows = 0;        // sequences summed over decode steps (rows a step: decode_rows / decode_steps)
   int64_t adapter_loads = 0;      // snapshot loads from disk (first loads + reloads after eviction)
   int64_t adapter_installs = 0;   // snapshots installed from memory (Offer), no disk read
   int64_t adapter_evictions = 0;

@@ -29,6 +29,7 @@ void EachCounter(engine::SamplerStats& s, F&& f) {
   f("decode_steps", s.decode_steps);
   f("prefill_steps", s.prefill_steps);
   f("tokens_generated", s.tokens_generated);
+  f("decode_rows", s.decode_rows);
   f("adapter_loads", s.adapter_loads);
   f("adapter_installs", s.adapter_installs);
   f("adapter_evictions", s.adapter_evictions);

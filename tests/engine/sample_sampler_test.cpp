@@ -143,6 +143,23 @@ TEST(Sampler, TopkPromptLogprobsAreTheBestTokensOfTheFullDistribution) {
   }
 }
 
+// decode_rows counts the sequences of every decode step (bench rl's "rows a
+// step" is decode_rows / decode_steps): each sequence's first token comes from
+// its prefill, every later one from one decode row.
+TEST(Sampler, DecodeRowsCountEachDecodeStepsSequences) {
+  auto s = Open();
+  SampleCall c = Call(kPrompt, 8, 1.0, W().adapter1, 42);
+  c.num_samples = 3;
+  const SampleOutput out = SampleNow(*s, c);
+  int64_t tokens = 0;
+  for (const auto& q : out.sequences) tokens += static_cast<int64_t>(q.tokens.size());
+  const SamplerStats st = s->stats();
+  EXPECT_EQ(st.tokens_generated, tokens);
+  EXPECT_EQ(st.decode_rows, tokens - 3);
+  EXPECT_GE(st.decode_rows, st.decode_steps);
+  EXPECT_LE(st.decode_rows, 3 * st.decode_steps);
+}
+
 TEST(Sampler, SeededSamplingIgnoresBatchNeighbours) {
   auto s = Open();
   SampleCall c = Call(kPrompt, 16, 1.0, W().adapter1, 42);

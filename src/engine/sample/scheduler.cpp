@@ -299,6 +299,7 @@ void Scheduler::AfterDecode(const std::vector<Sequence*>& rows, const std::vecto
     if (s->request->slot != last_slot) ++adapters, last_slot = s->request->slot;
   const Choices c = ChooseTokens(logits, params);
   ++stats_.decode_steps;
+  stats_.decode_rows += static_cast<int64_t>(rows.size());
   stats_.max_rows_in_step = std::max<int64_t>(stats_.max_rows_in_step, static_cast<int64_t>(rows.size()));
   stats_.max_adapters_in_step = std::max(stats_.max_adapters_in_step, adapters);
   for (size_t k = 0; k < rows.size(); ++k) {
