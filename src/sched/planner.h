@@ -118,8 +118,8 @@ class Planner {
   // The next engine pass, or nullopt when every queue is empty. The pieces it
   // returns are removed from the queues (the service must run or fail them).
   // room > 0: the most tokens the device holds for a pass now (memory held
-  // since start-up, by snapshots or the sampler, shrinks it below the
-  // budget); a packable pass is planned to min(token_budget, room), so the
+  // since start-up, by snapshots awaiting their writers, shrinks it below
+  // the budget); a packable pass is planned to min(token_budget, room), so the
   // requests that would overflow wait for the next pass instead of failing
   // this one. 0: no limit known.
   std::optional<Pass> Next(int64_t room = 0);

@@ -208,8 +208,9 @@ void TrainLoop::FeedLocked() {
 std::optional<TrainLoop::PassWork> TrainLoop::PlanLocked(std::unique_lock<std::mutex>& lock) {
   if (BatchWindowOpenLocked(lock)) return std::nullopt;
   // The room free now, not only the budget sized at start-up: snapshots
-  // awaiting their writers and the allocator's cache hold memory a pass
-  // planned to the budget could need, and that pass would fail whole.
+  // awaiting their writers (and whatever else was allocated since) hold
+  // memory the budget counted as free, and a pass planned past the room
+  // would fail whole.
   const int64_t free_now = engine_.MaxPassTokens();
   auto pass = planner_.Next(free_now > 0 ? std::max<int64_t>(1, free_now / options_.room_share) : 0);
   if (!pass) return std::nullopt;
