@@ -165,5 +165,40 @@ TEST(SampleChoice, TinyTemperatureIsItsGreedyLimit) {
   for (float lp : c.logprobs) EXPECT_TRUE(std::isfinite(lp));
 }
 
+// Each drawing row takes the inverse CDF of softmax(logits / T) over token-id
+// order at its u, and reports the token's logprob under the unscaled
+// logits: at temperature 1 (no scaling pass) and below it, and the same
+// whether or not a greedy row shares the step (the argmax pass then runs,
+// and the draws write their rows alone).
+TEST(SampleChoice, DrawsAreTheInverseCdfWithOrWithoutAGreedyRow) {
+  at::manual_seed(3);
+  const at::Tensor logits = at::randn({3, 40}) * 2;
+  const double temps[] = {1.0, 0.5, 1.0};
+  const int64_t want[] = {7, 19, 33};
+  std::vector<RowChoiceParams> rows(3);
+  for (int64_t r = 0; r < 3; ++r) {
+    // u in the middle of token want[r]'s share of the cdf: no rounding moves it out.
+    const at::Tensor p = at::softmax(logits[r].to(at::kDouble) / temps[r], -1);
+    const at::Tensor cdf = at::cumsum(p, -1);
+    const double lo = cdf[want[r] - 1].item<double>(), hi = cdf[want[r]].item<double>();
+    rows[static_cast<size_t>(r)].temperature = temps[r];
+    rows[static_cast<size_t>(r)].u = (lo + hi) / 2 / cdf[39].item<double>();
+  }
+  const at::Tensor lsm = at::log_softmax(logits, -1);
+  const Choices drawn = ChooseTokens(logits, rows);
+  for (int64_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(drawn.tokens[static_cast<size_t>(r)], want[r]) << r;
+    EXPECT_NEAR(drawn.logprobs[static_cast<size_t>(r)], lsm[r][want[r]].item<float>(), 1e-5) << r;
+  }
+  // A greedy row beside them.
+  const at::Tensor greedy = at::randn({1, 40});
+  std::vector<RowChoiceParams> with = rows;
+  with.push_back(RowChoiceParams{});
+  with.back().temperature = 0.0;
+  const Choices mixed = ChooseTokens(at::cat({logits, greedy}), with);
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(mixed.tokens[r], drawn.tokens[r]) << r;
+  EXPECT_EQ(mixed.tokens[3], greedy.argmax(-1).item<int64_t>());
+}
+
 }  // namespace
 }  // namespace loom::engine::sample

@@ -53,7 +53,11 @@ void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const 
   const at::Tensor sc = at::tensor(scalars, cpu_f).to(dev).view({2, n});
   const bool all_rows = n == logits.size(0);
   const at::Tensor idx = all_rows ? at::Tensor() : at::tensor(rows_idx, cpu_long).to(dev);
-  const at::Tensor scaled = (all_rows ? logits : logits.index_select(0, idx)) * sc.select(0, 0).unsqueeze(1);
+  const at::Tensor rows_logits = all_rows ? logits : logits.index_select(0, idx);
+  // Temperature 1 everywhere (RL's usual draw): x * 1 is x, so no pass over
+  // the [rows, vocab] logits to scale them.
+  const bool unit = std::all_of(inv_t.begin(), inv_t.end(), [](float v) { return v == 1.0f; });
+  const at::Tensor scaled = unit ? rows_logits : rows_logits * sc.select(0, 0).unsqueeze(1);
   const at::Tensor uu = sc.select(0, 1);
   auto put = [&](const at::Tensor& picked) {
     if (all_rows) {
@@ -86,7 +90,6 @@ void Draw(const at::Tensor& logits, const std::vector<int64_t>& rows_idx, const 
 
 Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams>& rows) {
   const int64_t S = logits.size(0), V = logits.size(1);
-  at::Tensor chosen = logits.argmax(-1);  // greedy for every row; stochastic rows overwritten below
   std::vector<int64_t> plain, truncated;
   for (int64_t r = 0; r < S; ++r) {
     const RowChoiceParams& p = rows[r];
@@ -94,6 +97,10 @@ Choices ChooseTokens(const at::Tensor& logits, const std::vector<RowChoiceParams
     const bool cut = (p.top_k > 0 && p.top_k < V) || p.top_p < 1.0;
     (cut ? truncated : plain).push_back(r);
   }
+  // Greedy rows take the argmax; the draws below overwrite the others (no
+  // pass over the logits for it when every row draws).
+  const bool any_greedy = static_cast<int64_t>(plain.size() + truncated.size()) < S;
+  at::Tensor chosen = any_greedy ? logits.argmax(-1) : at::empty({S}, logits.options().dtype(at::kLong));
   Draw(logits, plain, rows, /*truncated=*/false, chosen);
   Draw(logits, truncated, rows, /*truncated=*/true, chosen);
   const at::Tensor lp = at::log_softmax(logits, -1).gather(1, chosen.unsqueeze(1)).squeeze(1);
