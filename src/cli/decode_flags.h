@@ -20,7 +20,7 @@ class DecodeFlags {
 
  private:
   std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on",
-              moe_gemv_ = "on", attention_ = "dims";
+              moe_gemv_ = "on", attention_ = "tokens";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };

@@ -22,6 +22,7 @@ namespace loom::engine::cuda {
 // product a 16-lane reduction), K and V of a warp's next tokens loaded
 // together; for many rows over longer contexts, where the step reads K/V
 // far more than weights. kTokens runs where TokenLanesApply; elsewhere kDims.
+// The fast decode takes kTokens unless told otherwise (DecodeOptions).
 enum class AttentionForm { kDims, kTokens };
 void DecodeAttention(bool bf16, const void* q, const void* k_pool, const void* v_pool, const int32_t* block_table,
                      int64_t table_stride, const int32_t* ctx_len, int64_t block_size, void* out, int64_t rows,
