@@ -34,6 +34,7 @@
 #include "cli/bench_rl.h"
 #include "cli/gpu_busy.h"
 #include "cli/service_driver.h"
+#include "service/metrics.h"
 #include "engine/model/device.h"
 
 namespace loom::cli {
@@ -185,6 +186,8 @@ struct RoundResult {
   double decode_seconds = 0, prefill_seconds = 0;
   int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
   double fb_seconds = 0, optim_seconds = 0;
+  // The saves' engine-thread time by part (Metrics::RecordSnapshot).
+  service::Metrics::SnapshotSeconds snapshots;
 };
 
 // The tenants' loops, concurrently (one thread each) or one after another;
@@ -201,6 +204,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   const double fb_s0 = metrics.pass_seconds("forward_backward"), optim_s0 = metrics.pass_seconds("optim_step");
   const int64_t fb0 = metrics.passes("forward_backward"), optim0 = metrics.passes("optim_step");
   const int64_t tokens0 = metrics.training_tokens();
+  const service::Metrics::SnapshotSeconds snap0 = metrics.snapshot_seconds();
   const engine::SamplerStats sampler0 = d.service().sampler_stats().value_or(engine::SamplerStats{});
   const engine::DeviceMemory memory0 = d.service().device_memory();
   std::vector<Phases> phases(tenants.size());
@@ -248,6 +252,8 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   r.train_tokens = metrics.training_tokens() - tokens0;
   r.fb_seconds = metrics.pass_seconds("forward_backward") - fb_s0;
   r.optim_seconds = metrics.pass_seconds("optim_step") - optim_s0;
+  const service::Metrics::SnapshotSeconds snap1 = metrics.snapshot_seconds();
+  r.snapshots = {snap1.count - snap0.count, snap1.copy - snap0.copy, snap1.handoff - snap0.handoff};
   const engine::DeviceMemory memory1 = d.service().device_memory();
   r.device_mallocs = memory1.device_mallocs - memory0.device_mallocs;
   r.alloc_retries = memory1.alloc_retries - memory0.alloc_retries;
@@ -277,19 +283,22 @@ void Print(const char* name, const RoundResult& r, const RlOptions& o) {
 
 // Where a round's device time went: the sampler's decode and prefill steps
 // (count, rows a decode step carried on average, ms a step) and the
-// trainer's passes (count, tokens a pass, ms a pass).
+// trainer's passes (count, tokens a pass, ms a pass), and the saves'
+// snapshots (ms a snapshot: the slot's copy, the hand-off to the writers).
 void PrintDeviceTime(const char* name, const RoundResult& r) {
   const auto per = [](double seconds, int64_t n) { return n > 0 ? 1e3 * seconds / static_cast<double>(n) : 0.0; };
   std::printf("%-12s sampler: %lld decode steps (%.1f rows a step, at most %lld so far; %.2f ms a step), %lld prefill "
               "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass), %lld optim_step "
-              "passes (%.1f ms)\n",
+              "passes (%.1f ms), %lld snapshots (copy %.2f ms, hand-off %.2f ms)\n",
               name, static_cast<long long>(r.decode_steps),
               r.decode_steps > 0 ? static_cast<double>(r.decode_rows) / static_cast<double>(r.decode_steps) : 0.0,
               static_cast<long long>(r.max_rows), per(r.decode_seconds, r.decode_steps),
               static_cast<long long>(r.prefill_steps), per(r.prefill_seconds, r.prefill_steps),
               static_cast<long long>(r.fb_passes),
               r.fb_passes > 0 ? static_cast<double>(r.train_tokens) / static_cast<double>(r.fb_passes) : 0.0,
-              per(r.fb_seconds, r.fb_passes), static_cast<long long>(r.optim_passes), per(r.optim_seconds, r.optim_passes));
+              per(r.fb_seconds, r.fb_passes), static_cast<long long>(r.optim_passes), per(r.optim_seconds, r.optim_passes),
+              static_cast<long long>(r.snapshots.count), per(r.snapshots.copy, r.snapshots.count),
+              per(r.snapshots.handoff, r.snapshots.count));
 }
 
 int BenchRlRun(const RlOptions& o) {

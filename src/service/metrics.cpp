@@ -110,6 +110,18 @@ void Metrics::RecordPublish(double seconds, bool ok) {
   publish_seconds_ += seconds;
 }
 
+Metrics::SnapshotSeconds Metrics::snapshot_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_seconds_;
+}
+
+void Metrics::RecordSnapshot(double copy_seconds, double handoff_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++snapshot_seconds_.count;
+  snapshot_seconds_.copy += copy_seconds;
+  snapshot_seconds_.handoff += handoff_seconds;
+}
+
 void Metrics::RecordQueueWait(const std::string& model_id, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   auto& w = wait_[model_id];
@@ -249,6 +261,11 @@ std::string Metrics::Render(const QueueSnapshot& live) const {
   out += fmt::format("loom_publishes_total{{result=\"failed\"}} {}\n", publish_failures_);
   Head(out, "loom_publish_seconds_total", "counter", "Writer-thread time spent writing and committing snapshots.");
   out += fmt::format("loom_publish_seconds_total {:.6f}\n", publish_seconds_);
+  Head(out, "loom_snapshot_seconds_total", "counter",
+       "Engine-thread time of save_weights_for_sampler's snapshots, by part: the slot's copy, the hand-off to the "
+       "writers.");
+  out += fmt::format("loom_snapshot_seconds_total{{part=\"copy\"}} {:.9f}\n", snapshot_seconds_.copy);
+  out += fmt::format("loom_snapshot_seconds_total{{part=\"handoff\"}} {:.9f}\n", snapshot_seconds_.handoff);
   Head(out, "loom_publishes_pending", "gauge", "Snapshots queued or being written.");
   out += fmt::format("loom_publishes_pending {}\n", live.publishes_pending);
   Head(out, "loom_sampler_adapter_loads_total", "counter", "Sampler snapshot loads from disk.");

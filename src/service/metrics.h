@@ -60,6 +60,11 @@ class Metrics {
   // One save_weights_for_sampler written and committed by a writer thread
   // (or failed there), and how long that took.
   void RecordPublish(double seconds, bool ok);
+  // One save_weights_for_sampler's engine-thread time, in its two parts:
+  // the slot's copy (launching it, and the allocation of its buffer) and
+  // the hand-off to the writers (Publisher::Submit: an ephemeral sampling
+  // session opened under ServiceLock::mu, a wait for room in the queue).
+  void RecordSnapshot(double copy_seconds, double handoff_seconds);
   // How long a request waited from ready to its first pass.
   void RecordQueueWait(const std::string& model_id, double seconds);
   // Tokens a sampler generated (the sampling layer calls this).
@@ -79,6 +84,12 @@ class Metrics {
   int64_t training_tokens() const;
   // Writer-thread seconds of the publishes so far (RecordPublish).
   double publish_seconds() const;
+  // The snapshots' engine-thread seconds so far, by part (RecordSnapshot).
+  struct SnapshotSeconds {
+    int64_t count = 0;
+    double copy = 0, handoff = 0;
+  };
+  SnapshotSeconds snapshot_seconds() const;
 
   // The forward(_backward) passes' fill, as loom_batch_fill_ratio* show it.
   struct Fill {
@@ -123,6 +134,7 @@ class Metrics {
   std::map<int, int64_t> responses_;
   int64_t publishes_ = 0, publish_failures_ = 0;
   double publish_seconds_ = 0;
+  SnapshotSeconds snapshot_seconds_;
   mutable std::deque<Sample> training_recent_;
   mutable std::deque<Sample> sampling_recent_;
   PassHistory history_;  // its own lock

@@ -497,8 +497,10 @@ void TrainLoop::RunSaveForSampler(TrainingOp& op) {
   auto ref = models_.ModelForRun(op.model_id);
   if (!ref.ok()) return futures_.Fail(op.request_id, ref.status());
   // Only the snapshot here: the writing, the commit and the answer are the publisher's.
+  const Clock::time_point copy_start = Clock::now();
   auto publication = checkpoints_.SnapshotForSampler(op, *ref);
   if (!publication.ok()) return futures_.Fail(op.request_id, publication.status());
+  const Clock::time_point handoff_start = Clock::now();
   Publisher::Job job{op.request_id, std::move(*publication), std::nullopt, ref->session_id};
   if (op.name.empty()) {  // an unnamed save_weights_for_sampler opens a sampling session on its snapshot
     job.sampler = Sessions::SamplingSession{
@@ -506,6 +508,8 @@ void TrainLoop::RunSaveForSampler(TrainingOp& op) {
         ref->base_model, std::nullopt};
   }
   publisher_.Submit(std::move(job));
+  metrics_.RecordSnapshot(std::chrono::duration<double>(handoff_start - copy_start).count(),
+                          std::chrono::duration<double>(Clock::now() - handoff_start).count());
 }
 
 void TrainLoop::RunLoadWeights(TrainingOp& op) {

@@ -69,6 +69,9 @@ TEST(Publish, SampleAfterSaveIsFromMemoryUnchangedByLaterTrainingAndSurvivesARes
     EXPECT_EQ(Scrape(c, "loom_sampler_adapter_loads_total"), 0);
     EXPECT_EQ(Scrape(c, "loom_sampler_adapter_installs_total"), 1);
     EXPECT_EQ(Scrape(c, "loom_publishes_total{result=\"ok\"}"), 1);
+    // The save's engine-thread time is counted, copy and hand-off apart.
+    EXPECT_GT(Scrape(c, "loom_snapshot_seconds_total{part=\"copy\"}"), 0);
+    EXPECT_GE(Scrape(c, "loom_snapshot_seconds_total{part=\"handoff\"}"), 0);  // -1: no such series
     EXPECT_EQ(server.Terminate(), 0);
   }
   int files = 0;
