@@ -17,6 +17,7 @@
 #include <ATen/cuda/CUDAContext.h>
 
 #include "engine/model/cuda/gemv.h"
+#include "engine/model/cuda/moe_route.h"
 #endif
 
 namespace loom::engine {
@@ -392,23 +393,51 @@ std::pair<at::Tensor, at::Tensor> Route(const MoeWeights& w, const at::Tensor& h
   return {top_p.to(h.scalar_type()), top_e};
 }
 
+#if LOOM_CUDA_KERNELS
+// Route for the pair form's few tokens: the logits (the matrix-vector
+// kernel for up to 4 rows, as the decode projections), then one kernel for
+// the softmax, top-k and normalisation (cuda::MoeRoute) where the router has
+// one softmax; the grouped routers take Route.
+std::pair<at::Tensor, at::Tensor> RouteFew(const MoeWeights& w, const at::Tensor& h, cudaStream_t stream) {
+  const bool one_softmax = w.router_kind == MoeRouter::kSoftmaxTopK || w.router_kind == MoeRouter::kTopKSoftmax;
+  const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
+  if (!one_softmax || E > cuda::kMoeRouteMaxExperts || K > cuda::kMoeRouteMaxK || !w.router.is_contiguous())
+    return Route(w, h);
+  at::Tensor logits = at::empty({T, E}, h.options());
+  const at::Tensor bias = w.router_bias.defined() ? w.router_bias.contiguous() : at::Tensor();
+  if (!cuda::Gemv(true, h.data_ptr(), h.stride(0), w.router.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr,
+                  logits.data_ptr(), false, T, E, h.size(1), stream))
+    logits = at::linear(h, w.router, w.router_bias);
+  at::Tensor weights = at::empty({T, K}, h.options()), experts = at::empty({T, K}, kLong.device(h.device()));
+  const auto kind = w.router_kind == MoeRouter::kSoftmaxTopK ? cuda::MoeRouteKind::kSoftmaxTopK
+                                                             : cuda::MoeRouteKind::kTopKSoftmax;
+  if (!cuda::MoeRoute(true, kind, w.norm_topk, logits.data_ptr(), weights.data_ptr(), experts.data_ptr<int64_t>(), T,
+                      E, K, stream))
+    throw std::logic_error("MoeForward: MoeRoute refused a router RouteFew checked");
+  return {weights, experts};
+}
+#endif
+
 // The pair form's block for a decode step's few pairs (moe.h,
-// MoeForward's pair_gemv): the T * K pairs in (token, choice) order, each
-// pair's two projections one matrix-vector product over its own expert's
-// rows (cuda::ExpertGemv), so no sort, no dispatch, and no grouped GEMM
-// whose tiles are mostly padding at a row or two a group. Undefined where
-// PairGemvApplies is false (the caller then runs the grouped path). No
-// autograd: the sampler's no-grad steps only.
+// MoeForward's pair_gemv): routed by RouteFew; the T * K pairs in (token,
+// choice) order, each pair's two projections one matrix-vector product over
+// its own expert's rows (cuda::ExpertGemv), so no sort, no dispatch, and no
+// grouped GEMM whose tiles are mostly padding at a row or two a group; the
+// pairs' outputs weighted and summed per token by one kernel
+// (cuda::MoeCombine). Undefined where PairGemvApplies is false (the caller
+// then runs the grouped path). No autograd: the sampler's no-grad steps
+// only.
 at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank, const LoraTarget* gate_up,
-                         const LoraTarget* down, const ExpertLoraRows* rows, const at::Tensor& top_p,
-                         const at::Tensor& top_e) {
+                         const LoraTarget* down, const ExpertLoraRows* rows) {
 #if LOOM_CUDA_KERNELS
   static_assert(kPairGemvMaxPairs == cuda::kExpertGemvMaxPairs);
   if (!PairGemvApplies(w, h)) return {};
   const int64_t T = h.size(0), K = w.top_k, P = T * K, H = h.size(1);
   const int64_t I2 = w.gate_up.size(1), I = w.down.size(2);
-  const at::Tensor x = h.contiguous(), experts = top_e.reshape({-1}).to(at::kLong).contiguous();
+  const at::Tensor x = h.contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(h.device().index()).stream();
+  const auto [top_p, top_e] = RouteFew(w, x, stream);
+  const at::Tensor experts = top_e.reshape({-1}).to(at::kLong).contiguous();
   at::Tensor gu = at::empty({P, I2}, h.options());
   const at::Tensor gate_up_bias = w.gate_up_bias.defined() ? w.gate_up_bias.contiguous() : at::Tensor();
   const at::Tensor down_bias = w.down_bias.defined() ? w.down_bias.contiguous() : at::Tensor();
@@ -421,25 +450,29 @@ at::Tensor PairGemvBlock(const MoeWeights& w, const at::Tensor& h, const SlotBan
                             experts.data_ptr<int64_t>(), gu.data_ptr(), P, I2, H, stream));
   const bool lora = rows && rows->defined() && gate_up && down;
   Pairs pairs;
-  pairs.K = K;
-  pairs.position = at::arange(P, kLong.device(h.device()));
-  pairs.token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
   PairFactors factors;
   if (lora) {
+    pairs.K = K;
+    pairs.position = at::arange(P, kLong.device(h.device()));
+    pairs.token = at::arange(T, kLong.device(h.device())).unsqueeze(1).expand({T, K}).reshape({-1});
     factors = {rows->slot.index_select(0, pairs.token), experts};
-    gu = gu + GateUpDeltaPairs(bank, *rows, *gate_up, h, pairs, factors, gu.scalar_type());
+    gu = gu + GateUpDeltaPairs(bank, *rows, *gate_up, x, pairs, factors, gu.scalar_type());
   }
   const at::Tensor act =
       (w.activation == MoeActivation::kClampedSwiGlu ? ClampedSwiGlu(gu) : SwiGluLean(gu)).contiguous();  // [P, I]
   at::Tensor y = at::empty({P, H}, h.options());
   launched(cuda::ExpertGemv(true, act.data_ptr(), I, 1, w.down.data_ptr(), bias(down_bias), experts.data_ptr<int64_t>(),
                             y.data_ptr(), P, H, I, stream));
-  const at::Tensor weight = top_p.reshape({-1}).unsqueeze(1);  // [P, 1]
-  at::Tensor out = pairs.Combine((y * weight).to(y.scalar_type()));
-  if (lora) out = out + DownDeltaPairs(bank, *rows, *down, act, pairs, factors, weight);
+  const at::Tensor weight = top_p.contiguous();  // [T, K]: h's dtype, fp32 from the grouped routers
+  if (weight.scalar_type() != at::kFloat && weight.scalar_type() != h.scalar_type())
+    throw std::logic_error("MoeForward: routing weights neither fp32 nor the model dtype");
+  at::Tensor out = at::empty({T, H}, h.options());
+  cuda::MoeCombine(true, y.data_ptr(), weight.data_ptr(), weight.scalar_type() == at::kFloat, out.data_ptr(), T, K, H,
+                   stream);
+  if (lora) out = out + DownDeltaPairs(bank, *rows, *down, act, pairs, factors, weight.reshape({-1}).unsqueeze(1));
   return out;
 #else
-  (void)w, (void)h, (void)bank, (void)gate_up, (void)down, (void)rows, (void)top_p, (void)top_e;
+  (void)w, (void)h, (void)bank, (void)gate_up, (void)down, (void)rows;
   return {};
 #endif
 }
@@ -453,9 +486,9 @@ at::Tensor Block(const MoeWeights& w, const at::Tensor& h, const SlotBank& bank,
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
   // Experts split over ranks (parallel.h): this rank's are [e0, e0 + El).
   const int64_t El = w.gate_up.size(0), e0 = w.expert_begin;
-  const auto [top_p, top_e] = Route(w, h);
   if (pair_gemv && !seg && !at::GradMode::is_enabled())
-    if (at::Tensor out = PairGemvBlock(w, h, bank, gate_up, down, rows, top_p, top_e); out.defined()) return out;
+    if (at::Tensor out = PairGemvBlock(w, h, bank, gate_up, down, rows); out.defined()) return out;
+  const auto [top_p, top_e] = Route(w, h);
 
   // The T * K (token, choice) pairs sorted by segment: expert, then (the
   // segment form) the token's LoRA group within the expert (stable: token
