@@ -186,7 +186,7 @@ struct RoundResult {
   double decode_seconds = 0, prefill_seconds = 0;
   int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
   double fb_seconds = 0, optim_seconds = 0;
-  // The saves' engine-thread time by part (Metrics::RecordSnapshot).
+  // The saves' engine-thread time by part (Metrics::RecordSnapshotCopy, RecordSnapshotHandoff).
   service::Metrics::SnapshotSeconds snapshots;
 };
 

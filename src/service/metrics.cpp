@@ -115,11 +115,15 @@ Metrics::SnapshotSeconds Metrics::snapshot_seconds() const {
   return snapshot_seconds_;
 }
 
-void Metrics::RecordSnapshot(double copy_seconds, double handoff_seconds) {
+void Metrics::RecordSnapshotCopy(double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   ++snapshot_seconds_.count;
-  snapshot_seconds_.copy += copy_seconds;
-  snapshot_seconds_.handoff += handoff_seconds;
+  snapshot_seconds_.copy += seconds;
+}
+
+void Metrics::RecordSnapshotHandoff(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_seconds_.handoff += seconds;
 }
 
 void Metrics::RecordQueueWait(const std::string& model_id, double seconds) {

@@ -61,10 +61,13 @@ class Metrics {
   // (or failed there), and how long that took.
   void RecordPublish(double seconds, bool ok);
   // One save_weights_for_sampler's engine-thread time, in its two parts:
-  // the slot's copy (launching it, and the allocation of its buffer) and
-  // the hand-off to the writers (Publisher::Submit: an ephemeral sampling
-  // session opened under ServiceLock::mu, a wait for room in the queue).
-  void RecordSnapshot(double copy_seconds, double handoff_seconds);
+  // the slot's copy (launching it, and the allocation of its buffer),
+  // recorded before the save is handed off (its future may be answered
+  // then), and the hand-off to the writers (Publisher::Submit: an ephemeral
+  // sampling session opened under ServiceLock::mu, a wait for room in the
+  // queue), after.
+  void RecordSnapshotCopy(double seconds);
+  void RecordSnapshotHandoff(double seconds);
   // How long a request waited from ready to its first pass.
   void RecordQueueWait(const std::string& model_id, double seconds);
   // Tokens a sampler generated (the sampling layer calls this).
@@ -84,7 +87,7 @@ class Metrics {
   int64_t training_tokens() const;
   // Writer-thread seconds of the publishes so far (RecordPublish).
   double publish_seconds() const;
-  // The snapshots' engine-thread seconds so far, by part (RecordSnapshot).
+  // The snapshots' engine-thread seconds so far, by part (RecordSnapshotCopy, RecordSnapshotHandoff).
   struct SnapshotSeconds {
     int64_t count = 0;
     double copy = 0, handoff = 0;

@@ -501,6 +501,7 @@ void TrainLoop::RunSaveForSampler(TrainingOp& op) {
   auto publication = checkpoints_.SnapshotForSampler(op, *ref);
   if (!publication.ok()) return futures_.Fail(op.request_id, publication.status());
   const Clock::time_point handoff_start = Clock::now();
+  metrics_.RecordSnapshotCopy(std::chrono::duration<double>(handoff_start - copy_start).count());
   Publisher::Job job{op.request_id, std::move(*publication), std::nullopt, ref->session_id};
   if (op.name.empty()) {  // an unnamed save_weights_for_sampler opens a sampling session on its snapshot
     job.sampler = Sessions::SamplingSession{
@@ -508,8 +509,7 @@ void TrainLoop::RunSaveForSampler(TrainingOp& op) {
         ref->base_model, std::nullopt};
   }
   publisher_.Submit(std::move(job));
-  metrics_.RecordSnapshot(std::chrono::duration<double>(handoff_start - copy_start).count(),
-                          std::chrono::duration<double>(Clock::now() - handoff_start).count());
+  metrics_.RecordSnapshotHandoff(std::chrono::duration<double>(Clock::now() - handoff_start).count());
 }
 
 void TrainLoop::RunLoadWeights(TrainingOp& op) {
