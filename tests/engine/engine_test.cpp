@@ -668,10 +668,16 @@ TEST(Engine, SaveForSamplerWritesPeftTrimmedToRank) {
 }
 
 // A sampler snapshot is the slot as it was when taken: the training,
-// release and rebinding after it do not reach the files written from it.
-TEST(Engine, SnapshotForSamplerIsUnchangedByLaterCallsOnItsSlot) {
+// release and rebinding after it do not reach the files written from it
+// (on a GPU, through the writer's pinned copy), which are the engine's own
+// save of the slot at the snapshot, byte for byte.
+void SnapshotIsUnchangedByLaterCalls(const std::string& device) {
   TempDir tmp;
-  auto e = Open(2, 8);
+  EngineOptions o = Options(2, 8);
+  o.device = device;
+  auto opened = Engine::Open(o);
+  ASSERT_TRUE(opened.ok()) << opened.status().message();
+  Engine* e = opened->get();
   EXPECT_EQ(e->SnapshotForSampler(1).status().code(), Code::kFailedPrecondition);  // not bound
   ASSERT_TRUE(e->BindSlot(1, Lora(4, 3)).ok());
   TrainStep(*e, 1, Batch(1));
@@ -691,6 +697,13 @@ TEST(Engine, SnapshotForSamplerIsUnchangedByLaterCallsOnItsSlot) {
     EXPECT_EQ(bytes("later", file), bytes("then", file)) << file;
   EXPECT_NE(bytes("trained", "adapter_model.safetensors"), bytes("then", "adapter_model.safetensors"));
   EXPECT_EQ((*snapshot)->WritePeft(tmp.path + "/later", "tiny").code(), Code::kAlreadyExists);  // immutable
+}
+
+TEST(Engine, SnapshotForSamplerIsUnchangedByLaterCallsOnItsSlot) { SnapshotIsUnchangedByLaterCalls("cpu"); }
+
+TEST(Engine, SnapshotForSamplerIsUnchangedByLaterCallsOnItsSlotOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  SnapshotIsUnchangedByLaterCalls("cuda");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 
 #include "common/durable.h"
 #include "engine/io/file_text.h"
@@ -95,13 +96,19 @@ std::string PeftShortName(const std::string& module) {
 }
 
 PeftAdapter PeftAdapter::To(at::Device device) const {
+  if (storage.defined()) return WithStorage(storage.to(device));
   PeftAdapter out;
   out.config = config;
-  if (!storage.defined()) {
-    for (const Factor& f : factors) out.factors.push_back({f.module, f.A.to(device), f.B.to(device), f.hf_interleaved});
-    return out;
-  }
-  out.storage = storage.to(device);
+  for (const Factor& f : factors) out.factors.push_back({f.module, f.A.to(device), f.B.to(device), f.hf_interleaved});
+  return out;
+}
+
+PeftAdapter PeftAdapter::WithStorage(at::Tensor copy) const {
+  if (!storage.defined() || copy.sizes() != storage.sizes())
+    throw std::invalid_argument("PeftAdapter::WithStorage: a copy of the adapter's storage is needed");
+  PeftAdapter out;
+  out.config = config;
+  out.storage = std::move(copy);
   out.flat_begin = flat_begin;
   out.flat_rank = flat_rank;
   out.flat_width = flat_width;

@@ -61,6 +61,9 @@ struct PeftAdapter {
   // The same adapter on `device`: one copy of storage where there is one.
   // Runs on the caller's current stream.
   PeftAdapter To(at::Device device) const;
+  // The same adapter over `copy`, a copy of storage (same sizes) made by
+  // the caller: each factor at the same place in it. Needs storage.
+  PeftAdapter WithStorage(at::Tensor copy) const;
   int64_t bytes() const;
 };
 

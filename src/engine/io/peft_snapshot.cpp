@@ -64,7 +64,15 @@ Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_m
         c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, adapter_.storage.device().index());
         c10::cuda::CUDAStreamGuard guard(side);
         Ready();
-        return engine::WritePeft(adapter_.To(at::kCPU), tmp, base_model_name);
+        // Into pinned memory (the caching host allocator's, reused from one
+        // write to the next): a DMA the side stream runs, where a pageable
+        // destination is staged by the driver through its own buffers, on
+        // this thread, for the whole copy.
+        at::Tensor host = at::empty(adapter_.storage.sizes(),
+                                    adapter_.storage.options().device(at::kCPU).pinned_memory(true));
+        host.copy_(adapter_.storage, /*non_blocking=*/true);
+        side.synchronize();
+        return engine::WritePeft(adapter_.WithStorage(host), tmp, base_model_name);
       }
 #endif
       return engine::WritePeft(adapter_.To(at::kCPU), tmp, base_model_name);

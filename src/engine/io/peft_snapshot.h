@@ -4,8 +4,9 @@
 // another thread waits for exactly them and not for the training queued
 // behind them.
 //
-// Readers: the service's writer thread (WritePeft: the buffer to the host on
-// a stream of its own, synchronized before it returns, then the files) and
+// Readers: the service's writer thread (WritePeft: the buffer to pinned host
+// memory on a stream of its own, synchronized before it returns, then the
+// files) and
 // the sampler's decode thread (adapter(), installed into its own bank after
 // Ready(), which also tells the caching allocator that the reader's stream
 // uses the buffer, so it may be freed as soon as the install is queued,
