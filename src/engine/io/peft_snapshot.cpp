@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <exception>
 
 #include "common/durable.h"
@@ -15,6 +16,11 @@
 namespace loom::engine {
 
 #if LOOM_CUDA_KERNELS
+namespace {
+// WritePeft's device-to-host copy, in pieces of this many bytes.
+constexpr int64_t kCopyPieceBytes = int64_t{8} << 20;
+}  // namespace
+
 struct PeftSnapshot::CopyDone {
   // block() records nothing; it only makes a stream wait (cudaStreamWaitEvent).
   mutable at::cuda::CUDAEvent event;
@@ -67,11 +73,19 @@ Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_m
         // Into pinned memory (the caching host allocator's, reused from one
         // write to the next): a DMA the side stream runs, where a pageable
         // destination is staged by the driver through its own buffers, on
-        // this thread, for the whole copy.
-        at::Tensor host = at::empty(adapter_.storage.sizes(),
-                                    adapter_.storage.options().device(at::kCPU).pinned_memory(true));
-        host.copy_(adapter_.storage, /*non_blocking=*/true);
-        side.synchronize();
+        // this thread, for the whole copy. In pieces, each waited for: the
+        // sampler copies each decode step's tokens to the host, and a copy
+        // queued behind a whole snapshot's (hundreds of MB, ~10 ms) would
+        // wait for all of it; behind a piece it waits at most ~0.3 ms.
+        const at::Tensor& storage = adapter_.storage;  // contiguous (CopyPeft)
+        at::Tensor host = at::empty(storage.sizes(), storage.options().device(at::kCPU).pinned_memory(true));
+        const at::Tensor from = storage.view({-1}), to = host.view({-1});
+        const int64_t n = from.numel(), piece = std::max<int64_t>(1, kCopyPieceBytes / from.element_size());
+        for (int64_t off = 0; off < n; off += piece) {
+          const int64_t len = std::min(piece, n - off);
+          to.narrow(0, off, len).copy_(from.narrow(0, off, len), /*non_blocking=*/true);
+          side.synchronize();
+        }
         return engine::WritePeft(adapter_.WithStorage(host), tmp, base_model_name);
       }
 #endif
