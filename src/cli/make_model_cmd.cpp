@@ -23,6 +23,9 @@ int MakeModel(int argc, char** argv) {
       ->default_val(0);
   app.add_option("--shard-bytes", opt.shard_bytes, "start a new shard when one would exceed this")
       ->default_val(opt.shard_bytes);
+  app.add_flag("--zero-experts", opt.zero_experts,
+               "the routed experts' weights all zero, written as holes (sparse files): a whole MoE model's shapes "
+               "on a small disk; routers, attention and embeddings stay random");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

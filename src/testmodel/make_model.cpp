@@ -337,7 +337,13 @@ Status MakeModel(const MakeModelOptions& options, const std::string& out_dir) {
     writer.SetMetadata("loom.dtype", bf16 ? "bf16" : "fp32");
     // Only when overridden: the presets' files stay byte-identical (their fingerprints are pinned).
     if (options.layers > 0) writer.SetMetadata("loom.layers", std::to_string(c.num_hidden_layers));
+    if (options.zero_experts) writer.SetMetadata("loom.zero_experts", "1");
     for (const WeightSpec* w : shards[si]) {
+      if (options.zero_experts && w->name.find(".experts.") != std::string::npos) {
+        if (Status s = writer.AddZeros(w->name, st_dtype, w->shape); !s.ok()) return s;
+        weight_map[w->name] = name;
+        continue;
+      }
       const bool ones = EndsWith(w->name, "norm.weight");
       // Each tensor has its own stream, so values do not depend on order or sharding.
       const uint64_t tensor_seed = seed_base ^ Fnv1a64(w->name);

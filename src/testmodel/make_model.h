@@ -24,6 +24,11 @@ struct MakeModelOptions {
   std::string dtype;              // bf16 | fp32; "" = preset default (fp32 for tiny/small, bf16 otherwise)
   uint64_t shard_bytes = 2000000000;  // a new shard starts when the next tensor would exceed this
   int64_t layers = 0;  // > 0: this many decoder layers instead of the preset's (real shapes on a small disk)
+  // The routed experts' weights (names with ".experts.") all zero, written
+  // as holes: the whole model's shapes on a small disk, with a sparse file
+  // system. Everything else stays random, so routing, the memory plan and
+  // the kernels' work are a real model's; the experts' outputs are zero.
+  bool zero_experts = false;
 };
 
 // The config a preset stands for (torch_dtype set from dtype, "" = default).

@@ -242,6 +242,30 @@ TEST(MoeModel, SmallPresetsDenseLayerAndCachedForwardMatchTheTrainer) {
   ExpectCachedForwardMatches(m, *bank, seq, 1, want, 1e-4);
 }
 
+// make-model --zero-experts (the whole model's shapes on a small disk):
+// the model loads and runs to finite hidden states, which differ from the
+// same seed's model with its experts (they are zero, not missing).
+TEST(MoeModel, ZeroExpertsModelLoadsAndItsExpertsAddNothing) {
+  test::TempDir plain("loom-moe-plain"), zero("loom-moe-zero");
+  testmodel::MakeModelOptions o;
+  o.arch = "qwen3_moe";
+  o.preset = "tiny";
+  o.seed = 4;
+  ASSERT_TRUE(testmodel::MakeModel(o, plain.path()).ok());
+  o.zero_experts = true;
+  ASSERT_TRUE(testmodel::MakeModel(o, zero.path()).ok());
+  auto a = Transformer::Load(plain.path(), at::kCPU, at::kFloat);
+  auto b = Transformer::Load(zero.path(), at::kCPU, at::kFloat);
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().message();
+  auto bank = Bank(**b, 1, 4);
+  const std::vector<int32_t> seq = {5, 90, 17, 200, 33, 80, 2, 77};  // within the tiny vocabulary
+  c10::NoGradGuard no_grad;
+  const at::Tensor got = (*b)->Hidden(PackedBatch::Make({seq}, {-1}, at::kCPU), *bank);
+  EXPECT_TRUE(at::isfinite(got).all().item<bool>());
+  const at::Tensor with_experts = (*a)->Hidden(PackedBatch::Make({seq}, {-1}, at::kCPU), *bank);
+  EXPECT_GT(MaxDiff(got, with_experts), 1e-3) << "the plain model's experts must matter";
+}
+
 // On the GPU, bf16 with widths the grouped GEMM takes: the same block as the
 // fp32 reference path on the CPU, values and gradients, to bf16 rounding.
 TEST(MoeCuda, GroupedGemmMatchesTheCpuPath) {

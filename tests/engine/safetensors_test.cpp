@@ -4,8 +4,10 @@
 #include "../common/temp_dir.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -150,6 +152,50 @@ TEST(Safetensors, ProducedTensorsAreWrittenInOrderWhateverThreadMadeThem) {
   float second;
   std::memcpy(&second, c->data + 4, 4);
   EXPECT_EQ(second, -2.0f);
+}
+
+// Zero tensors are holes: read back as zeros between and after written
+// tensors, the file as long as its header says, and (on a file system with
+// sparse files) without their disk blocks.
+TEST(Safetensors, ZeroTensorsAreHolesThatReadAsZeros) {
+  TempDir dir;
+  SafetensorsWriter w;
+  const float head[3] = {1.0f, 2.0f, 3.0f};
+  const int64_t big = int64_t{4} << 20;  // 16 MB of F32
+  ASSERT_TRUE(w.Add("head", "F32", {3}, head, sizeof(head)).ok());
+  ASSERT_TRUE(w.AddZeros("hole", "F32", {big}).ok());
+  ASSERT_TRUE(w.AddProduced("made", "BF16", {5}, [](uint8_t* dst, size_t n) { std::memset(dst, 0x3f, n); }).ok());
+  ASSERT_TRUE(w.AddZeros("tail", "BF16", {1000, 3}).ok());
+  EXPECT_FALSE(w.AddZeros("hole", "F32", {1}).ok());  // the writer's checks apply
+  EXPECT_EQ(w.payload_bytes(), 12u + 4u * static_cast<uint64_t>(big) + 10u + 6000u);
+  const std::string path = dir / "holes.safetensors";
+  ASSERT_TRUE(w.WriteAtomic(path).ok());
+  auto f = SafetensorsFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().message();
+  const TensorView* hole = f.value()->find("hole");
+  const TensorView* tail = f.value()->find("tail");
+  const TensorView* made = f.value()->find("made");
+  ASSERT_TRUE(hole && tail && made);
+  EXPECT_TRUE(std::all_of(hole->data, hole->data + hole->nbytes, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(std::all_of(tail->data, tail->data + tail->nbytes, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(std::all_of(made->data, made->data + made->nbytes, [](uint8_t b) { return b == 0x3f; }));
+  float third;
+  std::memcpy(&third, f.value()->find("head")->data + 8, 4);
+  EXPECT_EQ(third, 3.0f);
+  // The file ends where the last tensor does: 8 bytes of header length, the
+  // header, the payload.
+  uint64_t header_len = 0;
+  {
+    std::ifstream in(path, std::ios::binary);
+    unsigned char len[8];
+    in.read(reinterpret_cast<char*>(len), 8);
+    for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(len[i]) << (8 * i);
+  }
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 8 + header_len + w.payload_bytes());
+  EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, static_cast<uint64_t>(st.st_size) - (uint64_t{8} << 20))
+      << "the 16 MB hole took disk blocks";
 }
 
 TEST(Safetensors, WriterRejectsBadEntries) {

@@ -255,6 +255,35 @@ TEST(MakeModel, FewerLayersKeepThePresetsLayerPattern) {
   }
 }
 
+// --zero-experts: the routed experts are zero (holes in the file), and
+// every other tensor is the bytes the same seed writes without it
+// (tests/engine/moe_test.cpp loads and runs such a model).
+TEST(MakeModel, ZeroExpertsAreZeroAndTheRestUnchanged) {
+  TempDir plain, zero;
+  MakeModelOptions o = Tiny("qwen3_moe", 5);
+  ASSERT_TRUE(MakeModel(o, plain.path()).ok());
+  o.zero_experts = true;
+  ASSERT_TRUE(MakeModel(o, zero.path()).ok());
+  auto a = ModelWeights::Open(plain.path());
+  auto b = ModelWeights::Open(zero.path());
+  ASSERT_TRUE(a.ok() && b.ok()) << b.status().message();
+  ASSERT_EQ(a->tensors().size(), b->tensors().size());
+  int experts = 0;
+  for (const auto& [name, va] : a->tensors()) {
+    const TensorView* vb = b->find(name);
+    ASSERT_NE(vb, nullptr) << name;
+    ASSERT_EQ(va.nbytes, vb->nbytes) << name;
+    if (name.find(".experts.") != std::string::npos) {
+      ++experts;
+      EXPECT_TRUE(std::all_of(vb->data, vb->data + vb->nbytes, [](uint8_t x) { return x == 0; })) << name;
+      EXPECT_FALSE(std::all_of(va.data, va.data + va.nbytes, [](uint8_t x) { return x == 0; })) << name;
+    } else {
+      EXPECT_EQ(std::memcmp(va.data, vb->data, va.nbytes), 0) << name;
+    }
+  }
+  EXPECT_GT(experts, 0);
+}
+
 TEST(MakeModel, BadFlagsNameTheFlag) {
   TempDir d;
   auto expect_invalid = [&](MakeModelOptions o, const std::string& flag) {

@@ -324,6 +324,24 @@ Status SafetensorsWriter::AddProduced(const std::string& name, const std::string
   return Status::Ok();
 }
 
+Status SafetensorsWriter::AddZeros(const std::string& name, const std::string& dtype,
+                                   const std::vector<int64_t>& shape) {
+  if (Status s = Check(name, dtype, shape); !s.ok()) return s;
+  uint64_t expect = 0;
+  if (!ByteSize(shape, SafetensorsDTypeSize(dtype), &expect)) {
+    return Status::Invalid("safetensors tensor '" + name + "': shape overflows");
+  }
+  Entry e;
+  e.name = name;
+  e.dtype = dtype;
+  e.shape = shape;
+  e.nbytes = static_cast<size_t>(expect);
+  e.hole = true;
+  entries_.push_back(std::move(e));
+  payload_bytes_ += expect;
+  return Status::Ok();
+}
+
 std::string SafetensorsWriter::HeaderJson() const {
   json header = json::object();
   uint64_t offset = 0;
@@ -366,8 +384,15 @@ Status SafetensorsWriter::WriteTo(int fd, const std::string& path) const {
       ++next;
     }
   };
+  bool holes = false;
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
+    if (e.hole) {  // skipped over: reads as zeros
+      if (e.nbytes > 0 && ::lseek(fd, static_cast<off_t>(e.nbytes), SEEK_CUR) < 0)
+        return Status::Internal("seek in " + path + ": " + std::strerror(errno));
+      holes = true;
+      continue;
+    }
     if (!e.producer) {
       if (Status s = durable::WriteAll(fd, e.bytes.data(), e.bytes.size(), path); !s.ok()) return s;
       continue;
@@ -381,6 +406,11 @@ Status SafetensorsWriter::WriteTo(int fd, const std::string& path) const {
       for (auto& f : ahead) f.wait();
       return s;
     }
+  }
+  if (holes) {  // a hole at the end: the file's length covers it
+    const off_t end = ::lseek(fd, 0, SEEK_CUR);
+    if (end < 0 || ::ftruncate(fd, end) != 0)
+      return Status::Internal("extend " + path + ": " + std::strerror(errno));
   }
   return Status::Ok();
 }

@@ -116,6 +116,9 @@ class SafetensorsWriter {
   // Same checks; the bytes come from producer when the file is written.
   Status AddProduced(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
                      Producer producer);
+  // Same checks; every byte zero, written as a hole (skipped over), so on a
+  // file system with sparse files the tensor takes no disk blocks.
+  Status AddZeros(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape);
 
   size_t num_tensors() const { return entries_.size(); }
   uint64_t payload_bytes() const { return payload_bytes_; }  // sum of tensor sizes
@@ -135,6 +138,7 @@ class SafetensorsWriter {
     size_t nbytes = 0;
     std::vector<uint8_t> bytes;  // when copied
     Producer producer;           // when produced
+    bool hole = false;           // AddZeros
   };
   Status Check(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape) const;
   std::string HeaderJson() const;
