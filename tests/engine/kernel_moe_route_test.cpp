@@ -13,11 +13,17 @@ namespace {
 
 using namespace kernel_check;
 
-// Logits with no two equal in a row (a permutation of E steps of 1/16, exact
-// in bf16, plus a row offset), so the top-k is unambiguous.
+// Logits with no two equal in a row, in bf16 as in fp32: E distinct values
+// exact in bf16 (128 mantissa steps in each binade from 2^-4 up, so 1,024
+// experts span 8 binades; equal spacing would tie in bf16 past 128 experts,
+// where ATen's top-k and the kernel may break the tie differently), in a
+// random order per row.
 at::Tensor DistinctLogits(int64_t T, int64_t E, at::ScalarType t) {
+  const auto f = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor k = at::arange(E, f);
+  const at::Tensor values = (k.remainder(128) + 128) / 128 * at::pow(2.0, at::floor(k / 128) - 4);
   std::vector<at::Tensor> rows;
-  for (int64_t i = 0; i < T; ++i) rows.push_back(at::randperm(E, at::TensorOptions().dtype(at::kFloat)) / 16.0 - 2.0 + i);
+  for (int64_t i = 0; i < T; ++i) rows.push_back(values.index_select(0, at::randperm(E, f.dtype(at::kLong))));
   return at::stack(rows).to(at::kCUDA, t);
 }
 
