@@ -308,6 +308,16 @@ Status SafetensorsWriter::Add(const std::string& name, const std::string& dtype,
 
 Status SafetensorsWriter::AddProduced(const std::string& name, const std::string& dtype,
                                       const std::vector<int64_t>& shape, Producer producer) {
+  return AddUnbuffered(name, dtype, shape, std::move(producer), /*hole=*/false);
+}
+
+Status SafetensorsWriter::AddZeros(const std::string& name, const std::string& dtype,
+                                   const std::vector<int64_t>& shape) {
+  return AddUnbuffered(name, dtype, shape, nullptr, /*hole=*/true);
+}
+
+Status SafetensorsWriter::AddUnbuffered(const std::string& name, const std::string& dtype,
+                                        const std::vector<int64_t>& shape, Producer producer, bool hole) {
   if (Status s = Check(name, dtype, shape); !s.ok()) return s;
   uint64_t expect = 0;
   if (!ByteSize(shape, SafetensorsDTypeSize(dtype), &expect)) {
@@ -319,24 +329,7 @@ Status SafetensorsWriter::AddProduced(const std::string& name, const std::string
   e.shape = shape;
   e.nbytes = static_cast<size_t>(expect);
   e.producer = std::move(producer);
-  entries_.push_back(std::move(e));
-  payload_bytes_ += expect;
-  return Status::Ok();
-}
-
-Status SafetensorsWriter::AddZeros(const std::string& name, const std::string& dtype,
-                                   const std::vector<int64_t>& shape) {
-  if (Status s = Check(name, dtype, shape); !s.ok()) return s;
-  uint64_t expect = 0;
-  if (!ByteSize(shape, SafetensorsDTypeSize(dtype), &expect)) {
-    return Status::Invalid("safetensors tensor '" + name + "': shape overflows");
-  }
-  Entry e;
-  e.name = name;
-  e.dtype = dtype;
-  e.shape = shape;
-  e.nbytes = static_cast<size_t>(expect);
-  e.hole = true;
+  e.hole = hole;
   entries_.push_back(std::move(e));
   payload_bytes_ += expect;
   return Status::Ok();

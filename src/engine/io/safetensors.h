@@ -141,6 +141,9 @@ class SafetensorsWriter {
     bool hole = false;           // AddZeros
   };
   Status Check(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape) const;
+  // AddProduced's and AddZeros' entry: producer, or a hole.
+  Status AddUnbuffered(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
+                       Producer producer, bool hole);
   std::string HeaderJson() const;
   Status WriteTo(int fd, const std::string& path) const;  // the whole file into fd
 
