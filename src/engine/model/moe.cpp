@@ -401,7 +401,10 @@ std::pair<at::Tensor, at::Tensor> Route(const MoeWeights& w, const at::Tensor& h
 std::pair<at::Tensor, at::Tensor> RouteFew(const MoeWeights& w, const at::Tensor& h, cudaStream_t stream) {
   const bool one_softmax = w.router_kind == MoeRouter::kSoftmaxTopK || w.router_kind == MoeRouter::kTopKSoftmax;
   const int64_t T = h.size(0), E = w.router.size(0), K = w.top_k;
-  if (!one_softmax || E > cuda::kMoeRouteMaxExperts || K > cuda::kMoeRouteMaxK || !w.router.is_contiguous())
+  const bool same_dtype = w.router.scalar_type() == h.scalar_type() &&
+                          (!w.router_bias.defined() || w.router_bias.scalar_type() == h.scalar_type());
+  if (!one_softmax || !same_dtype || E > cuda::kMoeRouteMaxExperts || K > cuda::kMoeRouteMaxK ||
+      !w.router.is_contiguous())
     return Route(w, h);
   at::Tensor logits = at::empty({T, E}, h.options());
   const at::Tensor bias = w.router_bias.defined() ? w.router_bias.contiguous() : at::Tensor();
