@@ -4,6 +4,8 @@
 // the (token, choice) pairs' outputs.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #if LOOM_CUDA_KERNELS
 #include "engine/model/cuda/moe_route.h"
 #include "kernel_check.h"
@@ -67,6 +69,12 @@ TEST(MoeRouteKernel, MatchesSoftmaxTopKAndTopKSoftmax) {
   const at::Tensor tied = at::tensor(std::vector<float>{1, 3, 3, 0, 3}, On(at::kFloat)).unsqueeze(0);
   at::Tensor w = at::empty({1, 2}, On(at::kFloat)), e = at::empty({1, 2}, On(at::kLong));
   ASSERT_TRUE(cuda::MoeRoute(false, cuda::MoeRouteKind::kTopKSoftmax, false, tied.data_ptr(), w.data_ptr(),
+                             e.data_ptr<int64_t>(), 1, 5, 2, Stream()));
+  EXPECT_EQ(e.cpu()[0][0].item<int64_t>(), 1);
+  EXPECT_EQ(e.cpu()[0][1].item<int64_t>(), 2);
+  // A NaN ranks first, as at::topk ranks it: a real expert, never index E.
+  const at::Tensor nan = at::tensor(std::vector<float>{1, NAN, 3, 0, 3}, On(at::kFloat)).unsqueeze(0);
+  ASSERT_TRUE(cuda::MoeRoute(false, cuda::MoeRouteKind::kTopKSoftmax, false, nan.data_ptr(), w.data_ptr(),
                              e.data_ptr<int64_t>(), 1, 5, 2, Stream()));
   EXPECT_EQ(e.cpu()[0][0].item<int64_t>(), 1);
   EXPECT_EQ(e.cpu()[0][1].item<int64_t>(), 2);

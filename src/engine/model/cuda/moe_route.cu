@@ -50,8 +50,11 @@ __global__ void MoeRouteKernel(const T* logits, T* weights, int64_t* experts, in
   for (int k = 0; k < K; ++k) {
     float v = -INFINITY;
     int best = E;  // none: loses every comparison with a real expert
+    // A NaN score ranks above every number, as at::topk ranks it, so the
+    // step picks a real expert (the NaN reaches the weights) and never
+    // index E, which the expert kernels would read past their weights.
     for (int e = lane; e < E; e += 32)
-      if (!taken[e]) Better(v, best, score[e], e);
+      if (!taken[e]) Better(v, best, isnan(score[e]) ? INFINITY : score[e], e);
     for (int o = 16; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, v, o);
       const int oe = __shfl_xor_sync(0xffffffffu, best, o);
