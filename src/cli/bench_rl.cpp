@@ -57,6 +57,7 @@ struct RlOptions {
   bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
+  std::string pass_tokens = "kept";
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
 };
@@ -185,6 +186,7 @@ struct RoundResult {
   int64_t decode_steps = 0, prefill_steps = 0, decode_rows = 0, max_rows = 0;
   double decode_seconds = 0, prefill_seconds = 0;
   int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
+  int64_t planned_passes = 0, recomputed_layers = 0;  // Engine::TrainRecomputeStats over the round
   double fb_seconds = 0, optim_seconds = 0;
   // The saves' engine-thread time by part (Metrics::RecordSnapshotCopy, RecordSnapshotHandoff).
   service::Metrics::SnapshotSeconds snapshots;
@@ -207,6 +209,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   const service::Metrics::SnapshotSeconds snap0 = metrics.snapshot_seconds();
   const engine::SamplerStats sampler0 = d.service().sampler_stats().value_or(engine::SamplerStats{});
   const engine::DeviceMemory memory0 = d.service().device_memory();
+  const engine::Engine::RecomputeStats recompute0 = d.service().recompute_stats();
   std::vector<Phases> phases(tenants.size());
   std::vector<std::vector<double>> lps(tenants.size());
   std::vector<Status> status(tenants.size(), Status::Ok());
@@ -257,6 +260,9 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   const engine::DeviceMemory memory1 = d.service().device_memory();
   r.device_mallocs = memory1.device_mallocs - memory0.device_mallocs;
   r.alloc_retries = memory1.alloc_retries - memory0.alloc_retries;
+  const engine::Engine::RecomputeStats recompute1 = d.service().recompute_stats();
+  r.planned_passes = recompute1.passes - recompute0.passes;
+  r.recomputed_layers = recompute1.layers - recompute0.layers;
   return r;
 }
 
@@ -285,18 +291,21 @@ void Print(const char* name, const RoundResult& r, const RlOptions& o) {
 // (count, rows a decode step carried on average, ms a step) and the
 // trainer's passes (count, tokens a pass, ms a pass), and the saves'
 // snapshots (ms a snapshot: the slot's copy, the hand-off to the writers).
-void PrintDeviceTime(const char* name, const RoundResult& r) {
+void PrintDeviceTime(const char* name, const RoundResult& r, int64_t layers) {
   const auto per = [](double seconds, int64_t n) { return n > 0 ? 1e3 * seconds / static_cast<double>(n) : 0.0; };
   std::printf("%-12s sampler: %lld decode steps (%.1f rows a step, at most %lld so far; %.2f ms a step), %lld prefill "
-              "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass), %lld optim_step "
-              "passes (%.1f ms), %lld snapshots (copy %.2f ms, hand-off %.2f ms)\n",
+              "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass, %.1f of %lld layers "
+              "recomputed), %lld optim_step passes (%.1f ms), %lld snapshots (copy %.2f ms, hand-off %.2f ms)\n",
               name, static_cast<long long>(r.decode_steps),
               r.decode_steps > 0 ? static_cast<double>(r.decode_rows) / static_cast<double>(r.decode_steps) : 0.0,
               static_cast<long long>(r.max_rows), per(r.decode_seconds, r.decode_steps),
               static_cast<long long>(r.prefill_steps), per(r.prefill_seconds, r.prefill_steps),
               static_cast<long long>(r.fb_passes),
               r.fb_passes > 0 ? static_cast<double>(r.train_tokens) / static_cast<double>(r.fb_passes) : 0.0,
-              per(r.fb_seconds, r.fb_passes), static_cast<long long>(r.optim_passes), per(r.optim_seconds, r.optim_passes),
+              per(r.fb_seconds, r.fb_passes),
+              r.planned_passes > 0 ? static_cast<double>(r.recomputed_layers) / static_cast<double>(r.planned_passes)
+                                   : 0.0,
+              static_cast<long long>(layers), static_cast<long long>(r.optim_passes), per(r.optim_seconds, r.optim_passes),
               static_cast<long long>(r.snapshots.count), per(r.snapshots.copy, r.snapshots.count),
               per(r.snapshots.handoff, r.snapshots.count));
 }
@@ -326,6 +335,8 @@ int BenchRlRun(const RlOptions& o) {
   opt.with_sampler = true;
   opt.publish_threads = o.publish_threads;
   opt.token_budget = o.token_budget;
+  opt.pass_sizing = o.pass_tokens == "most" ? service::ServiceOptions::PassSizing::kMost
+                                            : service::ServiceOptions::PassSizing::kKept;
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
@@ -385,8 +396,8 @@ int BenchRlRun(const RlOptions& o) {
                 "freeing its cache (each retry waits for all queued device work)\n",
                 static_cast<long long>(conc->device_mallocs), static_cast<long long>(seq->device_mallocs),
                 static_cast<long long>(conc->alloc_retries), static_cast<long long>(seq->alloc_retries));
-  PrintDeviceTime("together", *conc);
-  PrintDeviceTime("one by one", *seq);
+  PrintDeviceTime("together", *conc, info.num_layers);
+  PrintDeviceTime("one by one", *seq, info.num_layers);
   if (o.heavy_tenant) {
     auto set = fresh(2);
     if (!set.ok()) return fail(set.status());
@@ -438,6 +449,11 @@ int BenchRl(int argc, char** argv) {
                  "measured at start-up; 8192 on the CPU)")
       ->default_val(o.token_budget)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  app.add_option("--pass-tokens", o.pass_tokens,
+                 "kept | most: passes sized to the tokens that fit with every layer kept, or the most that fit "
+                 "with every layer recomputed (as loom serve's flag)")
+      ->default_val(o.pass_tokens)
+      ->check(CLI::IsMember({"kept", "most"}));
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");

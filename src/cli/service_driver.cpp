@@ -72,8 +72,10 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   if (Status room = service::CheckPassRoom(**engine, 1, model_dir.empty() ? "embedded tiny qwen3" : model_dir); !room.ok())
     return room;
   if (const int64_t limit = (*engine)->MaxPassTokens(); limit > 0)
-    log::Info("trainer: at most {} tokens a pass ({})", limit, (*engine)->MemoryPlanReport());
+    log::Info("trainer: at most {} tokens a pass, {} with every layer kept ({})", limit, (*engine)->KeptPassTokens(),
+              (*engine)->MemoryPlanReport());
   sopt.token_budget = service::TokenBudget(**engine, 1, options.token_budget);
+  sopt.pass_sizing = options.pass_sizing;
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
   if (sampler) d->service_->AttachSampler(std::move(sampler));

@@ -27,6 +27,8 @@ struct DriverOptions {
   int max_rank = 16;
   int threads = 0;              // CPU intra-op threads, 0 = all cores
   int64_t token_budget = 0;      // tokens per pass; 0: as loom serve (service::TokenBudget: on a GPU the most that fit)
+  // How a pass is sized against the room free now (loom serve's --pass-tokens).
+  service::ServiceOptions::PassSizing pass_sizing = service::ServiceOptions{}.pass_sizing;
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
   int publish_threads = service::ServiceOptions{}.publish_threads;  // save_weights_for_sampler writers
   const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults

@@ -227,6 +227,10 @@ class Engine {
   // now, with every layer recomputed (train/memory_plan.h); 0 where memory
   // sets no limit the engine knows of (the CPU). Any thread.
   virtual int64_t MaxPassTokens() const { return 0; }
+  // The same with every layer's activations kept: the most tokens a pass
+  // holds now without recomputing a layer in its backward (which costs a
+  // second forward of the layer). Never above MaxPassTokens; 0 likewise.
+  virtual int64_t KeptPassTokens() const { return 0; }
   // One line on how the pass limit was measured (empty where none was).
   virtual std::string MemoryPlanReport() const { return {}; }
   // Another user of this device (a sampler on the shared base) whose
@@ -239,6 +243,12 @@ class Engine {
     int64_t passes = 0, captures = 0, replays = 0, pool_bytes = 0;
   };
   virtual GraphStats TrainGraphStats() const { return {}; }
+  // The forward_backward passes the memory plan has sized so far, and the
+  // decoder layers they recomputed in all (train/memory_plan.h). Any thread.
+  struct RecomputeStats {
+    int64_t passes = 0, layers = 0;
+  };
+  virtual RecomputeStats TrainRecomputeStats() const { return {}; }
   virtual void ResetPeakMemory() {}
 
   // The frozen base model, for a Sampler to share (so it is held once).

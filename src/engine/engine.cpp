@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <exception>
 #include <map>
@@ -166,6 +167,15 @@ class TrainingEngine final : public Engine {
     return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations()));
   }
 
+  int64_t KeptPassTokens() const override {
+    if (!cost_.known()) return 0;
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations(), 0));
+  }
+
+  RecomputeStats TrainRecomputeStats() const override {
+    return {recompute_passes_.load(std::memory_order_relaxed), recomputed_layers_.load(std::memory_order_relaxed)};
+  }
+
   std::string MemoryPlanReport() const override {
     if (!cost_.known()) return {};
     constexpr double kMiB = 1024.0 * 1024.0;
@@ -217,6 +227,8 @@ class TrainingEngine final : public Engine {
       }
       const train::PassPlan plan = Plan(calls);
       if (!plan.fits) return Refuse(calls, plan);
+      recompute_passes_.fetch_add(1, std::memory_order_relaxed);
+      recomputed_layers_.fetch_add(plan.recompute_layers, std::memory_order_relaxed);
       at::Tensor slots, partial_before;
       if (tp_ != nullptr && !before.empty()) {
         std::vector<int64_t> ids;
@@ -432,6 +444,7 @@ class TrainingEngine final : public Engine {
 
   int threads_;
   int64_t recompute_layers_;  // -1: planned per pass
+  std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0};  // TrainRecomputeStats
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
   std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice

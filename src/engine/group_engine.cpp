@@ -174,9 +174,11 @@ class GroupLeader final : public Engine {
   }
   DeviceMemory Memory() const override { return inner_->Memory(); }
   int64_t MaxPassTokens() const override { return inner_->MaxPassTokens(); }
+  int64_t KeptPassTokens() const override { return inner_->KeptPassTokens(); }
   std::string MemoryPlanReport() const override { return inner_->MemoryPlanReport(); }
   void ShareDevice(std::shared_ptr<const DeviceReserve> neighbour) override { inner_->ShareDevice(std::move(neighbour)); }
   GraphStats TrainGraphStats() const override { return inner_->TrainGraphStats(); }
+  RecomputeStats TrainRecomputeStats() const override { return inner_->TrainRecomputeStats(); }
   void ResetPeakMemory() override { inner_->ResetPeakMemory(); }
   // The split model is no sampler's: sampling runs on replicas.
   std::shared_ptr<const Transformer> SharedModel() const override { return nullptr; }

@@ -23,6 +23,18 @@ struct ServiceOptions {
   // Engine::MaxPassTokens() / room_share tokens, the room free when it is
   // planned, as `loom serve` sized token_budget at start-up.
   int64_t room_share = 1;
+  // --pass-tokens: how a pass is sized against that room (pass_room.h).
+  //   kept: to the tokens that fit with every layer's activations kept, when
+  //         those are at least min_kept_pass_tokens (else that many, with
+  //         the fewest layers recomputed that fit): a recomputed layer runs
+  //         its forward twice, which costs more than a smaller pass does.
+  //   most: to the most that fit with every layer recomputed.
+  enum class PassSizing { kKept, kMost };
+  PassSizing pass_sizing = PassSizing::kKept;
+  // kKept's floor: a pass the kept room would make smaller holds this many
+  // tokens instead (with layers recomputed): below it a pass's fixed costs
+  // and narrow GEMMs outweigh the recompute it saves.
+  int64_t min_kept_pass_tokens = 4096;
   // --batch-window-ms: before a pass, the engine waits until no request has
   // arrived for this long (tenants submitting "at once" land in one pass),
   // but never keeps a request waiting longer than BatchWindow::kMaxWindows

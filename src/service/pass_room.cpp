@@ -24,4 +24,10 @@ int64_t TokenBudget(const engine::Engine& engine, int64_t models, int64_t asked)
   return share > 0 ? share : kDefaultTokenBudget;
 }
 
+int64_t PassRoomTokens(int64_t kept, int64_t most, const ServiceOptions& options) {
+  if (most <= 0) return 0;
+  if (options.pass_sizing == ServiceOptions::PassSizing::kMost || kept <= 0) return most;
+  return std::min(most, std::max(kept, options.min_kept_pass_tokens));
+}
+
 }  // namespace loom::service

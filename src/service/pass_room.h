@@ -11,6 +11,7 @@
 
 #include "common/status.h"
 #include "engine/api.h"
+#include "service/options.h"
 
 namespace loom::service {
 
@@ -33,5 +34,12 @@ constexpr int64_t kDefaultTokenBudget = 8192;
 // kDefaultTokenBudget. `loom serve` and the benches' in-process service
 // (cli/service_driver.h) both size their passes by it.
 int64_t TokenBudget(const engine::Engine& engine, int64_t models, int64_t asked);
+
+// The tokens the next pass may hold: from the room free now with every layer
+// kept (`kept`) and with every layer recomputed (`most`, Engine's
+// KeptPassTokens and MaxPassTokens over the models sharing the device), as
+// options.pass_sizing says. 0 where no limit is known (most <= 0); never
+// above most.
+int64_t PassRoomTokens(int64_t kept, int64_t most, const ServiceOptions& options);
 
 }  // namespace loom::service

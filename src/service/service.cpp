@@ -99,6 +99,11 @@ engine::DeviceMemory Service::device_memory() const {
   return bases_.front()->engine->Memory();
 }
 
+engine::Engine::RecomputeStats Service::recompute_stats() const {
+  std::lock_guard<std::mutex> lock(lock_.mu);
+  return bases_.front()->engine->TrainRecomputeStats();
+}
+
 int Service::slots_in_use() const {
   std::lock_guard<std::mutex> lock(lock_.mu);
   int in_use = 0;

@@ -144,6 +144,8 @@ class Service {
   std::optional<engine::SamplerStats> sampler_stats() const;
   // The first base model's engine's device allocator counters (all 0 on the CPU).
   engine::DeviceMemory device_memory() const;
+  // The first base model's engine's passes and the layers they recomputed.
+  engine::Engine::RecomputeStats recompute_stats() const;
   // Counters other layers feed (router: responses; sampler: tokens).
   Metrics& metrics() { return metrics_; }
   // GET /metrics: Prometheus text with the live queue gauges; with_usage

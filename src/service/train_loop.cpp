@@ -8,6 +8,7 @@
 
 #include "common/batch_window.h"
 #include "common/log.h"
+#include "service/pass_room.h"
 #include "service/util.h"
 
 namespace loom::service {
@@ -210,9 +211,12 @@ std::optional<TrainLoop::PassWork> TrainLoop::PlanLocked(std::unique_lock<std::m
   // The room free now, not only the budget sized at start-up: snapshots
   // awaiting their writers (and whatever else was allocated since) hold
   // memory the budget counted as free, and a pass planned past the room
-  // would fail whole.
-  const int64_t free_now = engine_.MaxPassTokens();
-  auto pass = planner_.Next(free_now > 0 ? std::max<int64_t>(1, free_now / options_.room_share) : 0);
+  // would fail whole. Sized as options_.pass_sizing says.
+  const auto share = [&](int64_t tokens) {
+    return tokens > 0 ? std::max<int64_t>(1, tokens / options_.room_share) : 0;
+  };
+  auto pass = planner_.Next(
+      PassRoomTokens(share(engine_.KeptPassTokens()), share(engine_.MaxPassTokens()), options_));
   if (!pass) return std::nullopt;
   PassWork work = TakePassLocked(std::move(*pass));
   if (work.pieces.empty()) return std::nullopt;

@@ -57,6 +57,19 @@ TEST(MemoryPlan, TheLargestPassFitsAndOneMoreTokenDoesNot) {
   EXPECT_EQ(MaxPassTokens(ActivationCost{}, room), 0);
 }
 
+// With every layer kept a pass holds fewer tokens, and the largest of them
+// is planned with none recomputed; one more token needs a recomputed layer.
+TEST(MemoryPlan, TheLargestPassWithEveryLayerKeptRecomputesNone) {
+  const ActivationCost c = Cost();
+  const double room = 3.5 * 1024 * 1024 * 1024;
+  const int64_t kept = MaxPassTokens(c, room, 0);
+  ASSERT_GT(kept, 0);
+  EXPECT_LT(kept, MaxPassTokens(c, room));
+  EXPECT_EQ(PlanPass(c, kept, room).recompute_layers, 0);
+  EXPECT_GT(PlanPass(c, kept + 1, room).recompute_layers, 0);
+  EXPECT_EQ(MaxPassTokens(c, room, c.layers), MaxPassTokens(c, room));
+}
+
 // A probe whose second size measured less than twice the first (noise, a
 // cached block reused) never yields a slope below the larger pass's average.
 TEST(MemoryPlan, ANoisyProbeErrsOnTheSideOfMoreMemory) {

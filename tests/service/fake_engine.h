@@ -49,6 +49,8 @@ class FakeEngine : public engine::Engine {
   // What the memory plan reports (0: no limit, as on the CPU).
   int64_t max_pass_tokens = 0;
   int64_t MaxPassTokens() const override { return max_pass_tokens; }
+  int64_t kept_pass_tokens = 0;  // the same with every layer kept
+  int64_t KeptPassTokens() const override { return kept_pass_tokens; }
   std::string MemoryPlanReport() const override { return max_pass_tokens > 0 ? "a fake plan" : ""; }
 
   loom::Status ValidateForwardBackward(const engine::ForwardBackwardCall& call) const override {

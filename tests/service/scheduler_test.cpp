@@ -105,6 +105,30 @@ TEST_F(SchedulerTest, APassIsPlannedToTheRoomFreeNowBelowTheBudget) {
   EXPECT_EQ(FourBehindAPass(), (std::vector<size_t>{1, 2, 2}));
 }
 
+// The train loop sizes a pass to the room with every layer kept
+// (Engine::KeptPassTokens) under PassSizing::kKept, above its floor, and to
+// the most that fits with every layer recomputed under kMost.
+TEST_F(SchedulerTest, APassIsSizedToTheRoomWithEveryLayerKept) {
+  service::ServiceOptions options;
+  options.token_budget = 1000;
+  options.min_kept_pass_tokens = 1;
+  OpenWith(options, 8);
+  engine_->max_pass_tokens = 1000;
+  engine_->kept_pass_tokens = 12;
+  // warm alone; then 12 tokens a pass, the room with every layer kept.
+  EXPECT_EQ(FourBehindAPass(), (std::vector<size_t>{1, 2, 2}));
+}
+
+TEST_F(SchedulerTest, APassIsSizedToTheMostThatFitsUnderPassSizingMost) {
+  service::ServiceOptions options;
+  options.token_budget = 1000;
+  options.pass_sizing = service::ServiceOptions::PassSizing::kMost;
+  OpenWith(options, 8);
+  engine_->max_pass_tokens = 1000;
+  engine_->kept_pass_tokens = 12;
+  EXPECT_EQ(FourBehindAPass(), (std::vector<size_t>{1, 4}));
+}
+
 // With the batch window they land in one pass; without it the engine starts
 // on the first arrival.
 TEST_F(SchedulerTest, BatchWindowGathersRequestsSentTogether) {

@@ -61,11 +61,13 @@ PassPlan PlanPass(const ActivationCost& cost, int64_t tokens, double available) 
   return plan;
 }
 
-int64_t MaxPassTokens(const ActivationCost& cost, double available) {
+int64_t MaxPassTokens(const ActivationCost& cost, double available, int64_t recompute_layers) {
   if (!cost.known() || available <= cost.fixed) return 0;
-  if (cost.recomputed <= 0) return int64_t{1} << 40;
-  int64_t n = static_cast<int64_t>(std::floor((available - cost.fixed) / cost.recomputed));
-  while (n > 0 && cost.Bytes(n, cost.layers) > available) --n;
+  const int64_t k = recompute_layers < 0 ? cost.layers : std::min(recompute_layers, cost.layers);
+  const double per_token = cost.Bytes(1, k) - cost.fixed;
+  if (per_token <= 0) return int64_t{1} << 40;
+  int64_t n = static_cast<int64_t>(std::floor((available - cost.fixed) / per_token));
+  while (n > 0 && cost.Bytes(n, k) > available) --n;
   return n;
 }
 

@@ -42,8 +42,9 @@ struct PassPlan {
 // The fewest recomputed layers with which `tokens` fit in `available` bytes.
 PassPlan PlanPass(const ActivationCost& cost, int64_t tokens, double available);
 
-// The most tokens one pass can hold in `available` bytes with every layer
-// recomputed (0 when not even one fits).
-int64_t MaxPassTokens(const ActivationCost& cost, double available);
+// The most tokens one pass can hold in `available` bytes with
+// `recompute_layers` of its layers recomputed: every layer by default, the
+// most a pass can hold at all (0 when not even one fits).
+int64_t MaxPassTokens(const ActivationCost& cost, double available, int64_t recompute_layers = -1);
 
 }  // namespace loom::engine::train
