@@ -57,7 +57,7 @@ struct RlOptions {
   bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
-  std::string pass_tokens = "kept";
+  std::string pass_tokens = "most";
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
 };
@@ -335,8 +335,8 @@ int BenchRlRun(const RlOptions& o) {
   opt.with_sampler = true;
   opt.publish_threads = o.publish_threads;
   opt.token_budget = o.token_budget;
-  opt.pass_sizing = o.pass_tokens == "most" ? service::ServiceOptions::PassSizing::kMost
-                                            : service::ServiceOptions::PassSizing::kKept;
+  opt.pass_sizing = o.pass_tokens == "kept" ? service::ServiceOptions::PassSizing::kKept
+                                            : service::ServiceOptions::PassSizing::kMost;
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
@@ -450,10 +450,10 @@ int BenchRl(int argc, char** argv) {
       ->default_val(o.token_budget)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   app.add_option("--pass-tokens", o.pass_tokens,
-                 "kept | most: passes sized to the tokens that fit with every layer kept, or the most that fit "
-                 "with every layer recomputed (as loom serve's flag)")
+                 "most | kept: passes sized to the most that fit with every layer recomputed, or to the tokens "
+                 "that fit with every layer kept (as loom serve's flag)")
       ->default_val(o.pass_tokens)
-      ->check(CLI::IsMember({"kept", "most"}));
+      ->check(CLI::IsMember({"most", "kept"}));
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");

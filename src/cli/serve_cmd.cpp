@@ -133,9 +133,9 @@ int Serve(int argc, char** argv) {
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   std::string moments = engine::EngineOptions{}.moments;
   int batch_window_ms = 2;
-  std::string pass_tokens = "kept";
+  std::string pass_tokens = "most";
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
-  app.add_option("--pass-tokens", pass_tokens, "kept | most: a pass holds at most the tokens that fit in the memory free now with every layer's activations kept (at least 4096, with layers recomputed below that), or the most that fit with every layer recomputed (the backward then runs each recomputed layer's forward again)")->default_val(pass_tokens)->check(CLI::IsMember({"kept", "most"}));
+  app.add_option("--pass-tokens", pass_tokens, "most | kept: a pass holds at most the tokens that fit in the memory free now with every layer recomputed (the memory plan then recomputes the fewest layers that fit), or those that fit with every layer's activations kept (at least 4096, with layers recomputed below that): faster for one tenant's large requests, slower for many tenants' at once")->default_val(pass_tokens)->check(CLI::IsMember({"most", "kept"}));
   app.add_option("--moments", moments, "where the adapters' AdamW moments live: device, host (pinned host memory, staged through the GPU at each optim_step: half the slot's device bytes) or auto (the host only when --max-adapters slots do not fit on the device otherwise)")->default_val(moments)->check(CLI::IsMember({"auto", "device", "host"}));
   app.add_option("--graph-tokens", graph_tokens, "on a GPU, forward_backward passes of at most this many tokens (padded to power-of-two lengths of at least 64 and counts) run as CUDA graphs, captured on first use (0 = never)")->default_val(graph_tokens)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   app.add_option("--batch-window-ms", batch_window_ms, "wait this long after the newest arrival before a training pass, and before an idle sampler's first step, so requests sent together share it (0 = off)")->default_val(batch_window_ms)->check(CLI::Range(0, 1000));
@@ -371,8 +371,8 @@ int Serve(int argc, char** argv) {
   sopt.max_models_per_tenant =
       max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, fewest_slots / 4);
   sopt.token_budget = opened.front().token_budget;
-  sopt.pass_sizing = pass_tokens == "most" ? service::ServiceOptions::PassSizing::kMost
-                                           : service::ServiceOptions::PassSizing::kKept;
+  sopt.pass_sizing = pass_tokens == "kept" ? service::ServiceOptions::PassSizing::kKept
+                                           : service::ServiceOptions::PassSizing::kMost;
   const int sampler_slots = opened.front().sampler ? opened.front().sampler->info().sampler_adapters : 0;
   std::vector<service::BaseModelSpec> bases;
   for (OpenedModel& m : opened) bases.push_back({m.name, std::move(m.engine), m.token_budget});

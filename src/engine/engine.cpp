@@ -162,14 +162,18 @@ class TrainingEngine final : public Engine {
     neighbours_.push_back(std::move(neighbour));
   }
 
+  // A pass of every bound slot (as many as cast once) must fit the room
+  // these report, as its plan (Plan) counts the slots' casts: a room
+  // without them let the train loop plan passes the plan then refused,
+  // each retried call by call (H100, bench rl, session 28).
   int64_t MaxPassTokens() const override {
     if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations()));
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - CastOnceBytesOfBoundSlots()));
   }
 
   int64_t KeptPassTokens() const override {
     if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations(), 0));
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - CastOnceBytesOfBoundSlots(), 0));
   }
 
   RecomputeStats TrainRecomputeStats() const override {
@@ -199,8 +203,10 @@ class TrainingEngine final : public Engine {
     try {
       Status s = bank_.Bind(slot, config);
       optimizer_.Reset(slot);
+      CountBoundSlots();
       return s;
     } catch (const std::exception& e) {
+      CountBoundSlots();
       return FromException("bind", e);
     }
   }
@@ -210,6 +216,7 @@ class TrainingEngine final : public Engine {
     bank_.Release(slot);
     optimizer_.Reset(slot);
     marks_.erase(slot);
+    CountBoundSlots();
   }
 
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
@@ -397,6 +404,15 @@ class TrainingEngine final : public Engine {
     if (slots <= 2 || slots > SlotBank::kCastOncePerPassUpTo) return 0;
     return static_cast<double>(slots - 2) * bank_.PassGroupBytes(model_->dtype());
   }
+  // The most a pass of the slots bound now may cast once (any thread).
+  double CastOnceBytesOfBoundSlots() const {
+    return CastOnceBytes(std::min<int64_t>(bound_slots_.load(std::memory_order_relaxed), SlotBank::kCastOncePerPassUpTo));
+  }
+  void CountBoundSlots() {
+    int n = 0;
+    for (int i = 0; i < info_.max_slots; ++i) n += bank_.slot(i).bound ? 1 : 0;
+    bound_slots_.store(n, std::memory_order_relaxed);
+  }
 
   std::vector<Result<ForwardBackwardOutput>> Refuse(const std::vector<ForwardBackwardCall>& calls,
                                                     const train::PassPlan& plan) const {
@@ -445,6 +461,7 @@ class TrainingEngine final : public Engine {
   int threads_;
   int64_t recompute_layers_;  // -1: planned per pass
   std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0};  // TrainRecomputeStats
+  std::atomic<int> bound_slots_{0};  // CountBoundSlots, after each bind and release
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
   std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice

@@ -44,12 +44,13 @@ TEST(PassRoom, TheTokenBudgetIsTheFlagElseTheShareOfTheRoom) {
   EXPECT_EQ(TokenBudget(engine, 2, 300), 300);
 }
 
-// A pass is sized to the room with every layer kept, not below the floor
-// (then with layers recomputed), never above the most that fits; with
-// PassSizing::kMost, or where nothing was measured, to the most.
+// Under PassSizing::kKept a pass is sized to the room with every layer kept,
+// not below the floor (then with layers recomputed), never above the most
+// that fits; under kMost (the default), or where nothing was measured with
+// layers kept, to the most.
 TEST(PassRoom, APassIsSizedToTheKeptRoomAboveTheFloor) {
   ServiceOptions kept;
-  ASSERT_EQ(kept.pass_sizing, ServiceOptions::PassSizing::kKept);
+  kept.pass_sizing = ServiceOptions::PassSizing::kKept;
   kept.min_kept_pass_tokens = 4096;
   EXPECT_EQ(PassRoomTokens(6000, 30000, kept), 6000);
   EXPECT_EQ(PassRoomTokens(1000, 30000, kept), 4096);  // the floor, with layers recomputed
@@ -57,7 +58,8 @@ TEST(PassRoom, APassIsSizedToTheKeptRoomAboveTheFloor) {
   EXPECT_EQ(PassRoomTokens(0, 30000, kept), 30000);    // nothing measured with layers kept
   EXPECT_EQ(PassRoomTokens(0, 0, kept), 0);            // no limit known (the CPU)
   ServiceOptions most = kept;
-  most.pass_sizing = ServiceOptions::PassSizing::kMost;
+  most.pass_sizing = ServiceOptions{}.pass_sizing;  // the default
+  ASSERT_EQ(most.pass_sizing, ServiceOptions::PassSizing::kMost);
   EXPECT_EQ(PassRoomTokens(6000, 30000, most), 30000);
   EXPECT_EQ(PassRoomTokens(6000, 0, most), 0);
 }

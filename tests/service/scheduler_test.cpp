@@ -107,10 +107,11 @@ TEST_F(SchedulerTest, APassIsPlannedToTheRoomFreeNowBelowTheBudget) {
 
 // The train loop sizes a pass to the room with every layer kept
 // (Engine::KeptPassTokens) under PassSizing::kKept, above its floor, and to
-// the most that fits with every layer recomputed under kMost.
+// the most that fits with every layer recomputed under kMost (the default).
 TEST_F(SchedulerTest, APassIsSizedToTheRoomWithEveryLayerKept) {
   service::ServiceOptions options;
   options.token_budget = 1000;
+  options.pass_sizing = service::ServiceOptions::PassSizing::kKept;
   options.min_kept_pass_tokens = 1;
   OpenWith(options, 8);
   engine_->max_pass_tokens = 1000;
@@ -122,7 +123,6 @@ TEST_F(SchedulerTest, APassIsSizedToTheRoomWithEveryLayerKept) {
 TEST_F(SchedulerTest, APassIsSizedToTheMostThatFitsUnderPassSizingMost) {
   service::ServiceOptions options;
   options.token_budget = 1000;
-  options.pass_sizing = service::ServiceOptions::PassSizing::kMost;
   OpenWith(options, 8);
   engine_->max_pass_tokens = 1000;
   engine_->kept_pass_tokens = 12;
