@@ -270,6 +270,12 @@ std::string Metrics::Render(const QueueSnapshot& live) const {
        "writers.");
   out += fmt::format("loom_snapshot_seconds_total{{part=\"copy\"}} {:.9f}\n", snapshot_seconds_.copy);
   out += fmt::format("loom_snapshot_seconds_total{{part=\"handoff\"}} {:.9f}\n", snapshot_seconds_.handoff);
+  Head(out, "loom_train_planned_passes_total", "counter",
+       "forward_backward passes the trainer's memory plan sized (on a GPU).");
+  out += fmt::format("loom_train_planned_passes_total {}\n", live.planned_passes);
+  Head(out, "loom_train_recomputed_layers_total", "counter",
+       "Decoder layers those passes recomputed in their backward (each runs its forward again; see --pass-tokens).");
+  out += fmt::format("loom_train_recomputed_layers_total {}\n", live.recomputed_layers);
   Head(out, "loom_publishes_pending", "gauge", "Snapshots queued or being written.");
   out += fmt::format("loom_publishes_pending {}\n", live.publishes_pending);
   Head(out, "loom_sampler_adapter_loads_total", "counter", "Sampler snapshot loads from disk.");

@@ -123,6 +123,9 @@ QueueSnapshot Service::LiveSnapshot(bool with_usage) const {
       live.slots_total += base->engine->info().max_slots;
       live.slots_in_use += base->models.SlotsInUseLocked();
       live.capacity_waiters += base->models.WaitersLocked();
+      const engine::Engine::RecomputeStats recompute = base->engine->TrainRecomputeStats();
+      live.planned_passes += recompute.passes;
+      live.recomputed_layers += recompute.layers;
       if (base->sampling.sampler) {
         const engine::SamplerStats stats = base->sampling.sampler->stats();
         live.adapter_loads += stats.adapter_loads;

@@ -51,6 +51,8 @@ class FakeEngine : public engine::Engine {
   int64_t MaxPassTokens() const override { return max_pass_tokens; }
   int64_t kept_pass_tokens = 0;  // the same with every layer kept
   int64_t KeptPassTokens() const override { return kept_pass_tokens; }
+  RecomputeStats recompute_stats;  // what TrainRecomputeStats reports
+  RecomputeStats TrainRecomputeStats() const override { return recompute_stats; }
   std::string MemoryPlanReport() const override { return max_pass_tokens > 0 ? "a fake plan" : ""; }
 
   loom::Status ValidateForwardBackward(const engine::ForwardBackwardCall& call) const override {
