@@ -36,6 +36,7 @@
 #include "cli/service_driver.h"
 #include "service/metrics.h"
 #include "engine/model/device.h"
+#include "engine/sample_api.h"
 
 namespace loom::cli {
 namespace {
@@ -115,6 +116,33 @@ std::vector<engine::Datum> GroupData(const std::vector<int32_t>& prompt, const t
   return data;
 }
 
+// `group` completions of `prompt`: one asample call, or, past the sampler's
+// per-call limit (the heavy tenant's 10x group), several sent at once, as
+// a client wanting that many makes them.
+Result<tinker::SampleOutput> SampleGroup(ServiceDriver& d, const Tenant& t, const std::string& session,
+                                         const std::vector<int32_t>& prompt, int group,
+                                         const tinker::SamplingParams& params) {
+  const int limit = engine::SamplerOptions{}.max_num_samples;
+  if (group <= limit) return d.Sample(t, session, prompt, group, params);
+  const int calls = (group + limit - 1) / limit;
+  std::vector<Result<tinker::SampleOutput>> parts(static_cast<size_t>(calls), Status::Internal("not run"));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < calls; ++c) {
+    threads.emplace_back([&, c] {
+      tinker::SamplingParams p = params;
+      if (p.seed) p.seed = *p.seed + static_cast<uint32_t>(c) * 7919u;
+      parts[static_cast<size_t>(c)] = d.Sample(t, session, prompt, std::min(limit, group - c * limit), p, c);
+    });
+  }
+  for (auto& th : threads) th.join();
+  tinker::SampleOutput out;
+  for (auto& part : parts) {
+    if (!part.ok()) return part.status();
+    for (auto& seq : part->sequences) out.sequences.push_back(std::move(seq));
+  }
+  return out;
+}
+
 // One tenant's loop; *phases gets its client seconds per call kind, and
 // *mean_logprob the mean sampled logprob of each step.
 Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, int group, uint32_t seed, Phases* phases,
@@ -139,7 +167,7 @@ Status RunTenant(ServiceDriver& d, Tenant& t, const RlOptions& o, int group, uin
     params.max_tokens = o.new_tokens;
     params.temperature = 1.0;
     params.seed = seed * 1000u + static_cast<uint32_t>(step);
-    auto out = d.Sample(t, *session, prompt, group, params);
+    auto out = SampleGroup(d, t, *session, prompt, group, params);
     if (!out.ok()) return out.status();
     phases->sample += Since(t0);
     double lp = 0;

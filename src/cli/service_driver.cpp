@@ -196,10 +196,10 @@ Result<std::string> ServiceDriver::NewSamplingSession(Tenant& t, const std::stri
 
 Result<tinker::SampleOutput> ServiceDriver::Sample(const Tenant& t, const std::string& sampling_session_id,
                                                    const std::vector<int32_t>& prompt, int num_samples,
-                                                   const tinker::SamplingParams& params) {
+                                                   const tinker::SamplingParams& params, int64_t seq_id) {
   tinker::SampleRequest req;
   req.sampling_session_id = sampling_session_id;
-  req.seq_id = 0;
+  req.seq_id = seq_id;
   req.num_samples = num_samples;
   req.prompt = prompt;
   req.sampling_params = params;

@@ -72,10 +72,12 @@ class ServiceDriver {
   // A sampling session on model_path (a snapshot's tinker:// path), or on the
   // base model when model_path is "", in the tenant's session.
   Result<std::string> NewSamplingSession(Tenant& t, const std::string& model_path);
-  // One asample on that session, waited for. Needs with_sampler.
+  // One asample on that session, waited for. Needs with_sampler. seq_id:
+  // the call's on the session (the service answers a repeated one with the
+  // first's result, as a retry): calls made at once on one session differ.
   Result<tinker::SampleOutput> Sample(const Tenant& t, const std::string& sampling_session_id,
                                       const std::vector<int32_t>& prompt, int num_samples,
-                                      const tinker::SamplingParams& params);
+                                      const tinker::SamplingParams& params, int64_t seq_id = 0);
 
   // Greedy continuation (temperature 0) of prompt, max_tokens long: from the
   // tenant's current adapter (saved for the sampler as `snapshot`), or from

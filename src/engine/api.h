@@ -224,8 +224,11 @@ class Engine {
 
   virtual DeviceMemory Memory() const { return {}; }
   // The most tokens one training pass can hold in the device memory free
-  // now, with every layer recomputed (train/memory_plan.h); 0 where memory
-  // sets no limit the engine knows of (the CPU). Any thread.
+  // now, with every layer recomputed (train/memory_plan.h), beside what a
+  // pass of the slots bound now holds besides (their casts, the gradient
+  // marks of those mid-request); 0 where memory sets no limit the engine
+  // knows of (the CPU). On the engine's thread, or before it runs (it reads
+  // the slots' state).
   virtual int64_t MaxPassTokens() const { return 0; }
   // The same with every layer's activations kept: the most tokens a pass
   // holds now without recomputing a layer in its backward (which costs a

@@ -91,8 +91,10 @@ class TrainingEngine final : public Engine {
     if (call.slot < 0 || call.slot >= info_.max_slots)
       return Status::Invalid(Cat("slot: ", call.slot, " is outside [0, ", info_.max_slots, ")"));
     if (Status s = train::ValidateCallData(call, info_.vocab_size, info_.context_window); !s.ok()) return s;
-    // A datum is never split across passes: one that no pass can hold is refused up front.
-    const int64_t limit = MaxPassTokens();
+    // A datum is never split across passes: one that no pass can hold is
+    // refused up front. Any thread: the room of a pass of its slot alone,
+    // which reads no slot's state.
+    const int64_t limit = cost_.known() ? std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations())) : 0;
     for (size_t i = 0; limit > 0 && i < call.data.size(); ++i)
       if (static_cast<int64_t>(call.data[i].tokens.size()) > limit)
         return Status::Invalid(Cat("data[", i, "].model_input: ", call.data[i].tokens.size(),
@@ -162,18 +164,19 @@ class TrainingEngine final : public Engine {
     neighbours_.push_back(std::move(neighbour));
   }
 
-  // A pass of every bound slot (as many as cast once) must fit the room
-  // these report, as its plan (Plan) counts the slots' casts: a room
-  // without them let the train loop plan passes the plan then refused,
-  // each retried call by call (H100, bench rl, session 28).
+  // A pass of the slots bound now must fit the room these report once its
+  // own plan (Plan) runs, which counts what they cast once and finds their
+  // gradient marks allocated: a room without them let the train loop plan
+  // passes that plan then refused, each retried call by call (H100, bench
+  // rl, session 28).
   int64_t MaxPassTokens() const override {
     if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - CastOnceBytesOfBoundSlots()));
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - SlotBytesOfAPass()));
   }
 
   int64_t KeptPassTokens() const override {
     if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - CastOnceBytesOfBoundSlots(), 0));
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - SlotBytesOfAPass(), 0));
   }
 
   RecomputeStats TrainRecomputeStats() const override {
@@ -203,10 +206,8 @@ class TrainingEngine final : public Engine {
     try {
       Status s = bank_.Bind(slot, config);
       optimizer_.Reset(slot);
-      CountBoundSlots();
       return s;
     } catch (const std::exception& e) {
-      CountBoundSlots();
       return FromException("bind", e);
     }
   }
@@ -216,7 +217,6 @@ class TrainingEngine final : public Engine {
     bank_.Release(slot);
     optimizer_.Reset(slot);
     marks_.erase(slot);
-    CountBoundSlots();
   }
 
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
@@ -404,14 +404,20 @@ class TrainingEngine final : public Engine {
     if (slots <= 2 || slots > SlotBank::kCastOncePerPassUpTo) return 0;
     return static_cast<double>(slots - 2) * bank_.PassGroupBytes(model_->dtype());
   }
-  // The most a pass of the slots bound now may cast once (any thread).
-  double CastOnceBytesOfBoundSlots() const {
-    return CastOnceBytes(std::min<int64_t>(bound_slots_.load(std::memory_order_relaxed), SlotBank::kCastOncePerPassUpTo));
-  }
-  void CountBoundSlots() {
-    int n = 0;
-    for (int i = 0; i < info_.max_slots; ++i) n += bank_.slot(i).bound ? 1 : 0;
-    bound_slots_.store(n, std::memory_order_relaxed);
+  // What a pass of every slot bound now holds beside its activations, at
+  // most: their casts (CastOnceBytes, up to kCastOncePerPassUpTo slots),
+  // and a gradient mark (ForwardBackward's TakeGradMark: a copy of the
+  // slot's gradient row) of each whose gradient is not zero, as a slot in
+  // the middle of a request split over passes has.
+  double SlotBytesOfAPass() const {
+    int64_t bound = 0, dirty = 0;
+    for (int i = 0; i < info_.max_slots; ++i) {
+      bound += bank_.slot(i).bound ? 1 : 0;
+      dirty += bank_.slot(i).bound && bank_.slot(i).grad_dirty ? 1 : 0;
+    }
+    const at::Tensor& grad = bank_.flat_grad();
+    const double mark = grad.defined() ? static_cast<double>(grad.size(1)) * static_cast<double>(grad.element_size()) : 0;
+    return CastOnceBytes(std::min<int64_t>(bound, SlotBank::kCastOncePerPassUpTo)) + static_cast<double>(dirty) * mark;
   }
 
   std::vector<Result<ForwardBackwardOutput>> Refuse(const std::vector<ForwardBackwardCall>& calls,
@@ -461,7 +467,6 @@ class TrainingEngine final : public Engine {
   int threads_;
   int64_t recompute_layers_;  // -1: planned per pass
   std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0};  // TrainRecomputeStats
-  std::atomic<int> bound_slots_{0};  // CountBoundSlots, after each bind and release
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
   std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice
