@@ -35,6 +35,7 @@
 #include "cli/gpu_busy.h"
 #include "cli/service_driver.h"
 #include "service/metrics.h"
+#include "service/pass_room.h"
 #include "engine/model/device.h"
 #include "engine/sample_api.h"
 
@@ -363,8 +364,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.with_sampler = true;
   opt.publish_threads = o.publish_threads;
   opt.token_budget = o.token_budget;
-  opt.pass_sizing = o.pass_tokens == "kept" ? service::ServiceOptions::PassSizing::kKept
-                                            : service::ServiceOptions::PassSizing::kMost;
+  opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);

@@ -371,8 +371,7 @@ int Serve(int argc, char** argv) {
   sopt.max_models_per_tenant =
       max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, fewest_slots / 4);
   sopt.token_budget = opened.front().token_budget;
-  sopt.pass_sizing = pass_tokens == "kept" ? service::ServiceOptions::PassSizing::kKept
-                                           : service::ServiceOptions::PassSizing::kMost;
+  sopt.pass_sizing = service::ParsePassSizing(pass_tokens);
   const int sampler_slots = opened.front().sampler ? opened.front().sampler->info().sampler_adapters : 0;
   std::vector<service::BaseModelSpec> bases;
   for (OpenedModel& m : opened) bases.push_back({m.name, std::move(m.engine), m.token_budget});

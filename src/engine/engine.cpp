@@ -94,7 +94,7 @@ class TrainingEngine final : public Engine {
     // A datum is never split across passes: one that no pass can hold is
     // refused up front. Any thread: the room of a pass of its slot alone,
     // which reads no slot's state.
-    const int64_t limit = cost_.known() ? std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations())) : 0;
+    const int64_t limit = RoomTokens(0, -1);
     for (size_t i = 0; limit > 0 && i < call.data.size(); ++i)
       if (static_cast<int64_t>(call.data[i].tokens.size()) > limit)
         return Status::Invalid(Cat("data[", i, "].model_input: ", call.data[i].tokens.size(),
@@ -169,15 +169,8 @@ class TrainingEngine final : public Engine {
   // gradient marks allocated: a room without them let the train loop plan
   // passes that plan then refused, each retried call by call (H100, bench
   // rl, session 28).
-  int64_t MaxPassTokens() const override {
-    if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - SlotBytesOfAPass()));
-  }
-
-  int64_t KeptPassTokens() const override {
-    if (!cost_.known()) return 0;
-    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - SlotBytesOfAPass(), 0));
-  }
+  int64_t MaxPassTokens() const override { return RoomTokens(SlotBytesOfAPass(), -1); }
+  int64_t KeptPassTokens() const override { return RoomTokens(SlotBytesOfAPass(), 0); }
 
   RecomputeStats TrainRecomputeStats() const override {
     return {recompute_passes_.load(std::memory_order_relaxed), recomputed_layers_.load(std::memory_order_relaxed)};
@@ -403,6 +396,13 @@ class TrainingEngine final : public Engine {
   double CastOnceBytes(int64_t slots) const {
     if (slots <= 2 || slots > SlotBank::kCastOncePerPassUpTo) return 0;
     return static_cast<double>(slots - 2) * bank_.PassGroupBytes(model_->dtype());
+  }
+  // The most tokens a pass holds in the memory free now less `beside`
+  // bytes, with recompute_layers recomputed (-1: all); 0 where nothing was
+  // measured (the CPU), else at least 1.
+  int64_t RoomTokens(double beside, int64_t recompute_layers) const {
+    if (!cost_.known()) return 0;
+    return std::max<int64_t>(1, train::MaxPassTokens(cost_, FreeForActivations() - beside, recompute_layers));
   }
   // What a pass of every slot bound now holds beside its activations, at
   // most: their casts (CastOnceBytes, up to kCastOncePerPassUpTo slots),

@@ -42,4 +42,9 @@ int64_t TokenBudget(const engine::Engine& engine, int64_t models, int64_t asked)
 // above most.
 int64_t PassRoomTokens(int64_t kept, int64_t most, const ServiceOptions& options);
 
+// --pass-tokens' value ("kept" or "most", as the flag checks) as a PassSizing.
+inline ServiceOptions::PassSizing ParsePassSizing(const std::string& flag) {
+  return flag == "kept" ? ServiceOptions::PassSizing::kKept : ServiceOptions::PassSizing::kMost;
+}
+
 }  // namespace loom::service
