@@ -9,6 +9,7 @@
 // matmuls; attention and the LoRA factors are left out; against 989 TFLOP/s
 // (dense bf16, H100/H200). Printed on the GPU only.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -36,6 +37,7 @@ struct TrainBenchOptions {
   std::string model_dir;
   int tenants = 8;
   int tokens_per_tenant = 64;
+  int datum_tokens = 0;  // 0: each tenant's tokens are one datum
   int steps = 5;
   int rank = 8;
   int threads = 0;
@@ -54,17 +56,24 @@ struct TrainBenchOptions {
   std::vector<std::string> command_line;  // `bench train ...`, for the other ranks
 };
 
-std::vector<Datum> TenantData(int tokens, int64_t vocab, uint32_t seed) {
+// A tenant's step: `tokens` random tokens as datums of `datum_tokens` each
+// (0: one datum), the last one shorter where they do not divide.
+std::vector<Datum> TenantData(int tokens, int datum_tokens, int64_t vocab, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int64_t> tok(0, vocab - 1);
-  Datum d;
-  std::vector<int64_t> targets;
-  for (int i = 0; i < tokens; ++i) {
-    d.tokens.push_back(static_cast<int32_t>(tok(rng)));
-    targets.push_back(tok(rng));
+  const int per = datum_tokens > 0 ? datum_tokens : tokens;
+  std::vector<Datum> data;
+  for (int begin = 0; begin < tokens; begin += per) {
+    Datum d;
+    std::vector<int64_t> targets;
+    for (int i = begin; i < std::min(tokens, begin + per); ++i) {
+      d.tokens.push_back(static_cast<int32_t>(tok(rng)));
+      targets.push_back(tok(rng));
+    }
+    d.loss_fn_inputs["target_tokens"] = engine::Array::Ints(targets);
+    data.push_back(std::move(d));
   }
-  d.loss_fn_inputs["target_tokens"] = engine::Array::Ints(targets);
-  return {d};
+  return data;
 }
 
 struct StepTimes {
@@ -196,7 +205,7 @@ int BenchTrain(const TrainBenchOptions& o) {
       cleanup();
       return 1;
     }
-    data.push_back(TenantData(o.tokens_per_tenant, info.vocab_size, static_cast<uint32_t>(s + 7)));
+    data.push_back(TenantData(o.tokens_per_tenant, o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
     all.push_back(s);
   }
   std::printf("model %s (%s, %lld layers, hidden %lld, vocab %lld) on %s/%s, LoRA rank %d, %d steps\n",
@@ -274,6 +283,10 @@ int Bench(int argc, char** argv) {
   train->add_option("--tokens-per-tenant", t.tokens_per_tenant, "tokens per tenant per step")
       ->default_val(t.tokens_per_tenant)
       ->check(CLI::Range(2, 1 << 20));
+  train->add_option("--datum-tokens", t.datum_tokens,
+                    "split each tenant's tokens into datums (sequences) of this many, as an RL group's "
+                    "completions are; 0 = one datum")
+      ->default_val(t.datum_tokens)->check(CLI::Range(0, 1 << 20));
   train->add_option("--steps", t.steps, "timed steps after one warm-up")->default_val(t.steps)->check(CLI::Range(1, 100000));
   train->add_option("--rank", t.rank, "LoRA rank of every tenant")->default_val(t.rank)->check(CLI::Range(1, 1024));
   train->add_option("--threads", t.threads, "CPU threads (0 = all cores)")->default_val(t.threads);

@@ -2,9 +2,11 @@
 // tenant's small requests on the sampler. Tenant "light" sends requests one
 // after another (each waits for the previous), first on an idle sampler, then
 // while tenant "flood" keeps --flood-depth requests queued (each completion
-// submits another). Prints the light requests' p50/p99 latency, submit to
-// result, in both phases and their ratio, and the flood's tokens/s: the
-// tokens the sampler generated during the light requests, less theirs.
+// submits another). Each phase starts with an uncounted round of light
+// requests. Prints the light requests' p50/p99 latency, submit to result, in
+// both phases and their ratio, the flood's tokens/s (the tokens the sampler
+// generated during the light requests, less theirs), the slowest light
+// requests beside the flood and the decode graphs captured meanwhile.
 #include "cli/bench_contention.h"
 
 #include <algorithm>
@@ -125,15 +127,25 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   if (!idle.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", idle.status().message().c_str()), 1;
 
   Flood flood(s, o);
-  // The flood's tokens: every token the sampler generated meanwhile, less the light requests'.
-  const int64_t generated_before = s.stats().tokens_generated;
   flood.Start();
+  // As on the idle sampler, one uncounted round first: the flood's first
+  // prompts and the step shapes a sampler meets once in its life (each new
+  // shape of the fast decode path is a CUDA graph capture, which waits for
+  // the whole device) are not what a light request meets beside a running flood.
+  if (auto warm = LightRequests(s, o, 7); !warm.ok()) {
+    flood.Stop();
+    return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
+  }
+  // The flood's tokens: every token the sampler generated meanwhile, less the light requests'.
+  const engine::SamplerStats before = s.stats();
+  const int64_t generated_before = before.tokens_generated;
   Status traced = o.profile.empty() ? Status::Ok() : StartTrace();
   const auto t0 = Clock::now();
   int64_t light_tokens = 0;
   auto busy = traced.ok() ? LightRequests(s, o, 1000, &light_tokens) : Result<std::vector<double>>(traced);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  const int64_t flood_tokens = s.stats().tokens_generated - generated_before - light_tokens;
+  const engine::SamplerStats after = s.stats();
+  const int64_t flood_tokens = after.tokens_generated - generated_before - light_tokens;
   if (traced.ok() && !o.profile.empty()) traced = StopTrace(o.profile + ".contended.json");
   flood.Stop();
   if (!traced.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", traced.message().c_str()), 1;
@@ -149,6 +161,15 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   std::printf("%-22s %10.1f %10.1f\n", "beside the flood", busy50 * 1e3, busy99 * 1e3);
   std::printf("contention / idle: p50 %.2fx, p99 %.2fx; flood generated %.0f tokens/s meanwhile\n", busy50 / idle50,
               busy99 / idle99, static_cast<double>(flood_tokens) / seconds);
+  std::vector<double> slowest = *busy;
+  std::sort(slowest.rbegin(), slowest.rend());
+  slowest.resize(std::min<size_t>(slowest.size(), 3));
+  std::printf("beside the flood, the slowest light requests:");
+  for (double v : slowest) std::printf(" %.1f ms", v * 1e3);
+  std::printf("; graph captures meanwhile %lld (%.1f ms), %lld before\n",
+              static_cast<long long>(after.decode_graphs_captured - before.decode_graphs_captured),
+              (after.decode_graph_capture_seconds - before.decode_graph_capture_seconds) * 1e3,
+              static_cast<long long>(before.decode_graphs_captured));
   return 0;
 }
 

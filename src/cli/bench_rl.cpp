@@ -34,6 +34,7 @@
 #include "cli/bench_rl.h"
 #include "cli/gpu_busy.h"
 #include "cli/service_driver.h"
+#include "cli/trace_profile.h"
 #include "service/metrics.h"
 #include "service/pass_room.h"
 #include "engine/model/device.h"
@@ -60,6 +61,7 @@ struct RlOptions {
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
   std::string pass_tokens = "most";
+  std::string profile;  // a Kineto trace of the together round, PATH.together.json
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
 };
@@ -399,7 +401,11 @@ int BenchRlRun(const RlOptions& o) {
               o.lr, o.publish_threads, static_cast<long long>(d.token_budget()), o.unnamed_saves ? "unnamed" : "named");
   auto together = fresh(0);
   if (!together.ok()) return fail(together.status());
+  if (!o.profile.empty())
+    if (Status s = StartTrace(); !s.ok()) return fail(s);
   auto conc = Round(d, *together, o, /*concurrent=*/true, 11, meter.get());
+  if (!o.profile.empty())
+    if (Status s = StopTrace(o.profile + ".together.json"); !s.ok()) return fail(s);
   if (!conc.ok()) return fail(conc.status());
   auto alone = fresh(1);
   if (!alone.ok()) return fail(alone.status());
@@ -482,6 +488,10 @@ int BenchRl(int argc, char** argv) {
                  "that fit with every layer kept (as loom serve's flag)")
       ->default_val(o.pass_tokens)
       ->check(CLI::IsMember({"most", "kept"}));
+  app.add_option("--profile", o.profile,
+                 "trace the together round (Kineto, libtorch 2.x) to PATH.together.json; the trainer's passes are "
+                 "the spans \"trainer forward_backward\" (bench/trace_summary.py --within), its figures then "
+                 "include the tracing");
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");

@@ -12,6 +12,7 @@
 // MaxPassTokens() and MemoryPlanReport() (the memory plan is fixed at Open).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/core/GradMode.h>
 #include "engine/train/text.h"
 
@@ -215,6 +216,7 @@ class TrainingEngine final : public Engine {
   std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const std::vector<ForwardBackwardCall>& calls) override {
     UseThisThread();
     const DeviceTurn turn = TakeTurn();
+    RECORD_USER_SCOPE("trainer forward_backward");  // a span in a trace (loom bench rl --profile)
     std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
     // Where each training slot's gradient stood, to undo a half-done backward.
     std::vector<train::GradMark> before;

@@ -209,6 +209,11 @@ struct SamplerStats {
   int64_t prompt_cache_hit_tokens = 0;  // prompt tokens reused from the prefix cache instead
   int64_t contended_steps = 0;    // steps run under the contended rule (a tenant over its share capped)
   int64_t mixed_steps = 0;        // decode steps that carried prompt chunks in the same forward (counted in both)
+  // CUDA graphs the fast decode path captured (one per new shape: row bucket x
+  // block-table bucket x adapters or not), and the time the captures took;
+  // a capture waits for the whole device, so it lands in the step that needed it.
+  int64_t decode_graphs_captured = 0;
+  double decode_graph_capture_seconds = 0;
   // Wall time of the prefill and decode steps, sampling included (each step
   // ends by copying its chosen tokens to the host, so this is device time).
   double prefill_seconds = 0;

@@ -46,6 +46,8 @@ void EachCounter(engine::SamplerStats& s, F&& f) {
   f("prompt_cache_hit_tokens", s.prompt_cache_hit_tokens);
   f("contended_steps", s.contended_steps);
   f("mixed_steps", s.mixed_steps);
+  f("decode_graphs_captured", s.decode_graphs_captured);
+  f("decode_graph_capture_seconds", s.decode_graph_capture_seconds);
   f("prefill_seconds", s.prefill_seconds);
   f("decode_seconds", s.decode_seconds);
 }

@@ -72,6 +72,9 @@ class FastDecode {
   virtual at::Tensor Decode(const DecodeStep& step) = 0;
   // Slot s of the bank was rebound or loaded: refresh its mirror before use.
   virtual void SlotChanged(int s) = 0;
+  // The graphs captured so far, and the seconds their captures took.
+  virtual int64_t graphs_captured() const { return 0; }
+  virtual double capture_seconds() const { return 0; }
 };
 
 // scratch_row: a KV row (in every layer's pools) that no sequence uses.

@@ -78,6 +78,9 @@ class ModelRunner {
   // Prefill steps that ran on FastPrefill's graphs so far, and Mixed steps.
   int64_t fast_prefills() const { return fast_prefills_; }
   int64_t mixed_steps() const { return mixed_steps_; }
+  // The fast decode path's graph captures so far and their seconds (0 without it).
+  int64_t graphs_captured() const { return fast_ ? fast_->graphs_captured() : 0; }
+  double capture_seconds() const { return fast_ ? fast_->capture_seconds() : 0; }
 
  private:
   int64_t Row(const Sequence& s, int64_t pos) const;

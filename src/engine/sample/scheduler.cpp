@@ -443,6 +443,8 @@ SamplerStats Scheduler::stats() const {
   s.kv_blocks_cached = blocks_.cached_count();
   s.kv_cache_evictions = blocks_.evictions();
   s.fast_prefill_steps = runner_.fast_prefills();
+  s.decode_graphs_captured = runner_.graphs_captured();
+  s.decode_graph_capture_seconds = runner_.capture_seconds();
   s.requests_waiting = static_cast<int64_t>(waiting_.size());
   return s;
 }

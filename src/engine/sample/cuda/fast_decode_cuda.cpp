@@ -9,6 +9,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <tuple>
 
@@ -123,6 +125,8 @@ class CudaFastDecode final : public FastDecode {
   void SlotChanged(int s) override {
     if (s >= 0 && s < static_cast<int>(stale_.size())) stale_[static_cast<size_t>(s)] = true;
   }
+  int64_t graphs_captured() const override { return captured_.load(); }
+  double capture_seconds() const override { return capture_seconds_.load(); }
 
   at::Tensor Decode(const DecodeStep& step) override {
     c10::NoGradGuard no_grad;
@@ -222,6 +226,7 @@ class CudaFastDecode final : public FastDecode {
     // Warm up on a side stream (cuBLAS handles and workspaces are made
     // outside the capture), then capture there. Thread-local capture mode:
     // the trainer may use the same device from its own thread meanwhile.
+    const auto t0 = std::chrono::steady_clock::now();
     c10::cuda::device_synchronize();
     at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
     {
@@ -237,7 +242,10 @@ class CudaFastDecode final : public FastDecode {
       g->graph->capture_end();
       side.synchronize();
     }
-    log::Info("fast decode: captured rows={} table_blocks={} lora={}", rows, table, lora);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    capture_seconds_.store(capture_seconds_.load() + seconds);  // only this thread writes
+    ++captured_;
+    log::Info("fast decode: captured rows={} table_blocks={} lora={} in {:.1f} ms", rows, table, lora, seconds * 1e3);
     Graph& ref = *g;
     graphs_.emplace(key, std::move(g));
     return ref;
@@ -455,6 +463,9 @@ class CudaFastDecode final : public FastDecode {
   bool split_;  // DecodeOptions::split_shrink off: a LoRA shrink's d_in on one block per output tile
   std::unique_ptr<DecodeProfiler> profiler_;  // null in production
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
+  // Read by stats() from any thread.
+  std::atomic<int64_t> captured_{0};
+  std::atomic<double> capture_seconds_{0};
   // The LoRA shrinks run on branch_, forked from and joined back to the
   // step's stream (parallel branches of the captured graph).
   cudaStream_t branch_ = nullptr;
