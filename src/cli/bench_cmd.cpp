@@ -25,6 +25,7 @@
 #include "cli/trace_profile.h"
 #include "cli/trainer_group.h"
 #include "engine/api.h"
+#include "engine/model/attention.h"
 #include "testmodel/make_model.h"
 
 namespace loom::cli {
@@ -39,6 +40,11 @@ struct TrainBenchOptions {
   int tokens_per_tenant = 64;
   int datum_tokens = 0;  // 0: each tenant's tokens are one datum
   int steps = 5;
+  // Untimed steps first: the first kCudnnAfterPasses passes of a shape take
+  // the varlen flash kernel, the next builds cuDNN's plan for it
+  // (engine/model/attention.h); the timed steps are the steady state of a
+  // loop of one shape.
+  int warmup = static_cast<int>(engine::kCudnnAfterPasses) + 1;
   int rank = 8;
   int threads = 0;
   std::string device = "auto";
@@ -83,9 +89,9 @@ struct StepTimes {
   double total() const { return forward_backward + optim_step; }
 };
 
-// Mean times of `steps` steps over the given slots (after one warm-up).
+// Mean times of `steps` steps over the given slots (after `warmup` untimed ones).
 Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
-                         const std::vector<std::vector<Datum>>& data, int steps, double lr,
+                         const std::vector<std::vector<Datum>>& data, int warmup, int steps, double lr,
                          const std::string& trace_path) {
   std::vector<engine::ForwardBackwardCall> calls;
   std::vector<engine::OptimStepCall> optim;
@@ -99,7 +105,7 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
     optim.push_back({s, adam});
   }
   StepTimes t;
-  for (int i = 0; i <= steps; ++i) {
+  for (int i = 1 - warmup; i <= steps; ++i) {
     if (i == 1) e.ResetPeakMemory();
     const auto t0 = std::chrono::steady_clock::now();
     for (auto& r : e.ForwardBackward(calls))
@@ -108,7 +114,7 @@ Result<StepTimes> TimeSteps(engine::Engine& e, const std::vector<int>& slots,
     for (auto& r : e.OptimStep(optim))
       if (!r.ok()) return r.status();
     const auto t2 = std::chrono::steady_clock::now();
-    if (i == 0) continue;  // warm-up
+    if (i <= 0) continue;  // warm-up
     if (!trace_path.empty() && i == steps) {
       // One more step, traced, after the timed ones (the trace's overhead stays out of the figures).
       if (Status st = StartTrace(); !st.ok()) return st;
@@ -225,8 +231,8 @@ int BenchTrain(const TrainBenchOptions& o) {
     std::printf("memory plan: %s; at most %lld tokens per pass\n", plan.c_str(),
                 static_cast<long long>(e.MaxPassTokens()));
   const auto trace = [&](const char* row) { return o.profile.empty() ? o.profile : o.profile + "." + row + ".json"; };
-  auto one = TimeSteps(e, {0}, data, o.steps, o.lr, trace("one"));
-  auto packed = one.ok() ? TimeSteps(e, all, data, o.steps, o.lr, trace("packed")) : one;
+  auto one = TimeSteps(e, {0}, data, o.warmup, o.steps, o.lr, trace("one"));
+  auto packed = one.ok() ? TimeSteps(e, all, data, o.warmup, o.steps, o.lr, trace("packed")) : one;
   if (packed.ok() && !o.save_adapter.empty()) {
     // A trained (non-zero B) adapter for tools/reference/check_snapshot.py.
     if (Status st = e.SaveForSampler(0, o.save_adapter, model_dir); !st.ok()) {
@@ -287,7 +293,11 @@ int Bench(int argc, char** argv) {
                     "split each tenant's tokens into datums (sequences) of this many, as an RL group's "
                     "completions are; 0 = one datum")
       ->default_val(t.datum_tokens)->check(CLI::Range(0, 1 << 20));
-  train->add_option("--steps", t.steps, "timed steps after one warm-up")->default_val(t.steps)->check(CLI::Range(1, 100000));
+  train->add_option("--steps", t.steps, "timed steps, after the warm-up")->default_val(t.steps)->check(CLI::Range(1, 100000));
+  train->add_option("--warmup", t.warmup,
+                    "untimed steps of each row first (the default: a shape's first passes take the varlen flash "
+                    "kernel, the next builds cuDNN's plan for it, as a loop of one shape does)")
+      ->default_val(t.warmup)->check(CLI::Range(0, 1000));
   train->add_option("--rank", t.rank, "LoRA rank of every tenant")->default_val(t.rank)->check(CLI::Range(1, 1024));
   train->add_option("--threads", t.threads, "CPU threads (0 = all cores)")->default_val(t.threads);
   train->add_option("--device", t.device, "auto | cpu | cuda")->default_val(t.device);

@@ -115,5 +115,71 @@ TEST(VariantAttention, FlashSinksAndWindowMatchTheMathPathOnCuda) {
   }
 }
 
+// The trainer's choice between cuDNN and the varlen flash kernel counts
+// each shape's passes: a shape recurs once seen `after` times before.
+TEST(ShapeRecurrence, AShapeRecursAfterItsEarlierPassesAndANewOneStaysNew) {
+  ShapeRecurrence shapes(/*after=*/2, /*max_shapes=*/2);
+  EXPECT_FALSE(shapes.Count({4, 2048}));
+  EXPECT_FALSE(shapes.Count({4, 2048}));
+  EXPECT_TRUE(shapes.Count({4, 2048}));
+  EXPECT_TRUE(shapes.Count({4, 2048}));
+  EXPECT_FALSE(shapes.Count({92, 319}));  // another shape counts alone
+  EXPECT_FALSE(shapes.Count({92, 319}));
+  EXPECT_TRUE(shapes.Count({92, 319}));
+  for (int i = 0; i < 4; ++i) EXPECT_FALSE(shapes.Count({7, 320})) << i;  // beyond max_shapes: never counted
+  EXPECT_TRUE(shapes.Count({4, 2048}));
+}
+
+// Without the varlen flash kernel (the CPU, libtorch 1.13) a pass never
+// takes it, whatever its shape's history.
+TEST(ShapeRecurrence, OnTheCpuNoPassTakesTheVarlenKernel) {
+  for (int i = 0; i < 3; ++i)
+    EXPECT_FALSE(TrainOnVarlenFlash({0, 5, 45, 68}, 8, 2, 64, at::kCPU, at::kFloat));
+}
+
+// A plain training pass on the varlen flash kernel (PaddedLayout::varlen,
+// as TrainOnVarlenFlash sets it) on CUDA in bf16, against the per-sequence
+// math path in fp32 (the reference) and in bf16, and against the padded
+// SDPA path: outputs and gradients into q, k and v, grouped-query heads,
+// sequences of different lengths and an empty one.
+TEST(PackedAttention, VarlenFlashMatchesTheMathPathOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  if (!VariantFlashAvailable()) GTEST_SKIP() << "no varlen flash kernel in this libtorch";
+  at::manual_seed(6);
+  const std::vector<int64_t> seq_begin = {0, 5, 45, 45, 68};
+  const int64_t T = 68, H = 8, KVH = 2, hd = 64;
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  const at::Tensor q0 = at::randn({T, H, hd}, cuda), k0 = at::randn({T, KVH, hd}, cuda),
+                   v0 = at::randn({T, KVH, hd}, cuda), gy = at::randn({T, H * hd}, cuda);
+  // 0: math fp32 (reference), 1: math bf16, 2: varlen flash bf16, 3: padded SDPA bf16.
+  std::vector<at::Tensor> out, grads;
+  for (int path = 0; path < 4; ++path) {
+    const at::ScalarType t = path == 0 ? at::kFloat : at::kBFloat16;
+    at::Tensor q = q0.to(t).clone().requires_grad_(), k = k0.to(t).clone().requires_grad_(),
+               v = v0.to(t).clone().requires_grad_();
+    PaddedLayout layout = path == 3 ? PaddedLayout::Make(seq_begin, at::kCUDA) : PaddedLayout{};
+    if (path == 2) layout.SetVarlen(seq_begin, at::kCUDA);
+    const at::Tensor y = PackedCausalAttention(q, k, v, seq_begin, path >= 2 ? AttentionKernel::kSdpa : AttentionKernel::kMath,
+                                               layout.get());
+    ASSERT_EQ(y.sizes(), (at::IntArrayRef{T, H * hd}));
+    (y.to(at::kFloat) * gy).sum().backward();
+    out.push_back(y.detach().to(at::kFloat));
+    for (const at::Tensor& x : {q, k, v}) grads.push_back(x.grad().to(at::kFloat));
+  }
+  const auto rel = [](const at::Tensor& a, const at::Tensor& ref) {
+    return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
+  };
+  const double math_out = rel(out[1], out[0]), flash_out = rel(out[2], out[0]), sdpa_out = rel(out[3], out[0]);
+  std::printf("varlen flash: output rel err %.2e (bf16 math %.2e, padded SDPA %.2e)", flash_out, math_out, sdpa_out);
+  EXPECT_LT(flash_out, std::max(2 * math_out, 1e-2));
+  for (int i = 0; i < 3; ++i) {
+    const double m = rel(grads[3 + i], grads[i]), f = rel(grads[6 + i], grads[i]), p = rel(grads[9 + i], grads[i]);
+    std::printf(", grad %c %.2e (math %.2e, SDPA %.2e)", "qkv"[i], f, m, p);
+    EXPECT_GT(grads[i].abs().max().item<double>(), 1e-3);
+    EXPECT_LT(f, std::max(2 * m, 2e-2)) << "grad " << i;
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 }  // namespace loom::engine

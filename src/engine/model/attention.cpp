@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <optional>
 
 #include "engine/model/compat.h"
@@ -104,6 +105,7 @@ struct SinkFlashOut {
   at::Tensor rng, unused;  // the kernel's, for its backward
 };
 
+// Without sinks (undefined): the kernel's output as it is, share undefined.
 SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
                               const SinkFlash& f) {
   auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
@@ -115,8 +117,12 @@ SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at
               "the varlen flash kernel's log-sum-exp is not [heads, tokens]: ", lse.sizes());
   SinkFlashOut r;
   r.lse = lse;
-  r.share = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).t().unsqueeze(-1);
-  r.out = (out.to(at::kFloat) * r.share).to(q.scalar_type());
+  if (sinks.defined()) {
+    r.share = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).t().unsqueeze(-1);
+    r.out = (out.to(at::kFloat) * r.share).to(q.scalar_type());
+  } else {
+    r.out = out;
+  }
   r.rng = rng;
   r.unused = unused;
   return r;
@@ -137,7 +143,8 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &share = saved[5];
     SinkFlash f{saved[8], ctx->saved_data["max_len"].toInt(), ctx->saved_data["window"].toInt()};
-    const at::Tensor g = (grads[0].to(at::kFloat) * share).to(q.scalar_type()).contiguous();
+    const at::Tensor g =
+        share.defined() ? (grads[0].to(at::kFloat) * share).to(q.scalar_type()).contiguous() : grads[0].contiguous();
     auto [dq, dk, dv] = at::_flash_attention_backward(g, q, k, v, out, lse, f.cu, f.cu, f.max_len, f.max_len, 0.0,
                                                       /*is_causal=*/true, saved[6], saved[7], std::nullopt, f.Left(),
                                                       f.Right());
@@ -146,28 +153,33 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
 };
 #endif
 
-// The variant over the packed batch through SinkFlash where it applies (a
-// CUDA bf16/fp16 batch, sinks given, no per-query keep, head dims a multiple
-// of 8 up to 256, libtorch 2.5+); else undefined (the caller takes the
-// per-sequence math path). q [T, H, hd], k/v [T, KVH, hd]; [T, H * hd].
-at::Tensor VariantFlash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const std::vector<int64_t>& seq_begin, const AttentionVariant& var) {
+// Causal attention over the packed batch through the varlen flash kernel
+// (SinkFlash), with the variant's sinks and window where given (plain
+// otherwise), where it applies (a CUDA bf16/fp16 batch, no per-query keep,
+// head dims a multiple of 8 up to 256, libtorch 2.5+); else undefined (the
+// caller takes another path). q [T, H, hd], k/v [T, KVH, hd]; [T, H * hd].
+// The offsets are the layout's where given (PaddedLayout::SetVarlen), else
+// copied to the device here.
+at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::vector<int64_t>& seq_begin, const AttentionVariant& var,
+                       const PaddedLayout* layout = nullptr) {
 #if LOOM_TORCH_AT_LEAST(2, 5)
   const auto t = q.scalar_type();
   const int64_t T = q.size(0), H = q.size(1), hd = q.size(2);
-  if (!q.is_cuda() || (t != at::kBFloat16 && t != at::kHalf) || !var.sinks.defined() || var.keep.defined() ||
-      hd % 8 != 0 || hd > 256 || v.size(-1) != hd || H % k.size(1) != 0 || T == 0)
+  if (!q.is_cuda() || (t != at::kBFloat16 && t != at::kHalf) || var.keep.defined() || hd % 8 != 0 || hd > 256 ||
+      v.size(-1) != hd || H % k.size(1) != 0 || T == 0)
     return {};
   SinkFlash f;
   f.window = var.window;
-  std::vector<int32_t> cu{0};
-  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
-    const int64_t len = seq_begin[i + 1] - seq_begin[i];
-    if (len == 0) continue;
-    cu.push_back(static_cast<int32_t>(seq_begin[i + 1]));
-    f.max_len = std::max(f.max_len, len);
+  if (layout && layout->cu.defined()) {
+    f.cu = layout->cu;
+    f.max_len = layout->cu_max_len;
+  } else {
+    PaddedLayout l;
+    l.SetVarlen(seq_begin, q.device());
+    f.cu = l.cu;
+    f.max_len = l.cu_max_len;
   }
-  f.cu = at::tensor(cu, at::TensorOptions().dtype(at::kInt)).to(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor o;
   if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
@@ -181,6 +193,7 @@ at::Tensor VariantFlash(const at::Tensor& q, const at::Tensor& k, const at::Tens
   (void)v;
   (void)seq_begin;
   (void)var;
+  (void)layout;
   return {};
 #endif
 }
@@ -195,6 +208,32 @@ at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks) {
 }
 
 bool VariantFlashAvailable() { return LOOM_TORCH_AT_LEAST(2, 5); }
+
+bool ShapeRecurrence::Count(const std::vector<int64_t>& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = seen_.find(key);
+  if (it == seen_.end()) {
+    if (seen_.size() >= max_shapes_) return false;  // full: a new shape stays new
+    it = seen_.emplace(key, 0).first;
+  }
+  return it->second++ >= after_;
+}
+
+bool TrainOnVarlenFlash(const std::vector<int64_t>& seq_begin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        at::Device device, at::ScalarType dtype) {
+  if (!VariantFlashAvailable() || !device.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf) ||
+      head_dim % 8 != 0 || head_dim > 256 || kv_heads <= 0 || heads % kv_heads != 0)
+    return false;
+  int64_t seqs = 0, longest = 0;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    seqs += len > 0;
+    longest = std::max(longest, len);
+  }
+  static ShapeRecurrence shapes(kCudnnAfterPasses, 4096);
+  const int64_t rows = seq_begin.empty() ? 0 : seq_begin.back();
+  return !shapes.Count({seqs, longest, rows, heads, kv_heads, head_dim, static_cast<int64_t>(dtype)});
+}
 
 AttentionKernel DefaultAttentionKernel() {
   return compat::kHasFusedSdpa ? AttentionKernel::kSdpa : AttentionKernel::kMath;
@@ -226,6 +265,19 @@ PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Devic
   l.gather = gather.to(device);
   l.scatter = scatter.to(device);
   return l;
+}
+
+void PaddedLayout::SetVarlen(const std::vector<int64_t>& seq_begin, at::Device device) {
+  varlen = true;
+  std::vector<int32_t> offsets{0};
+  cu_max_len = 0;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    if (len == 0) continue;
+    offsets.push_back(static_cast<int32_t>(seq_begin[i + 1]));
+    cu_max_len = std::max(cu_max_len, len);
+  }
+  cu = at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(device);
 }
 
 bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device device) {
@@ -268,9 +320,11 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
     return NarrowHeads(PackedCausalAttention(q, k, PadValues(v, q.size(-1)), seq_begin, kernel, padded, variant),
                        q.size(1), q.size(-1), v.size(-1));
   if (variant && variant->plain()) variant = nullptr;
-  if (padded && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
-  if (variant && kernel == AttentionKernel::kSdpa)
-    if (at::Tensor o = VariantFlash(q, k, v, seq_begin, *variant); o.defined()) return o;
+  if (padded && padded->varlen && !variant && kernel == AttentionKernel::kSdpa)
+    if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, AttentionVariant{}, padded); o.defined()) return o;
+  if (padded && padded->seqs > 0 && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
+  if (variant && kernel == AttentionKernel::kSdpa && variant->sinks.defined())
+    if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, *variant); o.defined()) return o;
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());

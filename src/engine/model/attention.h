@@ -8,6 +8,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <map>
+#include <mutex>
 #include <vector>
 
 namespace loom::engine {
@@ -68,8 +70,47 @@ struct PaddedLayout {
   static PaddedLayout IfPreferred(const std::vector<int64_t>& seq_begin, at::Device device) {
     return Prefer(seq_begin, device) ? Make(seq_begin, device) : PaddedLayout{};
   }
-  const PaddedLayout* get() const { return seqs > 0 ? this : nullptr; }
+  // Set by the trainer for a pass that TrainOnVarlenFlash sends to the
+  // varlen flash kernel over the packed rows: PackedCausalAttention then
+  // takes that kernel for plain attention (seqs may be 0: nothing padded).
+  bool varlen = false;
+  at::Tensor cu;            // with varlen: the non-empty sequences' offsets, [S + 1] int32 on the device
+  int64_t cu_max_len = 0;   // with varlen: the longest sequence
+  // varlen on, with the offsets copied to the device once for every layer.
+  void SetVarlen(const std::vector<int64_t>& seq_begin, at::Device device);
+  const PaddedLayout* get() const { return seqs > 0 || varlen ? this : nullptr; }
 };
+
+// How often each shape has been seen, up to max_shapes distinct shapes:
+// Count(key) says whether key was seen at least `after` times before this
+// call, and counts this one (a shape beyond max_shapes is never counted, so
+// stays new). Thread-safe.
+class ShapeRecurrence {
+ public:
+  ShapeRecurrence(int64_t after, size_t max_shapes) : after_(after), max_shapes_(max_shapes) {}
+  bool Count(const std::vector<int64_t>& key);
+
+ private:
+  const int64_t after_;
+  const size_t max_shapes_;
+  std::mutex mu_;
+  std::map<std::vector<int64_t>, int64_t> seen_;
+};
+
+// A training pass's plain causal attention on a GPU: SDPA picks cuDNN's
+// fused kernel there, the fastest for a shape it has a plan for, but
+// building a plan costs about 0.25 s of host time per new shape, for the
+// forward and again for the backward (H100, libtorch 2.11: bench rl's passes
+// spent about 1 s of a 2.7 s pass on them), and an RL pass's shape (its
+// sequences, the longest, its rows) changes with almost every batch. So a
+// pass takes the varlen flash kernel over the packed rows (no plan, no
+// padding) unless its shape is recurring: seen in kCudnnAfterPasses earlier
+// passes, as a fixed-shape loop's is. True for varlen; counts the pass.
+// False where that kernel is not available (the CPU, libtorch before 2.5,
+// fp32, head dims not a multiple of 8 up to 256). Any thread.
+inline constexpr int64_t kCudnnAfterPasses = 3;
+bool TrainOnVarlenFlash(const std::vector<int64_t>& seq_begin, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        at::Device device, at::ScalarType dtype);
 
 // One batched attention over the whole batch in the padded layout (SDPA, or
 // batched math for kMath); same result as the per-sequence path to float

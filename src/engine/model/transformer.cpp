@@ -575,6 +575,15 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   if (mlp_lora && config_.num_experts > 0)
     state->experts = ExpertLoraRouting::Make(bank, batch.seq_begin, batch.seq_slot, batch.tokens.device());
   if (config_.IsDsa()) state->dsa.resize(m.layers.size());
+  // A training pass's plain attention on the varlen flash kernel unless its
+  // shape recurs (attention.h: cuDNN's plans cost more than they save on
+  // shapes that change with every batch). Not the uniform layout's passes:
+  // their shapes are a few buckets, and they may be captured as CUDA graphs,
+  // where the kernel's offsets could not be copied to the device.
+  if (at::GradMode::is_enabled() && !batch.uniform && !config_.IsDsa() && attention_kernel_ == AttentionKernel::kSdpa)
+    if (TrainOnVarlenFlash(batch.seq_begin, config_.num_attention_heads, config_.num_key_value_heads,
+                           config_.head_dim, batch.tokens.device(), dtype_))
+      state->padded.SetVarlen(batch.seq_begin, batch.tokens.device());
   const AttentionKernel kernel = attention_kernel_;
   const std::vector<int64_t>& seq_begin = batch.seq_begin;
   // One layer of this pass. It reads only the pass state, the frozen weights
