@@ -79,9 +79,10 @@ at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 #if LOOM_TORCH_AT_LEAST(2, 5)
-// A sinks-and-window variant (gpt_oss) over the whole packed batch at once
-// through the varlen flash kernel, on CUDA in bf16/fp16; the math path
-// stays the reference. The window is flash's left window (window - 1 keys
+// Causal attention over the whole packed batch at once through the varlen
+// flash kernel, on CUDA in bf16/fp16: plain (a training pass of a shape new
+// to cuDNN, TrainOnVarlenFlash), or a sinks-and-window variant (gpt_oss);
+// the math path stays the reference. The window is flash's left window (window - 1 keys
 // before the query). The sinks ride on the kernel's log-sum-exp: a query
 // row's probabilities with the sink column are the kernel's times
 // sigma(lse - s_h) (the sink's exp joins the denominator), so the output is
@@ -91,6 +92,8 @@ at::Tensor VariantCausal(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // is the one the sink's share of the denominator needs). The sinks are
 // frozen base weights: no gradient for them.
 struct SinkFlash {
+  at::Tensor sinks;     // [H], frozen (no gradient), or undefined: plain attention. Not an input of
+                        // SinkFlashNode: an undefined tensor cannot be one.
   at::Tensor cu;        // [S + 1] int32 on the device: the non-empty sequences' offsets
   int64_t max_len = 0;
   int64_t window = 0;   // 0 = every earlier key
@@ -106,8 +109,7 @@ struct SinkFlashOut {
 };
 
 // Without sinks (undefined): the kernel's output as it is, share undefined.
-SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& sinks,
-                              const SinkFlash& f) {
+SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SinkFlash& f) {
   auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
       q, k, v, f.cu, f.cu, f.max_len, f.max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt,
       f.Left(), f.Right());
@@ -117,8 +119,8 @@ SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at
               "the varlen flash kernel's log-sum-exp is not [heads, tokens]: ", lse.sizes());
   SinkFlashOut r;
   r.lse = lse;
-  if (sinks.defined()) {
-    r.share = at::sigmoid(lse - sinks.to(at::kFloat).unsqueeze(1)).t().unsqueeze(-1);
+  if (f.sinks.defined()) {
+    r.share = at::sigmoid(lse - f.sinks.to(at::kFloat).unsqueeze(1)).t().unsqueeze(-1);
     r.out = (out.to(at::kFloat) * r.share).to(q.scalar_type());
   } else {
     r.out = out;
@@ -130,9 +132,9 @@ SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at
 
 struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& sinks, const SinkFlash& f) {
+                            const at::Tensor& v, const SinkFlash& f) {
     at::NoGradGuard no_grad;
-    SinkFlashOut r = SinkFlashForward(q, k, v, sinks, f);
+    SinkFlashOut r = SinkFlashForward(q, k, v, f);
     ctx->save_for_backward({q, k, v, r.out, r.lse, r.share, r.rng, r.unused, f.cu});
     ctx->saved_data["max_len"] = f.max_len;
     ctx->saved_data["window"] = f.window;
@@ -142,13 +144,13 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &share = saved[5];
-    SinkFlash f{saved[8], ctx->saved_data["max_len"].toInt(), ctx->saved_data["window"].toInt()};
+    SinkFlash f{at::Tensor(), saved[8], ctx->saved_data["max_len"].toInt(), ctx->saved_data["window"].toInt()};
     const at::Tensor g =
         share.defined() ? (grads[0].to(at::kFloat) * share).to(q.scalar_type()).contiguous() : grads[0].contiguous();
     auto [dq, dk, dv] = at::_flash_attention_backward(g, q, k, v, out, lse, f.cu, f.cu, f.max_len, f.max_len, 0.0,
                                                       /*is_causal=*/true, saved[6], saved[7], std::nullopt, f.Left(),
                                                       f.Right());
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor()};
   }
 };
 #endif
@@ -170,6 +172,7 @@ at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       v.size(-1) != hd || H % k.size(1) != 0 || T == 0)
     return {};
   SinkFlash f;
+  f.sinks = var.sinks;
   f.window = var.window;
   if (layout && layout->cu.defined()) {
     f.cu = layout->cu;
@@ -183,9 +186,9 @@ at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor o;
   if (at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()))
-    o = SinkFlashNode::apply(qc, kc, vc, var.sinks, f);
+    o = SinkFlashNode::apply(qc, kc, vc, f);
   else
-    o = SinkFlashForward(qc, kc, vc, var.sinks, f).out;
+    o = SinkFlashForward(qc, kc, vc, f).out;
   return o.reshape({T, H * hd});
 #else
   (void)q;

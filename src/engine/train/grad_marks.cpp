@@ -10,10 +10,7 @@ GradMark TakeGradMark(const SlotBank& bank, int slot) {
   m.zero = !bank.slot(slot).grad_dirty;
   if (m.zero) return m;
   c10::NoGradGuard no_grad;
-  for (const LoraTarget& t : bank.targets()) {
-    m.a.push_back(t.A.grad().defined() ? t.A.grad().select(0, slot).clone() : at::Tensor());
-    m.b.push_back(t.B.grad().defined() ? t.B.grad().select(0, slot).clone() : at::Tensor());
-  }
+  m.row = bank.flat_grad().select(0, slot).clone();
   return m;
 }
 
@@ -23,15 +20,7 @@ void RestoreGradMark(SlotBank& bank, const GradMark& mark) {
     return;
   }
   c10::NoGradGuard no_grad;
-  auto& targets = bank.targets();
-  for (size_t i = 0; i < targets.size(); ++i) {
-    for (auto [param, saved] : {std::pair{&targets[i].A, &mark.a[i]}, std::pair{&targets[i].B, &mark.b[i]}}) {
-      if (!param->grad().defined()) continue;
-      at::Tensor rows = param->mutable_grad().select(0, mark.slot);
-      if (saved->defined()) rows.copy_(*saved);
-      else rows.zero_();
-    }
-  }
+  bank.flat_grad().select(0, mark.slot).copy_(mark.row);
   bank.slot(mark.slot).grad_dirty = true;
 }
 

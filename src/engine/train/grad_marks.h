@@ -7,11 +7,10 @@
 // false: nothing accumulated since the last step, zeroing or release) holds
 // no tensors, and restoring it zeroes the slot's gradient rows; only a slot
 // that accumulates over several calls before its step pays a copy of its
-// gradient rows. Threading: engine thread only.
+// gradient row: one copy of its row of the bank's flat gradient, which every
+// target's .grad is a view of (SlotBank::flat_grad). Threading: engine thread only.
 #pragma once
 #include <ATen/ATen.h>
-
-#include <vector>
 
 #include "engine/lora/slot_bank.h"
 
@@ -19,8 +18,8 @@ namespace loom::engine::train {
 
 struct GradMark {
   int slot = -1;
-  bool zero = true;               // the gradient was zero: restore by zeroing
-  std::vector<at::Tensor> a, b;   // per target: the slot's A/B gradient rows (undefined: none yet)
+  bool zero = true;  // the gradient was zero: restore by zeroing
+  at::Tensor row;    // else a copy of the slot's row of the bank's flat gradient (every target's A and B)
 };
 
 GradMark TakeGradMark(const SlotBank& bank, int slot);
