@@ -67,6 +67,26 @@ TEST(PaddedAttention, MatchesPerSequenceMathWithGradients) {
   }
 }
 
+// The packed batch both CUDA flash tests below run: grouped-query heads,
+// sequences of different lengths and an empty one, fp32 inputs and an
+// output gradient; and the relative error the tests compare.
+struct CudaFlashCase {
+  const std::vector<int64_t> seq_begin = {0, 5, 45, 45, 68};
+  const int64_t T = 68, H = 8, KVH = 2, hd = 64;
+  at::Tensor q0, k0, v0, gy;
+  explicit CudaFlashCase(uint64_t seed) {
+    at::manual_seed(seed);
+    const auto cuda = at::TensorOptions().device(at::kCUDA);
+    q0 = at::randn({T, H, hd}, cuda);
+    k0 = at::randn({T, KVH, hd}, cuda);
+    v0 = at::randn({T, KVH, hd}, cuda);
+    gy = at::randn({T, H * hd}, cuda);
+  }
+  static double Rel(const at::Tensor& a, const at::Tensor& ref) {
+    return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
+  }
+};
+
 // gpt_oss's sinks and sliding window through the varlen flash kernel on
 // CUDA (bf16), against the per-sequence math path in fp32 (the reference)
 // and in bf16: outputs and gradients into q, k and v, with grouped-query
@@ -74,13 +94,9 @@ TEST(PaddedAttention, MatchesPerSequenceMathWithGradients) {
 TEST(VariantAttention, FlashSinksAndWindowMatchTheMathPathOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!VariantFlashAvailable()) GTEST_SKIP() << "no varlen flash kernel in this libtorch";
-  at::manual_seed(5);
-  const std::vector<int64_t> seq_begin = {0, 5, 45, 45, 68};
-  const int64_t T = 68, H = 8, KVH = 2, hd = 64;
-  const auto cuda = at::TensorOptions().device(at::kCUDA);
-  const at::Tensor q0 = at::randn({T, H, hd}, cuda), k0 = at::randn({T, KVH, hd}, cuda),
-                   v0 = at::randn({T, KVH, hd}, cuda), gy = at::randn({T, H * hd}, cuda);
-  const at::Tensor sinks0 = at::randn({H}, cuda);
+  const CudaFlashCase c(5);
+  const auto& [seq_begin, T, H, KVH, hd, q0, k0, v0, gy] = c;
+  const at::Tensor sinks0 = at::randn({H}, at::TensorOptions().device(at::kCUDA));
   for (const int64_t window : {int64_t{16}, int64_t{0}}) {
     // 0: math fp32 (reference), 1: math bf16, 2: flash bf16.
     std::vector<at::Tensor> out, grads;
@@ -98,9 +114,7 @@ TEST(VariantAttention, FlashSinksAndWindowMatchTheMathPathOnCuda) {
       out.push_back(y.detach().to(at::kFloat));
       for (const at::Tensor& x : {q, k, v}) grads.push_back(x.grad().to(at::kFloat));
     }
-    const auto rel = [](const at::Tensor& a, const at::Tensor& ref) {
-      return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
-    };
+    const auto rel = CudaFlashCase::Rel;
     const double math_out = rel(out[1], out[0]), flash_out = rel(out[2], out[0]);
     std::printf("sink flash window %lld: output rel err flash %.2e (bf16 math %.2e)", static_cast<long long>(window),
                 flash_out, math_out);
@@ -145,12 +159,8 @@ TEST(ShapeRecurrence, OnTheCpuNoPassTakesTheVarlenKernel) {
 TEST(PackedAttention, VarlenFlashMatchesTheMathPathOnCuda) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   if (!VariantFlashAvailable()) GTEST_SKIP() << "no varlen flash kernel in this libtorch";
-  at::manual_seed(6);
-  const std::vector<int64_t> seq_begin = {0, 5, 45, 45, 68};
-  const int64_t T = 68, H = 8, KVH = 2, hd = 64;
-  const auto cuda = at::TensorOptions().device(at::kCUDA);
-  const at::Tensor q0 = at::randn({T, H, hd}, cuda), k0 = at::randn({T, KVH, hd}, cuda),
-                   v0 = at::randn({T, KVH, hd}, cuda), gy = at::randn({T, H * hd}, cuda);
+  const CudaFlashCase c(6);
+  const auto& [seq_begin, T, H, KVH, hd, q0, k0, v0, gy] = c;
   // 0: math fp32 (reference), 1: math bf16, 2: varlen flash bf16, 3: padded SDPA bf16.
   std::vector<at::Tensor> out, grads;
   for (int path = 0; path < 4; ++path) {
@@ -166,9 +176,7 @@ TEST(PackedAttention, VarlenFlashMatchesTheMathPathOnCuda) {
     out.push_back(y.detach().to(at::kFloat));
     for (const at::Tensor& x : {q, k, v}) grads.push_back(x.grad().to(at::kFloat));
   }
-  const auto rel = [](const at::Tensor& a, const at::Tensor& ref) {
-    return (a - ref).abs().max().item<double>() / ref.abs().max().item<double>();
-  };
+  const auto rel = CudaFlashCase::Rel;
   const double math_out = rel(out[1], out[0]), flash_out = rel(out[2], out[0]), sdpa_out = rel(out[3], out[0]);
   std::printf("varlen flash: output rel err %.2e (bf16 math %.2e, padded SDPA %.2e)", flash_out, math_out, sdpa_out);
   EXPECT_LT(flash_out, std::max(2 * math_out, 1e-2));
