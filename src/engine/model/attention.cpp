@@ -327,7 +327,7 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
     if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, AttentionVariant{}, padded); o.defined()) return o;
   if (padded && padded->seqs > 0 && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);
   if (variant && kernel == AttentionKernel::kSdpa && variant->sinks.defined())
-    if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, *variant); o.defined()) return o;
+    if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, *variant, padded); o.defined()) return o;
   const int64_t heads = q.size(1), hd = q.size(2);
   std::vector<at::Tensor> outs;
   outs.reserve(seq_begin.size());
