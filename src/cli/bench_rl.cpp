@@ -490,7 +490,7 @@ int BenchRl(int argc, char** argv) {
       ->check(CLI::IsMember({"most", "kept"}));
   app.add_option("--profile", o.profile,
                  "trace the together round (Kineto, libtorch 2.x) to PATH.together.json; the trainer's passes are "
-                 "the spans \"trainer forward_backward\" (bench/trace_summary.py --within), its figures then "
+                 "the spans \"trainer forward_backward\" (bench/trace_summary.py --during), its figures then "
                  "include the tracing");
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "

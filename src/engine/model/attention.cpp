@@ -201,6 +201,20 @@ at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 #endif
 }
 
+// A packed batch's non-empty sequences and the longest of them.
+struct SeqCount {
+  int64_t seqs = 0, longest = 0;
+};
+SeqCount CountSeqs(const std::vector<int64_t>& seq_begin) {
+  SeqCount c;
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t len = seq_begin[i + 1] - seq_begin[i];
+    c.seqs += len > 0;
+    c.longest = std::max(c.longest, len);
+  }
+  return c;
+}
+
 }  // namespace
 
 at::Tensor SinkSoftmax(const at::Tensor& scores, const at::Tensor& sinks) {
@@ -227,15 +241,10 @@ bool TrainOnVarlenFlash(const std::vector<int64_t>& seq_begin, int64_t heads, in
   if (!VariantFlashAvailable() || !device.is_cuda() || (dtype != at::kBFloat16 && dtype != at::kHalf) ||
       head_dim % 8 != 0 || head_dim > 256 || kv_heads <= 0 || heads % kv_heads != 0)
     return false;
-  int64_t seqs = 0, longest = 0;
-  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
-    const int64_t len = seq_begin[i + 1] - seq_begin[i];
-    seqs += len > 0;
-    longest = std::max(longest, len);
-  }
+  const SeqCount c = CountSeqs(seq_begin);
   static ShapeRecurrence shapes(kCudnnAfterPasses, 4096);
   const int64_t rows = seq_begin.empty() ? 0 : seq_begin.back();
-  return !shapes.Count({seqs, longest, rows, heads, kv_heads, head_dim, static_cast<int64_t>(dtype)});
+  return !shapes.Count({c.seqs, c.longest, rows, heads, kv_heads, head_dim, static_cast<int64_t>(dtype)});
 }
 
 AttentionKernel DefaultAttentionKernel() {
@@ -244,12 +253,9 @@ AttentionKernel DefaultAttentionKernel() {
 
 PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Device device) {
   PaddedLayout l;
-  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
-    const int64_t len = seq_begin[i + 1] - seq_begin[i];
-    if (len == 0) continue;
-    ++l.seqs;
-    l.max_len = std::max(l.max_len, len);
-  }
+  const SeqCount c = CountSeqs(seq_begin);
+  l.seqs = c.seqs;
+  l.max_len = c.longest;
   const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
   l.uniform = l.seqs > 0 && l.seqs * l.max_len == T;  // no empty sequence is counted, so all are full
   if (l.uniform) return l;
@@ -273,24 +279,14 @@ PaddedLayout PaddedLayout::Make(const std::vector<int64_t>& seq_begin, at::Devic
 void PaddedLayout::SetVarlen(const std::vector<int64_t>& seq_begin, at::Device device) {
   varlen = true;
   std::vector<int32_t> offsets{0};
-  cu_max_len = 0;
-  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
-    const int64_t len = seq_begin[i + 1] - seq_begin[i];
-    if (len == 0) continue;
-    offsets.push_back(static_cast<int32_t>(seq_begin[i + 1]));
-    cu_max_len = std::max(cu_max_len, len);
-  }
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i)
+    if (seq_begin[i + 1] > seq_begin[i]) offsets.push_back(static_cast<int32_t>(seq_begin[i + 1]));
+  cu_max_len = CountSeqs(seq_begin).longest;
   cu = at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(device);
 }
 
 bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device device) {
-  int64_t seqs = 0, max_len = 0;
-  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
-    const int64_t len = seq_begin[i + 1] - seq_begin[i];
-    if (len == 0) continue;
-    ++seqs;
-    max_len = std::max(max_len, len);
-  }
+  const auto [seqs, max_len] = CountSeqs(seq_begin);
   const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
   // On the GPU the per-sequence loop costs launches, so padding up to 4x the
   // work still wins; on the CPU every padded token is real arithmetic (and
