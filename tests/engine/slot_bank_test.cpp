@@ -262,8 +262,8 @@ struct GroupedCase {
   std::vector<int> seg_slot = {0, 1, -1, 0, 3, 2, 2, 4, 1};
   int64_t T = 30;
 
-  static SlotBank MakeBank() {
-    SlotBank bank(6, 8, at::kCPU, SmallTargets());
+  static SlotBank MakeBank(const std::vector<LoraTargetSpec>& targets = SmallTargets()) {
+    SlotBank bank(6, 8, at::kCPU, targets);
     EXPECT_TRUE(bank.Bind(0, Config(3, 6.0, 1)).ok());
     EXPECT_TRUE(bank.Bind(1, Config(5, 4.0, 2)).ok());
     EXPECT_TRUE(bank.Bind(2, Config(6, 9.0, 3)).ok());
@@ -419,6 +419,7 @@ TEST(SlotBank, GroupedDeltaEqualsSegmentDeltaWithGradients) {
     for (int64_t p = 0; p < 24; ++p)  // every real padded position maps back to its row
       if (p != 14 && p != 15 && p != 23) EXPECT_EQ(attn.scatter[gather[p]].item<int64_t>(), p) << p;
     for (int64_t row : {9, 10, 11, 15, 16, 17, 18, 26, 27}) EXPECT_EQ(attn.scatter[row].item<int64_t>(), 24) << row;
+    EXPECT_TRUE(at::equal(attn.pads, at::tensor(std::vector<int64_t>{14, 15, 23}, at::kLong))) << attn.pads;
     EXPECT_FLOAT_EQ(attn.scale[1].item<float>(), 4.0f / 5.0f);
     const LoraGroups mlp = bank.Group(TargetGroup::kMlp, c.seg_begin, c.seg_slot);
     EXPECT_EQ(mlp.num_slots(), 4);
@@ -639,6 +640,43 @@ TEST(SlotBank, ProjectedJointLoraIsTheBaseProjectionPlusTheDelta) {
     EXPECT_LT(RelErr(got[1].grad_x[0], got[0].grad_x[0]), 1e-6) << with_bias;
     EXPECT_LT(RelErr(got[1].grad_a[0], got[0].grad_a[0]), 1e-6) << with_bias;
     EXPECT_LT(RelErr(got[1].grad_b[0], got[0].grad_b[0]), 1e-6) << with_bias;
+  }
+}
+
+// The joint node of several targets that read the same rows, over a routing
+// that is not an identity (the rows gathered into padded order once, with
+// pads, base rows and a slot in two non-adjacent sequences): the same values
+// and gradients into x, A and B as each target's grouped delta, side by side.
+TEST(SlotBank, JointGroupedDeltaGathersUnpaddedRowsOnce) {
+  const std::vector<LoraTargetSpec> targets = {{"model.layers.0.self_attn.q_proj", TargetGroup::kAttn, 16, 24},
+                                               {"model.layers.0.self_attn.k_proj", TargetGroup::kAttn, 16, 8}};
+  const GroupedCase c;
+  at::manual_seed(41);
+  const at::Tensor x0 = at::randn({c.T, 16});
+  const at::Tensor gy = at::randn({c.T, 32});
+  FormResult got[2];
+  for (int joint = 0; joint < 2; ++joint) {
+    SlotBank bank = GroupedCase::MakeBank(targets);
+    const at::Tensor x = x0.clone().requires_grad_();
+    const LoraGroups groups = bank.Group(TargetGroup::kAttn, c.seg_begin, c.seg_slot);
+    ASSERT_TRUE(!groups.identity && groups.base_rows && groups.pads.defined());
+    const PassFactors pass = bank.PassGroup(TargetGroup::kAttn, groups.slots, bank.ComputeType(x), /*grads=*/true);
+    const LoraTarget &q = bank.targets()[0], &k = bank.targets()[1];
+    const at::Tensor y =
+        joint ? JointGroupedLoraDelta(x, {bank.CastFactors(q, pass), bank.CastFactors(k, pass)}, groups,
+                                      bank.ComputeType(x), pass.token)
+              : at::cat({bank.GroupedDelta(q, x, groups, &pass), bank.GroupedDelta(k, x, groups, &pass)}, 1);
+    (y * gy).sum().backward();
+    got[joint] = {{y.detach()}, {x.grad()}, {q.A.grad().clone(), k.A.grad().clone()}, {q.B.grad().clone(), k.B.grad().clone()}};
+  }
+  EXPECT_EQ(got[1].out[0].narrow(0, 9, 3).abs().max().item<double>(), 0.0);  // base rows: no delta
+  EXPECT_LT(RelErr(got[1].out[0], got[0].out[0]), 1e-6);
+  EXPECT_LT(RelErr(got[1].grad_x[0], got[0].grad_x[0]), 1e-6);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_GT(got[0].grad_a[i].abs().max().item<double>(), 1e-2) << i;
+    EXPECT_LT(RelErr(got[1].grad_a[i], got[0].grad_a[i]), 1e-6) << i;
+    EXPECT_LT(RelErr(got[1].grad_b[i], got[0].grad_b[i]), 1e-6) << i;
+    EXPECT_EQ(got[1].grad_a[i][3].abs().max().item<double>(), 0.0) << i;  // slot 3 trains no attn
   }
 }
 

@@ -113,30 +113,78 @@ void FactorGradOut(const at::Tensor& into, const at::Tensor& factor, const at::T
 // take only defined tensors.
 at::Tensor OrEmpty(const at::Tensor& t) { return t.defined() ? t : at::empty({0}); }
 
-// The plain forward of the grouped form.
-// What the grouped form's backward reuses of its forward: the gathered
-// input and rank-wide hidden, the scale in the compute type, and (for few
-// groups, where the copies are small) the slots' factors in the compute type.
+// The grouped form's rows. Its GEMMs run over the padded order [U * Lmax]
+// (LoraGroups): a gather of the packed rows (none for an identity routing),
+// and back, a gather of the padded rows by each packed row's position, a
+// zero row appended for rows without a training slot. No index_add either
+// way: each packed row sits at exactly one padded position.
+at::Tensor ToPadded(const at::Tensor& x, const at::Tensor& gather) { return x.index_select(0, gather); }
+at::Tensor FromPadded(const at::Tensor& yp, const at::Tensor& scatter, bool base_rows) {
+  const at::Tensor src = base_rows ? at::cat({yp, at::zeros({1, yp.size(1)}, yp.options())}, 0) : yp;
+  return src.index_select(0, scatter);
+}
+
+// ToPadded as a recorded node: x's gradient is the padded gradient read back
+// at each row's position (the pads' gradient is dropped).
+class PadRowsNode : public torch::autograd::Function<PadRowsNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const LoraGroups* routing) {
+    c10::NoGradGuard no_grad;
+    ctx->save_for_backward({routing->scatter});
+    ctx->saved_data["base_rows"] = routing->base_rows;
+    return ToPadded(x, routing->gather);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::NoGradGuard no_grad;
+    variable_list out(2);
+    if (grads[0].defined())
+      out[0] = FromPadded(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["base_rows"].toBool());
+    return out;
+  }
+};
+
+// FromPadded as a recorded node: the padded gradient is the rows' gradient
+// gathered to their positions, the pads' zeroed (so the grouped GEMMs'
+// factor gradients add exact zeros for them, as for a zero row).
+class UnpadRowsNode : public torch::autograd::Function<UnpadRowsNode> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& yp, const LoraGroups* routing) {
+    c10::NoGradGuard no_grad;
+    ctx->save_for_backward({routing->gather, routing->pads.defined() ? routing->pads : at::Tensor()});
+    return FromPadded(yp, routing->scatter, routing->base_rows);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::NoGradGuard no_grad;
+    variable_list out(2);
+    if (!grads[0].defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor gp = ToPadded(grads[0], saved[0]);
+    if (saved[1].defined()) gp.index_fill_(0, saved[1], 0);
+    out[0] = gp;
+    return out;
+  }
+};
+
+// What the grouped form's backward reuses of its forward: the padded input
+// and rank-wide hidden, the scale in the compute type, and (for few groups,
+// where the copies are small) the slots' factors in the compute type.
 struct GroupedSaved {
   at::Tensor xp, h, scale, a, b;
 };
 constexpr int64_t kKeepFactorsUpTo = 2;  // groups; the memory plan's probes take 2 slots
 
-at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
-                          at::ScalarType ct, int64_t d_out, const at::Tensor& a_cast, const at::Tensor& b_cast,
-                          GroupedSaved* saved = nullptr) {
+// The grouped form over rows already in padded order, xp [U * Lmax, d_in]:
+// [U * Lmax, d_out] in the compute type.
+at::Tensor GroupedPadded(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
+                         at::ScalarType ct, int64_t d_out, const at::Tensor& a_cast, const at::Tensor& b_cast,
+                         GroupedSaved* saved = nullptr) {
   const int64_t U = routing.num_slots(), L = routing.max_rows, d_in = x.size(1);
-  if (U == 0) return at::zeros({x.size(0), d_out}, x.options().dtype(ct));
-  // Gather first, then cast: a copy of the padded rows only (none when the
-  // rows already are in padded order, e.g. 16 tenants x 512).
-  at::Tensor xp = routing.identity ? x : x.index_select(0, routing.gather);
-  xp = xp.to(ct).view({U, L, d_in});
+  const at::Tensor xp = x.to(ct).view({U, L, d_in});
   const bool cast = a_cast.defined() && b_cast.defined();
   const at::Tensor a = cast ? a_cast : A.index_select(0, routing.slots).to(ct);  // [U, R, d_in]
   const at::Tensor b = cast ? b_cast : B.index_select(0, routing.slots).to(ct);  // [U, d_out, R]
   const at::Tensor scale = routing.scale.to(ct);
   const at::Tensor h = at::bmm(xp, a.transpose(1, 2)) * scale;   // [U, L, R]
-  at::Tensor y = at::bmm(h, b.transpose(1, 2)).view({U * L, d_out});
   if (saved) {
     *saved = GroupedSaved{xp, h, scale, at::Tensor(), at::Tensor()};
     if (cast || U <= kKeepFactorsUpTo) {  // views of the pass's cast factors cost nothing to keep
@@ -144,11 +192,22 @@ at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Te
       saved->b = b;
     }
   }
-  if (routing.identity) return y;
-  if (routing.base_rows) y = at::cat({y, at::zeros({1, d_out}, y.options())}, 0);
-  return y.index_select(0, routing.scatter);
+  return at::bmm(h, b.transpose(1, 2)).view({U * L, d_out});
 }
 
+// The plain forward of the grouped form. Gather first, then cast: a copy of
+// the padded rows only (none when the rows already are in padded order, e.g.
+// 16 tenants x 512).
+at::Tensor GroupedForward(const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const LoraGroups& routing,
+                          at::ScalarType ct, int64_t d_out, const at::Tensor& a_cast, const at::Tensor& b_cast) {
+  if (routing.num_slots() == 0) return at::zeros({x.size(0), d_out}, x.options().dtype(ct));
+  if (routing.identity) return GroupedPadded(x, A, B, routing, ct, d_out, a_cast, b_cast);
+  return FromPadded(GroupedPadded(ToPadded(x, routing.gather), A, B, routing, ct, d_out, a_cast, b_cast),
+                    routing.scatter, routing.base_rows);
+}
+
+// The grouped form's node over rows in padded order (GroupedLoraDelta puts
+// them there and back with the two nodes above).
 class GroupedNode : public torch::autograd::Function<GroupedNode> {
  public:
   // token: the pass's flush token, or empty (no gradient buffer).
@@ -159,16 +218,13 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     (void)token;
     GroupedSaved sv;
     const at::Tensor none;
-    at::Tensor y = GroupedForward(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, cast ? cast->a : none,
-                                  cast ? cast->b : none, &sv);
+    at::Tensor y = GroupedPadded(x, A, B, *routing, static_cast<at::ScalarType>(ct), d_out, cast ? cast->a : none,
+                                 cast ? cast->b : none, &sv);
     // Not saved_for_backward: the buffer is written by every node of the
     // pass, which would fail the saved-variable version check.
     ctx->saved_data["ga"] = cast ? cast->ga : none;
     ctx->saved_data["gb"] = cast ? cast->gb : none;
-    ctx->save_for_backward(
-        {sv.xp, sv.h, A, B, routing->slots, sv.scale, routing->gather, routing->scatter, sv.a, sv.b});
-    ctx->saved_data["identity"] = routing->identity;
-    ctx->saved_data["shape"] = std::vector<int64_t>{x.size(0), x.size(1), d_out, routing->max_rows};
+    ctx->save_for_backward({sv.xp, sv.h, A, B, routing->slots, sv.scale, sv.a, sv.b});
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     return y;
   }
@@ -176,10 +232,8 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &xp = saved[0], &h = saved[1], &A = saved[2], &B = saved[3], &slots = saved[4],
-                     &scale = saved[5], &gather = saved[6], &scatter = saved[7];  // scale in the compute type
-    const bool identity = ctx->saved_data["identity"].toBool();
-    const auto shape = ctx->saved_data["shape"].toIntVector();
-    const int64_t T = shape[0], d_in = shape[1], d_out = shape[2], L = shape[3], U = slots.size(0);
+                     &scale = saved[5];  // scale in the compute type
+    const int64_t U = xp.size(0), L = xp.size(1), d_in = xp.size(2);
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const at::Tensor& g = grads[0];
     variable_list out(9);
@@ -187,37 +241,18 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     c10::NoGradGuard no_grad;
     const at::ScalarType ct = xp.scalar_type();
     const at::Tensor ga = ctx->saved_data["ga"].toTensor(), gb = ctx->saved_data["gb"].toTensor();
-    // The padded gradient: each packed row's gradient at its padded position;
-    // pad rows (never read back) and the appended zero row get none.
-    at::Tensor gp;
-    if (identity) {
-      gp = g.to(ct).view({U, L, d_out});
-    } else {
-      gp = at::zeros({U * L + 1, d_out}, g.options().dtype(ct));
-      gp.index_add_(0, scatter, g.to(ct));
-      gp = gp.narrow(0, 0, U * L).view({U, L, d_out});
-    }
-    const at::Tensor a = saved[8].defined() ? saved[8] : A.index_select(0, slots).to(ct);  // [U, R, d_in]
-    const at::Tensor b = saved[9].defined() ? saved[9] : B.index_select(0, slots).to(ct);  // [U, d_out, R]
+    const at::Tensor gp = g.to(ct).view({U, L, -1});
+    const at::Tensor a = saved[6].defined() ? saved[6] : A.index_select(0, slots).to(ct);  // [U, R, d_in]
+    const at::Tensor b = saved[7].defined() ? saved[7] : B.index_select(0, slots).to(ct);  // [U, d_out, R]
     // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
     FactorGradOut(gb, B, slots, gp.transpose(1, 2), h);
     const at::Tensor gxa = at::bmm(gp, b) * scale;  // [U, L, R]
     FactorGradOut(ga, A, slots, gxa.transpose(1, 2), xp);
     if (!ctx->needs_input_grad(0)) return out;
-    at::Tensor gxp = at::bmm(gxa, a).view({U * L, d_in});
-    at::Tensor gx;
-    if (identity) {
-      gx = gxp;
-    } else {
-      // Pad rows carry zero gradient (their gp rows are zero), so adding them is exact.
-      gx = at::zeros({T, d_in}, gxp.options());
-      gx.index_add_(0, gather, gxp);
-    }
-    out[0] = gx.to(x_dtype);
+    out[0] = at::bmm(gxa, a).view({U * L, d_in}).to(x_dtype);
     return out;
   }
 };
-
 
 // The targets' cast a factors side by side, [U, sum R, d_in] (a copy of a
 // few MB; none for one target).
@@ -372,21 +407,29 @@ at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
     return GroupedForward(x, A, B, routing, ct, d_out, cast ? cast->a : at::Tensor(), cast ? cast->b : at::Tensor());
   // The cast factors go by pointer: as node inputs, autograd would route
   // gradients to them (they are computed from the bank without a graph).
-  return GroupedNode::apply(x, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
+  if (routing.identity)
+    return GroupedNode::apply(x, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
+  const at::Tensor xp = PadRowsNode::apply(x, &routing);
+  return UnpadRowsNode::apply(
+      GroupedNode::apply(xp, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast), &routing);
 }
 
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
                                  const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token) {
-  TORCH_CHECK(routing.identity && !routing.base_rows && !targets.empty() && x.size(0) == routing.rows,
-              "JointGroupedLoraDelta: the rows must already be in padded order, with every row in a group");
+  TORCH_CHECK(!targets.empty() && routing.num_slots() > 0 && x.size(0) == routing.rows,
+              "JointGroupedLoraDelta: targets and a routing of x's rows with a group");
   if (!Differentiable(targets[0].A)) {
     std::vector<at::Tensor> parts;
     for (const JointTarget& t : targets) parts.push_back(GroupedForward(x, t.A, t.B, routing, ct, t.b.size(1), t.a, t.b));
     return at::cat(parts, 1);
   }
   const at::Tensor none = at::empty({0}, x.options());
-  return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), none, none, &targets, &routing,
-                                 static_cast<int64_t>(ct));
+  const auto joint = [&](const at::Tensor& xp) {
+    return JointGroupedNode::apply(xp, targets[0].A, OrEmpty(token), none, none, &targets, &routing,
+                                   static_cast<int64_t>(ct));
+  };
+  if (routing.identity) return joint(x);
+  return UnpadRowsNode::apply(joint(PadRowsNode::apply(x, &routing)), &routing);
 }
 
 at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

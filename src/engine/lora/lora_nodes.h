@@ -67,8 +67,8 @@ at::Tensor GradientFlushToken(const at::Tensor& anchor, const at::Tensor& grad, 
 // side: at::cat of GroupedLoraDelta's for each, as one node that writes
 // each target's output into its columns of one [T, sum d_out] tensor and
 // returns one input gradient (the targets' sum, accumulated in the GEMMs)
-// instead of one per target. The routing must be an identity (rows already
-// in padded order, every row in a group).
+// instead of one per target. Rows not in padded order (routing not an
+// identity) are gathered into it once and read back once, for all targets.
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
                                  const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token = {});
 

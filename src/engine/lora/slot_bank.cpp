@@ -325,6 +325,7 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
   std::vector<int64_t> gather(static_cast<size_t>(U * L));
   std::vector<int64_t> scatter(static_cast<size_t>(r.rows), U * L);  // default: the zero row
   std::vector<float> scale(static_cast<size_t>(U));
+  std::vector<int64_t> pads;
   for (int64_t u = 0; u < U; ++u) {
     int64_t pos = u * L;
     for (size_t i : segs[u])
@@ -335,7 +336,10 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
       }
     // Pad with the group's first row: a valid row whose output is never read.
     const int64_t pad_row = seg_begin[segs[u].front()];
-    for (; pos < (u + 1) * L; ++pos) gather[pos] = pad_row;
+    for (; pos < (u + 1) * L; ++pos) {
+      gather[pos] = pad_row;
+      pads.push_back(pos);
+    }
     const LoraConfig& c = slots_[used[u]].config;
     scale[u] = static_cast<float>(c.alpha / c.rank);
   }
@@ -346,6 +350,7 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
   for (int64_t i = 0; r.identity && i < U * L; ++i) r.identity = gather[static_cast<size_t>(i)] == i;
   r.gather = at::tensor(gather, at::kLong).to(device_);
   r.scatter = at::tensor(scatter, at::kLong).to(device_);
+  if (!pads.empty()) r.pads = at::tensor(pads, at::kLong).to(device_);
   return r;
 }
 

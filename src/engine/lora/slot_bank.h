@@ -102,13 +102,15 @@ struct LoraRouting {
 // of every sequence of slots[u], in packed order, whatever their positions
 // (a slot's sequences need not be adjacent). Each group is padded to
 // max_rows (Lmax) rows by repeating one of its valid rows; the pad rows'
-// outputs are never read back, so they get zero gradient.
+// outputs are never read back, and their gradient is zeroed (pads) where
+// the padded gradient is gathered (lora_nodes.cpp, UnpadRowsNode).
 struct LoraGroups {
   at::Tensor slots;     // [U] int64 on the device (undefined when U == 0)
   at::Tensor scale;     // [U, 1, 1] fp32: alpha / r of each group's slot
   at::Tensor gather;    // [U * Lmax] int64: the packed row at each padded position
   at::Tensor scatter;   // [T] int64: the padded position of each packed row;
                         // U * Lmax (an appended zero row) for rows without a training slot
+  at::Tensor pads;      // [P] int64: the padded positions that hold no packed row (undefined when none)
   int64_t rows = 0;     // T
   int64_t max_rows = 0; // Lmax
   bool base_rows = false;  // whether some row has no training slot (then the zero row is appended)

@@ -177,13 +177,14 @@ class BatchLora {
   // The deltas of layer `layer`'s targets ks (kLayerTargets indices; targets
   // of one group that all read x) side by side, [T, sum d_out] in x's dtype:
   // the cat of operator()'s. Where the group's slots' factors are cast for
-  // the pass and its rows already are in padded order (the uniform layout),
-  // one node (JointGroupedLoraDelta) writes them into one tensor and gives x
-  // one gradient, where the cat would copy and autograd add per target.
+  // the pass, one node (JointGroupedLoraDelta) writes them into one tensor
+  // and gives x one gradient, where the cat would copy and autograd add per
+  // target; rows not already in padded order are gathered once for all the
+  // targets, not once per target.
   at::Tensor Joint(size_t layer, std::initializer_list<int> ks, const at::Tensor& x) const {
     const std::vector<const LoraTarget*> ts = Targets(layer, ks);
     const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
-    if (p.form == LoraForm::kGrouped && p.grouped.identity && !p.grouped.base_rows && ts.size() > 1) {
+    if (p.form == LoraForm::kGrouped && ts.size() > 1) {
       if (const PassFactors* pass = Pass(p, x)) {
         std::vector<JointTarget> joint;
         for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, *pass));
