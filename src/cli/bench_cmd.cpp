@@ -39,6 +39,7 @@ struct TrainBenchOptions {
   int tenants = 8;
   int tokens_per_tenant = 64;
   int datum_tokens = 0;  // 0: each tenant's tokens are one datum
+  int tokens_spread = 0;  // percent: tenants 1, 2 (mod 3) get that many more, fewer tokens than tenant 0's
   int steps = 5;
   // Untimed steps first: the first kCudnnAfterPasses passes of a shape take
   // the varlen flash kernel, the next builds cuDNN's plan for it
@@ -61,6 +62,19 @@ struct TrainBenchOptions {
   std::string group_store;
   std::vector<std::string> command_line;  // `bench train ...`, for the other ranks
 };
+
+// Tenant s's tokens a step: --tokens-per-tenant, or with --tokens-spread P
+// that many P percent more (s = 1 mod 3) or fewer (s = 2 mod 3), in whole
+// datums where --datum-tokens is set: slots of unequal rows, as an RL pass's
+// pieces are (their LoRA routing is then not an identity: architecture.md).
+int TenantTokens(const TrainBenchOptions& o, int s) {
+  if (o.tokens_spread <= 0 || s % 3 == 0) return o.tokens_per_tenant;
+  const int sign = s % 3 == 1 ? 1 : -1;
+  int tokens = o.tokens_per_tenant + sign * static_cast<int>(int64_t{o.tokens_per_tenant} * o.tokens_spread / 100);
+  if (o.datum_tokens > 0)  // the nearest whole number of datums, at least one
+    tokens = std::max(o.datum_tokens, (tokens + o.datum_tokens / 2) / o.datum_tokens * o.datum_tokens);
+  return std::max(2, tokens);
+}
 
 // A tenant's step: `tokens` random tokens as datums of `datum_tokens` each
 // (0: one datum), the last one shorter where they do not divide.
@@ -211,9 +225,11 @@ int BenchTrain(const TrainBenchOptions& o) {
       cleanup();
       return 1;
     }
-    data.push_back(TenantData(o.tokens_per_tenant, o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
+    data.push_back(TenantData(TenantTokens(o, s), o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
     all.push_back(s);
   }
+  int64_t packed_tokens = 0;
+  for (int s = 0; s < o.tenants; ++s) packed_tokens += TenantTokens(o, s);
   std::printf("model %s (%s, %lld layers, hidden %lld, vocab %lld) on %s/%s, LoRA rank %d, %d steps\n",
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),
@@ -248,7 +264,7 @@ int BenchTrain(const TrainBenchOptions& o) {
     return 1;
   }
   const double tps_one = o.tokens_per_tenant / one->total();
-  const double tps_packed = static_cast<double>(o.tenants) * o.tokens_per_tenant / packed->total();
+  const double tps_packed = static_cast<double>(packed_tokens) / packed->total();
   const bool gpu = info.device == "cuda";
   constexpr double kPeakFlops = 989e12;
   std::printf("%-20s %14s %14s %12s %12s%s\n", "per step", "fwd_bwd ms", "optim ms", "total ms", "tokens/s",
@@ -264,8 +280,12 @@ int BenchTrain(const TrainBenchOptions& o) {
   };
   row("1 tenant", *one, tps_one);
   row(std::to_string(o.tenants) + " tenants packed", *packed, tps_packed);
-  std::printf("packed / alone throughput ratio: %.2fx (%d tokens per tenant per step)\n", tps_packed / tps_one,
+  std::printf("packed / alone throughput ratio: %.2fx (%d tokens per tenant per step", tps_packed / tps_one,
               o.tokens_per_tenant);
+  if (o.tokens_spread > 0)
+    std::printf("; spread %d%%: %lld tokens packed, tenants of %d, %d and %d tokens", o.tokens_spread,
+                static_cast<long long>(packed_tokens), TenantTokens(o, 0), TenantTokens(o, 1), TenantTokens(o, 2));
+  std::printf(")\n");
   if (const auto g = e.TrainGraphStats(); g.passes > 0)
     std::printf("training graphs: %lld passes in the uniform layout, %lld replayed, %lld shapes captured, pool %.2f GiB\n",
                 static_cast<long long>(g.passes), static_cast<long long>(g.replays),
@@ -293,6 +313,10 @@ int Bench(int argc, char** argv) {
                     "split each tenant's tokens into datums (sequences) of this many, as an RL group's "
                     "completions are; 0 = one datum")
       ->default_val(t.datum_tokens)->check(CLI::Range(0, 1 << 20));
+  train->add_option("--tokens-spread", t.tokens_spread,
+                    "percent: every third tenant from the second gets this many more tokens, from the third this "
+                    "many fewer (whole datums with --datum-tokens), so the packed slots' rows differ; 0 = equal")
+      ->default_val(t.tokens_spread)->check(CLI::Range(0, 99));
   train->add_option("--steps", t.steps, "timed steps, after the warm-up")->default_val(t.steps)->check(CLI::Range(1, 100000));
   train->add_option("--warmup", t.warmup,
                     "untimed steps of each row first (the default: a shape's first passes take the varlen flash "
