@@ -13,6 +13,7 @@
 #include <cmath>
 #include <future>
 #include <limits>
+#include <optional>
 #include <random>
 
 #include "../common/temp_dir.h"
@@ -127,15 +128,18 @@ struct Outcome {
   bool a_ok = false;
   std::vector<float> b_logprobs;
   std::vector<float> b_grads;  // every target's A and B gradient rows of slot 1
+  std::vector<float> a_grads;  // and of slot 0
   LoraForm form = LoraForm::kSegment;
 };
 
 // One packed forward_backward of A's and B's calls through the engine's own
 // pass (train::ForwardBackward: one forward, one backward of the finite
 // losses). max_rank picks the LoRA form: U*R <= 64 is routed on the CPU.
-Outcome RunPass(int max_rank, Poison poison, const std::string& loss, bool with_a = true) {
+Outcome RunPass(int max_rank, Poison poison, const std::string& loss, bool with_a = true,
+                std::optional<LoraForm> force = std::nullopt) {
   const std::shared_ptr<const Transformer> model = Model();
   SlotBank bank(2, max_rank, at::kCPU, model->LoraTargets());
+  bank.ForceForm(force);
   const int rank_a = std::min(4, max_rank), rank_b = std::min(6, max_rank);
   Bind(bank, 0, rank_a, 21);
   Bind(bank, 1, rank_b, 22);
@@ -169,10 +173,13 @@ Outcome RunPass(int max_rank, Poison poison, const std::string& loss, bool with_
       o.b_logprobs.insert(o.b_logprobs.end(), lp.begin(), lp.end());
     }
   for (auto& t : bank.targets())
-    for (const at::Tensor* p : {&t.A, &t.B}) {
-      const at::Tensor g = p->grad().defined() ? p->grad().select(0, 1).contiguous() : at::zeros_like(p->select(0, 1));
-      o.b_grads.insert(o.b_grads.end(), g.data_ptr<float>(), g.data_ptr<float>() + g.numel());
-    }
+    for (const at::Tensor* p : {&t.A, &t.B})
+      for (int s : {0, 1}) {
+        const at::Tensor g =
+            p->grad().defined() ? p->grad().select(0, s).contiguous() : at::zeros_like(p->select(0, s));
+        std::vector<float>& into = s == 1 ? o.b_grads : o.a_grads;
+        into.insert(into.end(), g.data_ptr<float>(), g.data_ptr<float>() + g.numel());
+      }
   return o;
 }
 
@@ -194,14 +201,16 @@ bool AllFinite(const std::vector<float>& v) {
 struct FormCase {
   int max_rank;
   LoraForm form;
+  bool forced = false;  // the form is forced (the CPU rule never picks the grouped one)
 };
 
 class IsolationForms : public ::testing::TestWithParam<FormCase> {};
 
 TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
   const FormCase fc = GetParam();
+  const std::optional<LoraForm> force = fc.forced ? std::optional<LoraForm>(fc.form) : std::nullopt;
   for (const std::string loss : {"cross_entropy", "importance_sampling"}) {
-    const Outcome ref = RunPass(fc.max_rank, Poison::kNone, loss);
+    const Outcome ref = RunPass(fc.max_rank, Poison::kNone, loss, true, force);
     ASSERT_EQ(ref.form, fc.form) << "the batch must take the form under test";
     ASSERT_TRUE(ref.a_ok);
     ASSERT_TRUE(AllFinite(ref.b_logprobs) && AllFinite(ref.b_grads));
@@ -212,9 +221,9 @@ TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
             : std::vector<Poison>{Poison::kInfNanWeights, Poison::kHugeWeights, Poison::kHugeAdvantages};
     // NaN loss inputs are refused before the pass (train::ValidateCallData),
     // so B then runs as it would without A at all.
-    const Outcome alone = RunPass(fc.max_rank, Poison::kNone, loss, /*with_a=*/false);
+    const Outcome alone = RunPass(fc.max_rank, Poison::kNone, loss, /*with_a=*/false, force);
     for (Poison p : poisons) {
-      const Outcome got = RunPass(fc.max_rank, p, loss);
+      const Outcome got = RunPass(fc.max_rank, p, loss, true, force);
       const Outcome& want = p == Poison::kNanLossWeights ? alone : ref;
       EXPECT_TRUE(AllFinite(got.b_logprobs)) << loss << ", A: " << Name(p);
       EXPECT_TRUE(AllFinite(got.b_grads)) << loss << ", A: " << Name(p);
@@ -230,8 +239,42 @@ TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, IsolationForms,
-                         ::testing::Values(FormCase{8, LoraForm::kRouted}, FormCase{40, LoraForm::kSegment}),
-                         [](const auto& info) { return info.param.form == LoraForm::kRouted ? "routed" : "segment"; });
+                         ::testing::Values(FormCase{8, LoraForm::kRouted}, FormCase{40, LoraForm::kSegment},
+                                           FormCase{8, LoraForm::kGrouped, /*forced=*/true}),
+                         [](const auto& info) {
+                           switch (info.param.form) {
+                             case LoraForm::kRouted: return "routed";
+                             case LoraForm::kGrouped: return "grouped";
+                             case LoraForm::kSegment: break;
+                           }
+                           return "segment";
+                         });
+
+// max |got - want| over max |want| (want not all zero).
+double MaxRelErr(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double err = 0, scale = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    err = std::max(err, static_cast<double>(std::fabs(got[i] - want[i])));
+    scale = std::max(scale, static_cast<double>(std::fabs(want[i])));
+  }
+  EXPECT_GT(scale, 1e-6);
+  return err / scale;
+}
+
+// A whole pass in the grouped form (A's 14 rows and B's 18: the padded
+// order, A's group with pads, and the joint nodes) gives the segment form's
+// logprobs and both slots' gradients, to fp32 rounding.
+TEST(GroupedForm, AWholePassMatchesTheSegmentForm) {
+  for (const std::string loss : {"cross_entropy", "importance_sampling"}) {
+    const Outcome grouped = RunPass(8, Poison::kNone, loss, true, LoraForm::kGrouped);
+    const Outcome segment = RunPass(8, Poison::kNone, loss, true, LoraForm::kSegment);
+    ASSERT_EQ(grouped.form, LoraForm::kGrouped);
+    EXPECT_LT(MaxRelErr(grouped.b_logprobs, segment.b_logprobs), 1e-5) << loss;
+    EXPECT_LT(MaxRelErr(grouped.b_grads, segment.b_grads), 1e-4) << loss;
+    EXPECT_LT(MaxRelErr(grouped.a_grads, segment.a_grads), 1e-4) << loss;
+  }
+}
 
 // ---------------------------------------------------------------------------
 // The engine: optimizer steps that would overflow, and gradient marks.

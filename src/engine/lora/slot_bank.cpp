@@ -276,6 +276,7 @@ LoraForm SlotBank::SelectForm(bool cuda, const LoraBatchShape& shape, int64_t ma
 
 LoraForm SlotBank::ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_begin,
                               const std::vector<int>& seg_slot) const {
+  if (forced_form_) return *forced_form_;
   return SelectForm(device_.is_cuda(), Shape(g, seg_begin, seg_slot), max_rank_);
 }
 

@@ -25,6 +25,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -237,6 +238,9 @@ class SlotBank {
   // SelectForm(device is CUDA, Shape(g, ...), R). A pure function of the
   // batch (its slots, their bound state and groups, and its row counts).
   LoraForm ChooseForm(TargetGroup g, const std::vector<int64_t>& seg_begin, const std::vector<int>& seg_slot) const;
+  // Tests: every batch takes form f (nullopt: the rule above). The CPU rule
+  // never picks the grouped form, which the tests still check whole passes of.
+  void ForceForm(std::optional<LoraForm> f) { forced_form_ = f; }
   // The selection rule, with T, runs, U, Lmax from `shape` and R = max_rank:
   //   CUDA: kGrouped when runs > 1 and U*Lmax <= 2*T (padding at most
   //                  doubles the rows; only the needed FLOPs otherwise, in a
@@ -314,6 +318,7 @@ class SlotBank {
   at::Device device_;
   std::vector<LoraTarget> targets_;
   std::vector<SlotState> slots_;
+  std::optional<LoraForm> forced_form_;
   at::Tensor flat_, flat_grad_;
   std::pair<int64_t, int64_t> group_cols_[3];
   at::Tensor scales_;
