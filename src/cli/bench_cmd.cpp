@@ -215,6 +215,7 @@ int BenchTrain(const TrainBenchOptions& o) {
   const auto& info = e.info();
   std::vector<std::vector<Datum>> data;
   std::vector<int> all;
+  int64_t packed_tokens = 0;
   for (int s = 0; s < o.tenants; ++s) {
     engine::LoraConfig c;
     c.rank = o.rank;
@@ -226,10 +227,9 @@ int BenchTrain(const TrainBenchOptions& o) {
       return 1;
     }
     data.push_back(TenantData(TenantTokens(o, s), o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
+    packed_tokens += TenantTokens(o, s);
     all.push_back(s);
   }
-  int64_t packed_tokens = 0;
-  for (int s = 0; s < o.tenants; ++s) packed_tokens += TenantTokens(o, s);
   std::printf("model %s (%s, %lld layers, hidden %lld, vocab %lld) on %s/%s, LoRA rank %d, %d steps\n",
               model_dir.c_str(), info.model_type.c_str(), static_cast<long long>(info.num_layers),
               static_cast<long long>(info.hidden_size), static_cast<long long>(info.vocab_size), info.device.c_str(),

@@ -150,7 +150,7 @@ class UnpadRowsNode : public torch::autograd::Function<UnpadRowsNode> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& yp, const LoraGroups* routing) {
     c10::NoGradGuard no_grad;
-    ctx->save_for_backward({routing->gather, routing->pads.defined() ? routing->pads : at::Tensor()});
+    ctx->save_for_backward({routing->gather, routing->pads});
     return FromPadded(yp, routing->scatter, routing->base_rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -164,6 +164,14 @@ class UnpadRowsNode : public torch::autograd::Function<UnpadRowsNode> {
     return out;
   }
 };
+
+// f over x's rows in the routing's padded order (recorded), its output read
+// back to x's rows; f(x) itself where the rows already are in that order.
+template <typename F>
+at::Tensor InPaddedOrder(const at::Tensor& x, const LoraGroups& routing, F&& f) {
+  if (routing.identity) return f(x);
+  return UnpadRowsNode::apply(f(PadRowsNode::apply(x, &routing)), &routing);
+}
 
 // What the grouped form's backward reuses of its forward: the padded input
 // and rank-wide hidden, the scale in the compute type, and (for few groups,
@@ -407,11 +415,9 @@ at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
     return GroupedForward(x, A, B, routing, ct, d_out, cast ? cast->a : at::Tensor(), cast ? cast->b : at::Tensor());
   // The cast factors go by pointer: as node inputs, autograd would route
   // gradients to them (they are computed from the bank without a graph).
-  if (routing.identity)
-    return GroupedNode::apply(x, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
-  const at::Tensor xp = PadRowsNode::apply(x, &routing);
-  return UnpadRowsNode::apply(
-      GroupedNode::apply(xp, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast), &routing);
+  return InPaddedOrder(x, routing, [&](const at::Tensor& xp) {
+    return GroupedNode::apply(xp, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
+  });
 }
 
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
@@ -424,12 +430,10 @@ at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTar
     return at::cat(parts, 1);
   }
   const at::Tensor none = at::empty({0}, x.options());
-  const auto joint = [&](const at::Tensor& xp) {
+  return InPaddedOrder(x, routing, [&](const at::Tensor& xp) {
     return JointGroupedNode::apply(xp, targets[0].A, OrEmpty(token), none, none, &targets, &routing,
                                    static_cast<int64_t>(ct));
-  };
-  if (routing.identity) return joint(x);
-  return UnpadRowsNode::apply(joint(PadRowsNode::apply(x, &routing)), &routing);
+  });
 }
 
 at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
