@@ -53,6 +53,11 @@ struct EngineOptions {
   // LoRA arithmetic in fp32 (activations cast up, as PEFT does) instead of
   // the model dtype (the fp32 factors cast down): the reference precision.
   bool lora_fp32 = false;
+  // On a GPU, the grouped LoRA form over a pass whose slots' rows differ in
+  // count runs over the rows as they are, each slot its own length
+  // (LoraGroups::ragged: grouped GEMMs), not gathered into a padded order of
+  // U x the longest. false: the padded order (bench --lora-order padded).
+  bool lora_ragged = true;
   // Decoder layers whose activations are recomputed in the backward instead
   // of kept (from the first layer): 0 keeps all; more trade one forward of
   // those layers for memory. -1 (auto): on a GPU, per pass, the fewest that

@@ -69,6 +69,7 @@ class TrainingEngine final : public Engine {
             model_->device().is_cuda() && !model_->parallel().split() ? options.graph_max_tokens : 0,
             /*capture=*/true, [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
     bank_.set_lora_fp32(options.lora_fp32);
+    bank_.AllowRagged(options.lora_ragged && model_->device().is_cuda());
     tp_ = model_->parallel().group.get();
     if (tp_ != nullptr) {
       optimizer_.set_parallel(tp_);

@@ -136,10 +136,11 @@ struct Outcome {
 // pass (train::ForwardBackward: one forward, one backward of the finite
 // losses). max_rank picks the LoRA form: U*R <= 64 is routed on the CPU.
 Outcome RunPass(int max_rank, Poison poison, const std::string& loss, bool with_a = true,
-                std::optional<LoraForm> force = std::nullopt) {
+                std::optional<LoraForm> force = std::nullopt, bool ragged = false) {
   const std::shared_ptr<const Transformer> model = Model();
   SlotBank bank(2, max_rank, at::kCPU, model->LoraTargets());
   bank.ForceForm(force);
+  bank.AllowRagged(ragged);
   const int rank_a = std::min(4, max_rank), rank_b = std::min(6, max_rank);
   Bind(bank, 0, rank_a, 21);
   Bind(bank, 1, rank_b, 22);
@@ -202,6 +203,7 @@ struct FormCase {
   int max_rank;
   LoraForm form;
   bool forced = false;  // the form is forced (the CPU rule never picks the grouped one)
+  bool ragged = false;  // the grouped form over the rows as they are (SlotBank::AllowRagged)
 };
 
 class IsolationForms : public ::testing::TestWithParam<FormCase> {};
@@ -210,7 +212,7 @@ TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
   const FormCase fc = GetParam();
   const std::optional<LoraForm> force = fc.forced ? std::optional<LoraForm>(fc.form) : std::nullopt;
   for (const std::string loss : {"cross_entropy", "importance_sampling"}) {
-    const Outcome ref = RunPass(fc.max_rank, Poison::kNone, loss, true, force);
+    const Outcome ref = RunPass(fc.max_rank, Poison::kNone, loss, true, force, fc.ragged);
     ASSERT_EQ(ref.form, fc.form) << "the batch must take the form under test";
     ASSERT_TRUE(ref.a_ok);
     ASSERT_TRUE(AllFinite(ref.b_logprobs) && AllFinite(ref.b_grads));
@@ -221,9 +223,9 @@ TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
             : std::vector<Poison>{Poison::kInfNanWeights, Poison::kHugeWeights, Poison::kHugeAdvantages};
     // NaN loss inputs are refused before the pass (train::ValidateCallData),
     // so B then runs as it would without A at all.
-    const Outcome alone = RunPass(fc.max_rank, Poison::kNone, loss, /*with_a=*/false, force);
+    const Outcome alone = RunPass(fc.max_rank, Poison::kNone, loss, /*with_a=*/false, force, fc.ragged);
     for (Poison p : poisons) {
-      const Outcome got = RunPass(fc.max_rank, p, loss, true, force);
+      const Outcome got = RunPass(fc.max_rank, p, loss, true, force, fc.ragged);
       const Outcome& want = p == Poison::kNanLossWeights ? alone : ref;
       EXPECT_TRUE(AllFinite(got.b_logprobs)) << loss << ", A: " << Name(p);
       EXPECT_TRUE(AllFinite(got.b_grads)) << loss << ", A: " << Name(p);
@@ -240,11 +242,12 @@ TEST_P(IsolationForms, PoisonedTenantLeavesItsNeighbourBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(Cpu, IsolationForms,
                          ::testing::Values(FormCase{8, LoraForm::kRouted}, FormCase{40, LoraForm::kSegment},
-                                           FormCase{8, LoraForm::kGrouped, /*forced=*/true}),
+                                           FormCase{8, LoraForm::kGrouped, /*forced=*/true},
+                                           FormCase{8, LoraForm::kGrouped, /*forced=*/true, /*ragged=*/true}),
                          [](const auto& info) {
                            switch (info.param.form) {
                              case LoraForm::kRouted: return "routed";
-                             case LoraForm::kGrouped: return "grouped";
+                             case LoraForm::kGrouped: return info.param.ragged ? "grouped_ragged" : "grouped";
                              case LoraForm::kSegment: break;
                            }
                            return "segment";
@@ -267,12 +270,15 @@ double MaxRelErr(const std::vector<float>& got, const std::vector<float>& want) 
 // logprobs and both slots' gradients, to fp32 rounding.
 TEST(GroupedForm, AWholePassMatchesTheSegmentForm) {
   for (const std::string loss : {"cross_entropy", "importance_sampling"}) {
-    const Outcome grouped = RunPass(8, Poison::kNone, loss, true, LoraForm::kGrouped);
     const Outcome segment = RunPass(8, Poison::kNone, loss, true, LoraForm::kSegment);
-    ASSERT_EQ(grouped.form, LoraForm::kGrouped);
-    EXPECT_LT(MaxRelErr(grouped.b_logprobs, segment.b_logprobs), 1e-5) << loss;
-    EXPECT_LT(MaxRelErr(grouped.b_grads, segment.b_grads), 1e-4) << loss;
-    EXPECT_LT(MaxRelErr(grouped.a_grads, segment.a_grads), 1e-4) << loss;
+    // A's 14 rows and B's 18: padded to 2 x 18, or ragged (each slot's own length).
+    for (const bool ragged : {false, true}) {
+      const Outcome grouped = RunPass(8, Poison::kNone, loss, true, LoraForm::kGrouped, ragged);
+      ASSERT_EQ(grouped.form, LoraForm::kGrouped);
+      EXPECT_LT(MaxRelErr(grouped.b_logprobs, segment.b_logprobs), 1e-5) << loss << " ragged " << ragged;
+      EXPECT_LT(MaxRelErr(grouped.b_grads, segment.b_grads), 1e-4) << loss << " ragged " << ragged;
+      EXPECT_LT(MaxRelErr(grouped.a_grads, segment.a_grads), 1e-4) << loss << " ragged " << ragged;
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <tuple>
 
 namespace loom::engine {
@@ -677,6 +678,152 @@ TEST(SlotBank, JointGroupedDeltaGathersUnpaddedRowsOnce) {
     EXPECT_LT(RelErr(got[1].grad_a[i], got[0].grad_a[i]), 1e-6) << i;
     EXPECT_LT(RelErr(got[1].grad_b[i], got[0].grad_b[i]), 1e-6) << i;
     EXPECT_EQ(got[1].grad_a[i][3].abs().max().item<double>(), 0.0) << i;  // slot 3 trains no attn
+  }
+}
+
+// The ragged order (LoraGroups::ragged): routings whose groups tile the rows
+// in group order, each group its own length, run the grouped form over the
+// rows as they are. Group marks exactly those (where the bank allows it),
+// and their deltas and gradients are the padded order's and the segment
+// form's, through GroupedDelta, the joint node and the projected node.
+TEST(SlotBank, RaggedRowsRunAsTheyAre) {
+  // (seg_begin, seg_slot, ragged, ends).
+  const std::vector<std::tuple<std::vector<int64_t>, std::vector<int>, bool, std::vector<int64_t>>> cases = {
+      {{0, 5, 9}, {1, 2}, true, {5, 9}},
+      {{0, 3, 6, 9}, {1, 1, 2}, true, {6, 9}},        // one slot's two adjacent sequences: one group
+      {{0, 4, 11, 11, 13}, {2, 0, 1, 1}, true, {4, 11, 13}},  // an empty sequence
+      {{0, 3, 6, 9}, {1, 2, 1}, false, {}},            // slot 1 in two runs
+      {{0, 6, 9, 13}, {2, -1, 2}, false, {}},          // base rows
+      {{0, 5, 10}, {1, 2}, false, {}},                 // equal lengths: the identity
+  };
+  for (const auto& [seg_begin, seg_slot, want_ragged, want_ends] : cases) {
+    SlotBank bank = GroupedCase::MakeBank();
+    EXPECT_FALSE(bank.Group(TargetGroup::kAttn, seg_begin, seg_slot).ragged);  // off on the CPU by default
+    bank.AllowRagged(true);
+    const LoraGroups r = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+    EXPECT_EQ(r.ragged, want_ragged) << seg_slot.size();
+    EXPECT_EQ(r.ends_host, want_ends);
+    if (!r.ragged) continue;
+    EXPECT_TRUE(at::equal(r.ends, at::tensor(std::vector<int32_t>(want_ends.begin(), want_ends.end()), at::kInt)));
+    for (int64_t u = 0, row = 0; u < r.num_slots(); ++u)
+      for (; row < want_ends[u]; ++row) EXPECT_EQ(r.row_scale[row][0].item<float>(), r.scale[u][0][0].item<float>());
+
+    // Through GroupedDelta over cast factors (the ragged rows take the
+    // joint node of one target) against the segment form.
+    const int64_t T = seg_begin.back();
+    at::manual_seed(43);
+    std::vector<at::Tensor> xs, gys;
+    for (const auto& [m, g, d_in, d_out, experts, per_expert, interleaved, a_shard, b_shard] : SmallTargets()) {
+      xs.push_back(at::randn({T, d_in}));
+      gys.push_back(at::randn({T, d_out}));
+    }
+    SlotBank want_bank = GroupedCase::MakeBank();
+    const FormResult want = RunForm(false, want_bank, seg_begin, seg_slot, xs, gys);
+    const FormResult got = RunForm(true, bank, seg_begin, seg_slot, xs, gys, /*cast=*/true);
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(want.grad_a[i].abs().max().item<double>(), 1e-2);
+      EXPECT_LT(RelErr(got.out[i], want.out[i]), 1e-5) << "delta " << i;
+      EXPECT_LT(RelErr(got.grad_x[i], want.grad_x[i]), 1e-5) << "grad x " << i;
+      EXPECT_LT(RelErr(got.grad_a[i], want.grad_a[i]), 1e-5) << "grad A " << i;
+      EXPECT_LT(RelErr(got.grad_b[i], want.grad_b[i]), 1e-5) << "grad B " << i;
+    }
+  }
+
+  // The joint node of two targets and the projected node, ragged against
+  // the padded order over the same rows.
+  const std::vector<LoraTargetSpec> targets = {{"model.layers.0.self_attn.q_proj", TargetGroup::kAttn, 16, 24},
+                                               {"model.layers.0.self_attn.k_proj", TargetGroup::kAttn, 16, 8}};
+  const std::vector<int64_t> seg_begin = {0, 4, 11, 13};
+  const std::vector<int> seg_slot = {2, 0, 1};
+  at::manual_seed(44);
+  const at::Tensor x0 = at::randn({13, 16}), gy = at::randn({13, 32});
+  const at::Tensor w = at::randn({32, 16}) * 0.2, bias = at::randn({32});
+  for (const bool projected : {false, true}) {
+    FormResult got[2];
+    for (int ragged = 0; ragged < 2; ++ragged) {
+      SlotBank bank = GroupedCase::MakeBank(targets);
+      bank.AllowRagged(ragged == 1);
+      const at::Tensor x = x0.clone().requires_grad_();
+      const LoraGroups groups = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+      ASSERT_EQ(groups.ragged, ragged == 1);
+      const PassFactors pass = bank.PassGroup(TargetGroup::kAttn, groups.slots, bank.ComputeType(x), /*grads=*/true);
+      const LoraTarget &q = bank.targets()[0], &k = bank.targets()[1];
+      const std::vector<JointTarget> joint = {bank.CastFactors(q, pass), bank.CastFactors(k, pass)};
+      const at::Tensor y =
+          projected && ragged ? ProjectedJointLora(x, w, bias, joint, groups, pass.token)
+                              : at::linear(x, w, bias) * (projected ? 1 : 0) +
+                                    JointGroupedLoraDelta(x, joint, groups, bank.ComputeType(x), pass.token);
+      (y * gy).sum().backward();
+      got[ragged] = {{y.detach()}, {x.grad()}, {q.A.grad().clone(), k.A.grad().clone()},
+                     {q.B.grad().clone(), k.B.grad().clone()}};
+    }
+    EXPECT_LT(RelErr(got[1].out[0], got[0].out[0]), 1e-6) << projected;
+    EXPECT_LT(RelErr(got[1].grad_x[0], got[0].grad_x[0]), 1e-6) << projected;
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(got[0].grad_a[i].abs().max().item<double>(), 1e-2) << i;
+      EXPECT_LT(RelErr(got[1].grad_a[i], got[0].grad_a[i]), 1e-6) << projected << " " << i;
+      EXPECT_LT(RelErr(got[1].grad_b[i], got[0].grad_b[i]), 1e-6) << projected << " " << i;
+    }
+  }
+}
+
+// On CUDA in bf16 the ragged rows run through at::_grouped_mm (both the
+// rows' products and the factors' per-group sums): against the padded
+// order's batched GEMMs in bf16 and an fp32 reference, at the trainer's
+// shapes (widths that are multiples of 8, rank 32, unequal groups).
+TEST(SlotBank, RaggedGroupedGemmsOnCuda) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<LoraTargetSpec> targets = {{"model.layers.0.self_attn.q_proj", TargetGroup::kAttn, 256, 512},
+                                               {"model.layers.0.self_attn.k_proj", TargetGroup::kAttn, 256, 128}};
+  const std::vector<int64_t> seg_begin = {0, 300, 357, 1000, 1100, 1537};
+  const std::vector<int> seg_slot = {3, 0, 1, 1, 2};
+  const int64_t T = seg_begin.back();
+  at::manual_seed(45);
+  const at::Tensor x0 = at::randn({T, 256}), gy = at::randn({T, 640}) * 0.1;
+  const at::Tensor w = at::randn({640, 256}) * 0.05;
+  // 0: fp32 reference (padded), 1: bf16 padded, 2: bf16 ragged.
+  FormResult got[3];
+  for (int run = 0; run < 3; ++run) {
+    const at::ScalarType dt = run == 0 ? at::kFloat : at::kBFloat16;
+    SlotBank bank(4, 32, at::kCUDA, targets);
+    bank.AllowRagged(run == 2);
+    const auto rank = [](int s) { return s == 1 ? 16 : 32; };
+    for (int s = 0; s < 4; ++s) ASSERT_TRUE(bank.Bind(s, Config(rank(s), 64.0, 10 + s)).ok());
+    {
+      c10::NoGradGuard no_grad;
+      at::manual_seed(46);
+      for (auto& t : bank.targets())
+        for (int s = 0; s < 4; ++s) t.B.select(0, s).narrow(1, 0, rank(s)).normal_(0.0, 0.05);
+    }
+    const auto cuda = [&](const at::Tensor& t) { return t.to(at::kCUDA).to(dt); };
+    const at::Tensor x = cuda(x0).requires_grad_();
+    const LoraGroups groups = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+    ASSERT_EQ(groups.ragged, run == 2);
+    const PassFactors pass = bank.PassGroup(TargetGroup::kAttn, groups.slots, bank.ComputeType(x), /*grads=*/true);
+    const LoraTarget &q = bank.targets()[0], &k = bank.targets()[1];
+    const std::vector<JointTarget> joint = {bank.CastFactors(q, pass), bank.CastFactors(k, pass)};
+    const at::Tensor y = run == 2 ? ProjectedJointLora(x, cuda(w), at::Tensor(), joint, groups, pass.token)
+                                  : at::linear(x, cuda(w)) +
+                                        JointGroupedLoraDelta(x, joint, groups, bank.ComputeType(x), pass.token);
+    (y.to(at::kFloat) * gy.to(at::kCUDA)).sum().backward();
+    got[run] = {{y.detach().to(at::kFloat).cpu()}, {x.grad().to(at::kFloat).cpu()},
+                {q.A.grad().cpu(), k.A.grad().cpu()}, {q.B.grad().cpu(), k.B.grad().cpu()}};
+  }
+  const auto report = [&](const char* what, double padded, double ragged) {
+    std::cout << "[ ragged bf16 ] " << what << ": padded bf16 " << padded << ", ragged bf16 " << ragged
+              << " (max rel. err. against fp32)\n";
+    EXPECT_LT(ragged, 2e-2) << what;
+    EXPECT_LT(ragged, 2 * padded + 1e-3) << what;  // no worse than the padded order's rounding
+  };
+  report("output", RelErr(got[1].out[0], got[0].out[0]), RelErr(got[2].out[0], got[0].out[0]));
+  report("grad x", RelErr(got[1].grad_x[0], got[0].grad_x[0]), RelErr(got[2].grad_x[0], got[0].grad_x[0]));
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_GT(got[0].grad_a[i].abs().max().item<double>(), 1e-2) << i;
+    report("grad A", RelErr(got[1].grad_a[i], got[0].grad_a[i]), RelErr(got[2].grad_a[i], got[0].grad_a[i]));
+    report("grad B", RelErr(got[1].grad_b[i], got[0].grad_b[i]), RelErr(got[2].grad_b[i], got[0].grad_b[i]));
+    // Slot 1's rank is 16: its rows and columns past it get no gradient.
+    EXPECT_EQ(got[2].grad_a[i][1].narrow(0, 16, 16).abs().max().item<double>(), 0.0);
+    EXPECT_EQ(got[2].grad_b[i][1].narrow(1, 16, 16).abs().max().item<double>(), 0.0);
   }
 }
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "engine/lora/slot_rows.h"
+#include "engine/model/compat.h"
 
 namespace loom::engine {
 namespace {
@@ -271,8 +272,113 @@ at::Tensor JointA(const std::vector<JointTarget>& targets) {
   return at::cat(as, 1);
 }
 
-// Several targets of one input over the grouped form with rows already in
-// padded order (routing.identity) and factors cast once (JointGroupedLoraDelta).
+// Whether at::_grouped_mm takes t as it is: bf16 on CUDA, 16-byte aligned,
+// its last two dims row- or column-major with a 16-byte leading stride.
+bool GroupedMmTakes(const at::Tensor& t) {
+  if (!compat::kHasGroupedMm || !t.is_cuda() || t.scalar_type() != at::kBFloat16) return false;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  const int64_t d = t.dim();
+  const int64_t s0 = t.stride(d - 2), s1 = t.stride(d - 1);
+  const bool rows = s1 == 1 && s0 >= t.size(d - 1) && s0 % 8 == 0;
+  const bool cols = s0 == 1 && s1 >= t.size(d - 2) && s1 % 8 == 0;
+  return (rows || cols) && (d == 2 || t.stride(0) % 8 == 0);
+}
+
+at::Tensor ForGroupedMm(const at::Tensor& t) { return GroupedMmTakes(t) ? t : t.contiguous(); }
+
+// How a grouped node's rows [n, .] fall into its U groups: the padded order
+// (U runs of Lmax rows, n = U * Lmax: batched GEMMs over [U, Lmax, .]
+// views), or the ragged one (LoraGroups::ragged: group u's rows end at
+// ends[u], n = T: grouped GEMMs over the packed rows, at::_grouped_mm for
+// bf16 on CUDA, else one GEMM per group).
+struct RowGroups {
+  int64_t U = 0, L = 0;
+  at::Tensor scale;               // padded: [U, 1, 1]; ragged: [n, 1]; in the compute type
+  at::Tensor ends;                // ragged: [U] int32 (undefined: padded)
+  std::vector<int64_t> ends_host;
+
+  RowGroups(const LoraGroups& r, at::ScalarType ct)
+      : U(r.num_slots()), L(r.max_rows), scale((r.ragged ? r.row_scale : r.scale).to(ct)),
+        ends(r.ragged ? r.ends : at::Tensor()), ends_host(r.ragged ? r.ends_host : std::vector<int64_t>()) {}
+  RowGroups(int64_t u, int64_t l, at::Tensor s, at::Tensor e, std::vector<int64_t> eh)
+      : U(u), L(l), scale(std::move(s)), ends(std::move(e)), ends_host(std::move(eh)) {}
+  bool ragged() const { return ends.defined(); }
+  int64_t Begin(int64_t u) const { return u == 0 ? 0 : ends_host[static_cast<size_t>(u - 1)]; }
+  bool Grouped(const at::Tensor& a, const at::Tensor& b) const {
+    return compat::kHasGroupedMm && a.is_cuda() && a.scalar_type() == at::kBFloat16 &&
+           b.scalar_type() == at::kBFloat16 && a.size(-1) % 8 == 0 && b.size(-1) % 8 == 0;
+  }
+
+  // x [n, K] times w[u] [K, N] for group u's rows: into out [n, N] (added
+  // to it where add), or a new tensor (out undefined).
+  at::Tensor Rows(const at::Tensor& x, const at::Tensor& w, at::Tensor out = {}, bool add = false) const {
+    const int64_t N = w.size(2);
+    if (!ragged()) {
+      const at::Tensor xv = x.view({U, L, x.size(1)});
+      if (!out.defined()) return at::bmm(xv, w).view({U * L, N});
+      at::Tensor ov = out.view({U, L, N});
+      if (add)
+        ov.baddbmm_(xv, w);
+      else
+        at::bmm_out(ov, xv, w);
+      return out;
+    }
+    if (Grouped(x, w)) {
+      const at::Tensor y = compat::GroupedMm(ForGroupedMm(x), ForGroupedMm(w), ends);
+      if (!out.defined()) return y;
+      return add ? out.add_(y) : out.copy_(y);
+    }
+    if (!out.defined()) out = at::empty({x.size(0), N}, x.options());
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
+      at::Tensor o = out.narrow(0, b, n);
+      if (add)
+        o.addmm_(x.narrow(0, b, n), w.select(0, u));
+      else
+        o.copy_(at::mm(x.narrow(0, b, n), w.select(0, u)));
+    }
+    return out;
+  }
+  // Each group's p_u^T q_u, p [n, M], q [n, N]: [U, M, N] (into out where given).
+  at::Tensor Sum(const at::Tensor& p, const at::Tensor& q, at::Tensor out = {}) const {
+    if (!ragged()) {
+      const at::Tensor pv = p.view({U, L, p.size(1)}).transpose(1, 2), qv = q.view({U, L, q.size(1)});
+      if (!out.defined()) return at::bmm(pv, qv);
+      return at::bmm_out(out, pv, qv);
+    }
+    if (Grouped(p, q)) {
+      const at::Tensor y = compat::GroupedMm(ForGroupedMm(p.t()), ForGroupedMm(q), ends);
+      return out.defined() ? out.copy_(y) : y;
+    }
+    if (!out.defined()) out = at::empty({U, p.size(1), q.size(1)}, p.options());
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
+      out.select(0, u).copy_(at::mm(p.narrow(0, b, n).t(), q.narrow(0, b, n)));
+    }
+    return out;
+  }
+  // h [n, R] times its group's alpha / r.
+  at::Tensor Scaled(const at::Tensor& h) const {
+    if (ragged()) return h * scale;
+    return (h.view({U, L, h.size(1)}) * scale).view({U * L, h.size(1)});
+  }
+};
+
+// A factor's gradient, Sum(p, q): into its view of the pass's gradient
+// buffer where there is one, else added into the bank factor's .grad rows
+// of `slots` (FactorGradOut's two ways).
+void FactorGradSum(const at::Tensor& into, const at::Tensor& factor, const at::Tensor& slots, const RowGroups& rg,
+                   const at::Tensor& p, const at::Tensor& q) {
+  if (into.defined()) {
+    rg.Sum(p, q, into);
+    return;
+  }
+  FactorGrad(factor).index_add_(0, slots, rg.Sum(p, q).to(factor.scalar_type()));
+}
+
+// Several targets of one input over the grouped form with rows in padded
+// order (routing.identity) or ragged, and factors cast once
+// (JointGroupedLoraDelta).
 class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
  public:
   // anchor: the first target's A (a leaf that requires grad, so that the
@@ -287,31 +393,25 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     (void)anchor, (void)token;
     std::vector<at::Tensor> into;  // the targets' gradient views (B's, A's), or undefined; not saved (GroupedNode)
     const auto ct = static_cast<at::ScalarType>(ct_in);
-    const int64_t U = routing->num_slots(), L = routing->max_rows, d_in = x.size(1);
+    const RowGroups rg(*routing, ct);
     int64_t width = 0;
     for (const JointTarget& t : *targets) width += t.b.size(1);
-    const at::Tensor xp = x.to(ct).view({U, L, d_in});
-    const at::Tensor scale = routing->scale.to(ct);
+    const at::Tensor xc = x.to(ct);
     const bool base = weight.numel() > 0;
-    // With the base, each delta is accumulated into its columns by the GEMM
-    // (beta 1): one rounding of base + delta, no delta tensor.
-    at::Tensor y = base ? at::linear(x, weight, bias.numel() > 0 ? bias : at::Tensor()).view({U, L, width})
-                        : at::empty({U, L, width}, xp.options());
+    // With the base, each delta is accumulated into its columns (by the GEMM
+    // in the padded order: beta 1, one rounding of base + delta).
+    at::Tensor y = base ? at::linear(x, weight, bias.numel() > 0 ? bias : at::Tensor())
+                        : at::empty({x.size(0), width}, xc.options());
     // One GEMM for every target's hidden (they read the same rows): the
-    // targets' a side by side, [U, sum R, d_in]; h [U, L, sum R].
+    // targets' a side by side, [U, sum R, d_in]; h [n, sum R].
     const at::Tensor a_all = JointA(*targets);
-    const at::Tensor h_all = at::bmm(xp, a_all.transpose(1, 2)) * scale;
-    variable_list keep{xp, scale, routing->slots, weight, h_all};
+    const at::Tensor h_all = rg.Scaled(rg.Rows(xc, a_all.transpose(1, 2)));
+    variable_list keep{xc, rg.scale, OrEmpty(rg.ends), routing->slots, weight, h_all};
     std::vector<int64_t> widths, ranks;
     int64_t at = 0, r_at = 0;
     for (const JointTarget& t : *targets) {
       const int64_t w = t.b.size(1), r = t.a.size(1);
-      const at::Tensor h = h_all.narrow(2, r_at, r);  // [U, L, R]
-      at::Tensor cols = y.narrow(2, at, w);
-      if (base)
-        cols.baddbmm_(h, t.b.transpose(1, 2));
-      else
-        at::bmm_out(cols, h, t.b.transpose(1, 2));
+      rg.Rows(h_all.narrow(1, r_at, r), t.b.transpose(1, 2), y.narrow(1, at, w), base);
       keep.insert(keep.end(), {t.a, t.b, t.A, t.B});
       into.insert(into.end(), {t.gb, t.ga});
       widths.push_back(w);
@@ -323,43 +423,47 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     ctx->saved_data["into"] = c10::List<at::Tensor>(into);
     ctx->saved_data["widths"] = widths;
     ctx->saved_data["ranks"] = ranks;
+    ctx->saved_data["groups"] = std::vector<int64_t>{rg.U, rg.L};
+    ctx->saved_data["ends"] = rg.ends_host;
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     ctx->saved_data["need_x"] = x.requires_grad();
-    return y.view({U * L, width});
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto widths = ctx->saved_data["widths"].toIntVector();
     const auto ranks = ctx->saved_data["ranks"].toIntVector();
-    const at::Tensor &xp = saved[0], &scale = saved[1], &slots = saved[2], &weight = saved[3], &h_all = saved[4];
+    const auto groups = ctx->saved_data["groups"].toIntVector();
+    const at::Tensor &xc = saved[0], &slots = saved[3], &weight = saved[4], &h_all = saved[5];
+    const RowGroups rg(groups[0], groups[1], saved[1], saved[2].numel() > 0 ? saved[2] : at::Tensor(),
+                       ctx->saved_data["ends"].toIntVector());
     const at::Tensor& g = grads[0];
     variable_list out(8);  // one per apply() argument
     const auto into = ctx->saved_data["into"].toTensorList();
     if (!g.defined()) return out;
     c10::NoGradGuard no_grad;
-    const int64_t U = xp.size(0), L = xp.size(1);
     const size_t n = widths.size();
-    const at::Tensor gp = g.to(xp.scalar_type()).view({U, L, -1});
+    const at::Tensor gp = g.to(xc.scalar_type());
     const bool need_x = ctx->saved_data["need_x"].toBool();
-    const auto target = [&](size_t i, int k) -> const at::Tensor& { return saved[5 + 4 * i + k]; };  // a, b, A, B
+    const auto target = [&](size_t i, int k) -> const at::Tensor& { return saved[6 + 4 * i + k]; };  // a, b, A, B
     // Per target: B's gradient and gh = g b; then, for all of them at once,
-    // gxa = gh scale [U, L, sum R], A's gradients and x's.
+    // gxa = gh scale [n, sum R], A's gradients and x's.
     std::vector<at::Tensor> gh;
     int64_t at = 0, r_at = 0;
     for (size_t i = 0; i < n; ++i) {
-      const at::Tensor gt = gp.narrow(2, at, widths[i]);
-      FactorGradOut(into.get(2 * i), target(i, 3), slots, gt.transpose(1, 2), h_all.narrow(2, r_at, ranks[i]));
-      gh.push_back(at::bmm(gt, target(i, 1)));
+      const at::Tensor gt = gp.narrow(1, at, widths[i]);
+      FactorGradSum(into.get(2 * i), target(i, 3), slots, rg, gt, h_all.narrow(1, r_at, ranks[i]));
+      gh.push_back(rg.Rows(gt, target(i, 1)));
       at += widths[i];
       r_at += ranks[i];
     }
-    const at::Tensor gxa = (n == 1 ? gh[0] : at::cat(gh, 2)) * scale;  // [U, L, sum R]
+    const at::Tensor gxa = rg.Scaled(n == 1 ? gh[0] : at::cat(gh, 1));  // [n, sum R]
     bool all_into = true;
     for (size_t i = 0; i < n; ++i) all_into = all_into && into.get(2 * i + 1).defined();
     if (all_into && n > 1) {
-      // One GEMM over xp for every A, its rows then copied to their buffers.
-      const at::Tensor ga = at::bmm(gxa.transpose(1, 2), xp);  // [U, sum R, d_in]
+      // One GEMM over x for every A, its rows then copied to their buffers.
+      const at::Tensor ga = rg.Sum(gxa, xc);  // [U, sum R, d_in]
       r_at = 0;
       for (size_t i = 0; i < n; ++i) {
         into.get(2 * i + 1).copy_(ga.narrow(1, r_at, ranks[i]));
@@ -368,25 +472,19 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     } else {
       r_at = 0;
       for (size_t i = 0; i < n; ++i) {
-        FactorGradOut(into.get(2 * i + 1), target(i, 2), slots, gxa.narrow(2, r_at, ranks[i]).transpose(1, 2), xp);
+        FactorGradSum(into.get(2 * i + 1), target(i, 2), slots, rg, gxa.narrow(1, r_at, ranks[i]), xc);
         r_at += ranks[i];
       }
     }
     // One input gradient for all the targets, accumulated inside the GEMMs
     // (the base's first, where there is one).
-    at::Tensor gx;
     if (need_x) {
       std::vector<at::Tensor> as;
       for (size_t i = 0; i < n; ++i) as.push_back(target(i, 0));
       const at::Tensor a_all = n == 1 ? as[0] : at::cat(as, 1);
-      if (weight.numel() > 0) {
-        gx = at::mm(g, weight).view({U, L, -1});
-        gx.baddbmm_(gxa, a_all);
-      } else {
-        gx = at::bmm(gxa, a_all);
-      }
+      const at::Tensor gx = weight.numel() > 0 ? rg.Rows(gxa, a_all, at::mm(g, weight), true) : rg.Rows(gxa, a_all);
+      out[0] = gx.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     }
-    if (gx.defined()) out[0] = gx.view({U * L, -1}).to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     return out;
   }
 };
@@ -415,6 +513,9 @@ at::Tensor GroupedLoraDelta(const at::Tensor& x, const at::Tensor& A, const at::
     return GroupedForward(x, A, B, routing, ct, d_out, cast ? cast->a : at::Tensor(), cast ? cast->b : at::Tensor());
   // The cast factors go by pointer: as node inputs, autograd would route
   // gradients to them (they are computed from the bank without a graph).
+  // Ragged rows take the joint node of one target, which runs over them as
+  // they are.
+  if (routing.ragged && cast) return JointGroupedLoraDelta(x, {*cast}, routing, ct, token);
   return InPaddedOrder(x, routing, [&](const at::Tensor& xp) {
     return GroupedNode::apply(xp, A, B, OrEmpty(token), &routing, static_cast<int64_t>(ct), d_out, cast);
   });
@@ -430,10 +531,11 @@ at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTar
     return at::cat(parts, 1);
   }
   const at::Tensor none = at::empty({0}, x.options());
-  return InPaddedOrder(x, routing, [&](const at::Tensor& xp) {
+  const auto joint = [&](const at::Tensor& xp) {
     return JointGroupedNode::apply(xp, targets[0].A, OrEmpty(token), none, none, &targets, &routing,
                                    static_cast<int64_t>(ct));
-  });
+  };
+  return routing.ragged ? joint(x) : InPaddedOrder(x, routing, joint);
 }
 
 at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -441,10 +543,11 @@ at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, con
                               const at::Tensor& token) {
   int64_t width = 0;
   for (const JointTarget& t : targets) width += t.b.size(1);
-  TORCH_CHECK(routing.identity && !routing.base_rows && !targets.empty() && x.size(0) == routing.rows &&
-                  Differentiable(targets[0].A) && weight.size(0) == width && targets[0].a.scalar_type() == x.scalar_type(),
-              "ProjectedJointLora: rows in padded order, every row in a group, factors in x's dtype, weight rows the "
-              "targets' columns");
+  TORCH_CHECK((routing.identity || routing.ragged) && !routing.base_rows && !targets.empty() &&
+                  x.size(0) == routing.rows && Differentiable(targets[0].A) && weight.size(0) == width &&
+                  targets[0].a.scalar_type() == x.scalar_type(),
+              "ProjectedJointLora: rows in padded order or ragged, every row in a group, factors in x's dtype, "
+              "weight rows the targets' columns");
   return JointGroupedNode::apply(x, targets[0].A, OrEmpty(token), weight,
                                  bias.defined() ? bias : at::empty({0}, x.options()), &targets, &routing,
                                  static_cast<int64_t>(x.scalar_type()));

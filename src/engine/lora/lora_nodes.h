@@ -67,8 +67,11 @@ at::Tensor GradientFlushToken(const at::Tensor& anchor, const at::Tensor& grad, 
 // side: at::cat of GroupedLoraDelta's for each, as one node that writes
 // each target's output into its columns of one [T, sum d_out] tensor and
 // returns one input gradient (the targets' sum, accumulated in the GEMMs)
-// instead of one per target. Rows not in padded order (routing not an
-// identity) are gathered into it once and read back once, for all targets.
+// instead of one per target. Ragged rows (LoraGroups::ragged) run as they
+// are, through grouped GEMMs of each group's own length; other rows not in
+// padded order (routing not an identity) are gathered into it once and read
+// back once, for all targets. GroupedLoraDelta with cast factors takes this
+// node too where the rows are ragged.
 at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTarget>& targets,
                                  const LoraGroups& routing, at::ScalarType ct, const at::Tensor& token = {});
 
@@ -76,8 +79,10 @@ at::Tensor JointGroupedLoraDelta(const at::Tensor& x, const std::vector<JointTar
 // weight, bias) plus the targets' deltas (each accumulated into its columns
 // by its GEMM, one rounding), and in the backward x's gradient g weight plus
 // the targets', accumulated in the GEMMs: no delta tensor and no add either
-// way. weight [sum d_out, d_in] and x in the factors' compute type (the
-// model dtype); a recorded node only (the factors require grad).
+// way (ragged rows: each delta added to its columns). weight [sum d_out,
+// d_in] and x in the factors' compute type (the model dtype); rows in padded
+// order or ragged, every row in a group; a recorded node only (the factors
+// require grad).
 at::Tensor ProjectedJointLora(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                               const std::vector<JointTarget>& targets, const LoraGroups& routing,
                               const at::Tensor& token = {});

@@ -48,7 +48,7 @@ bool TrainsGroup(const LoraConfig& c, TargetGroup g) {
 }  // namespace
 
 SlotBank::SlotBank(int num_slots, int max_rank, at::Device device, const std::vector<LoraTargetSpec>& targets)
-    : num_slots_(num_slots), max_rank_(max_rank), device_(device), slots_(num_slots) {
+    : num_slots_(num_slots), max_rank_(max_rank), device_(device), slots_(num_slots), ragged_(device.is_cuda()) {
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   targets_.reserve(targets.size());
   for (const LoraTargetSpec& spec : targets) {
@@ -352,6 +352,30 @@ LoraGroups SlotBank::Group(TargetGroup g, const std::vector<int64_t>& seg_begin,
   r.gather = at::tensor(gather, at::kLong).to(device_);
   r.scatter = at::tensor(scatter, at::kLong).to(device_);
   if (!pads.empty()) r.pads = at::tensor(pads, at::kLong).to(device_);
+  if (ragged_ && !r.identity && !r.base_rows) {
+    // Ragged where the groups' segments, taken in group order, tile the rows.
+    int64_t next = 0;
+    bool tiled = true;
+    std::vector<int32_t> ends;
+    std::vector<float> row_scale(static_cast<size_t>(r.rows));
+    for (int64_t u = 0; u < U && tiled; ++u) {
+      for (size_t i : segs[static_cast<size_t>(u)]) {
+        tiled = tiled && seg_begin[i] == next;
+        next = seg_begin[i + 1];
+      }
+      if (!tiled) break;
+      std::fill(row_scale.begin() + (ends.empty() ? 0 : ends.back()), row_scale.begin() + next, scale[u]);
+      ends.push_back(static_cast<int32_t>(next));
+      r.ends_host.push_back(next);
+    }
+    if (tiled && next == r.rows) {
+      r.ragged = true;
+      r.ends = at::tensor(ends, at::kInt).to(device_);
+      r.row_scale = at::tensor(row_scale, at::kFloat).to(device_).view({r.rows, 1});
+    } else {
+      r.ends_host.clear();
+    }
+  }
   return r;
 }
 

@@ -116,6 +116,14 @@ struct LoraGroups {
   int64_t max_rows = 0; // Lmax
   bool base_rows = false;  // whether some row has no training slot (then the zero row is appended)
   bool identity = false;   // gather is 0..T-1 (each slot one run, equal lengths): no gather/scatter needed
+  // The ragged order (where the bank allows it, SlotBank::AllowRagged): not
+  // an identity, but every row in a group and each group's rows one run, in
+  // group order, so the grouped GEMMs run over the packed rows as they are,
+  // each group its own length (no gather, no pads; lora_nodes.h).
+  bool ragged = false;
+  at::Tensor ends;               // ragged: [U] int32 on the device, each group's end row
+  std::vector<int64_t> ends_host;  // ragged: the same on the host
+  at::Tensor row_scale;          // ragged: [T, 1] fp32, each row's group's alpha / r
   int64_t num_slots() const { return slots.defined() ? slots.size(0) : 0; }
 };
 
@@ -241,6 +249,11 @@ class SlotBank {
   // Tests: every batch takes form f (nullopt: the rule above). The CPU rule
   // never picks the grouped form, which the tests still check whole passes of.
   void ForceForm(std::optional<LoraForm> f) { forced_form_ = f; }
+  // Whether Group marks routings ragged (LoraGroups::ragged) where their
+  // rows allow it: on by default on CUDA (grouped GEMMs, at::_grouped_mm
+  // for bf16), off on the CPU (a GEMM per group there), where tests turn it
+  // on to check the ragged nodes against the padded ones.
+  void AllowRagged(bool on) { ragged_ = on; }
   // The selection rule, with T, runs, U, Lmax from `shape` and R = max_rank:
   //   CUDA: kGrouped when runs > 1 and U*Lmax <= 2*T (padding at most
   //                  doubles the rows; only the needed FLOPs otherwise, in a
@@ -319,6 +332,7 @@ class SlotBank {
   std::vector<LoraTarget> targets_;
   std::vector<SlotState> slots_;
   std::optional<LoraForm> forced_form_;
+  bool ragged_ = false;
   at::Tensor flat_, flat_grad_;
   std::pair<int64_t, int64_t> group_cols_[3];
   at::Tensor scales_;

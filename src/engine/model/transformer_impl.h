@@ -201,7 +201,8 @@ class BatchLora {
   // [sum d_out, d_in] and bias, or undefined) and, with `on`, its LoRA:
   // {base, deltas} as at::linear and Joint give them, for the caller to add
   // (fused into its next kernel where it can). On CUDA, in a recorded pass
-  // whose group has its factors cast once and its rows in padded order, one
+  // whose group has its factors cast once and its rows in padded order or
+  // ragged (LoraGroups), one
   // node instead (ProjectedJointLora): {base + deltas, undefined}, the
   // deltas accumulated into the base GEMM's output and x's gradient into
   // the base's, with no add kernel either way.
@@ -212,7 +213,7 @@ class BatchLora {
     const Group& p = ts[0]->group == TargetGroup::kAttn ? attn_ : mlp_;
     if (x.is_cuda() && c10::GradMode::is_enabled() && ts[0]->A.requires_grad() &&
         bank_.ComputeType(x) == x.scalar_type()) {
-      const LoraGroups* routing = Identity(p, ts[0]->group);
+      const LoraGroups* routing = Unpadded(p, ts[0]->group);
       if (const PassFactors* pass = routing ? Pass(p, x) : nullptr) {
         std::vector<JointTarget> joint;
         for (const LoraTarget* t : ts) joint.push_back(bank_.CastFactors(*t, *pass));
@@ -254,18 +255,19 @@ class BatchLora {
       p.pass = bank_.PassGroup(g, p.grouped.slots, bank_.ComputeType(x), pass_grads_ && c10::GradMode::is_enabled());
     return &p.pass;
   }
-  // The group's routing as the grouped form's identity (rows in padded
-  // order, every row in a group), for Project; null where it is not one. A
-  // segment-form group of one slot over every row is one too (U = 1): its
-  // routing is made at first use.
-  const LoraGroups* Identity(const Group& p, TargetGroup g) const {
+  // The group's routing where the grouped form runs over the rows as they
+  // are (an identity: rows in padded order; or ragged; every row in a
+  // group), for Project; null where it does not. A segment-form group of one
+  // slot over every row is an identity too (U = 1): its routing is made at
+  // first use.
+  const LoraGroups* Unpadded(const Group& p, TargetGroup g) const {
     if (p.form == LoraForm::kSegment && !p.single_made) {
       p.single_made = true;
       LoraGroups one = bank_.Group(g, seg_begin_, seg_slot_);
       if (one.num_slots() == 1 && one.identity && !one.base_rows) p.grouped = std::move(one);
     }
     if (p.form == LoraForm::kRouted || p.grouped.num_slots() == 0) return nullptr;
-    return p.grouped.identity && !p.grouped.base_rows ? &p.grouped : nullptr;
+    return (p.grouped.identity || p.grouped.ragged) && !p.grouped.base_rows ? &p.grouped : nullptr;
   }
   bool pass_grads_ = false;
   void Plan(TargetGroup g, Group& p) {
