@@ -52,6 +52,7 @@ struct TrainBenchOptions {
   double lr = 1e-4;
   std::string save_adapter;  // after timing, tenant 0's PEFT snapshot goes here
   bool lora_fp32 = false;
+  std::string lora_order = "ragged";
   int recompute_layers = -1;
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   std::string moments = engine::EngineOptions{}.moments;
@@ -181,6 +182,7 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.max_rank = o.rank;
   eo.threads = o.threads;
   eo.lora_fp32 = o.lora_fp32;
+  eo.lora_ragged = o.lora_order == "ragged";
   eo.recompute_layers = o.recompute_layers;
   eo.graph_max_tokens = o.graph_tokens;
   eo.moments = o.moments;
@@ -327,6 +329,11 @@ int Bench(int argc, char** argv) {
   train->add_option("--device", t.device, "auto | cpu | cuda")->default_val(t.device);
   train->add_option("--lr", t.lr, "AdamW learning rate")->default_val(t.lr);
   train->add_flag("--lora-fp32", t.lora_fp32, "LoRA arithmetic in fp32 (as PEFT does) instead of the model dtype");
+  train->add_option("--lora-order", t.lora_order,
+                    "ragged | padded: on a GPU, tenants of unequal tokens run LoRA over their rows as they are, or "
+                    "gathered into a padded order (for comparison)")
+      ->default_val(t.lora_order)
+      ->check(CLI::IsMember({"ragged", "padded"}));
   train->add_option("--recompute-layers", t.recompute_layers,
                     "decoder layers whose activations are recomputed in the backward (0 = keep all; -1 = the "
                     "fewest that fit, per pass, on a GPU)")

@@ -61,6 +61,7 @@ struct RlOptions {
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
   std::string pass_tokens = "most";
+  std::string lora_order = "ragged";
   std::string profile;  // a Kineto trace of the together round, PATH.together.json
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
@@ -367,6 +368,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.publish_threads = o.publish_threads;
   opt.token_budget = o.token_budget;
   opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
+  opt.lora_ragged = o.lora_order == "ragged";
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
@@ -488,6 +490,10 @@ int BenchRl(int argc, char** argv) {
                  "that fit with every layer kept (as loom serve's flag)")
       ->default_val(o.pass_tokens)
       ->check(CLI::IsMember({"most", "kept"}));
+  app.add_option("--lora-order", o.lora_order,
+                 "ragged | padded: the trainer's LoRA over tenants of unequal tokens, as bench train's")
+      ->default_val(o.lora_order)
+      ->check(CLI::IsMember({"ragged", "padded"}));
   app.add_option("--profile", o.profile,
                  "trace the together round (Kineto, libtorch 2.x) to PATH.together.json; the trainer's passes are "
                  "the spans \"trainer forward_backward\" (bench/trace_summary.py --during), its figures then "

@@ -26,6 +26,7 @@ struct DriverOptions {
   int max_slots = 8;
   int max_rank = 16;
   int threads = 0;              // CPU intra-op threads, 0 = all cores
+  bool lora_ragged = true;      // engine::EngineOptions::lora_ragged
   int64_t token_budget = 0;      // tokens per pass; 0: as loom serve (service::TokenBudget: on a GPU the most that fit)
   // How a pass is sized against the room free now (loom serve's --pass-tokens).
   service::ServiceOptions::PassSizing pass_sizing = service::ServiceOptions{}.pass_sizing;
