@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <limits>
 #include <tuple>
 
 namespace loom::engine {
@@ -825,6 +826,59 @@ TEST(SlotBank, RaggedGroupedGemmsOnCuda) {
     EXPECT_EQ(got[2].grad_a[i][1].narrow(0, 16, 16).abs().max().item<double>(), 0.0);
     EXPECT_EQ(got[2].grad_b[i][1].narrow(1, 16, 16).abs().max().item<double>(), 0.0);
   }
+}
+
+// The grouped GEMMs keep a slot's non-finite factors to its own rows: with
+// slot 3's A holding inf and its B NaN, the other slots' outputs, x's
+// gradient on their rows and their factors' gradients are those of a run
+// where slot 3 is finite, bit for bit (the isolation table's ragged row,
+// reliability.md, on the GPU's kernels).
+TEST(SlotBank, RaggedGroupedGemmsKeepAPoisonedSlotToItsRows) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const std::vector<LoraTargetSpec> targets = {{"model.layers.0.self_attn.q_proj", TargetGroup::kAttn, 256, 512},
+                                               {"model.layers.0.self_attn.k_proj", TargetGroup::kAttn, 256, 128}};
+  const std::vector<int64_t> seg_begin = {0, 300, 357, 1000, 1100, 1537};
+  const std::vector<int> seg_slot = {3, 0, 1, 1, 2};  // slot 3 holds rows 0-299
+  at::manual_seed(47);
+  const at::Tensor x0 = at::randn({1537, 256}).to(at::kCUDA).to(at::kBFloat16);
+  const at::Tensor gy = at::randn({1537, 640}).to(at::kCUDA) * 0.1;
+  const at::Tensor w = (at::randn({640, 256}) * 0.05).to(at::kCUDA).to(at::kBFloat16);
+  FormResult got[2];
+  for (int poison = 0; poison < 2; ++poison) {
+    SlotBank bank(4, 32, at::kCUDA, targets);
+    for (int s = 0; s < 4; ++s) ASSERT_TRUE(bank.Bind(s, Config(32, 64.0, 10 + s)).ok());
+    {
+      c10::NoGradGuard no_grad;
+      at::manual_seed(48);
+      for (auto& t : bank.targets())
+        for (int s = 0; s < 4; ++s) t.B.select(0, s).normal_(0.0, 0.05);
+      if (poison)
+        for (auto& t : bank.targets()) {
+          t.A.select(0, 3).narrow(0, 0, 8).fill_(std::numeric_limits<float>::infinity());
+          t.B.select(0, 3).narrow(1, 8, 8).fill_(std::numeric_limits<float>::quiet_NaN());
+        }
+    }
+    const at::Tensor x = x0.clone().requires_grad_();
+    const LoraGroups groups = bank.Group(TargetGroup::kAttn, seg_begin, seg_slot);
+    ASSERT_TRUE(groups.ragged);
+    const PassFactors pass = bank.PassGroup(TargetGroup::kAttn, groups.slots, bank.ComputeType(x), /*grads=*/true);
+    const LoraTarget &q = bank.targets()[0], &k = bank.targets()[1];
+    const at::Tensor y = ProjectedJointLora(x, w, at::Tensor(), {bank.CastFactors(q, pass), bank.CastFactors(k, pass)},
+                                            groups, pass.token);
+    y.backward(gy.to(y.scalar_type()));
+    got[poison] = {{y.detach().to(at::kFloat).cpu()}, {x.grad().to(at::kFloat).cpu()},
+                   {q.A.grad().cpu(), k.A.grad().cpu()}, {q.B.grad().cpu(), k.B.grad().cpu()}};
+  }
+  const auto same = [](const at::Tensor& a, const at::Tensor& b) { return at::equal(a, b); };
+  EXPECT_FALSE(got[1].out[0].narrow(0, 0, 300).isfinite().all().item<bool>());  // the poison took
+  EXPECT_TRUE(got[1].out[0].narrow(0, 300, 1237).isfinite().all().item<bool>());
+  EXPECT_TRUE(same(got[1].out[0].narrow(0, 300, 1237), got[0].out[0].narrow(0, 300, 1237)));
+  EXPECT_TRUE(same(got[1].grad_x[0].narrow(0, 300, 1237), got[0].grad_x[0].narrow(0, 300, 1237)));
+  for (size_t i = 0; i < 2; ++i)
+    for (int s : {0, 1, 2}) {
+      EXPECT_TRUE(same(got[1].grad_a[i][s], got[0].grad_a[i][s])) << "target " << i << " slot " << s;
+      EXPECT_TRUE(same(got[1].grad_b[i][s], got[0].grad_b[i][s])) << "target " << i << " slot " << s;
+    }
 }
 
 // The row copies of PassGroup and the gradient flush (slot_rows.h): on CUDA
