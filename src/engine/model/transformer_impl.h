@@ -202,10 +202,9 @@ class BatchLora {
   // {base, deltas} as at::linear and Joint give them, for the caller to add
   // (fused into its next kernel where it can). On CUDA, in a recorded pass
   // whose group has its factors cast once and its rows in padded order or
-  // ragged (LoraGroups), one
-  // node instead (ProjectedJointLora): {base + deltas, undefined}, the
-  // deltas accumulated into the base GEMM's output and x's gradient into
-  // the base's, with no add kernel either way.
+  // ragged (LoraGroups), one node instead (ProjectedJointLora): {base +
+  // deltas, undefined}, the deltas accumulated into the base GEMM's output
+  // and x's gradient into the base's (ragged rows: added to them).
   std::pair<at::Tensor, at::Tensor> Project(size_t layer, std::initializer_list<int> ks, const at::Tensor& x,
                                             const at::Tensor& weight, const at::Tensor& bias, bool on) const {
     if (!on) return {at::linear(x, weight, bias), at::Tensor()};
