@@ -62,6 +62,7 @@ struct RlOptions {
   int64_t token_budget = DriverOptions{}.token_budget;
   std::string pass_tokens = "most";
   std::string lora_order = "ragged";
+  bool small_ops_first = false;
   std::string profile;  // a Kineto trace of the together round, PATH.together.json
   const StepFlags* sampler_steps = nullptr;
   const DecodeFlags* sampler_decode = nullptr;
@@ -369,6 +370,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.token_budget = o.token_budget;
   opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
   opt.lora_ragged = o.lora_order == "ragged";
+  opt.small_ops_first = o.small_ops_first;
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
   auto driver = ServiceDriver::Open(opt);
@@ -501,6 +503,8 @@ int BenchRl(int argc, char** argv) {
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");
+  app.add_flag("--small-ops-first", o.small_ops_first,
+               "ready optim_steps and saves run before the next packable pass (as loom serve's flag)");
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
   const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
   o.sampler_steps = &step_flags;

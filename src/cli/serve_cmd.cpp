@@ -134,6 +134,8 @@ int Serve(int argc, char** argv) {
   std::string moments = engine::EngineOptions{}.moments;
   int batch_window_ms = 2;
   std::string pass_tokens = "most";
+  bool small_ops_first = false;
+  app.add_flag("--small-ops-first", small_ops_first, "ready optim_steps and saves run before the next packed forward_backward pass, so that tenants whose passes completed early step, publish and sample while the others' still train (off: each op waits its turn by arrival)");
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--pass-tokens", pass_tokens, "most | kept: a pass holds at most the tokens that fit in the memory free now with every layer recomputed (the memory plan then recomputes the fewest layers that fit), or those that fit with every layer's activations kept (at least 4096, with layers recomputed below that): faster for one tenant's large requests, slower for many tenants' at once")->default_val(pass_tokens)->check(CLI::IsMember({"most", "kept"}));
   app.add_option("--moments", moments, "where the adapters' AdamW moments live: device, host (pinned host memory, staged through the GPU at each optim_step: half the slot's device bytes) or auto (the host only when --max-adapters slots do not fit on the device otherwise)")->default_val(moments)->check(CLI::IsMember({"auto", "device", "host"}));
@@ -372,6 +374,7 @@ int Serve(int argc, char** argv) {
       max_models_per_tenant >= 0 ? max_models_per_tenant : keys.open_mode() ? 0 : std::max(1, fewest_slots / 4);
   sopt.token_budget = opened.front().token_budget;
   sopt.pass_sizing = service::ParsePassSizing(pass_tokens);
+  sopt.small_ops_first = small_ops_first;
   const int sampler_slots = opened.front().sampler ? opened.front().sampler->info().sampler_adapters : 0;
   std::vector<service::BaseModelSpec> bases;
   for (OpenedModel& m : opened) bases.push_back({m.name, std::move(m.engine), m.token_budget});

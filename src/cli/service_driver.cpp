@@ -77,6 +77,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
               (*engine)->MemoryPlanReport());
   sopt.token_budget = service::TokenBudget(**engine, 1, options.token_budget);
   sopt.pass_sizing = options.pass_sizing;
+  sopt.small_ops_first = options.small_ops_first;
   std::unique_ptr<ServiceDriver> d(new ServiceDriver());
   d->service_ = std::make_unique<service::Service>(sopt, std::move(*engine), std::move(*registry));
   if (sampler) d->service_->AttachSampler(std::move(sampler));

@@ -53,10 +53,17 @@ Status Planner::Push(Request request) {
 
 std::optional<Pass> Planner::Next(int64_t room) {
   if (models_.empty()) return std::nullopt;
-  const std::string anchor_model = OldestTicket(models_);
+  std::string anchor_model = OldestTicket(models_);
+  if (options_.small_first && small_run_ < models_.size()) {
+    const std::string* small = OldestTicket(
+        models_, [](const ModelQueue& q) { return q.requests.front().request.kind != OpKind::kPackable; });
+    if (small != nullptr) anchor_model = *small;
+  }
   auto anchor = models_.find(anchor_model);
   Pass pass;
-  switch (anchor->second.requests.front().request.kind) {
+  const OpKind kind = anchor->second.requests.front().request.kind;
+  small_run_ = kind == OpKind::kPackable ? 0 : small_run_ + 1;
+  switch (kind) {
     case OpKind::kPackable:
       pass = PlanPackable(anchor_model, room > 0 ? std::min(room, options_.token_budget) : options_.token_budget);
       last_fill_ratio_ = pass.fill_ratio();

@@ -43,6 +43,14 @@
 //     engine accumulates the gradient of all its pieces as one).
 //  4. Optim pass: every head that is an optim_step, one piece each.
 //  5. Exclusive pass: the anchor alone.
+//  6. Small ops first (PlannerOptions::small_first, off by default): before
+//     the anchor's pass, the oldest-ticket head that is an optim_step or an
+//     exclusive op (milliseconds, where a packable pass takes up to seconds)
+//     runs first (an optim_step with every other optim head, as in 4), so a
+//     tenant whose forward_backward completed early steps, saves and samples
+//     again while the others' pieces still train. At most as many such
+//     passes in a row as models are queued; then the anchor's pass, whatever
+//     its kind, so that a stream of small ops never starves a packable one.
 //
 // Threading: not thread-safe; the service serialises calls (one mutex).
 #pragma once
@@ -106,6 +114,7 @@ struct Pass {
 
 struct PlannerOptions {
   int64_t token_budget = 8192;  // tokens per packable pass (--token-budget), >= 1
+  bool small_first = false;     // POLICY 6 (--small-ops-first)
 };
 
 class Planner {
@@ -174,6 +183,7 @@ class Planner {
   size_t queued_ = 0;
   uint64_t next_ticket_ = 1;
   double last_fill_ratio_ = 0.0;
+  size_t small_run_ = 0;  // small-op passes in a row since the last packable one (POLICY 6)
 };
 
 }  // namespace loom::sched

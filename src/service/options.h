@@ -46,6 +46,12 @@ struct ServiceOptions {
   // but never keeps a request waiting longer than BatchWindow::kMaxWindows
   // windows (common/batch_window.h, the sampler's rule too).
   std::chrono::milliseconds batch_window{2};
+  // --small-ops-first: ready optim_steps and saves run before the next
+  // packable pass (sched/planner.h, POLICY 6), so that tenants whose
+  // forward_backward completed early step, publish and sample while the
+  // others' pieces still train, instead of the whole round in lockstep.
+  // Off by default until measured on a GPU (docs/benchmarks.md).
+  bool small_ops_first = false;
   // --max-models-per-tenant: live models (adapter slots, held or being bound)
   // one tenant may have at once; 0 = no per-tenant limit (only the slots).
   int max_models_per_tenant = 0;

@@ -102,7 +102,7 @@ TrainLoop::TrainLoop(const ServiceOptions& options, engine::Engine& engine, Futu
       models_(models),
       checkpoints_(checkpoints),
       publisher_(publisher),
-      planner_(sched::PlannerOptions{options.token_budget}) {}
+      planner_(sched::PlannerOptions{options.token_budget, options.small_ops_first}) {}
 
 // ------------------------------------------------------------- lifecycle
 
@@ -185,7 +185,7 @@ void TrainLoop::FailAllLocked() {
     futures_.Fail(planned.op.request_id, Status::Unavailable("server is shutting down; request was not run"));
   }
   planned_.clear();
-  planner_ = sched::Planner(sched::PlannerOptions{options_.token_budget});
+  planner_ = sched::Planner(sched::PlannerOptions{options_.token_budget, options_.small_ops_first});
   for (TrainingOp& op : models_.DrainAllLocked()) {
     futures_.Fail(op.request_id, Status::Unavailable("server is shutting down; request was not run"));
   }

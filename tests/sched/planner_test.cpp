@@ -290,10 +290,12 @@ TEST(PlannerTest, Metrics) {
 // Invariants over random traffic: budget respected (except a lone oversized
 // datum), one key per pass, every datum planned exactly once and in order,
 // each model's requests completed in push order.
-TEST(PlannerTest, RandomTrafficKeepsInvariants) {
+class PlannerTraffic : public ::testing::TestWithParam<bool> {};  // small_first
+
+TEST_P(PlannerTraffic, RandomTrafficKeepsInvariants) {
   std::mt19937 rng(12345);
   const int64_t budget = 256;
-  Planner p({budget});
+  Planner p({budget, GetParam()});
   const std::vector<std::string> keys{kCE, kIS};
   std::map<uint64_t, std::vector<int64_t>> sizes;
   std::map<uint64_t, size_t> next_datum;
@@ -350,6 +352,47 @@ TEST(PlannerTest, RandomTrafficKeepsInvariants) {
     }
   }
   EXPECT_EQ(completed, pushed);
+}
+
+INSTANTIATE_TEST_SUITE_P(Planner, PlannerTraffic, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "small_first" : "by_ticket"; });
+
+// POLICY 6: an optim_step (or a save) that became ready after another
+// model's packable request runs before it with small_first, after it without.
+TEST(PlannerTest, SmallOpsFirstRunBeforeAnOlderPackablePass) {
+  for (const bool small_first : {false, true}) {
+    Planner p({100, small_first});
+    ASSERT_TRUE(p.Push(Packable(1, "a", {50, 50, 50})).ok());
+    ASSERT_TRUE(p.Push(Other(2, "b", OpKind::kOptim)).ok());
+    ASSERT_TRUE(p.Push(Other(3, "c", OpKind::kExclusive)).ok());
+    std::vector<OpKind> kinds;
+    while (auto pass = p.Next()) kinds.push_back(pass->kind);
+    const std::vector<OpKind> want =
+        small_first ? std::vector<OpKind>{OpKind::kOptim, OpKind::kExclusive, OpKind::kPackable, OpKind::kPackable}
+                    : std::vector<OpKind>{OpKind::kPackable, OpKind::kOptim, OpKind::kExclusive, OpKind::kPackable};
+    EXPECT_EQ(kinds, want) << small_first;
+  }
+}
+
+// POLICY 6's bound: models whose queues hold nothing but small ops get at
+// most one such pass per queued model in a row; then the oldest ticket's
+// packable request runs.
+TEST(PlannerTest, SmallOpsFirstCannotStarveAPackablePass) {
+  Planner p({100, true});
+  ASSERT_TRUE(p.Push(Packable(1, "a", {10})).ok());
+  uint64_t id = 1;
+  for (const std::string m : {"b", "c", "d"})
+    for (int i = 0; i < 10; ++i) ASSERT_TRUE(p.Push(Other(++id, m, i % 2 ? OpKind::kOptim : OpKind::kExclusive)).ok());
+  int index = 0, packable_at = -1;
+  size_t pieces = 0;
+  while (auto pass = p.Next()) {
+    if (pass->kind == OpKind::kPackable) packable_at = index;
+    pieces += pass->pieces.size();
+    ++index;
+  }
+  EXPECT_EQ(pieces, 31u);  // every request ran
+  ASSERT_GE(packable_at, 0);
+  EXPECT_LE(packable_at, 4);  // 4 models queued: at most 4 small passes before it
 }
 
 // One heavy tenant with a 100x backlog and 7 light tenants, all training with
