@@ -69,7 +69,8 @@ class TrainingEngine final : public Engine {
             model_->device().is_cuda() && !model_->parallel().split() ? options.graph_max_tokens : 0,
             /*capture=*/true, [this](int64_t tokens) { return RoomForGraph(tokens); }}) {
     bank_.set_lora_fp32(options.lora_fp32);
-    bank_.AllowRagged(options.lora_ragged && model_->device().is_cuda());
+    lora_ragged_ = options.lora_ragged && model_->device().is_cuda();
+    bank_.AllowRagged(lora_ragged_);
     tp_ = model_->parallel().group.get();
     if (tp_ != nullptr) {
       optimizer_.set_parallel(tp_);
@@ -109,8 +110,12 @@ class TrainingEngine final : public Engine {
   // The probe passes of memory_plan.h on scratch slots (0 and 1, free at
   // start-up), leaving them free and every gradient zero. Device only. Two
   // slots at max rank with unequal shares (3/4 and 1/4 of the tokens) make
-  // the pass take the multi-slot LoRA form with its gathered copies, the
-  // dearest in memory, so that ordinary passes cost no more than measured.
+  // the pass take the multi-slot grouped LoRA form, in each order a pass may
+  // take (ragged, where it is on, and padded, with its gathered copies):
+  // each term of the plan is the dearer order's, so that ordinary passes
+  // cost no more than measured. On the H100 (qwen3-4b, session 31) the
+  // ragged order measured less a token with every layer kept and more with
+  // every layer recomputed than the padded one.
   void Calibrate() {
     if (!model_->device().is_cuda()) return;
     const int64_t layers = info_.num_layers;
@@ -144,23 +149,30 @@ class TrainingEngine final : public Engine {
       return static_cast<double>(Memory().peak_allocated - before);
     };
     try {
-      // First the larger probes' passes, unmeasured: they allocate the
-      // gradients, workspaces and kernels' caches that a pass keeps, for
-      // both shapes and both plans, so that the measured probes find the
-      // allocator as later passes do. Warmed at the smaller probe only, the
-      // padded LoRA order measured 355 KiB a token with every layer
-      // recomputed, and an RL round at the budget that gave (46,966 tokens)
-      // ran out of device memory; warmed so, 420 KiB (H100, session 31).
-      pass(2 * probe, layers);
-      pass(2 * probe, 0);
-      double m[2][2];
-      for (int t = 0; t < 2; ++t)
-        for (int k = 0; k < 2; ++k) m[t][k] = pass(probe * (t + 1), k ? layers : 0);
-      cost_ = train::ActivationCost::FromProbes(layers, probe, m);
+      train::ActivationCost cost;
+      for (const bool ragged : lora_ragged_ ? std::vector<bool>{true, false} : std::vector<bool>{false}) {
+        bank_.AllowRagged(ragged);
+        // First the larger probes' passes, unmeasured: they allocate the
+        // gradients, workspaces and kernels' caches that a pass keeps, for
+        // both shapes and both plans, so that the measured probes find the
+        // allocator as later passes do. Warmed at the smaller probe only,
+        // the padded order measured 355 KiB a token with every layer
+        // recomputed, and an RL round at the budget that gave (46,966
+        // tokens) ran out of device memory; warmed so, 420 KiB (H100,
+        // session 31).
+        pass(2 * probe, layers);
+        pass(2 * probe, 0);
+        double m[2][2];
+        for (int t = 0; t < 2; ++t)
+          for (int k = 0; k < 2; ++k) m[t][k] = pass(probe * (t + 1), k ? layers : 0);
+        cost = train::ActivationCost::Dearest(cost, train::ActivationCost::FromProbes(layers, probe, m));
+      }
+      cost_ = cost;
       probe_tokens_ = probe;
     } catch (const std::exception&) {
       cost_ = {};  // no plan: every pass recomputes every layer
     }
+    bank_.AllowRagged(lora_ragged_);
     for (int s = 0; s < scratch_slots; ++s) {
       bank_.Release(s);
       optimizer_.Reset(s);
@@ -476,6 +488,7 @@ class TrainingEngine final : public Engine {
   }
 
   int threads_;
+  bool lora_ragged_ = false;  // EngineOptions::lora_ragged, on a GPU
   int64_t recompute_layers_;  // -1: planned per pass
   std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0};  // TrainRecomputeStats
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)

@@ -70,6 +70,26 @@ TEST(MemoryPlan, TheLargestPassWithEveryLayerKeptRecomputesNone) {
   EXPECT_EQ(MaxPassTokens(c, room, c.layers), MaxPassTokens(c, room));
 }
 
+// Two ways a pass may run (the LoRA orders: on the H100 the ragged one
+// measured less kept and more recomputed a token than the padded one): the
+// plan takes each term's dearer, so a pass either way fits what it planned.
+TEST(MemoryPlan, TheDearestOfTwoCostsBoundsBoth) {
+  const ActivationCost a = Cost();
+  const double m[2][2] = {{2e6, 5e5}, {2e6 + 80e3 * 1000, 5e5 + 20e3 * 1000}};
+  const ActivationCost b = ActivationCost::FromProbes(10, 1000, m);
+  ASSERT_TRUE(a.kept > b.kept && a.recomputed < b.recomputed);  // neither bounds the other
+  for (const ActivationCost& c : {ActivationCost::Dearest(a, b), ActivationCost::Dearest(b, a)}) {
+    for (int64_t k : {0, 3, 10})
+      for (int64_t T : {10, 1000, 100000}) {
+        EXPECT_GE(c.Bytes(T, k), a.Bytes(T, k)) << k << " " << T;
+        EXPECT_GE(c.Bytes(T, k), b.Bytes(T, k)) << k << " " << T;
+      }
+    EXPECT_EQ(c.layers, 10);
+  }
+  EXPECT_EQ(ActivationCost::Dearest(ActivationCost{}, b).kept, b.kept);  // an unknown cost adds nothing
+  EXPECT_EQ(ActivationCost::Dearest(a, ActivationCost{}).kept, a.kept);
+}
+
 // A probe whose second size measured less than twice the first (noise, a
 // cached block reused) never yields a slope below the larger pass's average.
 TEST(MemoryPlan, ANoisyProbeErrsOnTheSideOfMoreMemory) {

@@ -36,6 +36,16 @@ ActivationCost ActivationCost::FromProbes(int64_t layers, int64_t probe_tokens, 
   return c;
 }
 
+ActivationCost ActivationCost::Dearest(const ActivationCost& a, const ActivationCost& b) {
+  if (!a.known()) return b;
+  if (!b.known()) return a;
+  ActivationCost c = a;
+  c.fixed = std::max(a.fixed, b.fixed);
+  c.kept = std::max(a.kept, b.kept);
+  c.recomputed = std::max(a.recomputed, b.recomputed);
+  return c;
+}
+
 PassPlan PlanPass(const ActivationCost& cost, int64_t tokens, double available) {
   PassPlan plan;
   if (!cost.known()) {

@@ -31,6 +31,9 @@ struct ActivationCost {
   double Bytes(int64_t tokens, int64_t recompute_layers) const;
   // From the probes' peaks: m[t][k] for tokens {P, 2P} and k {0 (kept), L}.
   static ActivationCost FromProbes(int64_t layers, int64_t probe_tokens, const double m[2][2]);
+  // Each term the larger of a's and b's (the costs of two ways a pass may
+  // run, e.g. the LoRA orders); the other where one is unknown.
+  static ActivationCost Dearest(const ActivationCost& a, const ActivationCost& b);
 };
 
 struct PassPlan {
