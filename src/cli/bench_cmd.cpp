@@ -228,8 +228,9 @@ int BenchTrain(const TrainBenchOptions& o) {
       cleanup();
       return 1;
     }
-    data.push_back(TenantData(TenantTokens(o, s), o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
-    packed_tokens += TenantTokens(o, s);
+    const int tokens = TenantTokens(o, s);
+    data.push_back(TenantData(tokens, o.datum_tokens, info.vocab_size, static_cast<uint32_t>(s + 7)));
+    packed_tokens += tokens;
     all.push_back(s);
   }
   std::printf("model %s (%s, %lld layers, hidden %lld, vocab %lld) on %s/%s, LoRA rank %d, %d steps\n",

@@ -96,19 +96,111 @@ class SegmentNode : public torch::autograd::Function<SegmentNode> {
   }
 };
 
-// A grouped node's gradient of one factor: into its view of the pass's
-// gradient buffer when there is one (written once; the flush adds it), else
-// added into the bank factor's .grad rows of `slots`. The same bf16 (or fp32)
-// product either way, so the same bits reach .grad.
-void FactorGradOut(const at::Tensor& into, const at::Tensor& factor, const at::Tensor& slots, const at::Tensor& a,
-                   const at::Tensor& b) {
+// Whether at::_grouped_mm takes t as it is: bf16 on CUDA, 16-byte aligned,
+// its last two dims row- or column-major with a 16-byte leading stride.
+bool GroupedMmTakes(const at::Tensor& t) {
+  if (!compat::kHasGroupedMm || !t.is_cuda() || t.scalar_type() != at::kBFloat16) return false;
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  const int64_t d = t.dim();
+  const int64_t s0 = t.stride(d - 2), s1 = t.stride(d - 1);
+  const bool rows = s1 == 1 && s0 >= t.size(d - 1) && s0 % 8 == 0;
+  const bool cols = s0 == 1 && s1 >= t.size(d - 2) && s1 % 8 == 0;
+  return (rows || cols) && (d == 2 || t.stride(0) % 8 == 0);
+}
+
+at::Tensor ForGroupedMm(const at::Tensor& t) { return GroupedMmTakes(t) ? t : t.contiguous(); }
+
+// How a grouped node's rows [n, .] fall into its U groups: the padded order
+// (U runs of Lmax rows, n = U * Lmax: batched GEMMs over [U, Lmax, .]
+// views), or the ragged one (LoraGroups::ragged: group u's rows end at
+// ends[u], n = T: grouped GEMMs over the packed rows, at::_grouped_mm for
+// bf16 on CUDA, else one GEMM per group).
+struct RowGroups {
+  int64_t U = 0, L = 0;
+  at::Tensor scale;               // padded: [U, 1, 1]; ragged: [n, 1]; in the compute type
+  at::Tensor ends;                // ragged: [U] int32 (undefined: padded)
+  std::vector<int64_t> ends_host;
+
+  RowGroups(const LoraGroups& r, at::ScalarType ct)
+      : U(r.num_slots()), L(r.max_rows), scale((r.ragged ? r.row_scale : r.scale).to(ct)),
+        ends(r.ragged ? r.ends : at::Tensor()), ends_host(r.ragged ? r.ends_host : std::vector<int64_t>()) {}
+  RowGroups(int64_t u, int64_t l, at::Tensor s, at::Tensor e, std::vector<int64_t> eh)
+      : U(u), L(l), scale(std::move(s)), ends(std::move(e)), ends_host(std::move(eh)) {}
+  bool ragged() const { return ends.defined(); }
+  int64_t Begin(int64_t u) const { return u == 0 ? 0 : ends_host[static_cast<size_t>(u - 1)]; }
+  bool Grouped(const at::Tensor& a, const at::Tensor& b) const {
+    return compat::kHasGroupedMm && a.is_cuda() && a.scalar_type() == at::kBFloat16 &&
+           b.scalar_type() == at::kBFloat16 && a.size(-1) % 8 == 0 && b.size(-1) % 8 == 0;
+  }
+
+  // x [n, K] times w[u] [K, N] for group u's rows: into out [n, N] (added
+  // to it where add), or a new tensor (out undefined).
+  at::Tensor Rows(const at::Tensor& x, const at::Tensor& w, at::Tensor out = {}, bool add = false) const {
+    const int64_t N = w.size(2);
+    if (!ragged()) {
+      const at::Tensor xv = x.view({U, L, x.size(1)});
+      if (!out.defined()) return at::bmm(xv, w).view({U * L, N});
+      at::Tensor ov = out.view({U, L, N});
+      if (add)
+        ov.baddbmm_(xv, w);
+      else
+        at::bmm_out(ov, xv, w);
+      return out;
+    }
+    if (Grouped(x, w)) {
+      const at::Tensor y = compat::GroupedMm(ForGroupedMm(x), ForGroupedMm(w), ends);
+      if (!out.defined()) return y;
+      return add ? out.add_(y) : out.copy_(y);
+    }
+    if (!out.defined()) out = at::empty({x.size(0), N}, x.options());
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
+      at::Tensor o = out.narrow(0, b, n);
+      if (add)
+        o.addmm_(x.narrow(0, b, n), w.select(0, u));
+      else
+        o.copy_(at::mm(x.narrow(0, b, n), w.select(0, u)));
+    }
+    return out;
+  }
+  // Each group's p_u^T q_u, p [n, M], q [n, N]: [U, M, N] (into out where given).
+  at::Tensor Sum(const at::Tensor& p, const at::Tensor& q, at::Tensor out = {}) const {
+    if (!ragged()) {
+      const at::Tensor pv = p.view({U, L, p.size(1)}).transpose(1, 2), qv = q.view({U, L, q.size(1)});
+      if (!out.defined()) return at::bmm(pv, qv);
+      return at::bmm_out(out, pv, qv);
+    }
+    if (Grouped(p, q)) {
+      const at::Tensor y = compat::GroupedMm(ForGroupedMm(p.t()), ForGroupedMm(q), ends);
+      return out.defined() ? out.copy_(y) : y;
+    }
+    if (!out.defined()) out = at::empty({U, p.size(1), q.size(1)}, p.options());
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
+      out.select(0, u).copy_(at::mm(p.narrow(0, b, n).t(), q.narrow(0, b, n)));
+    }
+    return out;
+  }
+  // h [n, R] times its group's alpha / r.
+  at::Tensor Scaled(const at::Tensor& h) const {
+    if (ragged()) return h * scale;
+    return (h.view({U, L, h.size(1)}) * scale).view({U * L, h.size(1)});
+  }
+};
+
+// A grouped node's gradient of one factor, Sum(p, q): into its view of the
+// pass's gradient buffer when there is one (written once; the flush adds
+// it), else added into the bank factor's .grad rows of `slots`. The same
+// bf16 (or fp32) product either way, so the same bits reach .grad.
+void FactorGradSum(const at::Tensor& into, const at::Tensor& factor, const at::Tensor& slots, const RowGroups& rg,
+                   const at::Tensor& p, const at::Tensor& q) {
   if (into.defined()) {
-    at::Tensor out = into;
-    at::bmm_out(out, a, b);
+    rg.Sum(p, q, into);
     return;
   }
-  FactorGrad(factor).index_add_(0, slots, at::bmm(a, b).to(factor.scalar_type()));
+  FactorGrad(factor).index_add_(0, slots, rg.Sum(p, q).to(factor.scalar_type()));
 }
+
 
 // A node's own copy of an optional tensor input's presence: custom nodes
 // take only defined tensors.
@@ -253,10 +345,12 @@ class GroupedNode : public torch::autograd::Function<GroupedNode> {
     const at::Tensor gp = g.to(ct).view({U, L, -1});
     const at::Tensor a = saved[6].defined() ? saved[6] : A.index_select(0, slots).to(ct);  // [U, R, d_in]
     const at::Tensor b = saved[7].defined() ? saved[7] : B.index_select(0, slots).to(ct);  // [U, d_out, R]
+    const RowGroups rg(U, L, scale, at::Tensor(), {});  // the padded order, over flat [U * L, .] rows
+    const auto flat = [&](const at::Tensor& t) { return t.view({U * L, -1}); };
     // y = bmm(h, b^T): gB = gp^T h; gh = gp b; h = bmm(xp, a^T) scale: gxa = gh scale.
-    FactorGradOut(gb, B, slots, gp.transpose(1, 2), h);
+    FactorGradSum(gb, B, slots, rg, flat(gp), flat(h));
     const at::Tensor gxa = at::bmm(gp, b) * scale;  // [U, L, R]
-    FactorGradOut(ga, A, slots, gxa.transpose(1, 2), xp);
+    FactorGradSum(ga, A, slots, rg, flat(gxa), flat(xp));
     if (!ctx->needs_input_grad(0)) return out;
     out[0] = at::bmm(gxa, a).view({U * L, d_in}).to(x_dtype);
     return out;
@@ -270,110 +364,6 @@ at::Tensor JointA(const std::vector<JointTarget>& targets) {
   std::vector<at::Tensor> as;
   for (const JointTarget& t : targets) as.push_back(t.a);
   return at::cat(as, 1);
-}
-
-// Whether at::_grouped_mm takes t as it is: bf16 on CUDA, 16-byte aligned,
-// its last two dims row- or column-major with a 16-byte leading stride.
-bool GroupedMmTakes(const at::Tensor& t) {
-  if (!compat::kHasGroupedMm || !t.is_cuda() || t.scalar_type() != at::kBFloat16) return false;
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  const int64_t d = t.dim();
-  const int64_t s0 = t.stride(d - 2), s1 = t.stride(d - 1);
-  const bool rows = s1 == 1 && s0 >= t.size(d - 1) && s0 % 8 == 0;
-  const bool cols = s0 == 1 && s1 >= t.size(d - 2) && s1 % 8 == 0;
-  return (rows || cols) && (d == 2 || t.stride(0) % 8 == 0);
-}
-
-at::Tensor ForGroupedMm(const at::Tensor& t) { return GroupedMmTakes(t) ? t : t.contiguous(); }
-
-// How a grouped node's rows [n, .] fall into its U groups: the padded order
-// (U runs of Lmax rows, n = U * Lmax: batched GEMMs over [U, Lmax, .]
-// views), or the ragged one (LoraGroups::ragged: group u's rows end at
-// ends[u], n = T: grouped GEMMs over the packed rows, at::_grouped_mm for
-// bf16 on CUDA, else one GEMM per group).
-struct RowGroups {
-  int64_t U = 0, L = 0;
-  at::Tensor scale;               // padded: [U, 1, 1]; ragged: [n, 1]; in the compute type
-  at::Tensor ends;                // ragged: [U] int32 (undefined: padded)
-  std::vector<int64_t> ends_host;
-
-  RowGroups(const LoraGroups& r, at::ScalarType ct)
-      : U(r.num_slots()), L(r.max_rows), scale((r.ragged ? r.row_scale : r.scale).to(ct)),
-        ends(r.ragged ? r.ends : at::Tensor()), ends_host(r.ragged ? r.ends_host : std::vector<int64_t>()) {}
-  RowGroups(int64_t u, int64_t l, at::Tensor s, at::Tensor e, std::vector<int64_t> eh)
-      : U(u), L(l), scale(std::move(s)), ends(std::move(e)), ends_host(std::move(eh)) {}
-  bool ragged() const { return ends.defined(); }
-  int64_t Begin(int64_t u) const { return u == 0 ? 0 : ends_host[static_cast<size_t>(u - 1)]; }
-  bool Grouped(const at::Tensor& a, const at::Tensor& b) const {
-    return compat::kHasGroupedMm && a.is_cuda() && a.scalar_type() == at::kBFloat16 &&
-           b.scalar_type() == at::kBFloat16 && a.size(-1) % 8 == 0 && b.size(-1) % 8 == 0;
-  }
-
-  // x [n, K] times w[u] [K, N] for group u's rows: into out [n, N] (added
-  // to it where add), or a new tensor (out undefined).
-  at::Tensor Rows(const at::Tensor& x, const at::Tensor& w, at::Tensor out = {}, bool add = false) const {
-    const int64_t N = w.size(2);
-    if (!ragged()) {
-      const at::Tensor xv = x.view({U, L, x.size(1)});
-      if (!out.defined()) return at::bmm(xv, w).view({U * L, N});
-      at::Tensor ov = out.view({U, L, N});
-      if (add)
-        ov.baddbmm_(xv, w);
-      else
-        at::bmm_out(ov, xv, w);
-      return out;
-    }
-    if (Grouped(x, w)) {
-      const at::Tensor y = compat::GroupedMm(ForGroupedMm(x), ForGroupedMm(w), ends);
-      if (!out.defined()) return y;
-      return add ? out.add_(y) : out.copy_(y);
-    }
-    if (!out.defined()) out = at::empty({x.size(0), N}, x.options());
-    for (int64_t u = 0; u < U; ++u) {
-      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
-      at::Tensor o = out.narrow(0, b, n);
-      if (add)
-        o.addmm_(x.narrow(0, b, n), w.select(0, u));
-      else
-        o.copy_(at::mm(x.narrow(0, b, n), w.select(0, u)));
-    }
-    return out;
-  }
-  // Each group's p_u^T q_u, p [n, M], q [n, N]: [U, M, N] (into out where given).
-  at::Tensor Sum(const at::Tensor& p, const at::Tensor& q, at::Tensor out = {}) const {
-    if (!ragged()) {
-      const at::Tensor pv = p.view({U, L, p.size(1)}).transpose(1, 2), qv = q.view({U, L, q.size(1)});
-      if (!out.defined()) return at::bmm(pv, qv);
-      return at::bmm_out(out, pv, qv);
-    }
-    if (Grouped(p, q)) {
-      const at::Tensor y = compat::GroupedMm(ForGroupedMm(p.t()), ForGroupedMm(q), ends);
-      return out.defined() ? out.copy_(y) : y;
-    }
-    if (!out.defined()) out = at::empty({U, p.size(1), q.size(1)}, p.options());
-    for (int64_t u = 0; u < U; ++u) {
-      const int64_t b = Begin(u), n = ends_host[static_cast<size_t>(u)] - b;
-      out.select(0, u).copy_(at::mm(p.narrow(0, b, n).t(), q.narrow(0, b, n)));
-    }
-    return out;
-  }
-  // h [n, R] times its group's alpha / r.
-  at::Tensor Scaled(const at::Tensor& h) const {
-    if (ragged()) return h * scale;
-    return (h.view({U, L, h.size(1)}) * scale).view({U * L, h.size(1)});
-  }
-};
-
-// A factor's gradient, Sum(p, q): into its view of the pass's gradient
-// buffer where there is one, else added into the bank factor's .grad rows
-// of `slots` (FactorGradOut's two ways).
-void FactorGradSum(const at::Tensor& into, const at::Tensor& factor, const at::Tensor& slots, const RowGroups& rg,
-                   const at::Tensor& p, const at::Tensor& q) {
-  if (into.defined()) {
-    rg.Sum(p, q, into);
-    return;
-  }
-  FactorGrad(factor).index_add_(0, slots, rg.Sum(p, q).to(factor.scalar_type()));
 }
 
 // Several targets of one input over the grouped form with rows in padded
