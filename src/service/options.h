@@ -50,7 +50,10 @@ struct ServiceOptions {
   // packable pass (sched/planner.h, POLICY 6), so that tenants whose
   // forward_backward completed early step, publish and sample while the
   // others' pieces still train, instead of the whole round in lockstep.
-  // Off by default until measured on a GPU (docs/benchmarks.md).
+  // Off by default: on the H100 (bench rl, 16 tenants, session 32) the
+  // decode steps that then ran beside passes took 19 ms instead of 14 and
+  // the passes slowed as much, on either decode stream (2.90x against
+  // 2.96x; docs/benchmarks.md).
   bool small_ops_first = false;
   // --max-models-per-tenant: live models (adapter slots, held or being bound)
   // one tenant may have at once; 0 = no per-tenant limit (only the slots).
