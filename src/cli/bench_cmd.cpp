@@ -54,6 +54,7 @@ struct TrainBenchOptions {
   bool lora_fp32 = false;
   std::string lora_order = "ragged";
   int recompute_layers = -1;
+  int64_t context_window = 0;  // 0: the model config's max_position_embeddings
   int64_t graph_tokens = engine::EngineOptions{}.graph_max_tokens;
   std::string moments = engine::EngineOptions{}.moments;
   std::string profile;       // a Kineto trace of one timed step of each row, PATH.one.json / PATH.packed.json
@@ -184,6 +185,7 @@ int BenchTrain(const TrainBenchOptions& o) {
   eo.lora_fp32 = o.lora_fp32;
   eo.lora_ragged = o.lora_order == "ragged";
   eo.recompute_layers = o.recompute_layers;
+  eo.context_window = o.context_window;
   eo.graph_max_tokens = o.graph_tokens;
   eo.moments = o.moments;
   if (o.group_rank > 0) {  // one of rank 0's trainer ranks
@@ -339,6 +341,10 @@ int Bench(int argc, char** argv) {
                     "decoder layers whose activations are recomputed in the backward (0 = keep all; -1 = the "
                     "fewest that fit, per pass, on a GPU)")
       ->default_val(t.recompute_layers)->check(CLI::Range(-1, 100000));
+  train->add_option("--context-window", t.context_window,
+                    "the longest sequence a datum may hold, as loom serve's flag (0 = the model config's "
+                    "max_position_embeddings)")
+      ->default_val(t.context_window)->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
   train->add_option("--graph-tokens", t.graph_tokens,
                     "on a GPU, passes of at most this many tokens (padded: power-of-two lengths of at least 64 "
                     "and counts) run as CUDA graphs; 0 = never")
