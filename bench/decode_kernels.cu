@@ -373,8 +373,8 @@ int main(int argc, char** argv) {
     run("silu", [&](int, cudaStream_t s) { k::SiluMul(true, y, nullptr, x2, rows, kInter, s); });
     run("silu + delta", [&](int, cudaStream_t s) { k::SiluMul(true, y, delta, x2, rows, kInter, s); });
     auto rope = [&](const bf16* d, cudaStream_t s) {
-      k::QkNormRopeWrite(true, y, d, qk_norm, qk_norm, positions, inv_freq, write_rows, q_out, k_pool, v_pool, rows,
-                         kHeads, kKvHeads, kHeadDim, 1e-6f, s);
+      k::QkNormRopeWrite(true, y, d, qk_norm, qk_norm, positions, inv_freq, 1.0f, write_rows, q_out, k_pool, v_pool,
+                         rows, kHeads, kKvHeads, kHeadDim, 1e-6f, s);
     };
     run("rope", [&](int, cudaStream_t s) { rope(nullptr, s); });
     run("rope + delta", [&](int, cudaStream_t s) { rope(delta, s); });

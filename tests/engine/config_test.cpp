@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/model/rope.h"
 
 namespace loom::engine {
 namespace {
@@ -106,8 +110,56 @@ TEST(ModelConfig, AcceptsTransformers5RopeParameters) {
   auto r = ModelConfig::Parse(j.dump());
   ASSERT_TRUE(r.ok()) << r.status().message();
   EXPECT_DOUBLE_EQ(r->rope_theta, 5e5);
-  j["rope_parameters"]["rope_type"] = "yarn";
+  j["rope_parameters"]["rope_type"] = "linear";
   ExpectInvalidNaming(j, "rope_parameters");
+}
+
+// Qwen's documented way past 32K: YaRN in rope_scaling (factor 4 over the
+// pretrained 32,768). The figures are transformers 5.17's Qwen3RotaryEmbedding
+// and Qwen2RotaryEmbedding for a head_dim of 16 and theta 10^6 (H100 machine,
+// session 32; both classes gave the same): it takes the stated factor even
+// where max_position_embeddings / original_max_position_embeddings differs
+// (it warns), the original length from rope_scaling, else
+// max_position_embeddings, and the attention factor 0.1 ln(factor) + 1 on cos
+// and sin.
+TEST(ModelConfig, QwenYarnRopeMatchesTransformers) {
+  struct Case {
+    int64_t max_positions, original;  // original 0: not stated
+    std::vector<double> inv_freq;
+  };
+  const std::vector<Case> cases = {
+      {2048, 64, {1.0, 0.11114246398210526, 0.007905694656074047, 0.0014058533124625683, 0.0002500000118743628,
+                  4.4456985051510856e-05, 7.905693564680405e-06, 1.405853367941745e-06}},
+      {2048, 0, {1.0, 0.17782793939113617, 0.023717083036899567, 0.0028117066249251366, 0.0002500000118743628,
+                 4.4456985051510856e-05, 7.905693564680405e-06, 1.405853367941745e-06}},
+      {40960, 32768, {1.0, 0.17782793939113617, 0.03162277862429619, 0.004217559937387705, 0.0005000000237487257,
+                      4.4456985051510856e-05, 7.905693564680405e-06, 1.405853367941745e-06}},
+  };
+  for (const char* type : {"qwen2", "qwen3", "qwen3_moe"}) {
+    for (const Case& k : cases) {
+      json j = Qwen3();
+      j["model_type"] = type;
+      j["hidden_size"] = 64, j["num_attention_heads"] = 4, j["num_key_value_heads"] = 2, j["head_dim"] = 16;
+      j["max_position_embeddings"] = k.max_positions;
+      j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+      if (k.original > 0) j["rope_scaling"]["original_max_position_embeddings"] = k.original;
+      if (std::string(type) == "qwen3_moe") {
+        j["num_experts"] = 4, j["num_experts_per_tok"] = 2, j["moe_intermediate_size"] = 32;
+        j["decoder_sparse_step"] = 1;
+      }
+      auto c = ModelConfig::Parse(j.dump());
+      ASSERT_TRUE(c.ok()) << type << ": " << c.status().message();
+      EXPECT_EQ(c->rope_type, "yarn");
+      const RopeFrequencies r = MakeRopeFrequencies(*c, 16);
+      ASSERT_EQ(r.inv_freq.numel(), 8);
+      for (int64_t i = 0; i < 8; ++i) {
+        const double want = k.inv_freq[static_cast<size_t>(i)];
+        EXPECT_NEAR(r.inv_freq[i].item<double>(), want, 1e-6 * want)
+            << type << " max " << k.max_positions << " original " << k.original << " frequency " << i;
+      }
+      EXPECT_NEAR(r.scale, 1.138629436111989, 1e-12) << type;
+    }
+  }
 }
 
 TEST(ModelConfig, EachErrorNamesItsField) {
@@ -123,8 +175,10 @@ TEST(ModelConfig, EachErrorNamesItsField) {
   }
   {
     json j = Qwen25();
-    j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}};
+    j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
     ExpectInvalidNaming(j, "rope_scaling");
+    j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"attention_factor", 1.0}};
+    ExpectInvalidNaming(j, "rope_scaling.attention_factor");
   }
   for (const char* f : {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"}) {
     json j = Qwen3();

@@ -195,6 +195,35 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
   }
 }
 
+// Qwen's YaRN on the graphs: the decode kernel scales cos and sin by the
+// attention factor as the eager tables do (factor 4 over an original
+// context of 16, which the rows' positions pass).
+TEST(FastDecode, YarnEqualsEagerDecode) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  test::TempDir dir("loom-fast-decode-yarn");
+  const std::string model_dir = dir.path() + "/qwen3";
+  ASSERT_TRUE(Generate(model_dir, "qwen3", "small", 3));
+  const std::string path = model_dir + "/config.json";
+  std::ifstream in(path);
+  nlohmann::json cfg = nlohmann::json::parse(in);
+  in.close();
+  cfg["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 16}};
+  std::ofstream(path) << cfg.dump(1);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    std::shared_ptr<const Transformer> model = LoadOnGpu(model_dir, dtype);
+    ASSERT_TRUE(model);
+    ASSERT_EQ(model->config().rope_type, "yarn");
+    SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
+    bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
+    BindMixed(bank, 16);
+    bool used = false;
+    const double diff = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used);
+    if (!used) GTEST_SKIP() << "no fast decode path in this build";
+    std::printf("fast decode qwen3 yarn %s: max |logit diff| %.3g\n", dtype == at::kFloat ? "fp32" : "bf16", diff);
+    EXPECT_LE(diff, dtype == at::kFloat ? 1e-4 : 0.3);
+  }
+}
+
 // An MoE model on the graphs (DecodeOptions::moe_graphs, on by default):
 // qwen3_moe's small preset (three MoE layers of 32 experts, layer 1 dense)
 // in bf16, the experts' block captured as ATen ops with its LoRA in the pair

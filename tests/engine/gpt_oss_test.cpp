@@ -96,10 +96,12 @@ TEST(GptOssConfig, RejectsWhatIsNotImplementedNamingTheField) {
     ASSERT_FALSE(c.ok()) << field;
     EXPECT_NE(c.status().message().find(field), std::string::npos) << c.status().message();
   }
-  // qwen models still refuse yarn.
-  nlohmann::json q = {{"model_type", "qwen3"}, {"vocab_size", 10}, {"hidden_size", 8}, {"intermediate_size", 8},
+  // Families that do not take YaRN still refuse it, naming the field.
+  nlohmann::json q = {{"model_type", "glm4_moe"}, {"vocab_size", 10}, {"hidden_size", 8}, {"intermediate_size", 8},
                       {"num_hidden_layers", 1}, {"num_attention_heads", 2}, {"rope_scaling", Config20b()["rope_scaling"]}};
-  EXPECT_FALSE(ModelConfig::Parse(q.dump()).ok());
+  auto refused = ModelConfig::Parse(q.dump());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("rope_scaling"), std::string::npos) << refused.status().message();
 }
 
 // gpt-oss-20b's YaRN (head_dim 64, theta 150000, factor 32, original 4096,

@@ -1,7 +1,8 @@
 // QkNormRopeWrite (engine/sample/cuda/rope.h) against ATen: q and k heads
 // (with qwen3's per-head norm or without) rotated at each row's position,
 // q to q_out, k and v into the pools' write rows, with and without the
-// projection's LoRA delta, fp32 and bf16.
+// projection's LoRA delta, with YaRN's scale on cos and sin and without,
+// fp32 and bf16.
 #include <gtest/gtest.h>
 
 #if LOOM_CUDA_KERNELS
@@ -28,7 +29,7 @@ at::Tensor HeadNorm(const at::Tensor& v, const at::Tensor& w, at::ScalarType t) 
   return Round(w.to(at::kFloat) * Round(v * inv, t), t);
 }
 
-void Check(at::ScalarType t, int64_t hd, bool norms, bool delta) {
+void Check(at::ScalarType t, int64_t hd, bool norms, bool delta, float scale = 1.0f) {
   at::manual_seed(11);
   const int64_t rows = 3, width = (kHeads + 2 * kKvHeads) * hd;
   const at::Tensor qkv = Randn({rows, width}, t), d = Randn({rows, width}, t, 0.1);
@@ -40,9 +41,9 @@ void Check(at::ScalarType t, int64_t hd, bool norms, bool delta) {
   at::Tensor k_pool = at::zeros({kPoolRows, kKvHeads, hd}, On(t)), v_pool = at::zeros_like(k_pool);
   cuda::QkNormRopeWrite(t == at::kBFloat16, qkv.data_ptr(), delta ? d.data_ptr() : nullptr,
                         norms ? qn.data_ptr() : nullptr, norms ? kn.data_ptr() : nullptr,
-                        positions.data_ptr<int64_t>(), inv_freq.data_ptr<float>(), write_rows.data_ptr<int64_t>(),
-                        q_out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), rows, kHeads, kKvHeads, hd, kEps,
-                        Stream());
+                        positions.data_ptr<int64_t>(), inv_freq.data_ptr<float>(), scale,
+                        write_rows.data_ptr<int64_t>(), q_out.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), rows,
+                        kHeads, kKvHeads, hd, kEps, Stream());
 
   const at::Tensor all = delta ? AddDelta(qkv.to(at::kFloat), d.to(at::kFloat), t) : qkv.to(at::kFloat);
   at::Tensor q = all.narrow(1, 0, kHeads * hd).view({rows, kHeads, hd});
@@ -53,13 +54,14 @@ void Check(at::ScalarType t, int64_t hd, bool norms, bool delta) {
     k = HeadNorm(k, kn, t);
   }
   const at::Tensor angle = positions.to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);  // [rows, hd / 2]
-  const at::Tensor cs = Round(at::cat({angle, angle}, 1).cos(), t).unsqueeze(1);
-  const at::Tensor sn = Round(at::cat({angle, angle}, 1).sin(), t).unsqueeze(1);
+  const at::Tensor cs = Round(at::cat({angle, angle}, 1).cos() * scale, t).unsqueeze(1);
+  const at::Tensor sn = Round(at::cat({angle, angle}, 1).sin() * scale, t).unsqueeze(1);
   at::Tensor k_want = at::zeros({kPoolRows, kKvHeads, hd}, On(at::kFloat)), v_want = at::zeros_like(k_want);
   k_want.index_copy_(0, write_rows, Rope(k, cs, sn, t));
   v_want.index_copy_(0, write_rows, Round(v, t));
   const std::string what = std::string(t == at::kBFloat16 ? "bf16" : "fp32") + " hd=" + std::to_string(hd) +
-                           (norms ? " norms" : "") + (delta ? " delta" : "");
+                           (norms ? " norms" : "") + (delta ? " delta" : "") +
+                           (scale != 1.0f ? " scale " + std::to_string(scale) : "");
   ExpectClose(q_out, Rope(q, cs, sn, t), Rtol(t), Atol(t), what + ": q");
   ExpectClose(k_pool, k_want, Rtol(t), Atol(t), what + ": k pool");
   ExpectClose(v_pool, v_want, Rtol(t), Atol(t), what + ": v pool");
@@ -72,6 +74,7 @@ TEST(QkNormRopeKernel, MatchesATenForQueriesKeysAndValues) {
       Check(t, hd, false, false);
       Check(t, hd, true, false);
       Check(t, hd, true, true);
+      Check(t, hd, true, true, 1.1386294f);  // YaRN's 0.1 ln(4) + 1 (factor 4)
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <map>
 
 #include "engine/model/attention.h"
+#include "cached_check.h"
 #include "gpt_oss_reference.h"
 #include "tiny_model.h"
 #include "testmodel/make_model.h"
@@ -398,6 +399,29 @@ TEST(TransformerCuda, AgreesWithCpu) {
   EXPECT_LT(MaxDiff(lps[0], lps[1]), 1e-4);
   EXPECT_LT(RelDiff(grads[2], grads[0]), 1e-4);
   EXPECT_LT(RelDiff(grads[3], grads[1]), 1e-4);
+}
+
+// Qwen's YaRN (factor 4 over an original context of 8, which the test's
+// positions pass): over the same weights and adapter the trainer's hidden
+// states move off plain RoPE's, and the sampler's cached forward (a prefill,
+// a decode step, a prefill over a cached prefix) matches them.
+TEST(QwenYarn, MovesTheHiddenStatesAndTheCachedForwardMatchesTheTrainer) {
+  for (const char* arch : {"qwen2", "qwen3"}) {
+    ModelConfig c = TinyConfig(arch);
+    const auto weights = RandomWeights(c, 5);
+    auto plain = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+    c.rope_type = "yarn", c.rope_factor = 4.0, c.rope_original_max_position = 8;
+    auto yarn = Transformer::FromTensors(c, weights, at::kCPU, at::kFloat);
+    ASSERT_TRUE(plain.ok() && yarn.ok()) << arch;
+    auto bank = Bank(**yarn, 3, 4);
+    BindRandom(*bank, 1, 4, 8.0, 21);
+    const std::vector<int32_t> seq = {5, 40, 17, 3, 33, 58, 2, 7, 12, 60, 31, 9};
+    c10::NoGradGuard no_grad;
+    const PackedBatch batch = PackedBatch::Make({seq}, {1}, at::kCPU);
+    const at::Tensor want = (*yarn)->Hidden(batch, *bank);
+    EXPECT_GT(MaxDiff((*plain)->Hidden(batch, *bank), want), 1e-3) << arch;
+    ExpectCachedForwardMatches(**yarn, *bank, seq, 1, want, 1e-5);
+  }
 }
 
 TEST(PackedBatchTest, PositionsRestartPerSequence) {

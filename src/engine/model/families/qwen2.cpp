@@ -25,6 +25,7 @@ extern const Family kQwen2Family;
 const Family kQwen2Family{.model_type = "qwen2",
                           .architecture = "Qwen2ForCausalLM",
                           .presets = kQwenDensePresets,
+                          .yarn = true,
                           .o_bias = false,
                           .parse = Parse,
                           .layer_weights = QwenDenseLayerWeights,

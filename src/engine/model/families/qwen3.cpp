@@ -78,6 +78,7 @@ extern const Family kQwen3Family;
 const Family kQwen3Family{.model_type = "qwen3",
                           .architecture = "Qwen3ForCausalLM",
                           .presets = kQwenDensePresets,
+                          .yarn = true,
                           .parse = ParseQwen3Attention,
                           .write = WriteQwen3Attention,
                           .layer_weights = QwenDenseLayerWeights,

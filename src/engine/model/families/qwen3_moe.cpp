@@ -127,6 +127,7 @@ extern const Family kQwen3MoeFamily;
 const Family kQwen3MoeFamily{.model_type = "qwen3_moe",
                              .architecture = "Qwen3MoeForCausalLM",
                              .presets = "tiny, small, qwen3-30b-a3b",
+                             .yarn = true,
                              .parse = Parse,
                              .write = Write,
                              .check = CheckExperts,

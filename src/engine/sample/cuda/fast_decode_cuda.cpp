@@ -391,8 +391,8 @@ class CudaFastDecode final : public FastDecode {
       Mark("qkv", st);
       cuda::QkNormRopeWrite(bf16_, qkv.data_ptr(), ptr(d_qkv), l.q_norm.defined() ? l.q_norm.data_ptr() : nullptr,
                             l.k_norm.defined() ? l.k_norm.data_ptr() : nullptr, positions.data_ptr<int64_t>(),
-                            m.inv_freq.data_ptr<float>(), write_rows, q.data_ptr(), cache_->k[i].data_ptr(),
-                            cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
+                            m.inv_freq.data_ptr<float>(), static_cast<float>(m.rope_scale), write_rows,
+                            q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
       Mark("rope", st);
       cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
                             ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st, attention_);

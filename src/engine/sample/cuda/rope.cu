@@ -12,8 +12,8 @@ namespace {
 // Grid (rows, H + 2 KVH heads), hd threads; qkv's delta is added first.
 template <typename T>
 __global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, const T* k_norm, const int64_t* positions,
-                                 const float* inv_freq, const int64_t* write_rows, T* q_out, T* k_pool, T* v_pool,
-                                 int heads, int kv_heads, int hd, float eps) {
+                                 const float* inv_freq, float rope_scale, const int64_t* write_rows, T* q_out,
+                                 T* k_pool, T* v_pool, int heads, int kv_heads, int hd, float eps) {
   extern __shared__ float head[];  // hd
   const int64_t s = blockIdx.x;
   const int h = blockIdx.y, i = threadIdx.x;
@@ -36,7 +36,8 @@ __global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, 
   const int half = hd / 2;
   const float rot = i < half ? -head[i + half] : head[i - half];
   const float angle = static_cast<float>(positions[s]) * inv_freq[i % half];
-  const float cs = Round<T>(cosf(angle)), sn = Round<T>(sinf(angle));
+  // YaRN scales cos and sin in fp32 before they round, as the eager tables (Rope::Make).
+  const float cs = Round<T>(cosf(angle) * rope_scale), sn = Round<T>(sinf(angle) * rope_scale);
   const T out = FromF<T>(Round<T>(v * cs) + Round<T>(rot * sn));
   if (is_q) {
     q_out[(s * heads + h) * hd + i] = out;
@@ -47,25 +48,26 @@ __global__ void QkNormRopeKernel(const T* qkv, const T* delta, const T* q_norm, 
 
 template <typename T>
 void LaunchQkNormRope(const void* qkv, const void* delta, const void* q_norm, const void* k_norm,
-                      const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
-                      void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      float eps, cudaStream_t stream) {
+                      const int64_t* positions, const float* inv_freq, float rope_scale, const int64_t* write_rows,
+                      void* q_out, void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, float eps, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads + 2 * kv_heads));
   QkNormRopeKernel<T><<<grid, static_cast<unsigned>(head_dim), static_cast<size_t>(head_dim) * sizeof(float), stream>>>(
       static_cast<const T*>(qkv), static_cast<const T*>(delta), static_cast<const T*>(q_norm),
-      static_cast<const T*>(k_norm), positions, inv_freq, write_rows, static_cast<T*>(q_out), static_cast<T*>(k_pool),
-      static_cast<T*>(v_pool), static_cast<int>(heads), static_cast<int>(kv_heads), static_cast<int>(head_dim), eps);
+      static_cast<const T*>(k_norm), positions, inv_freq, rope_scale, write_rows, static_cast<T*>(q_out),
+      static_cast<T*>(k_pool), static_cast<T*>(v_pool), static_cast<int>(heads), static_cast<int>(kv_heads),
+      static_cast<int>(head_dim), eps);
 }
 
 }  // namespace
 
 void QkNormRopeWrite(bool bf16, const void* qkv, const void* qkv_delta, const void* q_norm, const void* k_norm,
-                     const int64_t* positions, const float* inv_freq, const int64_t* write_rows, void* q_out,
-                     void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     float eps, cudaStream_t stream) {
+                     const int64_t* positions, const float* inv_freq, float rope_scale, const int64_t* write_rows,
+                     void* q_out, void* k_pool, void* v_pool, int64_t rows, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, float eps, cudaStream_t stream) {
   if (rows <= 0) return;
-  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_delta, q_norm, k_norm, positions, inv_freq, write_rows, q_out, k_pool,
-                v_pool, rows, heads, kv_heads, head_dim, eps, stream);
+  LOOM_DISPATCH(bf16, LaunchQkNormRope, qkv, qkv_delta, q_norm, k_norm, positions, inv_freq, rope_scale, write_rows,
+                q_out, k_pool, v_pool, rows, heads, kv_heads, head_dim, eps, stream);
 }
 
 }  // namespace loom::engine::cuda
