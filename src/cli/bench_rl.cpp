@@ -60,6 +60,7 @@ struct RlOptions {
   bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
+  int64_t kv_budget_tokens = DriverOptions{}.kv_budget_tokens;
   std::string pass_tokens = "most";
   std::string lora_order = "ragged";
   bool small_ops_first = false;
@@ -368,6 +369,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.with_sampler = true;
   opt.publish_threads = o.publish_threads;
   opt.token_budget = o.token_budget;
+  opt.kv_budget_tokens = o.kv_budget_tokens;
   opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
   opt.lora_ragged = o.lora_order == "ragged";
   opt.small_ops_first = o.small_ops_first;
@@ -487,6 +489,11 @@ int BenchRl(int argc, char** argv) {
                  "measured at start-up; 8192 on the CPU)")
       ->default_val(o.token_budget)
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  app.add_option("--kv-budget-tokens", o.kv_budget_tokens,
+                 "the sampler's KV cache in tokens, as loom serve's (0 = serve's default: 512 a batch row on a GPU, "
+                 "65,536 on the CPU); what it leaves free is the trainer's room for activations")
+      ->default_val(o.kv_budget_tokens)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--pass-tokens", o.pass_tokens,
                  "most | kept: passes sized to the most that fit with every layer recomputed, or to the tokens "
                  "that fit with every layer kept (as loom serve's flag)")

@@ -61,6 +61,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
     samp.model_dir = model_dir;
     samp.max_rank = options.max_rank;
     samp.trainer_slots = options.max_slots;  // sampler_adapters auto: one per slot, memory permitting
+    samp.kv_budget_tokens = options.kv_budget_tokens;
     samp.admission_window = sopt.batch_window;  // as loom serve (--batch-window-ms)
     if (options.sampler_steps) options.sampler_steps->Apply(&samp);
     if (options.sampler_decode) samp.decode = options.sampler_decode->options();
