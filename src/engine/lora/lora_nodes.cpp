@@ -201,7 +201,6 @@ void FactorGradSum(const at::Tensor& into, const at::Tensor& factor, const at::T
   FactorGrad(factor).index_add_(0, slots, rg.Sum(p, q).to(factor.scalar_type()));
 }
 
-
 // A node's own copy of an optional tensor input's presence: custom nodes
 // take only defined tensors.
 at::Tensor OrEmpty(const at::Tensor& t) { return t.defined() ? t : at::empty({0}); }
