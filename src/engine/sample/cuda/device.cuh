@@ -122,6 +122,29 @@ struct Raw {
   __device__ __forceinline__ float At(int k) const { return ToF(e[k]); }
 };
 
+// ---- tensor cores (bf16 operands, fp32 accumulators) ----
+//
+// mma.sync m16n8k16: C[16 x 8] += A[16 x 16] B[16 x 8]. Lane l is in quad
+// g = l / 4 at position tq = l % 4. Its A registers hold (row g, k 2tq and
+// 2tq+1), (row g+8, the same k), (row g, k 2tq+8 and 2tq+9), (row g+8,
+// those); its B registers (k 2tq and 2tq+1, column g), (k 2tq+8 and 2tq+9,
+// column g); it holds C[g][2tq], C[g][2tq+1], C[g+8][2tq], C[g+8][2tq+1].
+// A pair's lower k is the register's low half, as loaded from memory.
+__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                    uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16 pair (lo in the low half, as loaded from memory).
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline unsigned Blocks(int64_t n, int per) { return static_cast<unsigned>((n + per - 1) / per); }

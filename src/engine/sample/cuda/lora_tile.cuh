@@ -85,22 +85,7 @@ Lora<T> Resolve(const LoraArgs& a) {
 // g, and leaves it C[g][2tq], C[g][2tq+1], C[g+8][2tq], C[g+8][2tq+1]. A dot
 // product does not depend on the order of its terms, so both operands take
 // logical k (2tq, 2tq+1, 2tq+8, 2tq+9) from physical k 4tq..4tq+3 of the
-// chunk: each lane loads contiguous elements.
-
-__device__ __forceinline__ void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Two floats as a bf16 pair (lo in the low half, as loaded from memory).
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
+// chunk: each lane loads contiguous elements. (Mma and PackBf16: device.cuh.)
 
 // The row r and M index m of accumulator element e of lane (g, tq).
 __device__ __forceinline__ int AccRow(int tq, int e) { return 2 * tq + (e & 1); }
