@@ -43,6 +43,11 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "on the H100 at 16-256 rows), or each warp's lanes split a head's dims (dims, the earlier kernel)")
       ->default_val(attention_)
       ->check(CLI::IsMember({"dims", "tokens"}));
+  app.add_option("--chunk-attention", chunk_attention_,
+                 "on | off: on the decode graphs, a prefill chunk's rows attend in tiles that load each K/V row once "
+                 "for up to 16 queries, on tensor cores (bf16; off: each row reads its whole context alone)")
+      ->default_val(chunk_attention_)
+      ->check(on_off);
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -58,6 +63,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.moe_graphs = moe_graphs_ == "on";
   o.moe_gemv = moe_gemv_ == "on";
   o.attention_tokens = attention_ == "tokens";
+  o.chunk_attention = chunk_attention_ == "on";
   return o;
 }
 

@@ -89,6 +89,13 @@ struct DecodeOptions {
   // tokens of context against 190, and a 256-row step of 16 adapters
   // 12.3 ms against 14.3 (docs/benchmarks.md, session 26).
   bool attention_tokens = true;
+  // --chunk-attention on (the default): on the decode graphs, the rows of a
+  // prefill chunk (a prompt's new tokens, each one row: FastPrefill and
+  // mixed steps) attend in tiles, every K/V row loaded once for up to 16
+  // queries, on the tensor cores (engine/sample/chunk_tiles.h,
+  // cuda::ChunkAttention; bf16, head_dim 32/64/128, a grouped-query group
+  // dividing 16). Off: each row reads its whole context alone.
+  bool chunk_attention = true;
 };
 
 struct SamplerOptions {

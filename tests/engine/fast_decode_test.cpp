@@ -315,15 +315,17 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
       c.rank = 8 - 2 * slot, c.alpha = 16, c.seed = static_cast<uint64_t>(slot + 1);
       Randomize(bank, slot, c);
     }
-    ModelRunner ref(model, &bank, 128, kBlock, Eager());
+    ModelRunner ref(model, &bank, 160, kBlock, Eager());
     DecodeOptions with_fast_prefill;
     with_fast_prefill.fast_prefill_tokens = 2048;  // the default (sample_api.h), set here for the test
-    ModelRunner fast(model, &bank, 128, kBlock, with_fast_prefill);
+    ModelRunner fast(model, &bank, 160, kBlock, with_fast_prefill);
     if (!fast.fast_decode()) GTEST_SKIP() << "no fast decode path in this build";
     for (int s = 0; s < bank.num_slots(); ++s) fast.SlotChanged(s);
-    const std::vector<int64_t> lens = {40, 300, 150, 9, 260};  // second step: 647 new rows, three replays
-    const std::vector<int64_t> heads = {32, 0, 64, 0, 16};     // prefilled by the first step
-    const std::vector<int> slots = {0, 0, 1, -1, 2};
+    // Second step: 847 new rows, four replays; the last prompt's 200 rows over 1,000-1,199 tokens
+    // of context attend in chunk tiles (bf16; chunk_tiles.h), their contexts split.
+    const std::vector<int64_t> lens = {40, 300, 150, 9, 260, 1200};
+    const std::vector<int64_t> heads = {32, 0, 64, 0, 16, 1000};  // prefilled by the first step
+    const std::vector<int> slots = {0, 0, 1, -1, 2, 1};
     const int64_t vocab = model->config().vocab_size;
     Rows a = MakeRows(lens, slots, vocab, 0), b = MakeRows(lens, slots, vocab, 0);
     double worst = 0.0;

@@ -2,7 +2,9 @@
 // per row over its paged context (blocks scattered over the pools,
 // grouped-query heads), softmax in fp32, fp32 and bf16, head_dim 64 and 128,
 // in both forms (kDims; kTokens where it applies: bf16, head_dim 128, many
-// rows, each of its head groupings).
+// rows, each of its head groupings). ChunkAttention (bf16) on the rows of
+// prefill chunks, tiled by PlanChunkTiles, beside DecodeAttention on the
+// others, against the same reference.
 #include <gtest/gtest.h>
 
 #if LOOM_CUDA_KERNELS
@@ -10,6 +12,7 @@
 #include <cmath>
 #include <vector>
 
+#include "engine/sample/chunk_tiles.h"
 #include "engine/sample/cuda/attention.h"
 #include "kernel_check.h"
 
@@ -89,6 +92,110 @@ TEST(DecodeAttentionKernel, TheTokenFormMatchesATenAtManyRows) {
   EXPECT_FALSE(cuda::TokenLanesApply(true, 4, 32, 8, 128));  // a few rows: too few blocks
   EXPECT_FALSE(cuda::TokenLanesApply(false, 40, 32, 8, 128));  // fp32
   EXPECT_FALSE(cuda::TokenLanesApply(true, 40, 32, 8, 64));  // head_dim 64
+}
+
+// A step as the decode graphs see one with prefill chunks: runs of rows of
+// one sequence at consecutive positions (the chunk's new tokens) over one
+// block table, beside single rows (decode rows). Each run is `runs[k]`
+// rows starting at context `starts[k]` + 1.
+struct ChunkStep {
+  int64_t heads, kv_heads, hd;
+  std::vector<int64_t> runs, starts;
+  int64_t target_warps;  // PlanChunkTiles' (small: one split; large: many)
+};
+
+void CheckChunks(const ChunkStep& cs) {
+  at::manual_seed(29);
+  const at::ScalarType t = at::kBFloat16;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> ctx;
+  std::vector<std::vector<int>> seq_tables;
+  std::vector<size_t> row_seq;
+  int64_t width = 1;
+  for (size_t k = 0; k < cs.runs.size(); ++k) {
+    for (int64_t i = 0; i < cs.runs[k]; ++i) {
+      positions.push_back(cs.starts[k] + i);
+      ctx.push_back(static_cast<int32_t>(cs.starts[k] + i + 1));
+      row_seq.push_back(k);
+    }
+    width = std::max<int64_t>(width, (cs.starts[k] + cs.runs[k] + kBlock - 1) / kBlock);
+  }
+  const int64_t rows = static_cast<int64_t>(positions.size());
+  const int64_t pool_blocks = 3 * width + 5;
+  for (size_t k = 0; k < cs.runs.size(); ++k) {  // scattered, some blocks shared between sequences
+    std::vector<int> tab(static_cast<size_t>(width));
+    for (int64_t b = 0; b < width; ++b) tab[static_cast<size_t>(b)] = static_cast<int>((k * 7 + b * 11) % pool_blocks);
+    seq_tables.push_back(tab);
+  }
+  std::vector<const std::vector<int>*> tables;
+  std::vector<int32_t> table;
+  for (int64_t r = 0; r < rows; ++r) {
+    tables.push_back(&seq_tables[row_seq[static_cast<size_t>(r)]]);
+    for (int b : *tables.back()) table.push_back(b);
+  }
+  const ChunkTilePlan plan = PlanChunkTiles(positions, ctx, tables, cuda::ChunkTileRows(cs.heads, cs.kv_heads),
+                                            cs.kv_heads, cs.target_warps, cuda::kChunkMaxWarps, 0, kChunkSplitAlign);
+  ASSERT_GT(plan.tiles(), 0);
+  std::vector<int32_t> single(ctx), plan_ints = {static_cast<int32_t>(plan.tiles()), plan.splits, plan.split_len};
+  for (int64_t r = 0; r < rows; ++r)
+    if (plan.row_tile[static_cast<size_t>(r)] >= 0) single[static_cast<size_t>(r)] = 0;
+  for (int64_t k = 0; k < rows; ++k) plan_ints.push_back(k < plan.tiles() ? plan.first[static_cast<size_t>(k)] : 0);
+  for (int64_t k = 0; k < rows; ++k) plan_ints.push_back(k < plan.tiles() ? plan.rows[static_cast<size_t>(k)] : 0);
+
+  const at::Tensor q = Randn({rows, cs.heads, cs.hd}, t);
+  const at::Tensor k_pool = Randn({pool_blocks * kBlock, cs.kv_heads, cs.hd}, t);
+  const at::Tensor v_pool = Randn({pool_blocks * kBlock, cs.kv_heads, cs.hd}, t);
+  const at::Tensor table_dev = at::tensor(table, On(at::kInt)), ctx_dev = at::tensor(ctx, On(at::kInt));
+  const at::Tensor single_dev = at::tensor(single, On(at::kInt)), plan_dev = at::tensor(plan_ints, On(at::kInt));
+  const at::Tensor row_tile_dev = at::tensor(plan.row_tile, On(at::kInt));
+  const at::Tensor scratch = at::empty({cuda::ChunkScratchFloats(cs.hd)}, On(at::kFloat));
+  at::Tensor out = at::full({rows, cs.heads * cs.hd}, std::nan(""), On(t));  // every row must be written
+  cuda::DecodeAttention(true, q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table_dev.data_ptr<int32_t>(),
+                        width, single_dev.data_ptr<int32_t>(), kBlock, out.data_ptr(), rows, cs.heads, cs.kv_heads,
+                        cs.hd, Stream(), cuda::AttentionForm::kTokens);
+  cuda::ChunkAttention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), table_dev.data_ptr<int32_t>(), width,
+                       ctx_dev.data_ptr<int32_t>(), plan_dev.data_ptr<int32_t>(), rows,
+                       row_tile_dev.data_ptr<int32_t>(), kBlock, out.data_ptr(), scratch.data_ptr<float>(), rows,
+                       cs.heads, cs.kv_heads, cs.hd, Stream());
+
+  std::vector<at::Tensor> want;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<int64_t> kv_rows;
+    for (int64_t p = 0; p < ctx[static_cast<size_t>(r)]; ++p)
+      kv_rows.push_back(table[static_cast<size_t>(r * width + p / kBlock)] * kBlock + p % kBlock);
+    const at::Tensor idx = at::tensor(kv_rows, On(at::kLong));
+    const int64_t group = cs.heads / cs.kv_heads;
+    const at::Tensor k = k_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
+    const at::Tensor v = v_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
+    const at::Tensor qr = q.select(0, r).to(at::kFloat).unsqueeze(1);
+    const at::Tensor p = at::softmax(at::matmul(qr, k.transpose(1, 2)) / std::sqrt(static_cast<double>(cs.hd)), -1);
+    want.push_back(at::matmul(p, v).reshape({cs.heads * cs.hd}));
+  }
+  const std::string what = "heads " + std::to_string(cs.heads) + "/" + std::to_string(cs.kv_heads) +
+                           " hd=" + std::to_string(cs.hd) + " rows=" + std::to_string(rows) + " tiles=" +
+                           std::to_string(plan.tiles()) + " splits=" + std::to_string(plan.splits);
+  std::printf("chunk attention %s\n", what.c_str());
+  ExpectClose(out, Round(at::stack(want), t), Rtol(t), Atol(t), what);
+}
+
+// Runs of 1 (decode rows), 2, 7 and 37 rows, from contexts 0 to 300 (a
+// chunk at a prompt's start and over a cached prefix), the last tile of a
+// run partial; the contexts in one split and in many (splits past a short
+// tile's context are empty).
+TEST(DecodeAttentionKernel, ChunkTilesMatchATen) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  const std::vector<int64_t> runs = {1, 7, 1, 37, 2, 1, 20};
+  const std::vector<int64_t> starts = {40, 0, 5, 300, 17, 250, 130};
+  for (int64_t target : {int64_t{1}, int64_t{4096}}) {
+    CheckChunks({32, 8, 128, runs, starts, target});  // qwen3-4b: tiles of 4 rows
+    CheckChunks({8, 2, 32, runs, starts, target});    // the small preset
+    CheckChunks({8, 4, 64, runs, starts, target});    // group 2: tiles of 8 rows
+    CheckChunks({4, 4, 128, runs, starts, target});   // no grouping: tiles of 16 rows
+  }
+  EXPECT_TRUE(cuda::ChunkAttentionApplies(true, 32, 8, 128));
+  EXPECT_FALSE(cuda::ChunkAttentionApplies(false, 32, 8, 128));  // fp32
+  EXPECT_FALSE(cuda::ChunkAttentionApplies(true, 14, 2, 64));    // qwen2.5-0.5b: a group of 7
+  EXPECT_FALSE(cuda::ChunkAttentionApplies(true, 32, 8, 256));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "engine/sample/chunk_tiles.h"
 #include "engine/sample/cuda/device.cuh"
 
 namespace loom::engine::cuda {
@@ -63,6 +64,7 @@ __global__ void DecodeAttentionKernel(const T* q, const T* k_pool, const T* v_po
   constexpr int hd = 32 * E;
   __shared__ float part_m[kAttnWarps][G], part_l[kAttnWarps][G], part_acc[kAttnWarps][G][hd];
   const int64_t s = blockIdx.x;
+  if (ctx_len[s] <= 0) return;  // a row ChunkAttention serves
   const int h0 = blockIdx.y * G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int kvh = h0 / (heads / kv_heads);  // G divides heads / kv_heads: the block's heads share it
   float qv[G][E], acc[G][E], m[G], l[G];
@@ -179,6 +181,7 @@ __global__ void __launch_bounds__(32 * kTokWarps)
   constexpr int kParts = 2 * kTokWarps;
   __shared__ float part_m[kParts][G], part_l[kParts][G], part_acc[kParts][G][hd];
   const int64_t s = blockIdx.x;
+  if (ctx_len[s] <= 0) return;  // a row ChunkAttention serves
   const int h0 = blockIdx.y * G, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int half = lane >> 4, j = lane & (kTokLanes - 1);
   const int kvh = h0 / (heads / kv_heads);  // G divides heads / kv_heads: the block's heads share it
@@ -291,7 +294,244 @@ void LaunchAttention(const void* q, const void* k_pool, const void* v_pool, cons
   WithHeadsPerBlock(G, go);
 }
 
+// ---- ChunkAttention (bf16, tensor cores) ----
+
+constexpr int kChunkWarps = 4;    // warps per block: each its own (tile, K/V head, split)
+constexpr int kChunkTokens = 16;  // context tokens per warp step
+static_assert(kChunkTokens == kChunkSplitAlign, "a split is whole warp steps");
+constexpr int kChunkPad = 8;      // bf16 padding of each staged row: lanes' 32-bit reads on distinct banks
+
+// One warp: queries m = i * G + j (tile row i, head j of the K/V head), 16
+// of them; lane (g, tq) owns queries g and g + 8. Scores S = Q K^T over 16
+// tokens are two 16x8 mma tiles (k over head_dim); P = softmax weights in
+// bf16 become the A operand of O += P V as they lie in the S registers (the
+// accumulator layout of two n-tiles is the operand layout of one k16
+// chunk), V staged transposed so that each B register is one 32-bit read.
+template <int HD>
+__global__ void __launch_bounds__(32 * kChunkWarps)
+    ChunkAttentionKernel(const bf16_t* q, const bf16_t* k_pool, const bf16_t* v_pool, const int32_t* table,
+                         int64_t table_stride, const int32_t* ctx_len, const int32_t* plan, int max_tiles,
+                         int block_size, bf16_t* out, float* scratch, int heads, int kv_heads, float scale_log2) {
+  constexpr int KS = HD / 16;  // k chunks of Q K^T
+  constexpr int NT = HD / 8;   // n-tiles of P V
+  constexpr int kParts = HD / 8;  // 16-byte parts of a K/V row
+  __shared__ __align__(16) bf16_t k_s[kChunkWarps][kChunkTokens][HD + kChunkPad];
+  __shared__ __align__(16) bf16_t v_s[kChunkWarps][HD][kChunkTokens + kChunkPad];
+  const int tiles = plan[0], splits = plan[1], split_len = plan[2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int item = blockIdx.x * kChunkWarps + warp;
+  if (item >= tiles * kv_heads * splits) return;  // whole warps: no block-wide barrier below
+  const int split = item % splits, kvh = (item / splits) % kv_heads, tile = item / splits / kv_heads;
+  const int G = heads / kv_heads;
+  const int first = plan[3 + tile], n = plan[3 + max_tiles + tile];
+  const int g = lane >> 2, tq = lane & 3;
+  int row[2], head[2], ctx[2];
+  bool live[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = g + 8 * h, i = m / G;
+    live[h] = i < n;
+    row[h] = first + (live[h] ? i : 0);
+    head[h] = kvh * G + m % G;
+    ctx[h] = live[h] ? ctx_len[row[h]] : 0;
+  }
+  const int last = ctx_len[first + n - 1];
+  const int lo = split * split_len, hi = min(last, lo + split_len);
+  const int32_t* tab = table + static_cast<int64_t>(first) * table_stride;
+
+  uint32_t qa[KS][4];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = r & 1, col = 16 * kk + 2 * tq + (r >= 2 ? 8 : 0);
+      qa[kk][r] = live[h] ? *reinterpret_cast<const uint32_t*>(
+                                q + (static_cast<int64_t>(row[h]) * heads + head[h]) * HD + col)
+                          : 0u;
+    }
+  float o[NT][4], m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
+
+  for (int t0 = lo; t0 < hi; t0 += kChunkTokens) {
+    __syncwarp();  // the previous step's reads of the staged rows are done
+    for (int c = lane; c < kChunkTokens * kParts; c += 32) {
+      const int tok = c / kParts, part = c % kParts, t = t0 + tok;
+      uint4 kr = make_uint4(0, 0, 0, 0), vr = kr;
+      if (t < hi) {
+        const int64_t prow = static_cast<int64_t>(tab[t / block_size]) * block_size + t % block_size;
+        const int64_t off = (prow * kv_heads + kvh) * HD + part * 8;
+        kr = __ldg(reinterpret_cast<const uint4*>(k_pool + off));
+        vr = __ldg(reinterpret_cast<const uint4*>(v_pool + off));
+      }
+      *reinterpret_cast<uint4*>(&k_s[warp][tok][part * 8]) = kr;
+      const bf16_t* ve = reinterpret_cast<const bf16_t*>(&vr);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v_s[warp][part * 8 + e][tok] = ve[e];
+    }
+    __syncwarp();
+    float s[2][4];  // [n-tile: tokens 8j..8j+7][accumulator]
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+      const bf16_t* krow = &k_s[warp][8 * j + g][0];
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(krow + 16 * kk + 2 * tq);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(krow + 16 * kk + 8 + 2 * tq);
+        Mma(s[j], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+      }
+    }
+    // Mask, scale (log2 domain), and the online softmax of queries g, g + 8.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int t = t0 + 8 * j + 2 * tq + (e & 1);
+          s[j][e] = t < hi && t < ctx[h] ? s[j][e] * scale_log2 : -INFINITY;
+          mx = fmaxf(mx, s[j][e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[h], mx);
+      const bool none = m_new == -INFINITY;  // no token of this query yet
+      const float corr = none ? 1.0f : exp2f(m_run[h] - m_new);
+      m_run[h] = m_new;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[j][e] = none ? 0.0f : exp2f(s[j][e] - m_new);
+          sum += s[j][e];
+        }
+      l_run[h] = l_run[h] * corr + sum;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o[nt][2 * h] *= corr;
+        o[nt][2 * h + 1] *= corr;
+      }
+    }
+    const uint32_t pa0 = PackBf16(s[0][0], s[0][1]), pa1 = PackBf16(s[0][2], s[0][3]);
+    const uint32_t pa2 = PackBf16(s[1][0], s[1][1]), pa3 = PackBf16(s[1][2], s[1][3]);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const bf16_t* vrow = &v_s[warp][8 * nt + g][0];
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vrow + 2 * tq);
+      const uint32_t b1 = *reinterpret_cast<const uint32_t*>(vrow + 8 + 2 * tq);
+      Mma(o[nt], pa0, pa1, pa2, pa3, b0, b1);
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  if (splits == 1) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (!live[h]) continue;
+      const float inv = 1.0f / l_run[h];
+      bf16_t* dst = out + (static_cast<int64_t>(row[h]) * heads + head[h]) * HD + 2 * tq;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        *reinterpret_cast<uint32_t*>(dst + 8 * nt) = PackBf16(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);
+    }
+    return;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* dst = scratch + (static_cast<int64_t>(item) * kChunkQueries + g + 8 * h) * (HD + 2);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      dst[8 * nt + 2 * tq] = o[nt][2 * h];
+      dst[8 * nt + 2 * tq + 1] = o[nt][2 * h + 1];
+    }
+    if (tq == 0) {
+      dst[HD] = m_run[h];
+      dst[HD + 1] = l_run[h];
+    }
+  }
+}
+
+// Block r: row r's heads, its splits merged (rows outside every tile, and
+// plans of one split, have nothing to merge).
+template <int HD>
+__global__ void ChunkMergeKernel(const int32_t* plan, int max_tiles, const int32_t* row_tile, const float* scratch,
+                                 bf16_t* out, int heads, int kv_heads) {
+  const int splits = plan[1];
+  const int r = blockIdx.x, tile = row_tile[r];
+  if (splits <= 1 || tile < 0) return;
+  const int G = heads / kv_heads, i = r - plan[3 + tile];
+  for (int e = threadIdx.x; e < heads * HD; e += blockDim.x) {
+    const int h = e / HD, d = e % HD, kvh = h / G, m = i * G + h % G;
+    const auto part = [&](int s) {
+      return scratch + ((((static_cast<int64_t>(tile) * kv_heads + kvh) * splits + s) * kChunkQueries) + m) * (HD + 2);
+    };
+    float M = -INFINITY;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, part(s)[HD]);
+    float L = 0.0f, acc = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float* p = part(s);
+      if (p[HD] == -INFINITY) continue;  // a split past this row's context
+      const float f = exp2f(p[HD] - M);
+      L += p[HD + 1] * f;
+      acc += p[d] * f;
+    }
+    out[(static_cast<int64_t>(r) * heads + h) * HD + d] = FromF<bf16_t>(acc / L);
+  }
+}
+
+template <int HD>
+void LaunchChunk(const void* q, const void* k_pool, const void* v_pool, const int32_t* table, int64_t table_stride,
+                 const int32_t* ctx_len, const int32_t* plan, int64_t max_tiles, const int32_t* row_tile,
+                 int64_t block_size, void* out, float* scratch, int64_t rows, int64_t heads, int64_t kv_heads,
+                 cudaStream_t stream) {
+  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(HD));
+  ChunkAttentionKernel<HD><<<Blocks(kChunkMaxWarps, kChunkWarps), 32 * kChunkWarps, 0, stream>>>(
+      static_cast<const bf16_t*>(q), static_cast<const bf16_t*>(k_pool), static_cast<const bf16_t*>(v_pool), table,
+      table_stride, ctx_len, plan, static_cast<int>(max_tiles), static_cast<int>(block_size),
+      static_cast<bf16_t*>(out), scratch, static_cast<int>(heads), static_cast<int>(kv_heads), scale_log2);
+  ChunkMergeKernel<HD><<<static_cast<unsigned>(rows), 128, 0, stream>>>(
+      plan, static_cast<int>(max_tiles), row_tile, scratch, static_cast<bf16_t*>(out), static_cast<int>(heads),
+      static_cast<int>(kv_heads));
+}
+
 }  // namespace
+
+bool ChunkAttentionApplies(bool bf16, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  if (!bf16 || kv_heads <= 0 || heads % kv_heads != 0 || kChunkQueries % (heads / kv_heads) != 0) return false;
+  return head_dim == 32 || head_dim == 64 || head_dim == 128;
+}
+
+int64_t ChunkTileRows(int64_t heads, int64_t kv_heads) { return kChunkQueries / (heads / kv_heads); }
+
+int64_t ChunkScratchFloats(int64_t head_dim) { return kChunkMaxWarps * kChunkQueries * (head_dim + 2); }
+
+void ChunkAttention(const void* q, const void* k_pool, const void* v_pool, const int32_t* block_table,
+                    int64_t table_stride, const int32_t* ctx_len, const int32_t* plan, int64_t max_tiles,
+                    const int32_t* row_tile, int64_t block_size, void* out, float* scratch, int64_t rows,
+                    int64_t heads, int64_t kv_heads, int64_t head_dim, cudaStream_t stream) {
+  if (rows <= 0) return;
+  switch (head_dim) {
+    case 32:
+      return LaunchChunk<32>(q, k_pool, v_pool, block_table, table_stride, ctx_len, plan, max_tiles, row_tile,
+                             block_size, out, scratch, rows, heads, kv_heads, stream);
+    case 64:
+      return LaunchChunk<64>(q, k_pool, v_pool, block_table, table_stride, ctx_len, plan, max_tiles, row_tile,
+                             block_size, out, scratch, rows, heads, kv_heads, stream);
+    case 128:
+      return LaunchChunk<128>(q, k_pool, v_pool, block_table, table_stride, ctx_len, plan, max_tiles, row_tile,
+                              block_size, out, scratch, rows, heads, kv_heads, stream);
+    default: return;
+  }
+}
 
 bool TokenLanesApply(bool bf16, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   if (!bf16 || head_dim != kTokLanes * kTokDims || rows <= 0 || kv_heads <= 0 || heads % kv_heads != 0) return false;

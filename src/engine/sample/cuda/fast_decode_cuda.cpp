@@ -23,6 +23,7 @@
 #include "engine/sample/cuda/rmsnorm.h"
 #include "engine/sample/cuda/rope.h"
 #include "engine/sample/cuda/silu.h"
+#include "engine/sample/chunk_tiles.h"
 #include "engine/sample/fast_decode.h"
 
 namespace loom::engine {
@@ -102,6 +103,15 @@ class CudaFastDecode final : public FastDecode {
         attention_(options.attention_tokens ? cuda::AttentionForm::kTokens : cuda::AttentionForm::kDims),
         split_(options.split_shrink),
         profiler_(std::move(profiler)) {
+    const auto& w = model_->weights();
+    if (options.chunk_attention && cuda::ChunkAttentionApplies(bf16_, w.heads, w.kv_heads, w.head_dim)) {
+      chunk_rows_ = cuda::ChunkTileRows(w.heads, w.kv_heads);
+      int sms = 0;
+      const at::Device d = model_->device();
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                             d.has_index() ? d.index() : c10::cuda::current_device());
+      chunk_target_warps_ = 4 * std::max(sms, 1);  // a few warps an SM to hide the K/V loads
+    }
     // The LoRA branch at the highest priority, so that its few blocks are
     // scheduled ahead of the concurrent projection's waiting ones. (The
     // lowest measured the same on the H200, docs/benchmarks.md 2026-11-29
@@ -150,8 +160,13 @@ class CudaFastDecode final : public FastDecode {
         }
       }
     }
-    Graph& g = GetGraph(Pow2AtLeast(S, 1), Pow2AtLeast(blocks, kMinTable), lora);
-    Fill(g, step);
+    // Rows of prefill chunks attend in tiles (chunk_tiles.h) on graphs of their own.
+    ChunkTilePlan plan;
+    if (chunk_rows_ > 0 && S >= 2)
+      plan = PlanChunkTiles(step.positions, step.ctx_len, step.tables, chunk_rows_, model_->weights().kv_heads,
+                            chunk_target_warps_, cuda::kChunkMaxWarps);
+    Graph& g = GetGraph(Pow2AtLeast(S, 1), Pow2AtLeast(blocks, kMinTable), lora, plan.tiles() > 0);
+    Fill(g, step, plan);
     g.dev_long.copy_(g.host_long, /*non_blocking=*/true);
     g.dev_int.copy_(g.host_int, /*non_blocking=*/true);
     g.graph->replay();
@@ -163,8 +178,12 @@ class CudaFastDecode final : public FastDecode {
   struct Graph {
     int64_t rows = 0, table = 0;
     bool lora = false;
+    bool chunk = false;  // attends chunk tiles with cuda::ChunkAttention
     // long: [3, rows] tokens, positions, write_rows. int: ctx_len [rows],
-    // slots [3, rows] (attn, mlp, unembed), tables [rows, table].
+    // slots [3, rows] (attn, mlp, unembed), tables [rows, table]; then the
+    // chunk tiles' inputs: the rows DecodeAttention serves, by ctx_len
+    // (0: a tile's row) [rows], row_tile [rows], the plan [3 + 2 rows]
+    // (cuda::ChunkAttention's).
     at::Tensor host_long, host_int, dev_long, dev_int;
     std::unique_ptr<at::cuda::CUDAGraph> graph;
     at::Tensor logits;
@@ -204,23 +223,24 @@ class CudaFastDecode final : public FastDecode {
     }
   }
 
-  Graph& GetGraph(int64_t rows, int64_t table, bool lora) {
-    const auto key = std::make_tuple(rows, table, lora);
+  Graph& GetGraph(int64_t rows, int64_t table, bool lora, bool chunk) {
+    const auto key = std::make_tuple(rows, table, lora, chunk);
     if (auto it = graphs_.find(key); it != graphs_.end()) return *it->second;
     auto g = std::make_unique<Graph>();
     g->rows = rows;
     g->table = table;
     g->lora = lora;
+    g->chunk = chunk;
     const auto pinned_long = at::TensorOptions().dtype(at::kLong).pinned_memory(true);
     const auto pinned_int = at::TensorOptions().dtype(at::kInt).pinned_memory(true);
     g->host_long = at::empty({3 * rows}, pinned_long);
-    g->host_int = at::empty({rows * (4 + table)}, pinned_int);
+    g->host_int = at::empty({rows * (4 + table) + ChunkInts(rows)}, pinned_int);
     if (lora) {
       const int64_t widest = 3 * bank_->max_rank();  // q, k, v's ranks
       const auto ints = at::TensorOptions().dtype(at::kInt).device(model_->device());
       g->tickets = at::zeros({rows * ((widest + 15) / 16)}, ints);
     }
-    Fill(*g, DecodeStep{});
+    Fill(*g, DecodeStep{}, ChunkTilePlan{});
     g->dev_long = g->host_long.to(model_->device());
     g->dev_int = g->host_int.to(model_->device());
     // Warm up on a side stream (cuBLAS handles and workspaces are made
@@ -245,7 +265,8 @@ class CudaFastDecode final : public FastDecode {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     capture_seconds_.store(capture_seconds_.load() + seconds);  // only this thread writes
     ++captured_;
-    log::Info("fast decode: captured rows={} table_blocks={} lora={} in {:.1f} ms", rows, table, lora, seconds * 1e3);
+    log::Info("fast decode: captured rows={} table_blocks={} lora={} chunk={} in {:.1f} ms", rows, table, lora, chunk,
+              seconds * 1e3);
     Graph& ref = *g;
     graphs_.emplace(key, std::move(g));
     return ref;
@@ -257,9 +278,13 @@ class CudaFastDecode final : public FastDecode {
     if (profiler_ && capturing_) profiler_->Mark(capturing_->profile, label, st);
   }
 
+  // The ints after the tables: ctx_len of DecodeAttention's rows, row_tile, the plan.
+  static int64_t ChunkInts(int64_t rows) { return 2 * rows + 3 + 2 * rows; }
+
   // Host inputs of the step; rows beyond it are padding that writes to the
-  // scratch row and attends to it alone.
-  void Fill(Graph& g, const DecodeStep& step) const {
+  // scratch row and attends to it alone. plan: the step's chunk tiles (on a
+  // chunk graph; none elsewhere).
+  void Fill(Graph& g, const DecodeStep& step, const ChunkTilePlan& plan) const {
     const int64_t S = static_cast<int64_t>(step.tokens.size()), R = g.rows, W = g.table;
     int64_t* lg = g.host_long.data_ptr<int64_t>();
     int32_t* in = g.host_int.data_ptr<int32_t>();
@@ -277,6 +302,22 @@ class CudaFastDecode final : public FastDecode {
       int32_t* row = in + 4 * R + i * W;
       const int64_t used = real ? static_cast<int64_t>(step.tables[i]->size()) : 0;
       for (int64_t b = 0; b < W; ++b) row[b] = b < used ? (*step.tables[i])[b] : scratch_block;
+    }
+    int32_t* single = in + R * (4 + W);
+    int32_t* row_tile = single + R;
+    int32_t* p = row_tile + R;
+    const int64_t tiles = plan.tiles();
+    for (int64_t i = 0; i < R; ++i) {
+      const bool tiled = i < S && tiles > 0 && plan.row_tile[static_cast<size_t>(i)] >= 0;
+      row_tile[i] = tiled ? plan.row_tile[static_cast<size_t>(i)] : -1;
+      single[i] = tiled ? 0 : in[i];
+    }
+    p[0] = static_cast<int32_t>(tiles);
+    p[1] = plan.splits;
+    p[2] = plan.split_len;
+    for (int64_t t = 0; t < R; ++t) {
+      p[3 + t] = t < tiles ? plan.first[static_cast<size_t>(t)] : 0;
+      p[3 + R + t] = t < tiles ? plan.rows[static_cast<size_t>(t)] : 0;
     }
   }
 
@@ -337,6 +378,13 @@ class CudaFastDecode final : public FastDecode {
     const int32_t* slot_mlp = ctx_len + 2 * R;
     const int32_t* slot_head = ctx_len + 3 * R;
     const int32_t* tables = ctx_len + 4 * R;
+    const int32_t* ctx_single = tables + R * g.table;  // a chunk graph's DecodeAttention rows
+    const int32_t* row_tile = ctx_single + R;
+    const int32_t* chunk_plan = row_tile + R;
+    const at::Tensor chunk_scratch =
+        g.chunk ? at::empty({cuda::ChunkScratchFloats(hd)},
+                            at::TensorOptions().dtype(at::kFloat).device(model_->device()))
+                : at::Tensor();
 
     at::Tensor x = at::embedding(m.embed, tokens).contiguous();  // the residual stream, updated in place
     at::Tensor h = at::empty_like(x);
@@ -395,7 +443,12 @@ class CudaFastDecode final : public FastDecode {
                             q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), R, H, KVH, hd, eps, st);
       Mark("rope", st);
       cuda::DecodeAttention(bf16_, q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table,
-                            ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st, attention_);
+                            g.chunk ? ctx_single : ctx_len, block_size_, attn.data_ptr(), R, H, KVH, hd, st,
+                            attention_);
+      if (g.chunk)
+        cuda::ChunkAttention(q.data_ptr(), cache_->k[i].data_ptr(), cache_->v[i].data_ptr(), tables, g.table, ctx_len,
+                             chunk_plan, R, row_tile, block_size_, attn.data_ptr(), chunk_scratch.data_ptr<float>(),
+                             R, H, KVH, hd, st);
       Mark("attn", st);
       fork(i, 1, attn, slot_attn, d_hidden);
       at::Tensor o = Linear(attn, l.o_w, l.o_b, false, st);
@@ -461,6 +514,9 @@ class CudaFastDecode final : public FastDecode {
   bool moe_gemv_;  // DecodeOptions::moe_gemv: MoeForward's pair_gemv
   cuda::AttentionForm attention_;  // DecodeOptions::attention_tokens
   bool split_;  // DecodeOptions::split_shrink off: a LoRA shrink's d_in on one block per output tile
+  // DecodeOptions::chunk_attention where cuda::ChunkAttention applies: a
+  // tile's rows (0: off), and the warps a launch should have.
+  int64_t chunk_rows_ = 0, chunk_target_warps_ = 0;
   std::unique_ptr<DecodeProfiler> profiler_;  // null in production
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
   // Read by stats() from any thread.
@@ -470,7 +526,7 @@ class CudaFastDecode final : public FastDecode {
   // step's stream (parallel branches of the captured graph).
   cudaStream_t branch_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  std::map<std::tuple<int64_t, int64_t, bool>, std::unique_ptr<Graph>> graphs_;
+  std::map<std::tuple<int64_t, int64_t, bool, bool>, std::unique_ptr<Graph>> graphs_;
 };
 
 // An MoE model on the graphs (DecodeOptions::moe_graphs): qwen3_moe's
