@@ -1,4 +1,4 @@
-// DecodeAttention (attention.h).
+// DecodeAttention and ChunkAttention (attention.h).
 #include "engine/sample/cuda/attention.h"
 
 #include <cmath>

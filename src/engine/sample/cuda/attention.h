@@ -1,4 +1,4 @@
-// DecodeAttention: one query token per row over its paged KV cache.
+// DecodeAttention: one query token per row over its paged KV cache; ChunkAttention: a prefill chunk's rows in tiles.
 //
 // Conventions of every decode kernel (the model dtype T, where results
 // round, streams and buffer ownership): engine/sample/cuda/device.cuh.
