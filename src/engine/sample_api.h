@@ -94,7 +94,10 @@ struct DecodeOptions {
   // mixed steps) attend in tiles, every K/V row loaded once for up to 16
   // queries, on the tensor cores (engine/sample/chunk_tiles.h,
   // cuda::ChunkAttention; bf16, head_dim 32/64/128, a grouped-query group
-  // dividing 16). Off: each row reads its whole context alone.
+  // dividing 16), where a chunk's context reaches 1,024 tokens. Off: each
+  // row reads its whole context alone. On the H100 (qwen3-4b) a cached
+  // 80-token turn over 4,500 tokens of history took 24 ms against 30
+  // (docs/benchmarks.md, session 33).
   bool chunk_attention = true;
 };
 
