@@ -23,6 +23,28 @@ using namespace kernel_check;
 
 constexpr int64_t kBlock = 16;
 
+// What the kernels compute, in fp32 ATen: row r's query over its context
+// [0, ctx[r]), read through its row of table (width blocks a row); [rows, heads * hd].
+at::Tensor Reference(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                     const std::vector<int32_t>& table, int64_t width, const std::vector<int32_t>& ctx,
+                     int64_t heads, int64_t kv_heads, int64_t hd) {
+  std::vector<at::Tensor> want;
+  for (int64_t r = 0; r < static_cast<int64_t>(ctx.size()); ++r) {
+    std::vector<int64_t> kv_rows;
+    for (int64_t p = 0; p < ctx[static_cast<size_t>(r)]; ++p)
+      kv_rows.push_back(table[static_cast<size_t>(r * width + p / kBlock)] * kBlock + p % kBlock);
+    const at::Tensor idx = at::tensor(kv_rows, On(at::kLong));
+    // [KVH, n, hd] -> one copy per query head of its group: [H, n, hd].
+    const int64_t group = heads / kv_heads;
+    const at::Tensor k = k_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
+    const at::Tensor v = v_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
+    const at::Tensor qr = q.select(0, r).to(at::kFloat).unsqueeze(1);  // [H, 1, hd]
+    const at::Tensor p = at::softmax(at::matmul(qr, k.transpose(1, 2)) / std::sqrt(static_cast<double>(hd)), -1);
+    want.push_back(at::matmul(p, v).reshape({heads * hd}));
+  }
+  return at::stack(want);
+}
+
 struct Shape {
   int64_t heads, kv_heads, hd;
   std::vector<int32_t> ctx;  // per row
@@ -49,24 +71,11 @@ void Check(at::ScalarType t, const Shape& sh, cuda::AttentionForm form) {
                         table_dev.data_ptr<int32_t>(), width, ctx_dev.data_ptr<int32_t>(), kBlock, out.data_ptr(), rows,
                         sh.heads, sh.kv_heads, sh.hd, Stream(), form);
 
-  std::vector<at::Tensor> want;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int64_t> kv_rows;
-    for (int64_t p = 0; p < sh.ctx[static_cast<size_t>(r)]; ++p)
-      kv_rows.push_back(table[static_cast<size_t>(r * width + p / kBlock)] * kBlock + p % kBlock);
-    const at::Tensor idx = at::tensor(kv_rows, On(at::kLong));
-    // [KVH, n, hd] -> one copy per query head of its group: [H, n, hd].
-    const int64_t group = sh.heads / sh.kv_heads;
-    const at::Tensor k = k_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
-    const at::Tensor v = v_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
-    const at::Tensor qr = q.select(0, r).to(at::kFloat).unsqueeze(1);  // [H, 1, hd]
-    const at::Tensor p = at::softmax(at::matmul(qr, k.transpose(1, 2)) / std::sqrt(static_cast<double>(sh.hd)), -1);
-    want.push_back(at::matmul(p, v).reshape({sh.heads * sh.hd}));
-  }
+  const at::Tensor want = Reference(q, k_pool, v_pool, table, width, sh.ctx, sh.heads, sh.kv_heads, sh.hd);
   const std::string what = std::string(t == at::kBFloat16 ? "bf16" : "fp32") + " hd=" + std::to_string(sh.hd) +
                            " rows=" + std::to_string(rows) +
                            (form == cuda::AttentionForm::kTokens ? " tokens" : " dims");
-  ExpectClose(out, Round(at::stack(want), t), Rtol(t), Atol(t), what);
+  ExpectClose(out, Round(want, t), Rtol(t), Atol(t), what);
 }
 
 TEST(DecodeAttentionKernel, MatchesATenOverPagedContexts) {
@@ -158,24 +167,12 @@ void CheckChunks(const ChunkStep& cs) {
                        row_tile_dev.data_ptr<int32_t>(), kBlock, out.data_ptr(), scratch.data_ptr<float>(), rows,
                        cs.heads, cs.kv_heads, cs.hd, Stream());
 
-  std::vector<at::Tensor> want;
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<int64_t> kv_rows;
-    for (int64_t p = 0; p < ctx[static_cast<size_t>(r)]; ++p)
-      kv_rows.push_back(table[static_cast<size_t>(r * width + p / kBlock)] * kBlock + p % kBlock);
-    const at::Tensor idx = at::tensor(kv_rows, On(at::kLong));
-    const int64_t group = cs.heads / cs.kv_heads;
-    const at::Tensor k = k_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
-    const at::Tensor v = v_pool.index_select(0, idx).to(at::kFloat).transpose(0, 1).repeat_interleave(group, 0);
-    const at::Tensor qr = q.select(0, r).to(at::kFloat).unsqueeze(1);
-    const at::Tensor p = at::softmax(at::matmul(qr, k.transpose(1, 2)) / std::sqrt(static_cast<double>(cs.hd)), -1);
-    want.push_back(at::matmul(p, v).reshape({cs.heads * cs.hd}));
-  }
+  const at::Tensor want = Reference(q, k_pool, v_pool, table, width, ctx, cs.heads, cs.kv_heads, cs.hd);
   const std::string what = "heads " + std::to_string(cs.heads) + "/" + std::to_string(cs.kv_heads) +
                            " hd=" + std::to_string(cs.hd) + " rows=" + std::to_string(rows) + " tiles=" +
                            std::to_string(plan.tiles()) + " splits=" + std::to_string(plan.splits);
   std::printf("chunk attention %s\n", what.c_str());
-  ExpectClose(out, Round(at::stack(want), t), Rtol(t), Atol(t), what);
+  ExpectClose(out, Round(want, t), Rtol(t), Atol(t), what);
 }
 
 // Runs of 1 (decode rows), 2, 7 and 37 rows, from contexts 0 to 300 (a
