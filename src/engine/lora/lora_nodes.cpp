@@ -386,11 +386,16 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     int64_t width = 0;
     for (const JointTarget& t : *targets) width += t.b.size(1);
     const at::Tensor xc = x.to(ct);
-    const bool base = weight.numel() > 0;
-    // With the base, each delta is accumulated into its columns (by the GEMM
-    // in the padded order: beta 1, one rounding of base + delta).
-    at::Tensor y = base ? at::linear(x, weight, bias.numel() > 0 ? bias : at::Tensor())
-                        : at::empty({x.size(0), width}, xc.options());
+    const bool base = weight.numel() > 0, biased = bias.numel() > 0;
+    // With the base, the deltas are written first and the base GEMM adds
+    // itself to them (beta 1): its epilogue reads them while its main loop,
+    // which bounds it, runs; the other way round, each delta's rank-R GEMM
+    // would read the base's [n, d_out] columns and write them again (memory
+    // bound). With a bias, the base is first and each delta added into its
+    // columns (the padded order's GEMMs: beta 1). One rounding of base +
+    // delta's sum either way, of the delta alone first in the first.
+    const bool deltas_first = base && !biased;
+    at::Tensor y = base && biased ? at::linear(x, weight, bias) : at::empty({x.size(0), width}, xc.options());
     // One GEMM for every target's hidden (they read the same rows): the
     // targets' a side by side, [U, sum R, d_in]; h [n, sum R].
     const at::Tensor a_all = JointA(*targets);
@@ -400,7 +405,10 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     int64_t at = 0, r_at = 0;
     for (const JointTarget& t : *targets) {
       const int64_t w = t.b.size(1), r = t.a.size(1);
-      rg.Rows(h_all.narrow(1, r_at, r), t.b.transpose(1, 2), y.narrow(1, at, w), base);
+      if (deltas_first && targets->size() == 1)
+        y = rg.Rows(h_all, t.b.transpose(1, 2));  // the GEMM's own output: no copy where ragged
+      else
+        rg.Rows(h_all.narrow(1, r_at, r), t.b.transpose(1, 2), y.narrow(1, at, w), base && biased);
       keep.insert(keep.end(), {t.a, t.b, t.A, t.B});
       into.insert(into.end(), {t.gb, t.ga});
       widths.push_back(w);
@@ -408,6 +416,7 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
       at += w;
       r_at += r;
     }
+    if (deltas_first) y.addmm_(x, weight.t());
     ctx->save_for_backward(keep);
     ctx->saved_data["into"] = c10::List<at::Tensor>(into);
     ctx->saved_data["widths"] = widths;
@@ -465,13 +474,15 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
         r_at += ranks[i];
       }
     }
-    // One input gradient for all the targets, accumulated inside the GEMMs
-    // (the base's first, where there is one).
+    // One input gradient for all the targets: the deltas' GEMM writes it and
+    // the base's, where there is one, adds itself to it (beta 1), as in the
+    // forward.
     if (need_x) {
       std::vector<at::Tensor> as;
       for (size_t i = 0; i < n; ++i) as.push_back(target(i, 0));
       const at::Tensor a_all = n == 1 ? as[0] : at::cat(as, 1);
-      const at::Tensor gx = weight.numel() > 0 ? rg.Rows(gxa, a_all, at::mm(g, weight), true) : rg.Rows(gxa, a_all);
+      at::Tensor gx = rg.Rows(gxa, a_all);
+      if (weight.numel() > 0) gx.addmm_(g, weight);
       out[0] = gx.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()));
     }
     return out;
