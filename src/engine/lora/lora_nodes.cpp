@@ -392,10 +392,13 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     // which bounds it, runs; the other way round, each delta's rank-R GEMM
     // would read the base's [n, d_out] columns and write them again (memory
     // bound). With a bias, the base is first and each delta added into its
-    // columns (the padded order's GEMMs: beta 1). One rounding of base +
-    // delta's sum either way, of the delta alone first in the first.
+    // columns (the padded order's GEMMs: beta 1). Deltas first, each delta
+    // is rounded once on its own before the base is added.
     const bool deltas_first = base && !biased;
-    at::Tensor y = base && biased ? at::linear(x, weight, bias) : at::empty({x.size(0), width}, xc.options());
+    const bool own_output = deltas_first && targets->size() == 1;  // y is the one delta GEMM's output
+    at::Tensor y = base && biased ? at::linear(x, weight, bias)
+                   : own_output   ? at::Tensor()
+                                  : at::empty({x.size(0), width}, xc.options());
     // One GEMM for every target's hidden (they read the same rows): the
     // targets' a side by side, [U, sum R, d_in]; h [n, sum R].
     const at::Tensor a_all = JointA(*targets);
@@ -405,8 +408,8 @@ class JointGroupedNode : public torch::autograd::Function<JointGroupedNode> {
     int64_t at = 0, r_at = 0;
     for (const JointTarget& t : *targets) {
       const int64_t w = t.b.size(1), r = t.a.size(1);
-      if (deltas_first && targets->size() == 1)
-        y = rg.Rows(h_all, t.b.transpose(1, 2));  // the GEMM's own output: no copy where ragged
+      if (own_output)
+        y = rg.Rows(h_all, t.b.transpose(1, 2));  // no copy where ragged
       else
         rg.Rows(h_all.narrow(1, r_at, r), t.b.transpose(1, 2), y.narrow(1, at, w), base && biased);
       keep.insert(keep.end(), {t.a, t.b, t.A, t.B});
