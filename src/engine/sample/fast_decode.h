@@ -75,9 +75,6 @@ class FastDecode {
   // The graphs captured so far, and the seconds their captures took.
   virtual int64_t graphs_captured() const { return 0; }
   virtual double capture_seconds() const { return 0; }
-  // The rows a chunk tile takes (chunk_tiles.h; cuda::ChunkAttention), or 0
-  // where prefill chunks attend row by row.
-  virtual int64_t chunk_tile_rows() const { return 0; }
 };
 
 // scratch_row: a KV row (in every layer's pools) that no sequence uses.

@@ -1,7 +1,5 @@
 #include "engine/sample/model_runner.h"
 
-#include "engine/sample/chunk_tiles.h"
-
 #include <c10/core/GradMode.h>
 
 #include <algorithm>
@@ -20,8 +18,7 @@ at::Tensor LongTensor(const std::vector<int64_t>& v, at::Device d) {
 // head, with no tiling over queries as a prefill kernel has: 2^19 is ~two
 // 256-row decode steps over 1,024-token contexts, beyond which the eager
 // prefill's fused attention does better (e.g. 1,024 new tokens over a
-// 4,096-token prefix). A chunk whose rows attend in tiles (chunk_tiles.h)
-// reads its context once a tile: its reads count divided by the tile's rows.
+// 4,096-token prefix).
 constexpr int64_t kFastPrefillContext = int64_t{1} << 19;
 // Rows per fast-prefill replay: the largest batch bucket of decode steps at
 // the default 256 rows (SamplerOptions::max_batch_rows), so prefill needs no
@@ -101,13 +98,10 @@ void ModelRunner::AddDecodeRows(const std::vector<Sequence*>& seqs, DecodeStep* 
 bool ModelRunner::AddChunkRows(const std::vector<PrefillChunk>& chunks, DecodeStep* step,
                                std::vector<int64_t>* last) const {
   int64_t rows = 0, reads = 0;
-  const int64_t tile_rows = fast_ ? fast_->chunk_tile_rows() : 0;
   for (const PrefillChunk& c : chunks) {
     if (c.request->call.prompt_logprobs || c.request->call.topk_prompt_logprobs > 0) return false;
     rows += c.end - c.begin;
-    const int64_t r = (c.end * (c.end + 1) - c.begin * (c.begin + 1)) / 2;  // positions begin..end-1 read p + 1 each
-    const bool tiled = tile_rows > 1 && c.end - c.begin >= 2 && c.end >= kChunkMinContext;
-    reads += tiled ? (r + tile_rows - 1) / tile_rows : r;
+    reads += (c.end * (c.end + 1) - c.begin * (c.begin + 1)) / 2;  // positions begin..end-1 read p + 1 each
   }
   if (rows == 0 || rows > fast_prefill_tokens_ || reads > kFastPrefillContext) return false;
   for (const PrefillChunk& c : chunks) {

@@ -137,7 +137,6 @@ class CudaFastDecode final : public FastDecode {
   }
   int64_t graphs_captured() const override { return captured_.load(); }
   double capture_seconds() const override { return capture_seconds_.load(); }
-  int64_t chunk_tile_rows() const override { return chunk_rows_; }
 
   at::Tensor Decode(const DecodeStep& step) override {
     c10::NoGradGuard no_grad;
