@@ -310,7 +310,9 @@ TEST(DsaAttention, TheIndexerChoosesTheKeysPastItsBudget) {
   c10::NoGradGuard no_grad;
   const PackedBatch batch = PackedBatch::Make({Seq(12, 5)}, {-1}, at::kCPU);
   const at::Tensor a = (*sparse)->Hidden(batch, *bank), b = (*dense)->Hidden(batch, *bank);
-  EXPECT_LT(MaxDiff(a.narrow(0, 0, 5), b.narrow(0, 0, 5)), 1e-6);
+  // Float rounding only: the two paths sum other terms (2.1e-6 with the CPU kernels of the GPU
+  // machine's libtorch 2.11, session 35), against at least 1e-4 past the budget.
+  EXPECT_LT(MaxDiff(a.narrow(0, 0, 5), b.narrow(0, 0, 5)), 1e-5);
   for (int64_t t = 5; t < 12; ++t) EXPECT_GT(MaxDiff(a.narrow(0, t, 1), b.narrow(0, t, 1)), 1e-4) << "position " << t;
 }
 
