@@ -314,7 +314,8 @@ TEST(RecomputeCuda, Bf16GapToTheFp32Reference) {
     const PassResult kept = Pass(**model, bank, 0);
     const PassResult re = Pass(**model, bank, 99);
     EXPECT_LT(MaxDiff(re.logprobs, kept.logprobs), 1e-6);
-    for (size_t i = 0; i < kept.grads.size(); ++i) EXPECT_LT(RelDiff(re.grads[i], kept.grads[i]), 1e-5) << "run " << run << " grad " << i;
+    for (size_t i = 0; i < kept.grads.size(); ++i)
+      EXPECT_LT(RelDiff(re.grads[i], kept.grads[i]), 1e-5) << "run " << run << " grad " << i;
     results.push_back(kept);
   }
   double lp_gap[3] = {0, 0, 0}, grad_gap[3] = {0, 0, 0};
