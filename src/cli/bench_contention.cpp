@@ -107,6 +107,23 @@ class Flood {
   std::atomic<int64_t> failures_{0};
 };
 
+// The sampler's steps between two snapshots of its stats: what the light
+// requests' steps cost and carried (decode rows, prefill tokens), so a
+// phase's latency can be read against the steps it waited for.
+void PrintSteps(const char* name, const engine::SamplerStats& a, const engine::SamplerStats& b) {
+  const int64_t decode = b.decode_steps - a.decode_steps, prefill = b.prefill_steps - a.prefill_steps;
+  const auto per = [](double x, int64_t n) { return n > 0 ? x / static_cast<double>(n) : 0.0; };
+  std::printf("%-22s %lld decode steps (%.1f rows, %.2f ms a step), %lld prefill steps (%.0f tokens, %.2f ms a step; "
+              "%lld on the decode graphs), %lld contended, %lld mixed\n",
+              name, static_cast<long long>(decode), per(static_cast<double>(b.decode_rows - a.decode_rows), decode),
+              per(1e3 * (b.decode_seconds - a.decode_seconds), decode), static_cast<long long>(prefill),
+              per(static_cast<double>(b.prefill_tokens - a.prefill_tokens), prefill),
+              per(1e3 * (b.prefill_seconds - a.prefill_seconds), prefill),
+              static_cast<long long>(b.fast_prefill_steps - a.fast_prefill_steps),
+              static_cast<long long>(b.contended_steps - a.contended_steps),
+              static_cast<long long>(b.mixed_steps - a.mixed_steps));
+}
+
 }  // namespace
 
 std::vector<int32_t> RandomPrompt(std::mt19937& rng, int64_t vocab, int len) {
@@ -123,7 +140,9 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   if (o.arrival_order) std::printf("--arrival-order: both tenants in one flow, admitted in arrival order\n");
   if (auto warm = LightRequests(s, o, 7); !warm.ok())
     return std::fprintf(stderr, "loom bench sample: %s\n", warm.status().message().c_str()), 1;
+  const engine::SamplerStats idle_before = s.stats();
   auto idle = LightRequests(s, o, 1000);
+  const engine::SamplerStats idle_after = s.stats();
   if (!idle.ok()) return std::fprintf(stderr, "loom bench sample: %s\n", idle.status().message().c_str()), 1;
 
   Flood flood(s, o);
@@ -161,6 +180,8 @@ int RunContention(engine::Sampler& s, const ContentionOptions& o) {
   std::printf("%-22s %10.1f %10.1f\n", "beside the flood", busy50 * 1e3, busy99 * 1e3);
   std::printf("contention / idle: p50 %.2fx, p99 %.2fx; flood generated %.0f tokens/s meanwhile\n", busy50 / idle50,
               busy99 / idle99, static_cast<double>(flood_tokens) / seconds);
+  PrintSteps("idle sampler steps", idle_before, idle_after);
+  PrintSteps("beside the flood steps", before, after);
   std::vector<double> slowest = *busy;
   std::sort(slowest.rbegin(), slowest.rend());
   slowest.resize(std::min<size_t>(slowest.size(), 3));
