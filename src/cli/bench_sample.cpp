@@ -214,6 +214,8 @@ int Run(const Options& o) {
   so.max_prefill_tokens = o.steps.max_prefill_tokens;
   so.contended_prefill_tokens = o.steps.contended_prefill_tokens;
   so.contended_decode_rows = o.steps.contended_decode_rows;
+  so.contended_prefill_riders = o.steps.contended_prefill_riders;
+  so.mixed_steps = o.steps.mixed_steps;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
   if (o.multi_turn) {  // room for one conversation in each of the two samplers

@@ -25,6 +25,11 @@ StepFlags::StepFlags(CLI::App& app) {
                  "--contended-prefill-tokens)")
       ->default_val(mixed_)
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--contended-prefill-riders", riders_,
+                 "on | off: while tenants contend, a prefill step of a tenant within its share also carries the "
+                 "capped prompt chunks of the tenants over their share (off: its prompt is prefilled alone)")
+      ->default_val(riders_)
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--device-turn-ms", turn_ms_,
                  "how the sampler's steps share a GPU with the trainer's passes: 0 = interleaved on one stream in "
                  "launch order; N > 0 = in turns, first come first served, each turn ending with the device's "
@@ -39,6 +44,7 @@ void StepFlags::Apply(engine::SamplerOptions* o) const {
   o->contended_prefill_tokens = values_.contended_prefill_tokens;
   o->contended_decode_rows = values_.contended_decode_rows;
   o->mixed_steps = mixed_ == "on";
+  o->contended_prefill_riders = riders_ == "on";
   o->device_turn = std::chrono::milliseconds(turn_ms_);
 }
 

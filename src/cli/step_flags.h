@@ -13,8 +13,8 @@ namespace loom::cli {
 
 class StepFlags {
  public:
-  // Adds --max-prefill-tokens, --contended-prefill-tokens, --contended-decode-rows, --mixed-steps and
-  // --device-turn-ms to app.
+  // Adds --max-prefill-tokens, --contended-prefill-tokens, --contended-decode-rows, --mixed-steps,
+  // --contended-prefill-riders and --device-turn-ms to app.
   explicit StepFlags(CLI::App& app);
   // Sets the options the parsed flags stand for (call after app.parse).
   void Apply(engine::SamplerOptions* o) const;
@@ -22,6 +22,7 @@ class StepFlags {
  private:
   engine::SamplerOptions values_;  // only the step limits are read
   std::string mixed_ = values_.mixed_steps ? "on" : "off";
+  std::string riders_ = values_.contended_prefill_riders ? "on" : "off";
   int64_t turn_ms_ = values_.device_turn.count();
 };
 

@@ -138,6 +138,10 @@ struct SamplerOptions {
   // (max_prefill_tokens), put whole chunks behind every light decode step
   // (docs/benchmarks.md, session 14).
   bool mixed_steps = false;
+  // A light (within-share) tenant's prefill step also carries the capped
+  // over-share chunks (StepLimits::prefill_riders); off: its prompt is
+  // prefilled alone and the others' chunks wait for their own steps.
+  bool contended_prefill_riders = true;
   // Keep full KV blocks of finished work for later requests with the same
   // (snapshot, token prefix) (engine/sample/block_manager.h); off: every
   // prompt is prefilled whole.

@@ -27,8 +27,9 @@ using testing_sampler::Tokens;
 
 constexpr int64_t kChunk = 128, kCap = 8;
 
-std::unique_ptr<Scheduler> Make(int contended_decode_rows = 0, bool mixed_steps = false) {
+std::unique_ptr<Scheduler> Make(int contended_decode_rows = 0, bool mixed_steps = false, bool riders = true) {
   SchedulerLimits limits;
+  limits.prefill_riders = riders;
   limits.max_prefill_tokens = kChunk;
   limits.contended_prefill_tokens = kCap;
   limits.contended_decode_rows = contended_decode_rows;
@@ -103,6 +104,33 @@ TEST(SamplerContention, LightRequestMidChunkingRunsInItsOwnStepsBesideCappedChun
   testing_sampler::Drain(*s);
   ASSERT_TRUE(flood1->ok() && flood2->ok());
   EXPECT_EQ((*flood2)->sequences[0].tokens.size(), 4u);
+}
+
+// StepLimits::prefill_riders off: the light request's prefill step carries
+// its own prompt alone; the flood's capped chunks take steps of their own
+// (rule 3) after the light request's decode run, and the light tokens are
+// the same.
+TEST(SamplerContention, WithoutRidersTheLightPrefillStepCarriesItsPromptAlone) {
+  std::vector<int32_t> with_riders;
+  for (bool riders : {true, false}) {
+    auto s = Make(0, false, riders);
+    std::optional<Result<SampleOutput>> flood, light;
+    AddRequest(*s, 1, Tokens(600, 1), 4, 1, &flood, "", "flood");
+    EXPECT_EQ(StepOnce(*s).prefilled, kChunk);
+    AddRequest(*s, 3, Tokens(10, 3), 3, 1, &light, "", "light");
+    std::vector<Stepped> steps;
+    EXPECT_EQ(StepUntil(*s, light, &steps), "PDD") << riders;
+    EXPECT_EQ(steps[0].prefilled, riders ? 10 + kCap : 10);
+    ASSERT_TRUE(light->ok());
+    if (riders) with_riders = (*light)->sequences[0].tokens;
+    else EXPECT_EQ((*light)->sequences[0].tokens, with_riders);
+    // The flood still advances by capped chunks while the light tenant is recent.
+    const Stepped next = StepOnce(*s);
+    EXPECT_EQ(next.kind, 'P');
+    EXPECT_EQ(next.prefilled, kCap);
+    testing_sampler::Drain(*s);
+    ASSERT_TRUE(flood->ok());
+  }
 }
 
 // StepLimits::mixed_steps: the light request's decode steps also carry a

@@ -179,6 +179,7 @@ class SamplerImpl final : public Sampler {
                                       : model->device().is_cuda()         ? options.max_prefill_tokens
                                                                           : 32;
     limits.contended_decode_rows = options.contended_decode_rows;
+    limits.prefill_riders = options.contended_prefill_riders;
     // Decode steps with prompt chunks in one forward need the decode graphs.
     limits.mixed_steps = options.mixed_steps && model->device().is_cuda() && options.decode.cuda_graphs &&
                          options.decode.fast_prefill_tokens > 0;

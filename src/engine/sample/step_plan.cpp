@@ -111,8 +111,9 @@ StepPlan PlanStep(const Admitted& admitted, const StepLimits& limits, const Step
   }
   const int64_t used =
       plan.within_prefill ? AddChunks(admitted, is_within, limits.max_prefill_tokens, &plan.chunks) : 0;
-  AddChunks(admitted, is_over, std::min(limits.contended_prefill_tokens, limits.max_prefill_tokens - used),
-            &plan.chunks);
+  if (!plan.within_prefill || limits.prefill_riders)
+    AddChunks(admitted, is_over, std::min(limits.contended_prefill_tokens, limits.max_prefill_tokens - used),
+              &plan.chunks);
   return plan;
 }
 

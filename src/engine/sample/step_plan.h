@@ -25,7 +25,8 @@
 //   the within-share chunks), at most contended_decode_rows of their running
 //   rows per decode step (those that waited longest; 0 = all rows).
 //   1. A prefill step when a within-share prompt waits, unless the last step
-//      was one and rows are running (then a decode step comes between).
+//      was one and rows are running (then a decode step comes between); it
+//      carries capped over-share chunks too unless prefill_riders is off.
 //   2. Else a decode step of the within-share rows and the capped over-share
 //      ones, unless kDecodeRun such steps in a row have left over-share work
 //      waiting (a prompt, or rows beyond the cap): then 3, so a long
@@ -72,6 +73,13 @@ struct StepLimits {
   // a row to the step's graph (on the H200 that made the light tenant's steps
   // dearer about as much as it sped the flood: docs/benchmarks.md, session 14).
   bool mixed_steps = false;
+  // RIDERS: a within-share prefill step (rule 1) also carries up to
+  // contended_prefill_tokens of the over-share prompts. Off: it carries the
+  // within-share chunks alone, so the light request's prefill costs what it
+  // costs on an idle sampler (on the CUDA decode graphs the riders' rows
+  // also move the step to a larger row bucket); the over-share prompts then
+  // advance in rule-3 steps only.
+  bool prefill_riders = true;
 };
 
 // The steps before this one, as the rule reads them.
