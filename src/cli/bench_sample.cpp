@@ -58,7 +58,7 @@ struct Options {
   int rank = 16;
   int threads = 0;
   engine::DecodeOptions decode;
-  engine::SamplerOptions steps;  // the step limits of --max-prefill-tokens and --contended-*
+  engine::SamplerOptions steps;  // defaults with the step flags' limits applied (StepFlags); Run starts from it
   bool contention = false;  // --contention: bench_contention.h instead of the decode table
   ContentionOptions contended;
   bool multi_turn = false;  // --multi-turn: bench_multiturn.h instead of the decode table
@@ -198,7 +198,7 @@ int Run(const Options& o) {
   const double step_bytes = DecodeStepBytes(*model);
   int max_batch = 1;
   for (int b : o.batches) max_batch = std::max(max_batch, b);
-  engine::SamplerOptions so;
+  engine::SamplerOptions so = o.steps;  // the step flags' limits; the rest set here
   so.sampler_adapters = adapter_total;
   so.max_rank = o.rank;
   so.max_batch_rows = max_batch;
@@ -211,11 +211,6 @@ int Run(const Options& o) {
     so.context_window = std::max(c.flood_prompt + c.flood_tokens, c.light_prompt + c.light_tokens) + 16;
   }
   so.threads = o.threads;
-  so.max_prefill_tokens = o.steps.max_prefill_tokens;
-  so.contended_prefill_tokens = o.steps.contended_prefill_tokens;
-  so.contended_decode_rows = o.steps.contended_decode_rows;
-  so.contended_prefill_riders = o.steps.contended_prefill_riders;
-  so.mixed_steps = o.steps.mixed_steps;
   so.admission_window = std::chrono::milliseconds(2);  // as `loom serve`: a batch's requests share one prefill
   so.decode = o.decode;
   if (o.multi_turn) {  // room for one conversation in each of the two samplers
