@@ -18,7 +18,10 @@
 # directory; default: qwen3-4b made once under WORK), WORK (default
 # /tmp/loom-sample-table), CAPS (default "32:on 32:off 0:on": cap:riders of
 # --contended-prefill-tokens and --contended-prefill-riders; cap 0 = the
-# device's default), LIGHT (light requests a contention row, default 20).
+# device's default), LIGHT (light requests a contention row, default 20),
+# PARTS (which parts run, default all: "contention decode prefill multiturn hf";
+# a subset keeps the other parts' earlier outputs, so that one table can be
+# measured over two calls of the same warm machine and summarised whole).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CPU=0
@@ -32,6 +35,12 @@ LOOM=${LOOM:-$([ $CPU = 1 ] && echo build/loom || echo build-gpu/loom)}
 WORK=${WORK:-/tmp/loom-sample-table}
 CAPS=${CAPS:-32:on 32:off 0:on}
 LIGHT=${LIGHT:-20}
+ALL_PARTS="contention decode prefill multiturn hf"
+PARTS=${PARTS:-$ALL_PARTS}
+for p in $PARTS; do
+  case " $ALL_PARTS " in *" $p "*) ;; *) echo "sample_table.sh: unknown part $p (PARTS: $ALL_PARTS)" >&2; exit 2 ;; esac
+done
+want() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 mkdir -p "$WORK"
 if [ $CPU = 1 ]; then
   SRC=(--threads 2); PREFILL=256
@@ -43,7 +52,8 @@ else
   SRC=(--model "$MODEL" --device cuda); PREFILL=2048
 fi
 OUTS=$WORK/outputs
-rm -rf "$OUTS"; mkdir -p "$OUTS"
+[ "$PARTS" = "$ALL_PARTS" ] && rm -rf "$OUTS"
+mkdir -p "$OUTS"
 run() {  # run NAME CMD...: the command's output to OUTS/NAME and to stdout
   local name=$1; shift
   echo "+ $*"
@@ -51,14 +61,16 @@ run() {  # run NAME CMD...: the command's output to OUTS/NAME and to stdout
   cat "$OUTS/$name"
 }
 
-for c in $CAPS; do
-  run "contention_${c%%:*}_${c##*:}" "$LOOM" bench sample "${SRC[@]}" --contention --light-requests "$LIGHT" \
-    --contended-prefill-tokens "${c%%:*}" --contended-prefill-riders "${c##*:}"
-done
-run decode "$LOOM" bench sample "${SRC[@]}" --batch 1 64 --adapters 0 1 8
-run prefill "$LOOM" bench sample "${SRC[@]}" --batch 1 --adapters 0 1 --prompt-len "$PREFILL" --new-tokens 2
-run multiturn "$LOOM" bench sample "${SRC[@]}" --multi-turn
-if [ $CPU = 0 ]; then
+if want contention; then
+  for c in $CAPS; do
+    run "contention_${c%%:*}_${c##*:}" "$LOOM" bench sample "${SRC[@]}" --contention --light-requests "$LIGHT" \
+      --contended-prefill-tokens "${c%%:*}" --contended-prefill-riders "${c##*:}"
+  done
+fi
+want decode && run decode "$LOOM" bench sample "${SRC[@]}" --batch 1 64 --adapters 0 1 8
+want prefill && run prefill "$LOOM" bench sample "${SRC[@]}" --batch 1 --adapters 0 1 --prompt-len "$PREFILL" --new-tokens 2
+want multiturn && run multiturn "$LOOM" bench sample "${SRC[@]}" --multi-turn
+if [ $CPU = 0 ] && want hf; then
   run hf_prefill python3 bench/hf_generate.py "$MODEL" --prefill "$PREFILL"
   run hf_decode python3 bench/hf_generate.py "$MODEL"
 fi
