@@ -200,8 +200,10 @@ void Scheduler::Admit() {
 void Scheduler::PrefillStep(std::vector<PrefillChunk> chunks) {
   std::stable_sort(chunks.begin(), chunks.end(),
                    [](const auto& a, const auto& b) { return a.request->slot < b.request->slot; });
+  const int64_t on_graphs = runner_.fast_prefills();
   const at::Tensor logits = runner_.Prefill(chunks);
   ++stats_.prefill_steps;
+  if (runner_.fast_prefills() > on_graphs) ++stats_.fast_prefill_steps;
   AfterPrefill(chunks, logits);
 }
 
@@ -271,6 +273,7 @@ void Scheduler::MixedStep(std::vector<Sequence*> rows, std::vector<PrefillChunk>
   const int64_t R = static_cast<int64_t>(rows.size());
   AfterDecode(rows, params, logits.narrow(0, 0, R));
   ++stats_.prefill_steps;
+  ++stats_.fast_prefill_steps;  // a mixed step runs on the decode graphs
   ++stats_.mixed_steps;
   AfterPrefill(chunks, logits.narrow(0, R, static_cast<int64_t>(chunks.size())));
 }
@@ -442,7 +445,6 @@ SamplerStats Scheduler::stats() const {
   s.kv_blocks_free = blocks_.free_count();
   s.kv_blocks_cached = blocks_.cached_count();
   s.kv_cache_evictions = blocks_.evictions();
-  s.fast_prefill_steps = runner_.fast_prefills();
   s.decode_graphs_captured = runner_.graphs_captured();
   s.decode_graph_capture_seconds = runner_.capture_seconds();
   s.requests_waiting = static_cast<int64_t>(waiting_.size());
