@@ -48,6 +48,12 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "for up to 16 queries, on tensor cores (bf16; off: each row reads its whole context alone)")
       ->default_val(chunk_attention_)
       ->check(on_off);
+  app.add_option("--sampler-lora-math", lora_math_,
+                 "fp32 | model: the sampler's LoRA arithmetic where ATen runs it (eager prefill and decode steps, "
+                 "an MoE model's expert LoRA on the decode graphs): fp32 as PEFT does, or the model's dtype (bf16 "
+                 "on a GPU, tensor cores; as the trainer); the CPU's fp32 models are the same either way")
+      ->default_val(lora_math_)
+      ->check(CLI::IsMember({"fp32", "model"}));
   app.add_flag("--decode-profile", profile_,
                "log the GPU time of each decode stage (stages serialized: slower; for measurements)");
 }
@@ -64,6 +70,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.moe_gemv = moe_gemv_ == "on";
   o.attention_tokens = attention_ == "tokens";
   o.chunk_attention = chunk_attention_ == "on";
+  o.lora_fp32 = lora_math_ == "fp32";
   return o;
 }
 

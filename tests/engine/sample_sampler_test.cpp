@@ -619,5 +619,49 @@ TEST(Sampler, WithoutAdmissionWindowTheFirstArrivalPrefillsAlone) {
   EXPECT_GT(PrefillsForSpacedArrivals(std::chrono::microseconds(0)), 1);
 }
 
+TEST(Sampler, LoraMathModelRunsTheAdapterInTheModelDtype) {
+  // --sampler-lora-math: a bf16 model's adapter in fp32 (PEFT's way, the
+  // default) or in bf16. Both are within bf16 rounding of the fp32 model;
+  // they differ from each other only where an adapter applies.
+  auto bf16 = Transformer::Load(W().model_dir, at::kCPU, at::kBFloat16);
+  ASSERT_TRUE(bf16.ok()) << bf16.status().message();
+  const std::shared_ptr<const Transformer> model(std::move(bf16.value()));
+  auto open = [&](bool lora_fp32) {
+    SamplerOptions o;
+    o.model_dir = W().model_dir;
+    o.max_rank = 8;
+    o.decode.lora_fp32 = lora_fp32;
+    auto s = Sampler::Open(model, o);
+    EXPECT_TRUE(s.ok()) << s.status().message();
+    return std::move(s.value());
+  };
+  auto fp32_math = open(true), model_math = open(false);
+  auto reference = Open();  // the fp32 model
+  auto prompt_logprobs = [](Sampler& s, const std::string& adapter) {
+    SampleCall c = Call(kPrompt, 1, 0.0, adapter);
+    c.prompt_logprobs = true;
+    const SampleOutput out = SampleNow(s, c);
+    EXPECT_TRUE(out.prompt_logprobs.has_value());
+    return out.prompt_logprobs.value_or(std::vector<float>{});
+  };
+  for (const std::string& adapter : {std::string(), W().adapter2}) {
+    const std::vector<float> ref = prompt_logprobs(*reference, adapter);
+    const std::vector<float> a = prompt_logprobs(*fp32_math, adapter);
+    const std::vector<float> b = prompt_logprobs(*model_math, adapter);
+    ASSERT_EQ(a.size(), kPrompt.size());
+    ASSERT_EQ(b.size(), kPrompt.size());
+    double apart = 0;
+    for (size_t t = 1; t < kPrompt.size(); ++t) {
+      EXPECT_NEAR(a[t], ref[t], 0.15) << "fp32 math, token " << t << " adapter '" << adapter << "'";
+      EXPECT_NEAR(b[t], ref[t], 0.15) << "model math, token " << t << " adapter '" << adapter << "'";
+      apart = std::max(apart, static_cast<double>(std::abs(a[t] - b[t])));
+    }
+    if (adapter.empty())
+      EXPECT_EQ(apart, 0.0) << "without an adapter the setting changes nothing";
+    else
+      EXPECT_GT(apart, 0.0) << "the setting reaches the adapter's arithmetic";
+  }
+}
+
 }  // namespace
 }  // namespace loom::engine
