@@ -628,12 +628,8 @@ TEST(Sampler, LoraMathModelRunsTheAdapterInTheModelDtype) {
   const std::shared_ptr<const Transformer> model(std::move(bf16.value()));
   auto open = [&](bool lora_fp32) {
     SamplerOptions o;
-    o.model_dir = W().model_dir;
-    o.max_rank = 8;
     o.decode.lora_fp32 = lora_fp32;
-    auto s = Sampler::Open(model, o);
-    EXPECT_TRUE(s.ok()) << s.status().message();
-    return std::move(s.value());
+    return Open(o, model);
   };
   auto fp32_math = open(true), model_math = open(false);
   auto reference = Open();  // the fp32 model

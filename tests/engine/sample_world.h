@@ -65,10 +65,12 @@ inline World& W() {
   return *w;
 }
 
-inline std::unique_ptr<Sampler> Open(SamplerOptions o = {}) {
+// A sampler of the world's model, or of `model` (the same directory loaded
+// otherwise, e.g. in another dtype).
+inline std::unique_ptr<Sampler> Open(SamplerOptions o = {}, std::shared_ptr<const Transformer> model = nullptr) {
   if (o.model_dir.empty()) o.model_dir = W().model_dir;
   o.max_rank = 8;
-  auto s = Sampler::Open(W().model, o);
+  auto s = Sampler::Open(model ? model : W().model, o);
   EXPECT_TRUE(s.ok()) << s.status().message();
   return std::move(s.value());
 }
