@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <utility>
 
 #include "engine/io/peft.h"
 #include "engine/lora/slot_bank.h"
@@ -163,33 +164,40 @@ TEST(FastDecode, EqualsEagerDecodeWithMixedAdapters) {
       ASSERT_TRUE(model);
       // Max rank 16 runs the bf16 expand on tensor cores; 8 reads LoRA
       // factors with 16-byte loads on CUDA cores; 6 takes the scalar path.
-      for (int64_t max_rank : {16, 8, 6}) {
-        SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
-        bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
-        BindMixed(bank, max_rank);
-        // bf16: the two paths round at different points, and logits of
-        // magnitude 8-16 have a bf16 step of 0.0625; the scattered 12-row
-        // case at max rank 6 measured 0.253 (qwen3) and 0.188 (qwen2) on the
-        // H200 in one run, where earlier runs stayed within 0.25: 5 steps.
-        const double tol = dtype == at::kFloat ? 1e-4 : 0.3;
-        bool used = false;
-        // Mixed adapters and the base in one step (batch bucket 8), then one
-        // row alone (bucket 1), then base rows only (the graph without LoRA).
-        const double mixed = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used);
-        if (!used) GTEST_SKIP() << "no fast decode path in this build";
-        const double one = MaxDecodeDiff(model, bank, {20}, {2}, 2, &used);
-        const double base = MaxDecodeDiff(model, bank, {9, 30}, {-1, -1}, 2, &used);
-        // Two row tiles (bucket 16), each slot's rows scattered over both.
-        const double tiles = MaxDecodeDiff(model, bank, {3, 8, 12, 20, 7, 2, 30, 9, 16, 5, 11, 25},
-                                           {0, 1, 0, 2, -1, 1, 0, 0, 2, 1, -1, 0}, 2, &used);
-        std::printf("fast decode %s %s max rank %lld: max |logit diff| mixed %.3g, one row %.3g, base %.3g, "
-                    "two tiles %.3g\n",
-                    arch, dtype == at::kFloat ? "fp32" : "bf16", static_cast<long long>(max_rank), mixed, one, base,
-                    tiles);
-        EXPECT_LE(tiles, tol);
-        EXPECT_LE(mixed, tol);
-        EXPECT_LE(one, tol);
-        EXPECT_LE(base, tol);
+      // The eager path's LoRA as the sampler runs it (sampler.cpp), in fp32
+      // (the default) and in the model's dtype (--sampler-lora-math model;
+      // the same on an fp32 model).
+      for (const bool lora_fp32 : {true, false}) {
+        if (!lora_fp32 && dtype == at::kFloat) continue;
+        for (int64_t max_rank : {16, 8, 6}) {
+          SlotBank bank(3, max_rank, at::kCUDA, model->LoraTargets());
+          bank.set_lora_fp32(lora_fp32);
+          BindMixed(bank, max_rank);
+          // bf16: the two paths round at different points, and logits of
+          // magnitude 8-16 have a bf16 step of 0.0625; the scattered 12-row
+          // case at max rank 6 measured 0.253 (qwen3) and 0.188 (qwen2) on the
+          // H200 in one run, where earlier runs stayed within 0.25: 5 steps.
+          const double tol = dtype == at::kFloat ? 1e-4 : 0.3;
+          bool used = false;
+          // Mixed adapters and the base in one step (batch bucket 8), then one
+          // row alone (bucket 1), then base rows only (the graph without LoRA).
+          const double mixed = MaxDecodeDiff(model, bank, {5, 17, 33, 1, 40}, {-1, 0, 0, 1, 2}, 3, &used);
+          if (!used) GTEST_SKIP() << "no fast decode path in this build";
+          const double one = MaxDecodeDiff(model, bank, {20}, {2}, 2, &used);
+          const double base = MaxDecodeDiff(model, bank, {9, 30}, {-1, -1}, 2, &used);
+          // Two row tiles (bucket 16), each slot's rows scattered over both.
+          const double tiles = MaxDecodeDiff(model, bank, {3, 8, 12, 20, 7, 2, 30, 9, 16, 5, 11, 25},
+                                             {0, 1, 0, 2, -1, 1, 0, 0, 2, 1, -1, 0}, 2, &used);
+          std::printf(
+              "fast decode %s %s, LoRA math %s, max rank %lld: max |logit diff| mixed %.3g, one row %.3g, "
+              "base %.3g, two tiles %.3g\n",
+              arch, dtype == at::kFloat ? "fp32" : "bf16", lora_fp32 ? "fp32" : "model",
+              static_cast<long long>(max_rank), mixed, one, base, tiles);
+          EXPECT_LE(tiles, tol);
+          EXPECT_LE(mixed, tol);
+          EXPECT_LE(one, tol);
+          EXPECT_LE(base, tol);
+        }
       }
     }
   }
@@ -272,25 +280,31 @@ TEST(FastDecode, MoeEqualsEagerDecodeWithMixedAdapters) {
     std::shared_ptr<const Transformer> model = LoadOnGpu(model_dir, at::kBFloat16);
     ASSERT_TRUE(model);
     ASSERT_EQ(model->config().num_experts_per_tok, every_expert ? model->config().num_experts : 4);
-    SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
-    bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
-    BindMixed(bank, 16);
-    DecodeOptions off;
-    off.moe_graphs = false;
-    EXPECT_FALSE(ModelRunner(model, &bank, 64, kBlock, off).fast_decode()) << "--moe-decode-graphs off decodes eager";
-    for (const MoeDecodeCase& c : MoeDecodeCases()) {
-      bool used = false;
-      const std::vector<double> d = RowDecodeDiffs(model, bank, c.lens, c.slots, c.steps, &used);
-      if (!used) GTEST_SKIP() << "no grouped GEMM in this libtorch: MoE decode stays eager";
-      const double worst = *std::max_element(d.begin(), d.end());
-      const auto within = std::count_if(d.begin(), d.end(), [](double x) { return x <= 0.3; });
-      std::printf("fast decode qwen3_moe bf16, %s: %s: max |logit diff| %.3g, %lld of %zu row-steps within 0.3\n",
-                  every_expert ? "every expert" : "top-4", c.name, worst, static_cast<long long>(within), d.size());
-      if (every_expert) {
-        EXPECT_LE(worst, 0.3) << c.name;
-      } else {
-        EXPECT_GE(4 * within, 3 * static_cast<int64_t>(d.size())) << c.name;
-        EXPECT_LE(worst, 2.0) << c.name;
+    // The experts' LoRA in fp32 (the default) and in the model's dtype (--sampler-lora-math model).
+    for (const bool lora_fp32 : {true, false}) {
+      SlotBank bank(3, 16, at::kCUDA, model->LoraTargets());
+      bank.set_lora_fp32(lora_fp32);  // the eager path as the sampler runs it (sampler.cpp)
+      BindMixed(bank, 16);
+      DecodeOptions off;
+      off.moe_graphs = false;
+      EXPECT_FALSE(ModelRunner(model, &bank, 64, kBlock, off).fast_decode()) << "--moe-decode-graphs off decodes eager";
+      for (const MoeDecodeCase& c : MoeDecodeCases()) {
+        bool used = false;
+        const std::vector<double> d = RowDecodeDiffs(model, bank, c.lens, c.slots, c.steps, &used);
+        if (!used) GTEST_SKIP() << "no grouped GEMM in this libtorch: MoE decode stays eager";
+        const double worst = *std::max_element(d.begin(), d.end());
+        const auto within = std::count_if(d.begin(), d.end(), [](double x) { return x <= 0.3; });
+        std::printf(
+            "fast decode qwen3_moe bf16, %s, LoRA math %s: %s: max |logit diff| %.3g, %lld of %zu row-steps within "
+            "0.3\n",
+            every_expert ? "every expert" : "top-4", lora_fp32 ? "fp32" : "model", c.name, worst,
+            static_cast<long long>(within), d.size());
+        if (every_expert) {
+          EXPECT_LE(worst, 0.3) << c.name;
+        } else {
+          EXPECT_GE(4 * within, 3 * static_cast<int64_t>(d.size())) << c.name;
+          EXPECT_LE(worst, 2.0) << c.name;
+        }
       }
     }
   }
@@ -305,11 +319,13 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-prefill");
   ASSERT_TRUE(Generate(dir.path(), "qwen3", "small", 6));
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+  // The eager LoRA in fp32 and, in bf16, in the model's dtype too (as in EqualsEagerDecodeWithMixedAdapters).
+  for (const auto& [dtype, lora_fp32] : {std::pair{at::kFloat, true}, std::pair{at::kBFloat16, true},
+                                         std::pair{at::kBFloat16, false}}) {
     std::shared_ptr<const Transformer> model = LoadOnGpu(dir.path(), dtype);
     ASSERT_TRUE(model);
     SlotBank bank(3, 8, at::kCUDA, model->LoraTargets());
-    bank.set_lora_fp32(true);  // the eager path as the sampler runs it (sampler.cpp)
+    bank.set_lora_fp32(lora_fp32);  // the eager path as the sampler runs it (sampler.cpp)
     for (int slot = 0; slot < 3; ++slot) {
       LoraConfig c;
       c.rank = 8 - 2 * slot, c.alpha = 16, c.seed = static_cast<uint64_t>(slot + 1);
@@ -341,7 +357,8 @@ TEST(FastDecode, FastPrefillEqualsEagerPrefill) {
       ASSERT_EQ(le.sizes(), lf.sizes());
       worst = std::max(worst, (le - lf).abs().max().item<double>());
     }
-    std::printf("fast prefill %s: max |logit diff| vs eager %.3g\n", dtype == at::kFloat ? "fp32" : "bf16", worst);
+    std::printf("fast prefill %s, LoRA math %s: max |logit diff| vs eager %.3g\n",
+                dtype == at::kFloat ? "fp32" : "bf16", lora_fp32 ? "fp32" : "model", worst);
     EXPECT_EQ(fast.fast_prefills(), 2);
     EXPECT_EQ(ref.fast_prefills(), 0);
     EXPECT_LE(worst, dtype == at::kFloat ? 1e-3 : 0.25);
@@ -356,11 +373,12 @@ TEST(FastDecode, MixedStepEqualsEagerDecodeAndPrefill) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   test::TempDir dir("loom-fast-mixed");
   ASSERT_TRUE(Generate(dir.path(), "qwen3", "small", 7));
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+  for (const auto& [dtype, lora_fp32] : {std::pair{at::kFloat, true}, std::pair{at::kBFloat16, true},
+                                         std::pair{at::kBFloat16, false}}) {
     std::shared_ptr<const Transformer> model = LoadOnGpu(dir.path(), dtype);
     ASSERT_TRUE(model);
     SlotBank bank(3, 8, at::kCUDA, model->LoraTargets());
-    bank.set_lora_fp32(true);
+    bank.set_lora_fp32(lora_fp32);
     for (int slot = 0; slot < 3; ++slot) {
       LoraConfig c;
       c.rank = 8 - 2 * slot, c.alpha = 16, c.seed = static_cast<uint64_t>(slot + 11);
@@ -398,8 +416,8 @@ TEST(FastDecode, MixedStepEqualsEagerDecodeAndPrefill) {
     const at::Tensor m = mixed.to(at::kCPU);
     const double dd = (m.narrow(0, 0, 2) - de).abs().max().item<double>();
     const double pd = (m.narrow(0, 2, 2) - pe).abs().max().item<double>();
-    std::printf("mixed step %s: max |logit diff| vs eager: decode rows %.3g, prefill chunks %.3g\n",
-                dtype == at::kFloat ? "fp32" : "bf16", dd, pd);
+    std::printf("mixed step %s, LoRA math %s: max |logit diff| vs eager: decode rows %.3g, prefill chunks %.3g\n",
+                dtype == at::kFloat ? "fp32" : "bf16", lora_fp32 ? "fp32" : "model", dd, pd);
     EXPECT_EQ(fast.mixed_steps(), 1);
     EXPECT_LE(dd, dtype == at::kFloat ? 1e-3 : 0.25);
     EXPECT_LE(pd, dtype == at::kFloat ? 1e-3 : 0.25);
