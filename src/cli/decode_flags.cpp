@@ -49,9 +49,10 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
       ->default_val(chunk_attention_)
       ->check(on_off);
   app.add_option("--sampler-lora-math", lora_math_,
-                 "fp32 | model: the sampler's LoRA arithmetic where ATen runs it (eager prefill and decode steps, "
-                 "an MoE model's expert LoRA on the decode graphs): fp32 as PEFT does, or the model's dtype (bf16 "
-                 "on a GPU, tensor cores; as the trainer); the CPU's fp32 models are the same either way")
+                 "model | fp32: the sampler's LoRA arithmetic where ATen runs it (eager prefill and decode steps, "
+                 "an MoE model's expert LoRA on the decode graphs): the model's dtype (bf16 on a GPU, tensor cores; "
+                 "as the trainer, so a prompt's logprobs match its forward's) or fp32 as PEFT does; the CPU's fp32 "
+                 "models are the same either way")
       ->default_val(lora_math_)
       ->check(CLI::IsMember({"fp32", "model"}));
   app.add_flag("--decode-profile", profile_,

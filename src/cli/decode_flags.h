@@ -20,7 +20,7 @@ class DecodeFlags {
 
  private:
   std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on",
-              moe_gemv_ = "on", attention_ = "tokens", chunk_attention_ = "on", lora_math_ = "fp32";
+              moe_gemv_ = "on", attention_ = "tokens", chunk_attention_ = "on", lora_math_ = "model";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };

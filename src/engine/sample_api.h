@@ -62,14 +62,17 @@ struct DecodeOptions {
   // for the base against 262 eager, 68 ms with 8 adapters against 200;
   // docs/benchmarks.md, session 14).
   int64_t fast_prefill_tokens = 2048;
-  // --sampler-lora-math fp32 (the default) | model: the LoRA arithmetic of
+  // --sampler-lora-math model (the default) | fp32: the LoRA arithmetic of
   // the sampler's ATen paths (eager steps, an MoE model's expert LoRA on the
-  // graphs): fp32, as PEFT does (activations cast up; the fused decode
-  // kernels, which accumulate in fp32, are checked against it), or the
-  // model's dtype, as the trainer's default (bf16 GEMMs on tensor cores). On
-  // an H100 a 2,048-token eager prefill with one adapter took twice the
-  // base's time in fp32 (docs/benchmarks.md, session 37); model is unmeasured.
-  bool lora_fp32 = true;
+  // graphs): the model's dtype, as the trainer's default (bf16 GEMMs on
+  // tensor cores), so that a prompt's logprobs are the trainer's forward's
+  // (the same on a bf16 CPU model; fp32 math was 0.03 apart there), or fp32,
+  // as PEFT does (activations cast up). On an H100 a 2,048-token eager
+  // prefill with one adapter takes 1.43x the base's time in the model's
+  // dtype and 2.0x in fp32; the fused decode kernels (which accumulate in
+  // fp32) are within the same bounds of either (docs/benchmarks.md,
+  // session 38). An fp32 model is the same either way.
+  bool lora_fp32 = false;
   // --decode-stream priority: the decode thread launches on a high-priority
   // CUDA stream of its own, so that the device schedules a decode step's
   // kernels ahead of a training pass's already queued ones (shared: both
