@@ -648,7 +648,8 @@ TEST(Sampler, LoraMathModelRunsTheAdapterInTheModelDtype) {
     const std::vector<float> b = prompt_logprobs(*model_math, adapter);
     ASSERT_EQ(a.size(), kPrompt.size());
     ASSERT_EQ(b.size(), kPrompt.size());
-    const std::vector<float> tr = TrainerLogprobs(kPrompt, {}, adapter, model.get());
+    const std::vector<float> tr = TrainerLogprobs(kPrompt, {}, adapter, model.get());  // [t - 1]: token t's
+    ASSERT_EQ(tr.size(), kPrompt.size() - 1);
     double ta = 0, tb = 0;
     for (size_t t = 1; t < kPrompt.size(); ++t) {
       ta = std::max(ta, static_cast<double>(std::abs(a[t] - tr[t - 1])));
