@@ -20,7 +20,8 @@ class DecodeFlags {
 
  private:
   std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on",
-              moe_gemv_ = "on", attention_ = "tokens", chunk_attention_ = "on", lora_math_ = "model";
+              moe_gemv_ = "on", attention_ = "tokens", chunk_attention_ = "on",
+              lora_math_ = engine::DecodeOptions{}.lora_fp32 ? "fp32" : "model";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;
 };

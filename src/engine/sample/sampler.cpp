@@ -166,8 +166,8 @@ class SamplerImpl final : public Sampler {
       : options_(options), detok_(std::move(detok)), info_(std::move(info)) {
     auto bank = std::make_unique<SlotBank>(options.sampler_adapters, options.max_rank, model->device(),
                                            model->LoraTargets());
-    // The eager path keeps PEFT's fp32 LoRA arithmetic by default: the fused
-    // decode kernels accumulate the adapters in fp32 and are checked against it.
+    // The eager path's LoRA arithmetic (DecodeOptions::lora_fp32): the
+    // model's dtype by default, as the trainer's; fp32 as PEFT's.
     bank->set_lora_fp32(options.decode.lora_fp32);
     sample::SchedulerLimits limits;
     limits.max_batch_rows = options.max_batch_rows;
