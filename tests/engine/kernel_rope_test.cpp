@@ -70,7 +70,7 @@ void Check(at::ScalarType t, int64_t hd, bool norms, bool delta, float scale = 1
 TEST(QkNormRopeKernel, MatchesATenForQueriesKeysAndValues) {
   LOOM_SKIP_WITHOUT_CUDA();
   for (at::ScalarType t : {at::kFloat, at::kBFloat16}) {
-    for (int64_t hd : {64, 128}) {
+    for (int64_t hd : {64, 96, 128}) {  // 96: the block form (hd / 32 odd)
       Check(t, hd, false, false);
       Check(t, hd, true, false);
       Check(t, hd, true, true);
