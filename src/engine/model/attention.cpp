@@ -96,7 +96,11 @@ struct SinkFlash {
                         // SinkFlashNode: an undefined tensor cannot be one.
   at::Tensor cu;        // [S + 1] int32 on the device: the non-empty sequences' offsets
   int64_t max_len = 0;
+  at::Tensor cu_k;      // the keys' offsets where they differ (shared prefixes), else undefined
+  int64_t max_len_k = 0;
   int64_t window = 0;   // 0 = every earlier key
+  const at::Tensor& KeyOffsets() const { return cu_k.defined() ? cu_k : cu; }
+  int64_t KeyMax() const { return cu_k.defined() ? max_len_k : max_len; }
   std::optional<int64_t> Left() const { return window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt; }
   std::optional<int64_t> Right() const { return window > 0 ? std::optional<int64_t>(0) : std::nullopt; }
 };
@@ -111,7 +115,7 @@ struct SinkFlashOut {
 // Without sinks (undefined): the kernel's output as it is, share undefined.
 SinkFlashOut SinkFlashForward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const SinkFlash& f) {
   auto [out, lse, rng, unused, debug] = at::_flash_attention_forward(
-      q, k, v, f.cu, f.cu, f.max_len, f.max_len, 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt,
+      q, k, v, f.cu, f.KeyOffsets(), f.max_len, f.KeyMax(), 0.0, /*is_causal=*/true, /*return_debug_mask=*/false, std::nullopt,
       f.Left(), f.Right());
   (void)debug;
   const int64_t T = q.size(0), H = q.size(1);
@@ -135,8 +139,9 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
                             const at::Tensor& v, const SinkFlash& f) {
     at::NoGradGuard no_grad;
     SinkFlashOut r = SinkFlashForward(q, k, v, f);
-    ctx->save_for_backward({q, k, v, r.out, r.lse, r.share, r.rng, r.unused, f.cu});
+    ctx->save_for_backward({q, k, v, r.out, r.lse, r.share, r.rng, r.unused, f.cu, f.cu_k});
     ctx->saved_data["max_len"] = f.max_len;
+    ctx->saved_data["max_len_k"] = f.max_len_k;
     ctx->saved_data["window"] = f.window;
     return r.out;
   }
@@ -144,10 +149,11 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4], &share = saved[5];
-    SinkFlash f{at::Tensor(), saved[8], ctx->saved_data["max_len"].toInt(), ctx->saved_data["window"].toInt()};
+    SinkFlash f{at::Tensor(), saved[8], ctx->saved_data["max_len"].toInt(), saved[9],
+                ctx->saved_data["max_len_k"].toInt(), ctx->saved_data["window"].toInt()};
     const at::Tensor g =
         share.defined() ? (grads[0].to(at::kFloat) * share).to(q.scalar_type()).contiguous() : grads[0].contiguous();
-    auto [dq, dk, dv] = at::_flash_attention_backward(g, q, k, v, out, lse, f.cu, f.cu, f.max_len, f.max_len, 0.0,
+    auto [dq, dk, dv] = at::_flash_attention_backward(g, q, k, v, out, lse, f.cu, f.KeyOffsets(), f.max_len, f.KeyMax(), 0.0,
                                                       /*is_causal=*/true, saved[6], saved[7], std::nullopt, f.Left(),
                                                       f.Right());
     return {dq, dk, dv, at::Tensor()};
@@ -161,7 +167,9 @@ struct SinkFlashNode : torch::autograd::Function<SinkFlashNode> {
 // head dims a multiple of 8 up to 256, libtorch 2.5+); else undefined (the
 // caller takes another path). q [T, H, hd], k/v [T, KVH, hd]; [T, H * hd].
 // The offsets are the layout's where given (PaddedLayout::SetVarlen), else
-// copied to the device here.
+// copied to the device here. A shared layout's keys are k and v as gathered
+// by its key_rows (the kernel's causal rule then aligns each sequence's
+// queries with the last of its keys).
 at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::vector<int64_t>& seq_begin, const AttentionVariant& var,
                        const PaddedLayout* layout = nullptr) {
@@ -177,6 +185,12 @@ at::Tensor FlashVarlen(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   if (layout && layout->cu.defined()) {
     f.cu = layout->cu;
     f.max_len = layout->cu_max_len;
+    if (layout->shared()) {
+      f.cu_k = layout->cu_k;
+      f.max_len_k = layout->cu_k_max_len;
+    }
+  } else if (layout && layout->shared()) {
+    return {};
   } else {
     PaddedLayout l;
     l.SetVarlen(seq_begin, q.device());
@@ -213,6 +227,31 @@ SeqCount CountSeqs(const std::vector<int64_t>& seq_begin) {
     c.longest = std::max(c.longest, len);
   }
   return c;
+}
+
+// PackedCausalAttention over a shared layout: each sequence's queries over
+// its keys as gathered by key_rows (its prefix's rows, then its own), the
+// last rows of one longer sequence. Through autograd the gather sends each
+// continuation's key and value gradients back to the prefix's rows, summed.
+at::Tensor SharedPrefixAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
+                                 const PaddedLayout& layout, const AttentionVariant* variant) {
+  const at::Tensor ke = k.index_select(0, layout.key_rows), ve = v.index_select(0, layout.key_rows);
+  if (layout.varlen && kernel == AttentionKernel::kSdpa && (!variant || !variant->keep.defined()))
+    if (at::Tensor o = FlashVarlen(q, ke, ve, seq_begin, variant ? *variant : AttentionVariant{}, &layout);
+        o.defined())
+      return o;
+  std::vector<at::Tensor> outs;
+  outs.reserve(seq_begin.size());
+  for (size_t i = 0; i + 1 < seq_begin.size(); ++i) {
+    const int64_t begin = seq_begin[i], len = seq_begin[i + 1] - begin;
+    if (len == 0) continue;
+    const int64_t kb = layout.key_begin[i], kn = layout.key_begin[i + 1] - kb;
+    const at::Tensor qs = q.narrow(0, begin, len), ks = ke.narrow(0, kb, kn), vs = ve.narrow(0, kb, kn);
+    outs.push_back(variant ? VariantCausal(qs, ks, vs, *variant) : PrefixCausalAttention(qs, ks, vs, kernel));
+  }
+  if (outs.empty()) return at::zeros({q.size(0), q.size(1) * q.size(2)}, q.options());
+  return outs.size() == 1 ? outs[0] : at::cat(outs, 0);
 }
 
 }  // namespace
@@ -285,6 +324,38 @@ void PaddedLayout::SetVarlen(const std::vector<int64_t>& seq_begin, at::Device d
   cu = at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(device);
 }
 
+PaddedLayout PaddedLayout::Shared(const std::vector<int64_t>& seq_begin, const std::vector<int>& seq_prefix,
+                                  at::Device device, bool varlen) {
+  PaddedLayout l;
+  const size_t S = seq_begin.empty() ? 0 : seq_begin.size() - 1;
+  TORCH_CHECK(seq_prefix.size() == S, "shared layout: ", seq_prefix.size(), " prefixes for ", S, " sequences");
+  std::vector<int64_t> rows;
+  std::vector<int32_t> cu_k{0};
+  l.key_begin.assign(1, 0);
+  for (size_t i = 0; i < S; ++i) {
+    const int p = seq_prefix[i];
+    TORCH_CHECK(p < static_cast<int>(i) && (p < 0 || seq_prefix[static_cast<size_t>(p)] < 0),
+                "shared layout: sequence ", i, " continues ", p, ", which is not an earlier sequence without a prefix");
+    const int64_t begin = seq_begin[i], len = seq_begin[i + 1] - begin;
+    int64_t keys = 0;
+    if (len > 0) {
+      if (p >= 0)
+        for (int64_t r = seq_begin[static_cast<size_t>(p)]; r < seq_begin[static_cast<size_t>(p) + 1]; ++r, ++keys)
+          rows.push_back(r);
+      for (int64_t r = begin; r < begin + len; ++r, ++keys) rows.push_back(r);
+      cu_k.push_back(cu_k.back() + static_cast<int32_t>(keys));
+      l.cu_k_max_len = std::max(l.cu_k_max_len, keys);
+    }
+    l.key_begin.push_back(l.key_begin.back() + keys);
+  }
+  l.key_rows = at::tensor(rows, at::TensorOptions().dtype(at::kLong)).to(device);
+  if (varlen) {
+    l.SetVarlen(seq_begin, device);
+    l.cu_k = at::tensor(cu_k, at::TensorOptions().dtype(at::kInt)).to(device);
+  }
+  return l;
+}
+
 bool PaddedLayout::Prefer(const std::vector<int64_t>& seq_begin, at::Device device) {
   const auto [seqs, max_len] = CountSeqs(seq_begin);
   const int64_t T = seq_begin.empty() ? 0 : seq_begin.back();
@@ -319,6 +390,7 @@ at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
     return NarrowHeads(PackedCausalAttention(q, k, PadValues(v, q.size(-1)), seq_begin, kernel, padded, variant),
                        q.size(1), q.size(-1), v.size(-1));
   if (variant && variant->plain()) variant = nullptr;
+  if (padded && padded->shared()) return SharedPrefixAttention(q, k, v, seq_begin, kernel, *padded, variant);
   if (padded && padded->varlen && !variant && kernel == AttentionKernel::kSdpa)
     if (at::Tensor o = FlashVarlen(q, k, v, seq_begin, AttentionVariant{}, padded); o.defined()) return o;
   if (padded && padded->seqs > 0 && !variant) return PaddedCausalAttention(q, k, v, *padded, kernel);

@@ -78,7 +78,22 @@ struct PaddedLayout {
   int64_t cu_max_len = 0;   // with varlen: the longest sequence
   // varlen on, with the offsets copied to the device once for every layer.
   void SetVarlen(const std::vector<int64_t>& seq_begin, at::Device device);
-  const PaddedLayout* get() const { return seqs > 0 || varlen ? this : nullptr; }
+  // A pass with shared prefixes (engine/train/shared_prefix.h): sequence i
+  // may continue sequence seq_prefix[i] (an earlier one that continues none:
+  // a prompt several datums share, its rows trained once), and its queries
+  // then see that sequence's keys before their own. key_rows lists, sequence
+  // after sequence, the rows of each one's keys (its prefix's, then its
+  // own); key_begin the offsets into it. Nothing is padded (seqs == 0); with
+  // varlen, cu_k and cu_k_max_len are the keys' offsets and longest run.
+  at::Tensor key_rows;             // [K] int64 on the device; undefined: no shared prefix
+  std::vector<int64_t> key_begin;  // S + 1
+  at::Tensor cu_k;
+  int64_t cu_k_max_len = 0;
+  bool shared() const { return key_rows.defined(); }
+  // The layout of such a pass (varlen: for the varlen flash kernel).
+  static PaddedLayout Shared(const std::vector<int64_t>& seq_begin, const std::vector<int>& seq_prefix,
+                             at::Device device, bool varlen);
+  const PaddedLayout* get() const { return seqs > 0 || varlen || shared() ? this : nullptr; }
 };
 
 // How often each shape has been seen, up to max_shapes distinct shapes:
@@ -124,7 +139,9 @@ at::Tensor PaddedCausalAttention(const at::Tensor& q, const at::Tensor& k, const
 // non-plain variant takes the per-sequence math path (kernel and padded unused).
 // v may be narrower than q and k (MLA's v_head_dim: [T, KVH, dv], dv < hd):
 // the output is then [T, H * dv] (the values padded with zeros, the output
-// narrowed back); the softmax scale is 1/sqrt(hd) either way.
+// narrowed back); the softmax scale is 1/sqrt(hd) either way. With a
+// shared layout (PaddedLayout::Shared) a sequence's queries also see its
+// prefix's keys, as the last rows of one longer sequence.
 at::Tensor PackedCausalAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const std::vector<int64_t>& seq_begin, AttentionKernel kernel,
                                  const PaddedLayout* padded = nullptr,  // batched when given

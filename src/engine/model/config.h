@@ -125,6 +125,16 @@ struct ModelConfig {
   bool IsLinearLayer(int64_t layer) const {
     return layer >= 0 && layer < static_cast<int64_t>(layer_types.size()) && layer_types[layer] == "linear_attention";
   }
+  // Whether a training pass may carry shared prefixes (PackedBatch::seq_prefix):
+  // every layer's sequence mixing is softmax attention over keys that a
+  // continuation can see past its prefix's. Not a Gated DeltaNet layer (its
+  // state runs through the sequence) nor DSA (its per-sequence key choice).
+  bool SharesPrefixes() const {
+    if (IsDsa()) return false;
+    for (int64_t l = 0; l < num_hidden_layers; ++l)
+      if (IsLinearLayer(l)) return false;
+    return true;
+  }
   // The Gated DeltaNet's conv channels: q and k (heads x key width each), v.
   int64_t LinearConvDim() const {
     return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;

@@ -146,8 +146,10 @@ void LoadHubExperts(LayerLoad& l) {
 }
 
 PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
-                              at::Device device) {
+                              at::Device device, const std::vector<int>& prefix) {
   PackedBatch b;
+  TORCH_CHECK(prefix.empty() || prefix.size() == seqs.size(), "packed batch: ", prefix.size(), " prefixes for ",
+              seqs.size(), " sequences");
   b.seq_begin.reserve(seqs.size() + 1);
   b.seq_begin.push_back(0);
   for (const auto& s : seqs) b.seq_begin.push_back(b.seq_begin.back() + static_cast<int64_t>(s.size()));
@@ -157,10 +159,19 @@ PackedBatch PackedBatch::Make(const std::vector<std::vector<int32_t>>& seqs, con
   int64_t* tp = tokens.data_ptr<int64_t>();
   int64_t* pp = positions.data_ptr<int64_t>();
   int64_t k = 0;
-  for (const auto& s : seqs)
-    for (size_t i = 0; i < s.size(); ++i, ++k) {
-      tp[k] = s[i];
-      pp[k] = static_cast<int64_t>(i);
+  for (size_t j = 0; j < seqs.size(); ++j) {
+    const int p = prefix.empty() ? -1 : prefix[j];
+    TORCH_CHECK(p < static_cast<int>(j), "packed batch: sequence ", j, " continues a later one (", p, ")");
+    const int64_t first = p < 0 ? 0 : static_cast<int64_t>(seqs[static_cast<size_t>(p)].size());
+    for (size_t i = 0; i < seqs[j].size(); ++i, ++k) {
+      tp[k] = seqs[j][i];
+      pp[k] = first + static_cast<int64_t>(i);
+    }
+  }
+  for (int p : prefix)
+    if (p >= 0) {
+      b.seq_prefix = prefix;
+      break;
     }
   b.tokens = tokens.to(device);
   b.positions = positions.to(device);
@@ -530,8 +541,9 @@ namespace {
 struct PassState {
   PassState(const SlotBank& bank, const PackedBatch& batch, bool attn, bool mlp)
       : delta(batch.uniform ? BatchLora(bank, *batch.uniform) : BatchLora(bank, batch.seq_begin, batch.seq_slot, attn, mlp)),
-        padded(batch.uniform ? PaddedLayout::Make(batch.seq_begin, batch.tokens.device())
-                             : PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())) {}
+        padded(batch.uniform            ? PaddedLayout::Make(batch.seq_begin, batch.tokens.device())
+               : batch.seq_prefix.empty() ? PaddedLayout::IfPreferred(batch.seq_begin, batch.tokens.device())
+                                          : PaddedLayout{}) {}
   BatchLora delta;
   PaddedLayout padded;
   Rope rope;
@@ -580,7 +592,16 @@ at::Tensor Transformer::Hidden(const PackedBatch& batch, const SlotBank& bank, i
   // shapes that change with every batch). Not the uniform layout's passes:
   // their shapes are a few buckets, and they may be captured as CUDA graphs,
   // where the kernel's offsets could not be copied to the device.
-  if (at::GradMode::is_enabled() && !batch.uniform && !config_.IsDsa() && attention_kernel_ == AttentionKernel::kSdpa)
+  if (!batch.seq_prefix.empty()) {
+    TORCH_CHECK(config_.SharesPrefixes() && !batch.uniform,
+                "a packed batch with shared prefixes on a model whose layers cannot see past a sequence's start");
+    // Shared prefixes take the varlen flash kernel wherever it runs (cuDNN's
+    // fused kernel has no form for keys that differ from the queries).
+    const bool varlen = attention_kernel_ == AttentionKernel::kSdpa && VariantFlashAvailable() &&
+                        batch.tokens.is_cuda() && (dtype_ == at::kBFloat16 || dtype_ == at::kHalf);
+    state->padded = PaddedLayout::Shared(batch.seq_begin, batch.seq_prefix, batch.tokens.device(), varlen);
+  } else if (at::GradMode::is_enabled() && !batch.uniform && !config_.IsDsa() &&
+             attention_kernel_ == AttentionKernel::kSdpa)
     if (TrainOnVarlenFlash(batch.seq_begin, config_.num_attention_heads, config_.num_key_value_heads,
                            config_.head_dim, batch.tokens.device(), dtype_))
       state->padded.SetVarlen(batch.seq_begin, batch.tokens.device());

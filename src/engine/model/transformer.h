@@ -47,9 +47,15 @@ struct PackedBatch {
   // Set for the uniform layout: the LoRA routing comes from here, not from
   // seq_slot, and seq_begin must be 0, L, 2L, ..., S * L.
   std::shared_ptr<const UniformLora> uniform;
+  // Empty, or size S: the earlier sequence each one continues (-1: none), a
+  // shared prefix (engine/train/shared_prefix.h) that continues none
+  // itself. A continuation's positions start after its prefix's, and its
+  // attention sees the prefix's keys (PaddedLayout::Shared). Only for a
+  // model whose SharesPrefixes().
+  std::vector<int> seq_prefix;
 
   static PackedBatch Make(const std::vector<std::vector<int32_t>>& seqs, const std::vector<int>& slots,
-                          at::Device device);
+                          at::Device device, const std::vector<int>& prefix = {});
   int64_t num_tokens() const { return seq_begin.empty() ? 0 : seq_begin.back(); }
 };
 
