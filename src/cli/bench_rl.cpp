@@ -63,6 +63,7 @@ struct RlOptions {
   int64_t kv_budget_tokens = DriverOptions{}.kv_budget_tokens;
   std::string pass_tokens = "most";
   std::string lora_order = "ragged";
+  std::string shared_prefixes = "on";
   bool small_ops_first = false;
   std::string profile;  // a Kineto trace of the together round, PATH.together.json
   const StepFlags* sampler_steps = nullptr;
@@ -220,7 +221,7 @@ struct RoundResult {
   int64_t decode_steps = 0, prefill_steps = 0, decode_rows = 0, max_rows = 0;
   double decode_seconds = 0, prefill_seconds = 0;
   int64_t fb_passes = 0, optim_passes = 0, train_tokens = 0;
-  int64_t planned_passes = 0, recomputed_layers = 0;  // Engine::TrainRecomputeStats over the round
+  int64_t planned_passes = 0, recomputed_layers = 0, planned_rows = 0;  // Engine::TrainRecomputeStats over the round
   double fb_seconds = 0, optim_seconds = 0;
   // The saves' engine-thread time by part (Metrics::RecordSnapshotCopy, RecordSnapshotHandoff).
   service::Metrics::SnapshotSeconds snapshots;
@@ -297,6 +298,7 @@ Result<RoundResult> Round(ServiceDriver& d, std::vector<Tenant>& tenants, const 
   const engine::Engine::RecomputeStats recompute1 = d.service().recompute_stats();
   r.planned_passes = recompute1.passes - recompute0.passes;
   r.recomputed_layers = recompute1.layers - recompute0.layers;
+  r.planned_rows = recompute1.rows - recompute0.rows;
   return r;
 }
 
@@ -328,14 +330,16 @@ void Print(const char* name, const RoundResult& r, const RlOptions& o) {
 void PrintDeviceTime(const char* name, const RoundResult& r, int64_t layers) {
   const auto per = [](double seconds, int64_t n) { return n > 0 ? 1e3 * seconds / static_cast<double>(n) : 0.0; };
   std::printf("%-12s sampler: %lld decode steps (%.1f rows a step, at most %lld so far; %.2f ms a step), %lld prefill "
-              "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.1f ms a pass, %.1f of %lld layers "
-              "recomputed), %lld optim_step passes (%.1f ms), %lld snapshots (copy %.2f ms, hand-off %.2f ms)\n",
+              "steps (%.2f ms); trainer: %lld forward_backward passes (%.0f tokens, %.0f rows trained once shared, %.1f "
+              "ms a pass, %.1f of %lld layers recomputed), %lld optim_step passes (%.1f ms), %lld snapshots (copy %.2f "
+              "ms, hand-off %.2f ms)\n",
               name, static_cast<long long>(r.decode_steps),
               r.decode_steps > 0 ? static_cast<double>(r.decode_rows) / static_cast<double>(r.decode_steps) : 0.0,
               static_cast<long long>(r.max_rows), per(r.decode_seconds, r.decode_steps),
               static_cast<long long>(r.prefill_steps), per(r.prefill_seconds, r.prefill_steps),
               static_cast<long long>(r.fb_passes),
               r.fb_passes > 0 ? static_cast<double>(r.train_tokens) / static_cast<double>(r.fb_passes) : 0.0,
+              r.planned_passes > 0 ? static_cast<double>(r.planned_rows) / static_cast<double>(r.planned_passes) : 0.0,
               per(r.fb_seconds, r.fb_passes),
               r.planned_passes > 0 ? static_cast<double>(r.recomputed_layers) / static_cast<double>(r.planned_passes)
                                    : 0.0,
@@ -372,6 +376,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.kv_budget_tokens = o.kv_budget_tokens;
   opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
   opt.lora_ragged = o.lora_order == "ragged";
+  opt.share_prefixes = o.shared_prefixes == "on";
   opt.small_ops_first = o.small_ops_first;
   opt.sampler_steps = o.sampler_steps;
   opt.sampler_decode = o.sampler_decode;
@@ -503,6 +508,10 @@ int BenchRl(int argc, char** argv) {
                  "ragged | padded: the trainer's LoRA over tenants of unequal tokens, as bench train's")
       ->default_val(o.lora_order)
       ->check(CLI::IsMember({"ragged", "padded"}));
+  app.add_option("--shared-prefixes", o.shared_prefixes,
+                 "on | off: a group's completions train their prompt's rows once, as loom serve's flag")
+      ->default_val(o.shared_prefixes)
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--profile", o.profile,
                  "trace the together round (Kineto, libtorch 2.x) to PATH.together.json; the trainer's passes are "
                  "the spans \"trainer forward_backward\" (bench/trace_summary.py --during), its figures then "

@@ -135,6 +135,8 @@ int Serve(int argc, char** argv) {
   int batch_window_ms = 2;
   std::string pass_tokens = "most";
   bool small_ops_first = false;
+  std::string shared_prefixes = "on";
+  app.add_option("--shared-prefixes", shared_prefixes, "on | off: a forward_backward request's datums that begin with the same rows (an RL group's prompt: the same tokens and loss inputs) train those rows once in the pass, the same gradients to float rounding (models whose every layer is softmax attention over plain keys; off: every datum whole)")->default_val(shared_prefixes)->check(CLI::IsMember({"on", "off"}));
   app.add_flag("--small-ops-first", small_ops_first, "ready optim_steps and saves run before the next packed forward_backward pass, so that tenants whose passes completed early step, publish and sample while the others' still train (off: each op waits its turn by arrival)");
   app.add_option("--token-budget", token_budget, "tokens per packed forward_backward pass; larger requests are split over passes (0 = on a GPU the most that fit beside the weights, slots and KV cache, measured at start-up; 8192 on the CPU)")->default_val(token_budget)->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--pass-tokens", pass_tokens, "most | kept: a pass holds at most the tokens that fit in the memory free now with every layer recomputed (the memory plan then recomputes the fewest layers that fit), or those that fit with every layer's activations kept (at least 4096, with layers recomputed below that): faster for one tenant's large requests, slower for many tenants' at once")->default_val(pass_tokens)->check(CLI::IsMember({"most", "kept"}));
@@ -241,6 +243,7 @@ int Serve(int argc, char** argv) {
     worker.device = device;
     worker.context_window = context_window;
     worker.graph_max_tokens = graph_tokens;
+    worker.share_prefixes = shared_prefixes == "on";  // every rank packs the passes alike
     worker.moments = moments;
     worker.max_slots = max_adapters;
     worker.max_rank = max_rank;
@@ -265,6 +268,7 @@ int Serve(int argc, char** argv) {
   eopt.device = device;
   eopt.context_window = context_window;
   eopt.graph_max_tokens = graph_tokens;
+  eopt.share_prefixes = shared_prefixes == "on";
   eopt.moments = moments;
   eopt.max_slots = max_adapters;  // 0: planned by Engine::Open
   eopt.max_rank = max_rank;

@@ -46,6 +46,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   eopt.max_rank = options.max_rank;
   eopt.threads = options.threads;
   eopt.lora_ragged = options.lora_ragged;
+  eopt.share_prefixes = options.share_prefixes;
   auto engine = engine::Engine::Open(eopt);
   if (!engine.ok()) return engine.status();
   auto registry = store::Registry::Open(options.data_dir);

@@ -27,6 +27,7 @@ struct DriverOptions {
   int max_rank = 16;
   int threads = 0;              // CPU intra-op threads, 0 = all cores
   bool lora_ragged = true;      // engine::EngineOptions::lora_ragged
+  bool share_prefixes = true;   // engine::EngineOptions::share_prefixes
   bool small_ops_first = false;  // service::ServiceOptions::small_ops_first
   int64_t token_budget = 0;      // tokens per pass; 0: as loom serve (service::TokenBudget: on a GPU the most that fit)
   // How a pass is sized against the room free now (loom serve's --pass-tokens).

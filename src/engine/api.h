@@ -64,6 +64,11 @@ struct EngineOptions {
   // fit the device memory free at that moment (train/memory_plan.h); none on
   // the CPU.
   int recompute_layers = -1;
+  // A forward_backward call's datums that begin with the same rows (an RL
+  // group's prompt: the same tokens and loss inputs) train those rows once
+  // (train/shared_prefix.h), on models whose layers allow it
+  // (ModelConfig::SharesPrefixes). false: every datum whole.
+  bool share_prefixes = true;
   // On a GPU, forward_backward passes of at most this many tokens once
   // padded to the uniform layout (train/uniform_pass.h) run as CUDA graphs
   // (train/pass_graphs.h): a small step costs its GPU time, not its ~10,000
@@ -251,10 +256,12 @@ class Engine {
     int64_t passes = 0, captures = 0, replays = 0, pool_bytes = 0;
   };
   virtual GraphStats TrainGraphStats() const { return {}; }
-  // The forward_backward passes the memory plan has sized so far, and the
-  // decoder layers they recomputed in all (train/memory_plan.h). Any thread.
+  // The forward_backward passes the memory plan has sized so far, the
+  // decoder layers they recomputed in all (train/memory_plan.h), and the
+  // rows they were sized for: their datums' tokens less the shared
+  // prefixes' repeats (train/shared_prefix.h). Any thread.
   struct RecomputeStats {
-    int64_t passes = 0, layers = 0;
+    int64_t passes = 0, layers = 0, rows = 0;
   };
   virtual RecomputeStats TrainRecomputeStats() const { return {}; }
   virtual void ResetPeakMemory() {}

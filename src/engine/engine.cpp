@@ -40,6 +40,7 @@
 #include "engine/train/forward_backward.h"
 #include "engine/train/grad_marks.h"
 #include "engine/train/memory_plan.h"
+#include "engine/train/shared_prefix.h"
 #include "engine/train/pass_graphs.h"
 #include "engine/train/loss_spec.h"
 #include "engine/group_engine.h"
@@ -60,6 +61,7 @@ class TrainingEngine final : public Engine {
   TrainingEngine(std::unique_ptr<Transformer> model, ModelInfo info, const EngineOptions& options, int threads)
       : threads_(threads),
         recompute_layers_(options.recompute_layers),
+        share_min_rows_(options.share_prefixes && model->config().SharesPrefixes() ? train::kShareMinRows : 0),
         model_(std::move(model)),
         info_(std::move(info)),
         bank_(info_.max_slots, info_.max_rank, model_->device(), model_->LoraTargets()),
@@ -195,7 +197,8 @@ class TrainingEngine final : public Engine {
   int64_t KeptPassTokens() const override { return RoomTokens(SlotBytesOfAPass(), 0); }
 
   RecomputeStats TrainRecomputeStats() const override {
-    return {recompute_passes_.load(std::memory_order_relaxed), recomputed_layers_.load(std::memory_order_relaxed)};
+    return {recompute_passes_.load(std::memory_order_relaxed), recomputed_layers_.load(std::memory_order_relaxed),
+            planned_rows_.load(std::memory_order_relaxed)};
   }
 
   std::string MemoryPlanReport() const override {
@@ -248,10 +251,12 @@ class TrainingEngine final : public Engine {
         for (const train::GradMark& m : before) seen = seen || m.slot == c.slot;
         if (!seen) before.push_back(train::TakeGradMark(bank_, c.slot));
       }
-      const train::PassPlan plan = Plan(calls);
+      const int64_t rows = PassTokens(calls);
+      const train::PassPlan plan = Plan(calls, rows);
       if (!plan.fits) return Refuse(calls, plan);
       recompute_passes_.fetch_add(1, std::memory_order_relaxed);
       recomputed_layers_.fetch_add(plan.recompute_layers, std::memory_order_relaxed);
+      planned_rows_.fetch_add(rows, std::memory_order_relaxed);
       at::Tensor slots, partial_before;
       if (tp_ != nullptr && !before.empty()) {
         std::vector<int64_t> ids;
@@ -261,7 +266,7 @@ class TrainingEngine final : public Engine {
       }
       results = train::ForwardBackward(*model_, bank_, calls, info_.vocab_size, info_.context_window,
                                        plan.recompute_layers,
-                                       graphs_.options().max_tokens > 0 ? &graphs_ : nullptr);
+                                       graphs_.options().max_tokens > 0 ? &graphs_ : nullptr, share_min_rows_);
       if (partial_before.defined()) SumPartialGradients(slots, partial_before);
     } catch (const std::exception& e) {
       for (const train::GradMark& m : before) train::RestoreGradMark(bank_, m);
@@ -392,19 +397,17 @@ class TrainingEngine final : public Engine {
     return bytes;
   }
 
-  // Every datum's tokens (invalid calls are left out of the pass later, so
-  // this is an upper bound on what it holds).
-  static int64_t PassTokens(const std::vector<ForwardBackwardCall>& calls) {
-    int64_t tokens = 0;
-    for (const ForwardBackwardCall& c : calls)
-      for (const Datum& d : c.data) tokens += static_cast<int64_t>(d.tokens.size());
-    return tokens;
+  // The rows the pass trains: every datum's tokens less the shared
+  // prefixes' repeats (invalid calls are left out of the pass later, and a
+  // call's sharing depends on its data alone, so this is an upper bound on
+  // what it holds).
+  int64_t PassTokens(const std::vector<ForwardBackwardCall>& calls) const {
+    return train::SharedPassRows(calls, share_min_rows_);
   }
 
   // How many layers this pass recomputes: the fixed count asked for, or the
   // fewest that fit (all of them where nothing was measured, on a GPU).
-  train::PassPlan Plan(const std::vector<ForwardBackwardCall>& calls) const {
-    const int64_t tokens = PassTokens(calls);
+  train::PassPlan Plan(const std::vector<ForwardBackwardCall>& calls, int64_t tokens) const {
     if (recompute_layers_ >= 0) return {true, recompute_layers_, 0};
     if (!model_->device().is_cuda()) return {true, 0, 0};
     if (!cost_.known()) return {true, info_.num_layers, 0};
@@ -490,7 +493,8 @@ class TrainingEngine final : public Engine {
   int threads_;
   bool lora_ragged_ = false;  // EngineOptions::lora_ragged, on a GPU
   int64_t recompute_layers_;  // -1: planned per pass
-  std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0};  // TrainRecomputeStats
+  int64_t share_min_rows_;    // shared prefixes (train/shared_prefix.h): 0 = off
+  std::atomic<int64_t> recompute_passes_{0}, recomputed_layers_{0}, planned_rows_{0};  // TrainRecomputeStats
   train::ActivationCost cost_;  // measured by Calibrate (unknown on the CPU)
   int64_t probe_tokens_ = 0;
   std::vector<std::shared_ptr<const DeviceReserve>> neighbours_;  // ShareDevice

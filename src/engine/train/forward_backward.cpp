@@ -4,15 +4,23 @@
 #include "engine/train/text.h"
 
 #include <cmath>
+#include <deque>
 #include <memory>
 #include <optional>
 
 #include "engine/train/loss_spec.h"
 #include "engine/train/losses.h"
 #include "engine/train/pass_graphs.h"
+#include "engine/train/shared_prefix.h"
 
 namespace loom::engine::train {
 namespace {
+
+// Where a datum's rows lie in the packed batch: its shared prefix's
+// (prefix_rows of them from prefix_begin; none without), then its own.
+struct DatumRows {
+  int64_t prefix_begin = 0, prefix_rows = 0, begin = 0;
+};
 
 // One call's share of the packed batch: rows [begin, begin + tokens).
 struct Part {
@@ -21,7 +29,15 @@ struct Part {
   std::vector<const Datum*> data;
   int64_t begin = 0;
   int64_t tokens = 0;
+  // With shared prefixes (shared_prefix.h): the call's sequences in the
+  // pass (each group's shared rows once, then every datum's rest), and how
+  // many datums each of those rows stands for.
+  std::vector<const Datum*> pieces;
+  std::vector<float> weight;
+  std::vector<DatumRows> rows;  // per datum
 };
+
+
 
 Status CheckSlot(const SlotBank& bank, int slot) {
   if (slot < 0 || slot >= bank.num_slots())
@@ -30,12 +46,14 @@ Status CheckSlot(const SlotBank& bank, int slot) {
   return Status::Ok();
 }
 
-// Rows [begin, begin + n) of a host tensor ([T] or [T, K]) as an Array with
-// the datum's own shape: (n,) when k == 0, else (n, k).
-Array ToArray(const at::Tensor& host, int64_t begin, int64_t n, int64_t k) {
+// A datum's n rows of a host tensor ([T] or [T, K]) as an Array with the
+// datum's own shape: (n,) when k == 0, else (n, k).
+Array ToArray(const at::Tensor& host, const DatumRows& at, int64_t n, int64_t k) {
   Array a;
   a.dtype = Array::DType::kFloat32;
-  at::Tensor rows = host.narrow(0, begin, n);
+  at::Tensor rows = at.prefix_rows == 0 ? host.narrow(0, at.begin, n)
+                                        : at::cat({host.narrow(0, at.prefix_begin, at.prefix_rows),
+                                                   host.narrow(0, at.begin, n - at.prefix_rows)});
   if (k == 0) {
     a.shape = {n};
     if (rows.dim() == 2) rows = rows.select(1, 0);
@@ -48,17 +66,33 @@ Array ToArray(const at::Tensor& host, int64_t begin, int64_t n, int64_t k) {
   return a;
 }
 
+// A part's per-row losses, each shared prefix's rows counted once for every
+// datum they stand for (as many times as those datums trained one by one).
+at::Tensor SharedRowsWeighted(const at::Tensor& elem, const Part& p) {
+  bool shared = false;
+  for (float w : p.weight) shared = shared || w != 1.0f;
+  if (!shared) return elem;
+  std::vector<float> per_row;
+  per_row.reserve(static_cast<size_t>(p.tokens));
+  for (size_t i = 0; i < p.pieces.size(); ++i) per_row.insert(per_row.end(), p.pieces[i]->tokens.size(), p.weight[i]);
+  at::Tensor w = at::tensor(per_row, at::TensorOptions().dtype(at::kFloat)).to(elem.device(), elem.scalar_type());
+  return elem * (elem.dim() == 2 ? w.unsqueeze(1) : w);
+}
+
 }  // namespace
 
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
                                                            int64_t vocab_size, int64_t context_window,
-                                                           int64_t recompute_layers, PassGraphs* graphs) {
+                                                           int64_t recompute_layers, PassGraphs* graphs,
+                                                           int64_t share_min_rows) {
   std::vector<Result<ForwardBackwardOutput>> results(calls.size(), Status::Internal("not run"));
   // 1. Validate; valid calls with data join the batch, in call order.
   std::vector<Part> parts;
+  std::deque<Datum> pieces;  // the shared prefixes' pieces of datums
   std::vector<std::vector<int32_t>> seqs;
-  std::vector<int> seq_slots;
+  std::vector<int> seq_slots, seq_prefix;
+  bool shared = false;
   int64_t rows = 0, k_cols = 0;
   bool any_backward = false;
   for (size_t c = 0; c < calls.size(); ++c) {
@@ -81,11 +115,51 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     part.begin = rows;
     for (const Datum& d : call.data) {
       part.data.push_back(&d);
-      seqs.push_back(d.tokens);
-      seq_slots.push_back(call.slot);
-      part.tokens += static_cast<int64_t>(d.tokens.size());
       k_cols = std::max(k_cols, TopK(d));
     }
+    // The call's sequences: its datums whole, or each group's shared rows
+    // once and every datum's rest after them.
+    int64_t row = rows;
+    auto add = [&](const Datum* d, float weight, int prefix) {
+      part.pieces.push_back(d);
+      part.weight.push_back(weight);
+      seqs.push_back(d->tokens);
+      seq_slots.push_back(call.slot);
+      seq_prefix.push_back(prefix);
+      row += static_cast<int64_t>(d->tokens.size());
+    };
+    std::vector<PrefixGroup> groups;
+    if (share_min_rows > 0 && model.config().SharesPrefixes()) groups = PlanSharedPrefixes(call.data, share_min_rows);
+    if (!groups.empty() && groups.size() < call.data.size()) {
+      shared = true;
+      for (const PrefixGroup& g : groups) {
+        DatumRows at;
+        int prefix = -1;
+        if (g.rows > 0) {
+          at = {row, g.rows, 0};
+          prefix = static_cast<int>(seqs.size());
+          pieces.push_back(SliceDatum(call.data[g.first], 0, g.rows));
+          add(&pieces.back(), static_cast<float>(g.count), -1);
+        }
+        for (size_t d = g.first; d < g.first + g.count; ++d) {
+          const Datum& datum = call.data[d];
+          at.begin = row;
+          part.rows.push_back(at);
+          if (g.rows == 0) {
+            add(&datum, 1.0f, -1);
+            continue;
+          }
+          pieces.push_back(SliceDatum(datum, g.rows, static_cast<int64_t>(datum.tokens.size())));
+          add(&pieces.back(), 1.0f, prefix);
+        }
+      }
+    } else {
+      for (const Datum& d : call.data) {
+        part.rows.push_back(DatumRows{0, 0, row});
+        add(&d, 1.0f, -1);
+      }
+    }
+    part.tokens = row - rows;
     rows += part.tokens;
     any_backward = any_backward || !call.forward_only;
     parts.push_back(std::move(part));
@@ -94,13 +168,13 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
 
   std::vector<const Datum*> all_data;
   for (const Part& p : parts) all_data.insert(all_data.end(), p.data.begin(), p.data.end());
-  std::vector<int64_t> datum_row;  // each datum's first row in the outputs, in all_data order
+  std::vector<DatumRows> datum_rows;  // in all_data order
   std::vector<double> loss_values;  // per part
 
   // 2a. A small pass of one loss, all with a backward, in the uniform layout
   // (as CUDA graphs on the GPU: pass_graphs.h).
   std::optional<UniformResult> uniform;
-  if (graphs && recompute_layers == 0 && k_cols == 0 && any_backward) {
+  if (graphs && recompute_layers == 0 && k_cols == 0 && any_backward && !shared) {
     bool same = true;
     for (const Part& p : parts)
       same = same && !calls[p.call].forward_only && p.spec == parts[0].spec;
@@ -114,7 +188,7 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     for (const Part& p : parts) {
       double sum = 0;
       for (size_t k = 0; k < p.data.size(); ++k, ++j) {
-        datum_row.push_back(static_cast<int64_t>(j) * uniform->len);
+        datum_rows.push_back(DatumRows{0, 0, static_cast<int64_t>(j) * uniform->len});
         sum += uniform->loss[j];
       }
       loss_values.push_back(sum);
@@ -124,8 +198,10 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     const at::Device device = model.device();
     std::unique_ptr<c10::NoGradGuard> no_grad;
     if (!any_backward) no_grad = std::make_unique<c10::NoGradGuard>();
-    at::Tensor targets = PackTargets(all_data, k_cols).to(device);
-    PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device);
+    std::vector<const Datum*> all_pieces;
+    for (const Part& p : parts) all_pieces.insert(all_pieces.end(), p.pieces.begin(), p.pieces.end());
+    at::Tensor targets = PackTargets(all_pieces, k_cols).to(device);
+    PackedBatch batch = PackedBatch::Make(seqs, seq_slots, device, shared ? seq_prefix : std::vector<int>{});
     at::Tensor hidden = model.Hidden(batch, bank, recompute_layers);
     // With every layer kept the plan has room for the logits too (the
     // calibration probes kept theirs: memory_plan.h).
@@ -138,12 +214,12 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
       at::Tensor lp = logprobs.narrow(0, p.begin, p.tokens);
       const bool top_k = p.spec.AllowsTopK() && k_cols > 0;
       if (!top_k && lp.dim() == 2) lp = lp.select(1, 0);
-      LossInputs in = PackLossInputs(p.spec, p.data, top_k ? k_cols : 0, device);
+      LossInputs in = PackLossInputs(p.spec, p.pieces, top_k ? k_cols : 0, device);
       at::Tensor elem = ElementwiseLoss(p.spec, lp, in);
       // One width for all parts' rows (a 1-D part next to top-K ones fills column 0).
       elementwise.push_back(k_cols > 0 && elem.dim() == 1 ? at::constant_pad_nd(elem.unsqueeze(1), {0, k_cols - 1})
                                                           : elem);
-      losses.push_back(elem.sum());
+      losses.push_back(SharedRowsWeighted(elem, p).sum());
     }
     at::Tensor loss_host = at::stack(losses).detach().to(at::kDouble).cpu();
     loss_values.assign(loss_host.data_ptr<double>(), loss_host.data_ptr<double>() + parts.size());
@@ -163,13 +239,7 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
     }
     lp_host = logprobs.detach().cpu();
     elem_host = (elementwise.size() == 1 ? elementwise[0] : at::cat(elementwise, 0)).detach().cpu();
-    for (const Part& p : parts) {
-      int64_t row = p.begin;
-      for (const Datum* d : p.data) {
-        datum_row.push_back(row);
-        row += static_cast<int64_t>(d->tokens.size());
-      }
-    }
+    for (const Part& p : parts) datum_rows.insert(datum_rows.end(), p.rows.begin(), p.rows.end());
   }
 
   // 5. Outputs in datum order.
@@ -186,8 +256,8 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
       const int64_t n = static_cast<int64_t>(d->tokens.size());
       const int64_t k = TopK(*d);
       std::map<std::string, Array> o;
-      o["logprobs"] = ToArray(lp_host, datum_row[j], n, k);
-      o["elementwise_loss"] = ToArray(elem_host, datum_row[j], n, k);
+      o["logprobs"] = ToArray(lp_host, datum_rows[j], n, k);
+      o["elementwise_loss"] = ToArray(elem_host, datum_rows[j], n, k);
       out.outputs.push_back(std::move(o));
       ++j;
     }

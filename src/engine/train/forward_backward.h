@@ -30,11 +30,14 @@ class PassGraphs;  // pass_graphs.h
 // graphs, a pass of one loss whose calls all want gradients (1-D targets,
 // nothing recomputed) runs through graphs->Run() when it fits there: the
 // uniform layout, replayed as CUDA graphs on the GPU (pass_graphs.h); the
-// same values to float rounding.
+// same values to float rounding. share_min_rows > 0: a call's datums that
+// begin with at least that many of the same rows train them once
+// (shared_prefix.h; not in the uniform layout); 0: every datum whole.
 std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& model, SlotBank& bank,
                                                            const std::vector<ForwardBackwardCall>& calls,
                                                            int64_t vocab_size, int64_t context_window,
                                                            int64_t recompute_layers = 0,
-                                                           PassGraphs* graphs = nullptr);
+                                                           PassGraphs* graphs = nullptr,
+                                                           int64_t share_min_rows = 0);
 
 }  // namespace loom::engine::train
