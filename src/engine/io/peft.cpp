@@ -128,7 +128,7 @@ int64_t PeftAdapter::bytes() const {
   return n;
 }
 
-Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
+Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot, PeftPlaces* deferred) {
   if (slot < 0 || slot >= bank.num_slots() || !bank.slot(slot).bound)
     return Status::Precondition("slot " + std::to_string(slot) + " is not bound to an adapter");
   PeftAdapter out;
@@ -150,16 +150,43 @@ Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot) {
   out.flat_begin = begin;
   out.flat_rank = R;
   out.flat_width = bank.flat().size(1);
+  PeftPlaces places;
+  PeftPlaces& p = deferred ? *deferred : places;
+  p.places.clear();
+  p.rank = r;
   for (const LoraTarget& t : bank.targets()) {
     if (!bank.trains(slot, t.group)) continue;
-    PeftAdapter::Factor f;
-    f.module = t.module;
-    f.hf_interleaved = t.hf_interleaved;
-    f.A = out.storage.narrow(0, t.a_col - begin, t.AElems(R)).view(t.FactorShape(true, R)).narrow(-2, 0, r);
-    f.B = out.storage.narrow(0, t.b_col - begin, t.BElems(R)).view(t.FactorShape(false, R)).narrow(-1, 0, r);
-    out.factors.push_back(std::move(f));
+    p.places.push_back({t.module, t.hf_interleaved, t.a_col - begin, t.b_col - begin, t.FactorShape(true, R),
+                        t.FactorShape(false, R)});
   }
+  if (!deferred) ViewFactors(out, places);
   return out;
+}
+
+void ViewFactors(PeftAdapter& adapter, const PeftPlaces& places) {
+  c10::NoGradGuard no_grad;
+  adapter.factors.clear();
+  adapter.factors.reserve(places.places.size());
+  const auto elems = [](const std::vector<int64_t>& shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    return n;
+  };
+  // One as_strided a factor (not narrow, view, narrow: a third of the ops):
+  // the contiguous block of `shape` at `offset`, its dimension `dim` cut to the rank.
+  const at::Tensor& s = adapter.storage;
+  const auto view = [&](const std::vector<int64_t>& shape, int64_t offset, int64_t dim) {
+    std::vector<int64_t> sizes = shape, strides(shape.size(), 1);
+    for (int64_t i = static_cast<int64_t>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+    sizes[shape.size() + dim] = places.rank;
+    return s.as_strided(sizes, strides, s.storage_offset() + offset);
+  };
+  for (const PeftPlaces::Place& p : places.places) {
+    if (p.a_offset + elems(p.a_shape) > s.numel() || p.b_offset + elems(p.b_shape) > s.numel())
+      throw std::out_of_range("ViewFactors: a factor of '" + p.module + "' lies past the storage");
+    adapter.factors.push_back({p.module, view(p.a_shape, p.a_offset, -2), view(p.b_shape, p.b_offset, -1),
+                               p.hf_interleaved});
+  }
 }
 
 Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::string& base_model_name) {

@@ -67,10 +67,28 @@ struct PeftAdapter {
   int64_t bytes() const;
 };
 
+// Where CopyPeft's factors lie in its storage: plain numbers and names, so
+// that their views can be made later, on another thread (ViewFactors).
+struct PeftPlaces {
+  struct Place {
+    std::string module;
+    bool hf_interleaved = false;
+    int64_t a_offset = 0, b_offset = 0;  // into the storage
+    std::vector<int64_t> a_shape, b_shape;  // at the bank's max rank
+  };
+  std::vector<Place> places;
+  int64_t rank = 0;  // the slot's
+};
+
 // A copy of bound slot s of bank on the bank's device: one copy of the span
 // of its flat row that holds the trained groups (no host sync). Later
-// changes to the slot leave it as it is.
-Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot);
+// changes to the slot leave it as it is. With `deferred`, the factors'
+// views are left unmade (each is two or three tensor ops, some 2-4 ms of
+// host time for the 253 targets of a 36-layer model: a save's whole cost
+// on the engine thread) and their places written there instead.
+Result<PeftAdapter> CopyPeft(const SlotBank& bank, int slot, PeftPlaces* deferred = nullptr);
+// Makes adapter's factors as views of its storage at `places` (CopyPeft's deferred ones).
+void ViewFactors(PeftAdapter& adapter, const PeftPlaces& places);
 
 // Writes adapter into dir (created if missing), from any device.
 Status WritePeft(const PeftAdapter& adapter, const std::string& dir, const std::string& base_model_name);

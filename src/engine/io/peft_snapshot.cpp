@@ -29,13 +29,22 @@ struct PeftSnapshot::CopyDone {
 struct PeftSnapshot::CopyDone {};
 #endif
 
-PeftSnapshot::PeftSnapshot(PeftAdapter adapter, std::unique_ptr<CopyDone> done)
-    : adapter_(std::move(adapter)), done_(std::move(done)) {}
+PeftSnapshot::PeftSnapshot(PeftAdapter adapter, PeftPlaces places, std::unique_ptr<CopyDone> done)
+    : adapter_(std::move(adapter)), places_(std::move(places)), done_(std::move(done)) {}
+
+const PeftAdapter& PeftSnapshot::adapter() const {
+  // Views only: no kernel, no stream (the storage's values are the copy's, read after Ready()).
+  std::call_once(viewed_, [this] {
+    if (adapter_.storage.defined()) ViewFactors(adapter_, places_);
+  });
+  return adapter_;
+}
 
 PeftSnapshot::~PeftSnapshot() = default;
 
 Result<std::shared_ptr<const PeftSnapshot>> PeftSnapshot::Take(const SlotBank& bank, int slot) {
-  Result<PeftAdapter> copy = CopyPeft(bank, slot);
+  PeftPlaces places;
+  Result<PeftAdapter> copy = CopyPeft(bank, slot, &places);
   if (!copy.ok()) return copy.status();
   std::unique_ptr<CopyDone> done;
 #if LOOM_CUDA_KERNELS
@@ -44,7 +53,7 @@ Result<std::shared_ptr<const PeftSnapshot>> PeftSnapshot::Take(const SlotBank& b
     done->event.record(at::cuda::getCurrentCUDAStream(copy->storage.device().index()));
   }
 #endif
-  return std::shared_ptr<const PeftSnapshot>(new PeftSnapshot(std::move(*copy), std::move(done)));
+  return std::shared_ptr<const PeftSnapshot>(new PeftSnapshot(std::move(*copy), std::move(places), std::move(done)));
 }
 
 void PeftSnapshot::Ready() const {
@@ -86,10 +95,10 @@ Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_m
           to.narrow(0, off, len).copy_(from.narrow(0, off, len), /*non_blocking=*/true);
           side.synchronize();
         }
-        return engine::WritePeft(adapter_.WithStorage(host), tmp, base_model_name);
+        return engine::WritePeft(adapter().WithStorage(host), tmp, base_model_name);
       }
 #endif
-      return engine::WritePeft(adapter_.To(at::kCPU), tmp, base_model_name);
+      return engine::WritePeft(adapter().To(at::kCPU), tmp, base_model_name);
     });
   } catch (const std::exception& e) {
     return Status::Internal(std::string("writing the PEFT snapshot failed: ") + e.what());

@@ -15,6 +15,7 @@
 // Threading: Take on the engine thread; everything else any thread, at once.
 #pragma once
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "engine/api.h"
@@ -29,7 +30,9 @@ class PeftSnapshot final : public SlotSnapshot {
   ~PeftSnapshot() override;
 
   // On the bank's device. Call Ready() on the thread that reads it first.
-  const PeftAdapter& adapter() const { return adapter_; }
+  // Its factors' views are made on the first call (not on the engine
+  // thread, which only copied the storage: CopyPeft's deferred places).
+  const PeftAdapter& adapter() const;
   // Makes the calling thread's current stream wait for the copy and records
   // the buffer's use on it (CUDA; a no-op on the CPU, where the copy is done
   // when Take returns).
@@ -40,8 +43,10 @@ class PeftSnapshot final : public SlotSnapshot {
 
  private:
   struct CopyDone;  // the CUDA event, where there is one
-  PeftSnapshot(PeftAdapter adapter, std::unique_ptr<CopyDone> done);
-  PeftAdapter adapter_;
+  PeftSnapshot(PeftAdapter adapter, PeftPlaces places, std::unique_ptr<CopyDone> done);
+  mutable PeftAdapter adapter_;  // its factors made once, under viewed_
+  PeftPlaces places_;
+  mutable std::once_flag viewed_;
   std::unique_ptr<CopyDone> done_;
 };
 
