@@ -276,6 +276,10 @@ std::string Metrics::Render(const QueueSnapshot& live) const {
   Head(out, "loom_train_recomputed_layers_total", "counter",
        "Decoder layers those passes recomputed in their backward (each runs its forward again; see --pass-tokens).");
   out += fmt::format("loom_train_recomputed_layers_total {}\n", live.recomputed_layers);
+  Head(out, "loom_train_rows_total", "counter",
+       "Rows those passes trained: their datums' tokens less the rows of shared prefixes trained once for several "
+       "datums (--shared-prefixes; loom_training_tokens_total counts every datum's).");
+  out += fmt::format("loom_train_rows_total {}\n", live.planned_rows);
   Head(out, "loom_publishes_pending", "gauge", "Snapshots queued or being written.");
   out += fmt::format("loom_publishes_pending {}\n", live.publishes_pending);
   Head(out, "loom_sampler_adapter_loads_total", "counter", "Sampler snapshot loads from disk.");

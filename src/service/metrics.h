@@ -43,9 +43,10 @@ struct QueueSnapshot {
   size_t publishes_pending = 0;     // save_weights_for_sampler snapshots queued or being written
   int64_t adapter_loads = 0;        // the sampler's snapshot loads from disk
   int64_t adapter_installs = 0;     // the sampler's snapshots installed from memory
-  // The trainers' passes sized by their memory plans, and the decoder layers
-  // those recomputed (Engine::TrainRecomputeStats, summed over base models).
-  int64_t planned_passes = 0, recomputed_layers = 0;
+  // The trainers' passes sized by their memory plans, the decoder layers
+  // those recomputed and the rows they trained (Engine::TrainRecomputeStats,
+  // summed over base models).
+  int64_t planned_passes = 0, recomputed_layers = 0, planned_rows = 0;
   // Sampling on replicas (--sampler-replicas): how many, how many live, and
   // the calls submitted again after their replica failed. 0 in process.
   int64_t sampler_replicas = 0, sampler_replicas_live = 0, sampler_resubmitted = 0;

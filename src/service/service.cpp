@@ -126,6 +126,7 @@ QueueSnapshot Service::LiveSnapshot(bool with_usage) const {
       const engine::Engine::RecomputeStats recompute = base->engine->TrainRecomputeStats();
       live.planned_passes += recompute.passes;
       live.recomputed_layers += recompute.layers;
+      live.planned_rows += recompute.rows;
       if (base->sampling.sampler) {
         const engine::SamplerStats stats = base->sampling.sampler->stats();
         live.adapter_loads += stats.adapter_loads;

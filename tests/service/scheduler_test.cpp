@@ -120,14 +120,16 @@ TEST_F(SchedulerTest, APassIsSizedToTheRoomWithEveryLayerKept) {
   EXPECT_EQ(FourBehindAPass(), (std::vector<size_t>{1, 2, 2}));
 }
 
-// /metrics carries the engine's count of sized passes and the layers they
-// recomputed, for an operator to see what the memory plan costs.
+// /metrics carries the engine's count of sized passes, the layers they
+// recomputed and the rows they trained, for an operator to see what the
+// memory plan costs and what shared prefixes save.
 TEST_F(SchedulerTest, MetricsCountThePassesAndTheLayersTheyRecomputed) {
   Open(/*token_budget=*/1000);
-  engine_->recompute_stats = {7, 150};
+  engine_->recompute_stats = {7, 150, 9000};
   const std::string text = service_->MetricsText();
   EXPECT_NE(text.find("\nloom_train_planned_passes_total 7\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\nloom_train_recomputed_layers_total 150\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nloom_train_rows_total 9000\n"), std::string::npos) << text;
 }
 
 TEST_F(SchedulerTest, APassIsSizedToTheMostThatFitsUnderPassSizingMost) {
