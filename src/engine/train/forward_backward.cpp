@@ -38,7 +38,6 @@ struct Part {
 };
 
 
-
 Status CheckSlot(const SlotBank& bank, int slot) {
   if (slot < 0 || slot >= bank.num_slots())
     return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", bank.num_slots(), ")"));
@@ -128,35 +127,31 @@ std::vector<Result<ForwardBackwardOutput>> ForwardBackward(const Transformer& mo
       seq_prefix.push_back(prefix);
       row += static_cast<int64_t>(d->tokens.size());
     };
+    // Every datum whole (a group of one) where nothing is shared.
     std::vector<PrefixGroup> groups;
     if (share_min_rows > 0 && model.config().SharesPrefixes()) groups = PlanSharedPrefixes(call.data, share_min_rows);
-    if (!groups.empty() && groups.size() < call.data.size()) {
-      shared = true;
-      for (const PrefixGroup& g : groups) {
-        DatumRows at;
-        int prefix = -1;
-        if (g.rows > 0) {
-          at = {row, g.rows, 0};
-          prefix = static_cast<int>(seqs.size());
-          pieces.push_back(SliceDatum(call.data[g.first], 0, g.rows));
-          add(&pieces.back(), static_cast<float>(g.count), -1);
-        }
-        for (size_t d = g.first; d < g.first + g.count; ++d) {
-          const Datum& datum = call.data[d];
-          at.begin = row;
-          part.rows.push_back(at);
-          if (g.rows == 0) {
-            add(&datum, 1.0f, -1);
-            continue;
-          }
-          pieces.push_back(SliceDatum(datum, g.rows, static_cast<int64_t>(datum.tokens.size())));
-          add(&pieces.back(), 1.0f, prefix);
-        }
+    if (groups.empty())
+      for (size_t d = 0; d < call.data.size(); ++d) groups.push_back(PrefixGroup{d, 1, 0});
+    for (const PrefixGroup& g : groups) {
+      DatumRows at;
+      int prefix = -1;
+      if (g.rows > 0) {
+        shared = true;
+        at = {row, g.rows, 0};
+        prefix = static_cast<int>(seqs.size());
+        pieces.push_back(SliceDatum(call.data[g.first], 0, g.rows));
+        add(&pieces.back(), static_cast<float>(g.count), -1);
       }
-    } else {
-      for (const Datum& d : call.data) {
-        part.rows.push_back(DatumRows{0, 0, row});
-        add(&d, 1.0f, -1);
+      for (size_t d = g.first; d < g.first + g.count; ++d) {
+        const Datum& datum = call.data[d];
+        at.begin = row;
+        part.rows.push_back(at);
+        if (g.rows == 0) {
+          add(&datum, 1.0f, -1);
+          continue;
+        }
+        pieces.push_back(SliceDatum(datum, g.rows, static_cast<int64_t>(datum.tokens.size())));
+        add(&pieces.back(), 1.0f, prefix);
       }
     }
     part.tokens = row - rows;
