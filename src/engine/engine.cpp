@@ -301,6 +301,7 @@ class TrainingEngine final : public Engine {
   std::vector<Result<OptimStepOutput>> OptimStep(const std::vector<OptimStepCall>& calls) override {
     UseThisThread();
     const DeviceTurn turn = TakeTurn();
+    RECORD_USER_SCOPE("trainer optim_step");
     try {
       return optimizer_.Step(bank_, calls);
     } catch (const std::exception& e) {
@@ -340,6 +341,7 @@ class TrainingEngine final : public Engine {
     if (slot < 0 || slot >= info_.max_slots)
       return Status::Invalid(Cat("slot: ", slot, " is outside [0, ", info_.max_slots, ")"));
     if (!bank_.slot(slot).bound) return Status::Precondition(Cat("slot ", slot, " is not bound to a model"));
+    RECORD_USER_SCOPE("trainer snapshot");  // a span in a trace: what a save's engine time waits on
     try {
       if (tp_ != nullptr) {  // the whole adapter (every rank gathers; rank 0's is the one used)
         train::WholeSlot whole = train::GatherSlot(bank_, optimizer_, slot, model_->WholeLoraTargets(), *tp_);
