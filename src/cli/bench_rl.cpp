@@ -9,7 +9,8 @@
 //      optim_step;
 //   3. save_weights_for_sampler, the version the next step samples.
 // Tenants run concurrently, one client thread each, then (the yardstick) the
-// same loop with fresh tenants one at a time; with --heavy-tenant, once more
+// same loop with fresh tenants one at a time (left out with --no-yardstick,
+// to compare settings of the together round); with --heavy-tenant, once more
 // concurrently with tenant 0 sampling 10x the group, to show what a heavy
 // sampler costs the others. Prints steps/s, where a step's
 // client time goes, the save's share of the trainer's busy time (engine
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -57,6 +59,7 @@ struct RlOptions {
   int threads = 0;
   double lr = 1e-3;
   bool heavy_tenant = false;
+  bool yardstick = true;  // --no-yardstick: the together round only (comparing settings of it)
   bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
   int64_t token_budget = DriverOptions{}.token_budget;
@@ -364,7 +367,6 @@ int BenchRlRun(const RlOptions& o) {
   DriverOptions opt;
   opt.model_dir = o.model_dir;
   opt.data_dir = data_dir;
-  const int rounds = o.heavy_tenant ? 3 : 2;
   // Fresh tenants for each round, the last round's unloaded first: the
   // slots of one round's tenants, as a server of N tenants holds.
   opt.max_slots = o.tenants;
@@ -418,33 +420,41 @@ int BenchRlRun(const RlOptions& o) {
   if (!o.profile.empty())
     if (Status s = StopTrace(o.profile + ".together.json"); !s.ok()) return fail(s);
   if (!conc.ok()) return fail(conc.status());
-  auto alone = fresh(1);
-  if (!alone.ok()) return fail(alone.status());
-  auto seq = Round(d, *alone, o, /*concurrent=*/false, 11, meter.get());
-  if (!seq.ok()) return fail(seq.status());
+  std::optional<RoundResult> seq;  // the yardstick: fresh tenants one at a time
+  if (o.yardstick) {
+    auto alone = fresh(1);
+    if (!alone.ok()) return fail(alone.status());
+    auto r = Round(d, *alone, o, /*concurrent=*/false, 11, meter.get());
+    if (!r.ok()) return fail(r.status());
+    seq = std::move(*r);
+  }
   std::printf("%-12s %10s %12s %10s %10s %10s %10s %10s %10s %10s %13s %10s\n", "tenants", "steps/s", "steps/s/ten",
               "sample ms", "train ms", "save ms", "engine ms", "save/busy", "snap ms", "write ms", "disk/memory",
               "busy");
   Print("together", *conc, o);
-  Print("one by one", *seq, o);
-  std::printf("aggregate speed-up of running together: %.2fx (ms columns: client time per step, summed over tenants;\n"
+  if (seq) Print("one by one", *seq, o);
+  const std::string speedup =
+      seq ? fmt::format("{:.2f}x", (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall))
+          : std::string("not measured (--no-yardstick)");
+  std::printf("aggregate speed-up of running together: %s (ms columns: client time per step, summed over tenants;\n"
               "  engine ms: engine time per step; save/busy: the saves' share of it (the snapshot, on the engine thread);\n"
               "  snap ms / write ms: per save, engine-thread time and writer-thread time (PEFT files + commit, off the\n"
               "  engine thread); disk/memory: how the sampler got the versions it sampled: loads from disk / installs\n"
               "  from the trainer's snapshot; busy: the share of the round's wall time the device trained or sampled:\n"
               "  %s)\n",
-              (o.tenants * o.steps / conc->wall) / (o.tenants * o.steps / seq->wall),
+              speedup.c_str(),
               meter ? "NVML's GPU utilization (the share of time a kernel ran, as nvidia-smi's), polled every 50 ms"
                     : "between max(engine, sampler) and their sum, as the trainer's passes and the sampler's steps may overlap");
   if (info.device != "cpu")  // where a save's snapshot may wait: its copy's memory from the driver
-    std::printf("device allocator, together / one by one: %lld / %lld cudaMalloc calls, %lld / %lld retried after "
+    std::printf("device allocator, together / one by one: %lld / %s cudaMalloc calls, %lld / %s retried after "
                 "freeing its cache (each retry waits for all queued device work)\n",
-                static_cast<long long>(conc->device_mallocs), static_cast<long long>(seq->device_mallocs),
-                static_cast<long long>(conc->alloc_retries), static_cast<long long>(seq->alloc_retries));
+                static_cast<long long>(conc->device_mallocs),
+                seq ? std::to_string(seq->device_mallocs).c_str() : "-", static_cast<long long>(conc->alloc_retries),
+                seq ? std::to_string(seq->alloc_retries).c_str() : "-");
   PrintDeviceTime("together", *conc, info.num_layers);
-  PrintDeviceTime("one by one", *seq, info.num_layers);
+  if (seq) PrintDeviceTime("one by one", *seq, info.num_layers);
   if (o.heavy_tenant) {
-    auto set = fresh(2);
+    auto set = fresh(o.yardstick ? 2 : 1);
     if (!set.ok()) return fail(set.status());
     auto heavy = Round(d, *set, o, /*concurrent=*/true, 11, meter.get(), kHeavyFactor * o.group);
     if (!heavy.ok()) return fail(heavy.status());
@@ -522,6 +532,9 @@ int BenchRl(int argc, char** argv) {
   app.add_flag("--small-ops-first", o.small_ops_first,
                "ready optim_steps and saves run before the next packable pass (as loom serve's flag)");
   app.add_flag("--heavy-tenant", o.heavy_tenant, "also run with tenant 0 sampling 10x the group (needs --tenants >= 2)");
+  app.add_flag("--yardstick,!--no-yardstick", o.yardstick,
+               "run the one-at-a-time round, the speed-up's yardstick (default); --no-yardstick runs the together "
+               "round alone, to compare settings of it at half the time");
   const StepFlags step_flags(app);  // the sampler's step limits, as loom serve takes them
   o.sampler_steps = &step_flags;
   const DecodeFlags decode_flags(app);  // and its decode switches (--decode-stream, ...)
