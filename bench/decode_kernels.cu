@@ -9,7 +9,7 @@
 // adapters' factors come from memory, not L2, as in a decode step), 4 times,
 // captured in one CUDA graph; the figure is µs per launch over 20 replays
 // (DECODE_KERNELS_REPLAYS=n: n).
-// LoRA: 8 slots, rank 32, rows sorted by slot (as the sampler orders them).
+// LoRA: 8 slots (DECODE_KERNELS_SLOTS=n: n), rank 32, rows sorted by slot (as the sampler orders them).
 // `cublas || lora X`: projection X's GEMM with its LoRA (shrink, expand)
 // on a forked branch, as the sampler's step runs them; `lora, cublas X`:
 // the same one after the other. Where the two are equal, nothing overlaps.
@@ -45,10 +45,13 @@ namespace k = loom::engine::cuda;
 using bf16 = __nv_bfloat16;
 
 constexpr int kLayers = 36, kHidden = 2560, kHeads = 32, kKvHeads = 8, kHeadDim = 128, kInter = 9728;
-constexpr int kVocab = 151936, kSlots = 8, kRank = 32, kRepeats = 4, kMaxRows = 512;
+constexpr int kVocab = 151936, kRank = 32, kRepeats = 4, kMaxRows = 512;
 constexpr int kKvBlock = 16;  // the sampler's KV block (tokens)
 // Timed replays per kernel; DECODE_KERNELS_REPLAYS overrides (profilers: 1).
 int replays = 20;
+// Adapter slots the rows spread over; DECODE_KERNELS_SLOTS overrides (the RL
+// loop's 256-row step: 16).
+int num_slots = 8;
 
 void Check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -111,6 +114,7 @@ double Time(cudaStream_t st, const std::function<void(int, cudaStream_t)>& fn) {
 
 int main(int argc, char** argv) {
   if (const char* r = std::getenv("DECODE_KERNELS_REPLAYS")) replays = std::max(1, std::atoi(r));
+  if (const char* s = std::getenv("DECODE_KERNELS_SLOTS")) num_slots = std::max(1, std::atoi(s));
   std::vector<int> row_counts;
   for (int i = 1; i < argc; ++i) row_counts.push_back(std::atoi(argv[i]));
   if (row_counts.empty()) row_counts = {1, 64};
@@ -127,8 +131,8 @@ int main(int argc, char** argv) {
   auto make = [&](int64_t d_in, std::vector<int64_t> outs) {
     Group g{d_in, kRank * static_cast<int64_t>(outs.size()), 0, {}, nullptr, nullptr};
     for (int64_t o : outs) g.seg.push_back(g.d_total += o);
-    g.A = Random(static_cast<size_t>(kSlots * g.r_total * d_in), 0.02f, rng);
-    g.B = Random(static_cast<size_t>(kSlots * g.d_total * kRank), 0.02f, rng);
+    g.A = Random(static_cast<size_t>(num_slots * g.r_total * d_in), 0.02f, rng);
+    g.B = Random(static_cast<size_t>(num_slots * g.d_total * kRank), 0.02f, rng);
     return g;
   };
   for (auto& l : groups) {
@@ -160,9 +164,9 @@ int main(int argc, char** argv) {
   const int64_t tickets = static_cast<int64_t>(kMaxRows) * ((3 * kRank + 15) / 16);
   const k::ShrinkScratch split{Zeros<float>(static_cast<size_t>(kMaxRows) * 8 * kRank), int64_t{kMaxRows} * 8 * kRank,
                                Zeros<int>(static_cast<size_t>(tickets)), tickets};
-  float* scale = Zeros<float>(kSlots);
-  std::vector<float> ones(kSlots, 1.0f);
-  cudaMemcpy(scale, ones.data(), sizeof(float) * kSlots, cudaMemcpyHostToDevice);
+  float* scale = Zeros<float>(num_slots);
+  std::vector<float> ones(num_slots, 1.0f);
+  cudaMemcpy(scale, ones.data(), sizeof(float) * num_slots, cudaMemcpyHostToDevice);
   std::vector<float> inv_freq_h(kHeadDim / 2);
   for (int i = 0; i < kHeadDim / 2; ++i) inv_freq_h[i] = std::pow(1e6f, -2.0f * i / kHeadDim);
   float* inv_freq = Zeros<float>(kHeadDim / 2);
@@ -211,8 +215,8 @@ int main(int argc, char** argv) {
       return f;
     };
     const std::vector<float> hx = host(x, static_cast<size_t>(rows) * g.d_in);
-    const std::vector<float> hA = host(g.A, static_cast<size_t>(kSlots) * g.r_total * g.d_in);
-    const std::vector<float> hB = host(g.B, static_cast<size_t>(kSlots) * g.d_total * kRank);
+    const std::vector<float> hA = host(g.A, static_cast<size_t>(num_slots) * g.r_total * g.d_in);
+    const std::vector<float> hB = host(g.B, static_cast<size_t>(num_slots) * g.d_total * kRank);
     const std::vector<float> hy = host(y, static_cast<size_t>(rows) * g.d_total);
     k::LoraShrink(true, x, g.d_in, g.A, slots, scale, t, rows, g.d_in, g.r_total, st);
     std::vector<float> ht(static_cast<size_t>(rows) * g.r_total);
@@ -261,7 +265,7 @@ int main(int argc, char** argv) {
     // be left 0 for the second), against the host.
     const Group& dn = groups[0][3];
     const std::vector<float> hxd = host(x, static_cast<size_t>(rows) * dn.d_in);
-    const std::vector<float> hAd = host(dn.A, static_cast<size_t>(kSlots) * dn.r_total * dn.d_in);
+    const std::vector<float> hAd = host(dn.A, static_cast<size_t>(num_slots) * dn.r_total * dn.d_in);
     for (int pass = 0; pass < 2; ++pass) {
       Check(cudaMemsetAsync(t, 0xff, sizeof(float) * rows * dn.r_total, st), "clear t");
       const int parts = k::LoraShrink(true, x, dn.d_in, dn.A, slots, scale, t, rows, dn.d_in, dn.r_total, st, &split);
@@ -313,12 +317,12 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<std::string> attn_checks;
-  std::printf("decode kernels, qwen3-4b shapes, LoRA rank %d, %d slots, us per launch\n", kRank, kSlots);
+  std::printf("decode kernels, qwen3-4b shapes, LoRA rank %d, %d slots, us per launch\n", kRank, num_slots);
   for (int rows : row_counts) {
     if (rows < 1 || rows > kMaxRows) continue;
     // Rows sorted by slot, as the sampler orders them: row r of rows gets slot r * slots / rows.
     std::vector<int32_t> sl(rows);
-    for (int r = 0; r < rows; ++r) sl[r] = rows >= kSlots ? r * kSlots / rows : r % kSlots;
+    for (int r = 0; r < rows; ++r) sl[r] = rows >= num_slots ? r * num_slots / rows : r % num_slots;
     cudaMemcpy(slots, sl.data(), sizeof(int32_t) * rows, cudaMemcpyHostToDevice);
     std::vector<std::pair<std::string, double>> out;
     auto run = [&](const char* name, const std::function<void(int, cudaStream_t)>& fn) {
