@@ -19,6 +19,11 @@
 // its paged K/V (blocks scattered), in each k::AttentionForm, with the two
 // forms' largest difference printed after the table
 // (DECODE_KERNELS_CTX="C ...": other context lengths).
+// DECODE_KERNELS_LT=1: also each base projection over 36 layers' own
+// weights (out of L2, as in a step) through cublasGemmEx (what at::linear
+// runs) and through every algorithm cuBLASLt's heuristic offers for the
+// shape (32 MiB of workspace): its first pick and the fastest.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -110,11 +115,63 @@ double Time(cudaStream_t st, const std::function<void(int, cudaStream_t)>& fn) {
   return ms * 1e3 / (replays * kRepeats * kLayers);
 }
 
+// The base projection y [rows, n] = x [rows, kd] w^T over 36 layers' own
+// weights: cublasGemmEx (what at::linear calls), then each algorithm of
+// cuBLASLt's heuristic for the shape; prints µs per launch of each.
+void LtSweep(cudaStream_t st, cublasHandle_t blas, const char* name, int rows, int n, int kd,
+             const std::vector<bf16*>& w, const bf16* x, bf16* y) {
+  const float one = 1.0f, zero = 0.0f;
+  cublasSetStream(blas, st);
+  const double gemmex = Time(st, [&](int l, cudaStream_t s) {
+    cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, kd, &one, w[l], CUDA_R_16BF, kd, x, CUDA_R_16BF, kd, &zero,
+                 y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  });
+  cublasLtHandle_t lt;
+  cublasLtCreate(&lt);
+  cublasLtMatmulDesc_t op;
+  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  cublasLtMatrixLayout_t la, lb, lc;
+  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, kd, n, kd);
+  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, kd, rows, kd);
+  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, rows, n);
+  size_t ws_bytes = size_t{32} << 20;
+  void* ws = nullptr;
+  Check(cudaMalloc(&ws, ws_bytes), "workspace");
+  cublasLtMatmulPreference_t pref;
+  cublasLtMatmulPreferenceCreate(&pref);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+  cublasLtMatmulHeuristicResult_t res[32];
+  int got = 0;
+  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 32, res, &got);
+  double first = 0, best = 1e30;
+  int best_i = -1;
+  for (int i = 0; i < got; ++i) {
+    const double us = Time(st, [&](int l, cudaStream_t s) {
+      cublasLtMatmul(lt, op, &one, w[l], la, x, lb, &zero, y, lc, y, lc, &res[i].algo, ws, ws_bytes, s);
+    });
+    if (i == 0) first = us;
+    if (us < best) best = us, best_i = i;
+  }
+  std::printf("  lt %-8s rows %4d: gemmex %8.2f, lt first %8.2f, lt best %8.2f (algo %d of %d), gemmex / best %.3f\n",
+              name, rows, gemmex, first, best, best_i, got, gemmex / best);
+  cudaFree(ws);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(la);
+  cublasLtMatrixLayoutDestroy(lb);
+  cublasLtMatrixLayoutDestroy(lc);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(lt);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (const char* r = std::getenv("DECODE_KERNELS_REPLAYS")) replays = std::max(1, std::atoi(r));
   if (const char* s = std::getenv("DECODE_KERNELS_SLOTS")) num_slots = std::max(1, std::atoi(s));
+  const bool lt_sweep = std::getenv("DECODE_KERNELS_LT") != nullptr && std::atoi(std::getenv("DECODE_KERNELS_LT")) != 0;
   std::vector<int> row_counts;
   for (int i = 1; i < argc; ++i) row_counts.push_back(std::atoi(argv[i]));
   if (row_counts.empty()) row_counts = {1, 64};
@@ -437,6 +494,23 @@ int main(int argc, char** argv) {
     for (const auto& [name, us] : out) std::printf("  %-24s %8.2f\n", name.c_str(), us);
     for (const std::string& c : attn_checks) std::printf("  check: %s\n", c.c_str());
     attn_checks.clear();
+    if (lt_sweep) {
+      const char* lt_names[] = {"qkv", "o", "gate_up", "down"};
+      const int lt_n[] = {qkv_width, kHidden, 2 * kInter, kHidden};
+      const int lt_k[] = {kHidden, kHeads * kHeadDim, kHidden, kInter};
+      for (int g = 0; g < 4; ++g) {
+        // One random layer copied into 36 buffers: the same values at 36 addresses, none in L2.
+        const size_t elems = static_cast<size_t>(lt_n[g]) * lt_k[g];
+        std::vector<bf16*> w(kLayers);
+        w[0] = Random(elems, 0.02f, rng);
+        for (int l = 1; l < kLayers; ++l) {
+          w[l] = Zeros<bf16>(elems);
+          cudaMemcpy(w[l], w[0], elems * sizeof(bf16), cudaMemcpyDeviceToDevice);
+        }
+        LtSweep(st, blas, lt_names[g], rows, lt_n[g], lt_k[g], w, x, y);
+        for (bf16* p : w) cudaFree(p);
+      }
+    }
   }
   Check(cudaDeviceSynchronize(), "sync");
   return 0;
