@@ -21,9 +21,9 @@
 // (DECODE_KERNELS_CTX="C ...": other context lengths).
 // DECODE_KERNELS_LT=1: also each base projection over 36 layers' own
 // weights (out of L2, as in a step) through cublasGemmEx (what at::linear
-// runs) and through every algorithm cuBLASLt's heuristic offers for the
-// shape (32 MiB of workspace): its first pick and the fastest.
-#include <cublasLt.h>
+// runs) and through cuBLASLt as --decode-gemm tuned runs it (k::LtGemm: the
+// heuristic's candidates timed, its first pick kept unless another is 3%
+// faster).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -40,6 +40,7 @@
 #include "engine/sample/cuda/attention.h"
 #include "engine/model/cuda/gemv.h"
 #include "engine/sample/cuda/lora.h"
+#include "engine/sample/cuda/lt_gemm.h"
 #include "engine/sample/cuda/rmsnorm.h"
 #include "engine/sample/cuda/rope.h"
 #include "engine/sample/cuda/silu.h"
@@ -116,8 +117,9 @@ double Time(cudaStream_t st, const std::function<void(int, cudaStream_t)>& fn) {
 }
 
 // The base projection y [rows, n] = x [rows, kd] w^T over 36 layers' own
-// weights: cublasGemmEx (what at::linear calls), then each algorithm of
-// cuBLASLt's heuristic for the shape; prints µs per launch of each.
+// weights: cublasGemmEx (what at::linear calls), then cuBLASLt's candidates
+// for the shape as the sampler's --decode-gemm tuned times them
+// (k::LtGemm); prints µs per launch of each.
 void LtSweep(cudaStream_t st, cublasHandle_t blas, const char* name, int rows, int n, int kd,
              const std::vector<bf16*>& w, const bf16* x, bf16* y) {
   const float one = 1.0f, zero = 0.0f;
@@ -126,44 +128,13 @@ void LtSweep(cudaStream_t st, cublasHandle_t blas, const char* name, int rows, i
     cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, kd, &one, w[l], CUDA_R_16BF, kd, x, CUDA_R_16BF, kd, &zero,
                  y, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   });
-  cublasLtHandle_t lt;
-  cublasLtCreate(&lt);
-  cublasLtMatmulDesc_t op;
-  cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-  cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-  cublasLtMatrixLayout_t la, lb, lc;
-  cublasLtMatrixLayoutCreate(&la, CUDA_R_16BF, kd, n, kd);
-  cublasLtMatrixLayoutCreate(&lb, CUDA_R_16BF, kd, rows, kd);
-  cublasLtMatrixLayoutCreate(&lc, CUDA_R_16BF, n, rows, n);
-  size_t ws_bytes = size_t{32} << 20;
-  void* ws = nullptr;
-  Check(cudaMalloc(&ws, ws_bytes), "workspace");
-  cublasLtMatmulPreference_t pref;
-  cublasLtMatmulPreferenceCreate(&pref);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
-  cublasLtMatmulHeuristicResult_t res[32];
-  int got = 0;
-  cublasLtMatmulAlgoGetHeuristic(lt, op, la, lb, lc, lc, pref, 32, res, &got);
-  double first = 0, best = 1e30;
-  int best_i = -1;
-  for (int i = 0; i < got; ++i) {
-    const double us = Time(st, [&](int l, cudaStream_t s) {
-      cublasLtMatmul(lt, op, &one, w[l], la, x, lb, &zero, y, lc, y, lc, &res[i].algo, ws, ws_bytes, s);
-    });
-    if (i == 0) first = us;
-    if (us < best) best = us, best_i = i;
-  }
-  std::printf("  lt %-8s rows %4d: gemmex %8.2f, lt first %8.2f, lt best %8.2f (algo %d of %d), gemmex / best %.3f\n",
-              name, rows, gemmex, first, best, best_i, got, gemmex / best);
-  cudaFree(ws);
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatrixLayoutDestroy(la);
-  cublasLtMatrixLayoutDestroy(lb);
-  cublasLtMatrixLayoutDestroy(lc);
-  cublasLtMatmulDescDestroy(op);
-  cublasLtDestroy(lt);
+  k::LtGemm lt;
+  const std::vector<const void*> ws(w.begin(), w.end());
+  std::string line;
+  const bool tuned = lt.Tune(rows, n, kd, ws, x, y, st, &line);
+  const double chosen = tuned ? Time(st, [&](int l, cudaStream_t s) { lt.Run(x, w[l], y, rows, n, kd, s); }) : 0.0;
+  std::printf("  lt %-8s gemmex %8.2f, tuned %8.2f (%s)\n", name, gemmex, chosen,
+              tuned ? line.c_str() : "no algorithm");
 }
 
 }  // namespace

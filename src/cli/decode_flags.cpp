@@ -48,6 +48,12 @@ DecodeFlags::DecodeFlags(CLI::App& app) {
                  "for up to 16 queries, on tensor cores (bf16; off: each row reads its whole context alone)")
       ->default_val(chunk_attention_)
       ->check(on_off);
+  app.add_option("--decode-gemm", gemm_,
+                 "cublas | tuned: the decode graphs' base projections of more than a few rows through cuBLAS as "
+                 "at::linear calls it, or through cuBLASLt with each shape's fastest algorithm, timed once before "
+                 "the first graph of that row count is captured (bf16, CUDA only)")
+      ->default_val(gemm_)
+      ->check(CLI::IsMember({"cublas", "tuned"}));
   app.add_option("--sampler-lora-math", lora_math_,
                  "model | fp32: the sampler's LoRA arithmetic where ATen runs it (eager prefill and decode steps, "
                  "an MoE model's expert LoRA on the decode graphs): the model's dtype (bf16 on a GPU, tensor cores; "
@@ -72,6 +78,7 @@ engine::DecodeOptions DecodeFlags::options() const {
   o.attention_tokens = attention_ == "tokens";
   o.chunk_attention = chunk_attention_ == "on";
   o.lora_fp32 = lora_math_ == "fp32";
+  o.gemm_tuned = gemm_ == "tuned";
   return o;
 }
 

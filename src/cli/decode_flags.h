@@ -13,7 +13,8 @@ namespace loom::cli {
 class DecodeFlags {
  public:
   // Adds --cuda-graphs, --decode-gemv, --decode-split, --fast-prefill, --decode-stream, --moe-decode-graphs,
-  // --moe-decode-gemv, --decode-attention, --chunk-attention, --sampler-lora-math and --decode-profile to app.
+  // --moe-decode-gemv, --decode-attention, --chunk-attention, --decode-gemm, --sampler-lora-math and
+  // --decode-profile to app.
   explicit DecodeFlags(CLI::App& app);
   // The options the parsed flags stand for (call after app.parse).
   engine::DecodeOptions options() const;
@@ -21,6 +22,7 @@ class DecodeFlags {
  private:
   std::string cuda_graphs_ = "on", gemv_ = "on", split_ = "on", stream_ = "shared", moe_graphs_ = "on",
               moe_gemv_ = "on", attention_ = "tokens", chunk_attention_ = "on",
+              gemm_ = engine::DecodeOptions{}.gemm_tuned ? "tuned" : "cublas",
               lora_math_ = engine::DecodeOptions{}.lora_fp32 ? "fp32" : "model";
   bool profile_ = false;
   int64_t fast_prefill_ = engine::DecodeOptions{}.fast_prefill_tokens;

@@ -110,6 +110,14 @@ struct DecodeOptions {
   // 80-token turn over 4,500 tokens of history took 24 ms against 30
   // (docs/benchmarks.md, session 33).
   bool chunk_attention = true;
+  // --decode-gemm tuned: on the decode graphs of a bf16 model, the base
+  // projections of more rows than the matrix-vector kernel takes run through
+  // cuBLASLt with each shape's algorithm chosen by timing its candidates
+  // once, before the first graph of that row count is captured
+  // (engine/sample/cuda/lt_gemm.h); cublas (the default): at::linear's
+  // cuBLAS call, the algorithm its heuristic picks. Off until measured on
+  // a GPU.
+  bool gemm_tuned = false;
 };
 
 struct SamplerOptions {

@@ -20,6 +20,7 @@
 #include "engine/sample/cuda/decode_profiler.h"
 #include "engine/model/cuda/gemv.h"
 #include "engine/sample/cuda/lora.h"
+#include "engine/sample/cuda/lt_gemm.h"
 #include "engine/sample/cuda/rmsnorm.h"
 #include "engine/sample/cuda/rope.h"
 #include "engine/sample/cuda/silu.h"
@@ -103,6 +104,7 @@ class CudaFastDecode final : public FastDecode {
         attention_(options.attention_tokens ? cuda::AttentionForm::kTokens : cuda::AttentionForm::kDims),
         split_(options.split_shrink),
         profiler_(std::move(profiler)) {
+    if (options.gemm_tuned && bf16_) lt_ = std::make_unique<cuda::LtGemm>();
     const auto& w = model_->weights();
     if (options.chunk_attention && cuda::ChunkAttentionApplies(bf16_, w.heads, w.kv_heads, w.head_dim)) {
       chunk_rows_ = cuda::ChunkTileRows(w.heads, w.kv_heads);
@@ -251,6 +253,7 @@ class CudaFastDecode final : public FastDecode {
     at::cuda::CUDAStream side = at::cuda::getStreamFromPool();
     {
       c10::cuda::CUDAStreamGuard guard(side);
+      TuneGemms(rows, side.stream());
       Run(*g);
       side.synchronize();
       if (profiler_) g->profile = profiler_->AddGraph(rows, table, lora);
@@ -350,7 +353,39 @@ class CudaFastDecode final : public FastDecode {
     if (!profiler_) cudaStreamWaitEvent(st, join_, 0);
   }
 
-  // x @ w^T + b: the matrix-vector kernel for a few rows, else cuBLAS.
+  // --decode-gemm tuned: the cuBLASLt algorithm of each base projection's
+  // shape at `rows` (every dense layer's weights of that shape, and
+  // lm_head's), chosen before the graph that runs them is captured.
+  void TuneGemms(int64_t rows, cudaStream_t st) {
+    if (!lt_ || (gemv_ && rows <= cuda::kGemvMaxRows)) return;
+    const auto& m = model_->weights();
+    std::map<std::pair<int64_t, int64_t>, std::vector<const void*>> shapes;  // (n, k) -> the weights
+    auto add = [&](const at::Tensor& w, const at::Tensor& b) {
+      if (w.defined() && !b.defined() && w.is_contiguous()) shapes[{w.size(0), w.size(1)}].push_back(w.data_ptr());
+    };
+    for (const auto& l : m.layers) {
+      add(l.qkv_w, l.qkv_b);
+      add(l.o_w, l.o_b);
+      add(l.gate_up_w, {});
+      add(l.down_w, {});
+    }
+    add(m.lm_head, {});
+    if (shapes.empty()) return;
+    // Scratch from the caching allocator, no larger than the step's own
+    // projections' inputs and outputs (its measured working memory).
+    int64_t n_max = 0, k_max = 0;
+    for (const auto& [nk, ws] : shapes) n_max = std::max(n_max, nk.first), k_max = std::max(k_max, nk.second);
+    const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(model_->device());
+    const at::Tensor x = at::zeros({rows, k_max}, opts), y = at::empty({rows, n_max}, opts);
+    for (const auto& [nk, ws] : shapes) {
+      std::string line;
+      if (lt_->Tune(rows, nk.first, nk.second, ws, x.data_ptr(), y.data_ptr(), st, &line) && !line.empty())
+        log::Info("fast decode: tuned gemm {}", line);
+    }
+  }
+
+  // x @ w^T + b: the matrix-vector kernel for a few rows, else cuBLAS
+  // (cuBLASLt's tuned algorithm with --decode-gemm tuned).
   // f32: the result as fp32 (rounded through the model dtype first).
   at::Tensor Linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, bool f32, cudaStream_t st) const {
     const int64_t R = x.size(0), N = w.size(0);
@@ -359,6 +394,10 @@ class CudaFastDecode final : public FastDecode {
       if (cuda::Gemv(bf16_, x.data_ptr(), x.stride(0), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr,
                      y.data_ptr(), f32, R, N, w.size(1), st))
         return y;
+    }
+    if (lt_ && !b.defined() && w.is_contiguous() && x.is_contiguous()) {
+      at::Tensor y = at::empty({R, N}, x.options());
+      if (lt_->Run(x.data_ptr(), w.data_ptr(), y.data_ptr(), R, N, w.size(1), st)) return f32 ? y.to(at::kFloat) : y;
     }
     at::Tensor y = at::linear(x, w, b);
     return f32 ? y.to(at::kFloat) : y;
@@ -518,6 +557,7 @@ class CudaFastDecode final : public FastDecode {
   // tile's rows (0: off), and the warps a launch should have.
   int64_t chunk_rows_ = 0, chunk_target_warps_ = 0;
   std::unique_ptr<DecodeProfiler> profiler_;  // null in production
+  std::unique_ptr<cuda::LtGemm> lt_;  // DecodeOptions::gemm_tuned on a bf16 model; else null
   Graph* capturing_ = nullptr;  // the graph being captured (profiling marks)
   // Read by stats() from any thread.
   std::atomic<int64_t> captured_{0};

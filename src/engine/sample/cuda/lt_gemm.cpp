@@ -1,0 +1,137 @@
+#include "engine/sample/cuda/lt_gemm.h"
+
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdio>
+
+namespace loom::engine::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+constexpr int kCandidates = 16;  // the heuristic's algorithms tried a shape
+constexpr int kTimedRuns = 36;   // a timed run per layer of a qwen3-4b step
+
+cublasLtHandle_t H(void* p) { return static_cast<cublasLtHandle_t>(p); }
+cublasLtMatmulDesc_t D(void* p) { return static_cast<cublasLtMatmulDesc_t>(p); }
+
+}  // namespace
+
+// A tuned shape: its operand layouts (column-major, as cuBLASLt reads the
+// row-major operands: W^T [k, n] transposed, x^T [k, rows], y^T [n, rows])
+// and the chosen algorithm.
+struct LtGemm::Shape {
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool has_algo = false;
+  ~Shape() {
+    for (cublasLtMatrixLayout_t l : {a, b, c})
+      if (l) cublasLtMatrixLayoutDestroy(l);
+  }
+};
+
+LtGemm::LtGemm() {
+  cublasLtHandle_t h = nullptr;
+  if (cublasLtCreate(&h) != CUBLAS_STATUS_SUCCESS) return;
+  handle_ = h;
+  cublasLtMatmulDesc_t d = nullptr;
+  if (cublasLtMatmulDescCreate(&d, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return;
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+  cublasLtMatmulDescSetAttribute(d, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+  desc_ = d;
+  if (cudaMalloc(&workspace_, kWorkspaceBytes) != cudaSuccess) workspace_ = nullptr;
+}
+
+LtGemm::~LtGemm() {
+  shapes_.clear();
+  if (workspace_) cudaFree(workspace_);
+  if (desc_) cublasLtMatmulDescDestroy(D(desc_));
+  if (handle_) cublasLtDestroy(H(handle_));
+}
+
+bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const void*>& ws, const void* x, void* y,
+                  cudaStream_t stream, std::string* line) {
+  const Key key{rows, n, k};
+  if (auto it = shapes_.find(key); it != shapes_.end()) return it->second->has_algo;
+  auto shape = std::make_unique<Shape>();
+  Shape& s = *shape;
+  shapes_.emplace(key, std::move(shape));
+  if (!handle_ || !desc_ || !workspace_ || ws.empty() || !x || !y || rows <= 0 || n <= 0 || k <= 0) return false;
+  if (cublasLtMatrixLayoutCreate(&s.a, CUDA_R_16BF, k, n, k) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&s.b, CUDA_R_16BF, k, rows, k) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatrixLayoutCreate(&s.c, CUDA_R_16BF, n, rows, n) != CUBLAS_STATUS_SUCCESS)
+    return false;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return false;
+  size_t ws_bytes = kWorkspaceBytes;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+  cublasLtMatmulHeuristicResult_t found[kCandidates];
+  int count = 0;
+  const cublasStatus_t heuristic =
+      cublasLtMatmulAlgoGetHeuristic(H(handle_), D(desc_), s.a, s.b, s.c, s.c, pref, kCandidates, found, &count);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (heuristic != CUBLAS_STATUS_SUCCESS || count <= 0) return false;
+
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const float one = 1.0f, zero = 0.0f;
+  auto launch = [&](const cublasLtMatmulAlgo_t& algo, const void* w) {
+    return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c, &algo, workspace_,
+                          kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  // Microseconds a launch, the runs cycling through ws; a negative value
+  // when the algorithm did not run.
+  auto time = [&](const cublasLtMatmulAlgo_t& algo) {
+    if (!launch(algo, ws[0])) return -1.0;
+    cudaEventRecord(start, stream);
+    for (int r = 0; r < kTimedRuns; ++r)
+      if (!launch(algo, ws[static_cast<size_t>(r) % ws.size()])) return -1.0;
+    cudaEventRecord(stop, stream);
+    if (cudaEventSynchronize(stop) != cudaSuccess) return -1.0;
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    return static_cast<double>(ms) * 1e3 / kTimedRuns;
+  };
+  double first = -1, best = -1;
+  int chosen = -1;
+  for (int i = 0; i < count; ++i) {
+    if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
+    const double us = time(found[i].algo);
+    if (us < 0) continue;
+    if (chosen < 0) first = us;
+    if (chosen < 0 || us * kMinGain < best) {
+      best = us;
+      chosen = i;
+    }
+  }
+  cudaStreamSynchronize(stream);
+  cudaGetLastError();  // an algorithm that failed to launch leaves nothing sticky behind
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (chosen < 0) return false;
+  s.algo = found[chosen].algo;
+  s.has_algo = true;
+  if (line) {
+    char text[200];
+    std::snprintf(text, sizeof text, "rows %lld, n %lld, k %lld: candidate %d of %d, %.2f us a launch (the first %.2f)",
+                  static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k), chosen, count,
+                  best, first);
+    *line = text;
+  }
+  return true;
+}
+
+bool LtGemm::Run(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k,
+                 cudaStream_t stream) const {
+  const auto it = shapes_.find(Key{rows, n, k});
+  if (it == shapes_.end() || !it->second->has_algo) return false;
+  const Shape& s = *it->second;
+  const float one = 1.0f, zero = 0.0f;
+  return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c, &s.algo, workspace_,
+                        kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+}
+
+}  // namespace loom::engine::cuda

@@ -1,0 +1,56 @@
+// LtGemm (engine/sample/cuda/lt_gemm.h) against ATen: y = x W^T in bf16 with
+// each shape's tuned cuBLASLt algorithm, at a decode step's row counts; an
+// untuned shape launches nothing.
+#include <gtest/gtest.h>
+
+#if LOOM_CUDA_KERNELS
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "engine/sample/cuda/lt_gemm.h"
+#include "kernel_check.h"
+
+namespace loom::engine {
+namespace {
+
+using namespace kernel_check;
+
+TEST(LtGemmKernel, TunedShapesMatchATen) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  at::manual_seed(23);
+  cuda::LtGemm gemm;
+  for (const auto& [rows, n, k] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {8, 200, 1024}, {64, 1000, 512}, {256, 384, 2048}, {16, 4096, 256}}) {
+    const at::Tensor x = Randn({rows, k}, at::kBFloat16);
+    // Three weights of the shape, as a step's layers: tuned over all, each used.
+    std::vector<at::Tensor> ws;
+    std::vector<const void*> ptrs;
+    for (int l = 0; l < 3; ++l) {
+      ws.push_back(Randn({n, k}, at::kBFloat16, 0.05));
+      ptrs.push_back(ws.back().data_ptr());
+    }
+    const std::string what = "rows " + std::to_string(rows) + " n " + std::to_string(n) + " k " + std::to_string(k);
+    EXPECT_FALSE(gemm.Run(x.data_ptr(), ws[0].data_ptr(), nullptr, rows, n, k, Stream())) << what << ": not tuned yet";
+    at::Tensor scratch = at::empty({rows, n}, On(at::kBFloat16));
+    std::string line;
+    ASSERT_TRUE(gemm.Tune(rows, n, k, ptrs, x.data_ptr(), scratch.data_ptr(), Stream(), &line)) << what;
+    EXPECT_NE(line.find("candidate"), std::string::npos) << line;
+    std::printf("[ figure ] LtGemm %s\n", line.c_str());
+    std::string again;
+    EXPECT_TRUE(gemm.Tune(rows, n, k, ptrs, x.data_ptr(), scratch.data_ptr(), Stream(), &again));
+    EXPECT_TRUE(again.empty()) << "a shape is tuned once";
+    for (const at::Tensor& w : ws) {
+      at::Tensor y = at::empty({rows, n}, On(at::kBFloat16));
+      ASSERT_TRUE(gemm.Run(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, n, k, Stream())) << what;
+      const at::Tensor want = Round(at::matmul(x.to(at::kFloat), w.to(at::kFloat).t()), at::kBFloat16);
+      // fp32 sums of k products in another order (split-K among them), rounded to bf16.
+      ExpectClose(y, want, Rtol(at::kBFloat16), 2 * Atol(at::kBFloat16), what);
+    }
+    EXPECT_FALSE(gemm.Run(x.data_ptr(), ws[0].data_ptr(), nullptr, rows + 1, n, k, Stream())) << what;
+  }
+}
+
+}  // namespace
+}  // namespace loom::engine
+#endif
