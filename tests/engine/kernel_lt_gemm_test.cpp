@@ -1,6 +1,6 @@
 // LtGemm (engine/sample/cuda/lt_gemm.h) against ATen: y = x W^T in bf16 with
 // each shape's tuned cuBLASLt algorithm, at a decode step's row counts; an
-// untuned shape launches nothing.
+// untuned shape, or an operand less aligned than the tuning's, launches nothing.
 #include <gtest/gtest.h>
 
 #if LOOM_CUDA_KERNELS
@@ -48,6 +48,11 @@ TEST(LtGemmKernel, TunedShapesMatchATen) {
       ExpectClose(y, want, Rtol(at::kBFloat16), 2 * Atol(at::kBFloat16), what);
     }
     EXPECT_FALSE(gemm.Run(x.data_ptr(), ws[0].data_ptr(), nullptr, rows + 1, n, k, Stream())) << what;
+    // An output less aligned than the tuning's operands: refused, nothing written.
+    at::Tensor off = at::zeros({rows * n + 1}, On(at::kBFloat16));
+    EXPECT_FALSE(gemm.Run(x.data_ptr(), ws[0].data_ptr(), static_cast<char*>(off.data_ptr()) + 2, rows, n, k, Stream()))
+        << what;
+    EXPECT_EQ(off.abs().max().item<float>(), 0.0f) << what;
   }
 }
 

@@ -3,6 +3,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 
 namespace loom::engine::cuda {
@@ -12,6 +13,15 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kCandidates = 16;  // the heuristic's algorithms tried a shape
 constexpr int kTimedRuns = 36;   // a timed run per layer of a qwen3-4b step
+
+// The largest power of two up to 256 that divides the address (cuBLASLt's
+// algorithms assume 256 unless told less).
+uint32_t Alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  uint32_t align = 256;
+  while (align > 1 && a % align != 0) align /= 2;
+  return align;
+}
 
 cublasLtHandle_t H(void* p) { return static_cast<cublasLtHandle_t>(p); }
 cublasLtMatmulDesc_t D(void* p) { return static_cast<cublasLtMatmulDesc_t>(p); }
@@ -24,6 +34,7 @@ cublasLtMatmulDesc_t D(void* p) { return static_cast<cublasLtMatmulDesc_t>(p); }
 struct LtGemm::Shape {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  uint32_t align = 256;  // the operands' alignment the algorithm was chosen for
   bool has_algo = false;
   ~Shape() {
     for (cublasLtMatrixLayout_t l : {a, b, c})
@@ -67,6 +78,13 @@ bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const vo
   if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS) return false;
   size_t ws_bytes = kWorkspaceBytes;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof ws_bytes);
+  // Candidates that work at the operands' alignment (Run refuses less).
+  s.align = std::min(Alignment(x), Alignment(y));
+  for (const void* w : ws) s.align = std::min(s.align, Alignment(w));
+  for (const cublasLtMatmulPreferenceAttributes_t a :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    cublasLtMatmulPreferenceSetAttribute(pref, a, &s.align, sizeof s.align);
   cublasLtMatmulHeuristicResult_t found[kCandidates];
   int count = 0;
   const cublasStatus_t heuristic =
@@ -129,6 +147,7 @@ bool LtGemm::Run(const void* x, const void* w, void* y, int64_t rows, int64_t n,
   const auto it = shapes_.find(Key{rows, n, k});
   if (it == shapes_.end() || !it->second->has_algo) return false;
   const Shape& s = *it->second;
+  if (Alignment(x) < s.align || Alignment(w) < s.align || Alignment(y) < s.align) return false;
   const float one = 1.0f, zero = 0.0f;
   return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c, &s.algo, workspace_,
                         kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;

@@ -53,7 +53,8 @@ class LtGemm {
   bool Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const void*>& ws, const void* x, void* y,
             cudaStream_t stream, std::string* line = nullptr);
   // y = x W^T with the shape's chosen algorithm (x and y contiguous rows).
-  // False, launching nothing, when the shape was not tuned or has none.
+  // False, launching nothing, when the shape was not tuned or has none, or
+  // an operand is less aligned than those it was tuned with.
   bool Run(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, cudaStream_t stream) const;
 
  private:
