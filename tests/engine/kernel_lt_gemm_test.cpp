@@ -33,6 +33,7 @@ TEST(LtGemmKernel, TunedShapesMatchATen) {
     const std::string what = "rows " + std::to_string(rows) + " n " + std::to_string(n) + " k " + std::to_string(k);
     EXPECT_FALSE(gemm.Run(x.data_ptr(), ws[0].data_ptr(), nullptr, rows, n, k, Stream())) << what << ": not tuned yet";
     at::Tensor scratch = at::empty({rows, n}, On(at::kBFloat16));
+    EXPECT_FALSE(gemm.Tuned(rows, n, k)) << what;
     std::string line;
     ASSERT_TRUE(gemm.Tune(rows, n, k, ptrs, x.data_ptr(), scratch.data_ptr(), Stream(), &line)) << what;
     EXPECT_NE(line.find("candidate"), std::string::npos) << line;
@@ -40,6 +41,7 @@ TEST(LtGemmKernel, TunedShapesMatchATen) {
     std::string again;
     EXPECT_TRUE(gemm.Tune(rows, n, k, ptrs, x.data_ptr(), scratch.data_ptr(), Stream(), &again));
     EXPECT_TRUE(again.empty()) << "a shape is tuned once";
+    EXPECT_TRUE(gemm.Tuned(rows, n, k)) << what;
     for (const at::Tensor& w : ws) {
       at::Tensor y = at::empty({rows, n}, On(at::kBFloat16));
       ASSERT_TRUE(gemm.Run(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, n, k, Stream())) << what;

@@ -370,6 +370,7 @@ class CudaFastDecode final : public FastDecode {
       add(l.down_w, {});
     }
     add(m.lm_head, {});
+    std::erase_if(shapes, [&](const auto& e) { return lt_->Tuned(rows, e.first.first, e.first.second); });
     if (shapes.empty()) return;
     // Scratch from the caching allocator, no larger than the step's own
     // projections' inputs and outputs (its measured working memory).

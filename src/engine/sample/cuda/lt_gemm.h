@@ -52,6 +52,8 @@ class LtGemm {
   // says what was chosen.
   bool Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const void*>& ws, const void* x, void* y,
             cudaStream_t stream, std::string* line = nullptr);
+  // Whether (rows, n, k) was tuned (with an algorithm found or not).
+  bool Tuned(int64_t rows, int64_t n, int64_t k) const { return shapes_.count(Key{rows, n, k}) > 0; }
   // y = x W^T with the shape's chosen algorithm (x and y contiguous rows).
   // False, launching nothing, when the shape was not tuned or has none, or
   // an operand is less aligned than those it was tuned with.
