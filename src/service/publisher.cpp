@@ -21,10 +21,9 @@ Publisher::Publisher(int threads, size_t capacity, Checkpoints& checkpoints, Fut
 Publisher::~Publisher() { Stop(); }
 
 void Publisher::Start() {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (!writers_.empty() || stopping_) return;
   for (int i = 0; i < threads_; ++i) writers_.emplace_back([this] { Writer(); });
-  changed_.wait(lock, [&] { return ready_ == threads_; });
 }
 
 void Publisher::Stop() {
@@ -78,10 +77,7 @@ std::optional<Publisher::Job> Publisher::TakeLocked() {
 }
 
 void Publisher::Writer() {
-  checkpoints_.PrepareWriter();
   std::unique_lock<std::mutex> lock(mu_);
-  ++ready_;
-  changed_.notify_all();
   while (true) {
     std::optional<Job> job;
     changed_.wait(lock, [&] { return (job = TakeLocked()).has_value() || (stopping_ && queue_.empty()); });

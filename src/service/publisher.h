@@ -67,9 +67,6 @@ class Publisher {
             ServiceLock& lock, Sessions& sessions, SamplingState& sampling);
   ~Publisher();
 
-  // Starts the writers; returns once each has readied itself to write
-  // (Checkpoints::PrepareWriter: on CUDA, its pinned staging memory), so
-  // that no first write takes it while the trainer runs.
   void Start();
   // Writes what was submitted, then joins the writers. Idempotent.
   void Stop();
@@ -102,8 +99,7 @@ class Publisher {
   SamplingState& sampling_;  // [lock_.mu] (its sampler pointer)
 
   mutable std::mutex mu_;
-  std::condition_variable changed_;  // a job was queued or finished, a writer ready, or Stop()
-  int ready_ = 0;                    // [mu_] writers past PrepareWriter
+  std::condition_variable changed_;  // a job was queued or finished, or Stop()
   std::deque<Job> queue_;            // [mu_] in submission order
   std::set<std::string> writing_;    // [mu_] models with a job being written
   bool stopping_ = false;            // [mu_]

@@ -12,7 +12,6 @@
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "engine/api.h"
@@ -149,22 +148,7 @@ class FakeEngine : public engine::Engine {
         std::make_shared<Snapshot>(this, slot, snapshot_tags_[slot]++));
   }
 
-  // Records the thread, so that a write can tell whether its thread was readied.
-  void PrepareSnapshotWriter() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    prepared_writers_.insert(std::this_thread::get_id());
-  }
-
   // ---- test controls ----
-  // Threads readied by PrepareSnapshotWriter; snapshot writes made on another thread.
-  size_t prepared_writers() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return prepared_writers_.size();
-  }
-  int unprepared_writes() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return unprepared_writes_;
-  }
   // Writes of slot's snapshots fail (as a disk that refuses them would).
   void FailWritesOf(int slot) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -227,7 +211,6 @@ class FakeEngine : public engine::Engine {
     Status WritePeft(const std::string& dir, const std::string& base) const override {
       {
         std::unique_lock<std::mutex> lock(engine_->mu_);
-        if (!engine_->prepared_writers_.count(std::this_thread::get_id())) ++engine_->unprepared_writes_;
         ++engine_->writing_;
         engine_->cv_.notify_all();
         engine_->cv_.wait(lock, [&] { return !engine_->hold_writes_; });
@@ -266,8 +249,6 @@ class FakeEngine : public engine::Engine {
   bool hold_writes_ = false;
   int writing_ = 0;
   std::vector<std::string> write_log_;
-  mutable std::set<std::thread::id> prepared_writers_;
-  int unprepared_writes_ = 0;
 };
 
 }  // namespace loom::testing

@@ -69,26 +69,6 @@ void PeftSnapshot::Ready() const {
 #endif
 }
 
-#if LOOM_CUDA_KERNELS
-namespace {
-// The calling thread's pinned staging buffer (bytes), at least `bytes` long.
-at::Tensor& WriteStaging(int64_t bytes) {
-  thread_local at::Tensor staging;
-  if (!staging.defined() || staging.numel() < bytes)
-    staging = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  return staging;
-}
-}  // namespace
-#endif
-
-void PeftSnapshot::ReserveWriteStaging(int64_t bytes) {
-#if LOOM_CUDA_KERNELS
-  if (bytes > 0) WriteStaging(bytes);
-#else
-  (void)bytes;
-#endif
-}
-
 Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_model_name) const {
   try {
     return durable::PublishDirectory(dir, [&](const std::string& tmp) {
@@ -99,18 +79,15 @@ Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_m
         c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, adapter_.storage.device().index());
         c10::cuda::CUDAStreamGuard guard(side);
         Ready();
-        // Into pinned memory (this thread's, ReserveWriteStaging, reused
-        // from one write to the next): a DMA the side stream runs, where a
-        // pageable destination is staged by the driver through its own
-        // buffers, on this thread, for the whole copy. In pieces, each
-        // waited for: the sampler copies each decode step's tokens to the
-        // host, and a copy queued behind a whole snapshot's (hundreds of
-        // MB, ~10 ms) would wait for all of it; behind a piece it waits at
-        // most ~0.3 ms.
+        // Into pinned memory (the caching host allocator's, reused from one
+        // write to the next): a DMA the side stream runs, where a pageable
+        // destination is staged by the driver through its own buffers, on
+        // this thread, for the whole copy. In pieces, each waited for: the
+        // sampler copies each decode step's tokens to the host, and a copy
+        // queued behind a whole snapshot's (hundreds of MB, ~10 ms) would
+        // wait for all of it; behind a piece it waits at most ~0.3 ms.
         const at::Tensor& storage = adapter_.storage;  // contiguous (CopyPeft)
-        const int64_t nbytes = static_cast<int64_t>(storage.nbytes());
-        const at::Tensor host =
-            WriteStaging(nbytes).narrow(0, 0, nbytes).view(storage.scalar_type()).view(storage.sizes());
+        at::Tensor host = at::empty(storage.sizes(), storage.options().device(at::kCPU).pinned_memory(true));
         const at::Tensor from = storage.view({-1}), to = host.view({-1});
         const int64_t n = from.numel(), piece = std::max<int64_t>(1, kCopyPieceBytes / from.element_size());
         for (int64_t off = 0; off < n; off += piece) {

@@ -39,10 +39,6 @@ class PeftSnapshot final : public SlotSnapshot {
   void Ready() const;
 
   Status WritePeft(const std::string& dir, const std::string& base_model_name) const override;
-  // Gives the calling thread pinned host memory for WritePeft to stage
-  // snapshots of up to `bytes` through, kept until the thread ends (a
-  // bigger snapshot grows it at its write). CUDA builds only; a no-op else.
-  static void ReserveWriteStaging(int64_t bytes);
   int64_t bytes() const override { return adapter_.bytes(); }
 
  private:
