@@ -524,8 +524,8 @@ int BenchRl(int argc, char** argv) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--profile", o.profile,
                  "trace the together round (Kineto, libtorch 2.x) to PATH.together.json; the trainer's passes are "
-                 "the spans \"trainer forward_backward\" (bench/trace_summary.py --during), its figures then "
-                 "include the tracing");
+                 "the spans \"trainer forward_backward\" (bench/trace_summary.py --during), its optimizer steps "
+                 "and saves \"trainer optim_step\" and \"trainer snapshot\"; its figures then include the tracing");
   app.add_flag("--unnamed-saves", o.unnamed_saves,
                "save each version unnamed and sample its sampling session, as the SDK's "
                "save_weights_and_get_sampling_client (the cookbook's RL recipes) does; default: named saves");

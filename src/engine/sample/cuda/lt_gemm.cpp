@@ -95,11 +95,7 @@ bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const vo
   cudaEvent_t start = nullptr, stop = nullptr;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  const float one = 1.0f, zero = 0.0f;
-  auto launch = [&](const cublasLtMatmulAlgo_t& algo, const void* w) {
-    return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c, &algo, workspace_,
-                          kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
-  };
+  auto launch = [&](const cublasLtMatmulAlgo_t& algo, const void* w) { return Launch(s, &algo, x, w, y, stream); };
   // Microseconds a launch, the runs cycling through ws; a negative value
   // when the algorithm did not run.
   auto time = [&](const cublasLtMatmulAlgo_t& algo) {
@@ -148,9 +144,15 @@ bool LtGemm::Run(const void* x, const void* w, void* y, int64_t rows, int64_t n,
   if (it == shapes_.end() || !it->second->has_algo) return false;
   const Shape& s = *it->second;
   if (Alignment(x) < s.align || Alignment(w) < s.align || Alignment(y) < s.align) return false;
+  return Launch(s, &s.algo, x, w, y, stream);
+}
+
+bool LtGemm::Launch(const Shape& s, const void* algo, const void* x, const void* w, void* y,
+                    cudaStream_t stream) const {
   const float one = 1.0f, zero = 0.0f;
-  return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c, &s.algo, workspace_,
-                        kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+  return cublasLtMatmul(H(handle_), D(desc_), &one, w, s.a, x, s.b, &zero, y, s.c, y, s.c,
+                        static_cast<const cublasLtMatmulAlgo_t*>(algo), workspace_, kWorkspaceBytes,
+                        stream) == CUBLAS_STATUS_SUCCESS;
 }
 
 }  // namespace loom::engine::cuda

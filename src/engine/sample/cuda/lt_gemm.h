@@ -8,9 +8,9 @@
 // for such a shape may run in less than one wave, leaving SMs (and their
 // share of the memory bandwidth) idle (docs/benchmarks.md, session 6: 12-52
 // of 132 idle at 64 rows). Tune times every candidate cuBLASLt's heuristic
-// offers for the shape and keeps the fastest; it keeps the heuristic's
-// first unless another is at least kMinGain faster, so that noise does not
-// pick an algorithm. Which one wins can differ between processes, and with
+// offers for the shape, in the heuristic's order, and a later candidate
+// replaces the best so far only when at least kMinGain faster, so that
+// noise does not pick an algorithm. Which one wins can differ between processes, and with
 // it the last bf16 bit of a projection: as it already differs between the
 // decode graphs' row buckets, each of which cuBLAS serves with its own kernel.
 //
@@ -33,8 +33,8 @@ namespace loom::engine::cuda {
 
 class LtGemm {
  public:
-  // The least speed-up over the heuristic's first pick that another
-  // algorithm needs to be chosen.
+  // The least speed-up over the best candidate so far that a later one
+  // needs to be chosen.
   static constexpr double kMinGain = 1.03;
 
   LtGemm();
@@ -61,6 +61,8 @@ class LtGemm {
 
  private:
   struct Shape;
+  // y = x W^T with algo and shape's layouts on stream; false when cuBLASLt refuses.
+  bool Launch(const Shape& shape, const void* algo, const void* x, const void* w, void* y, cudaStream_t stream) const;
   using Key = std::tuple<int64_t, int64_t, int64_t>;  // rows, n, k
   void* handle_ = nullptr;     // cublasLtHandle_t
   void* desc_ = nullptr;       // cublasLtMatmulDesc_t: fp32 compute, A transposed
