@@ -1,4 +1,8 @@
 // loom: a multi-tenant LoRA fine-tuning service speaking Tinker's wire protocol.
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -19,9 +23,32 @@ void Usage() {
                "  export      write a LoRA snapshot as a merged HF model or a vLLM LoRA directory\n"
                "run `loom <command> --help` for its flags\n");
 }
+
+// A fatal signal (a fault in loom or a library under it) writes the signal
+// and the stack to stderr before the process ends as it would have, so a
+// crash on a machine without a debugger still says where it was (resolve
+// the `loom(+0x...)` frames with `addr2line -Cfe loom`). Only calls safe in
+// a signal handler: write(2), backtrace_symbols_fd.
+void OnFatalSignal(int sig) {
+  char head[] = "loom: fatal signal 00; stack:\n";
+  head[19] = static_cast<char>('0' + sig / 10 % 10);
+  head[20] = static_cast<char>('0' + sig % 10);
+  (void)!::write(STDERR_FILENO, head, sizeof head - 1);
+  void* frames[64];
+  ::backtrace_symbols_fd(frames, ::backtrace(frames, 64), STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+void InstallFatalSignalHandlers() {
+  void* warm[1];
+  ::backtrace(warm, 1);  // loads libgcc's unwinder now, not inside the handler
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) std::signal(sig, OnFatalSignal);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
+  InstallFatalSignalHandlers();
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
     Usage();
     return argc < 2 ? 2 : 0;

@@ -2,12 +2,17 @@
 // header was read before the signal, and one sent on a kept-alive connection
 // after it, are answered (their real answer or 503 "shutting down"), never
 // dropped by a silent close; the server then exits 0.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -54,6 +59,47 @@ TEST(Shutdown, SigtermAnswersRequestsAlreadyReadAndThoseOnKeptAliveConnections) 
   EXPECT_TRUE(AnsweredOrShuttingDown(late)) << "kept-alive request after SIGTERM: '" << late << "'";
   EXPECT_EQ(server.Terminate(), 0);
   std::filesystem::remove_all(data_dir);
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A fault (here a SIGSEGV sent from outside, as a crash would raise it)
+// leaves the signal and the stack on stderr, and the process still ends by
+// that signal (a core or a supervisor sees what it would have seen).
+TEST(Shutdown, FatalSignalWritesTheStackAndEndsByTheSignal) {
+  const std::string base =
+      (std::filesystem::temp_directory_path() / ("loom_fatal_" + std::to_string(::getpid()))).string();
+  const std::string data_dir = base + ".data", log = base + ".log";
+  std::filesystem::remove_all(data_dir);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    execl(LOOM_BINARY, LOOM_BINARY, "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir", data_dir.c_str(),
+          "--device", "cpu", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  ASSERT_GT(pid, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (ReadAll(log).find("listening on") == std::string::npos && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(100ms);
+  ASSERT_NE(ReadAll(log).find("listening on"), std::string::npos) << ReadAll(log);
+  kill(pid, SIGSEGV);
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV) << "status " << status;
+  const std::string text = ReadAll(log);
+  const auto at = text.find("loom: fatal signal 11; stack:\n");
+  ASSERT_NE(at, std::string::npos) << text;
+  EXPECT_NE(text.find("loom(", at), std::string::npos) << "frames of the binary follow: " << text.substr(at);
+  std::filesystem::remove_all(data_dir);
+  std::filesystem::remove(log);
 }
 
 }  // namespace
