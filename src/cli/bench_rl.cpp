@@ -62,6 +62,7 @@ struct RlOptions {
   bool yardstick = true;  // --no-yardstick: the together round only (comparing settings of it)
   bool unnamed_saves = false;
   int publish_threads = service::ServiceOptions{}.publish_threads;
+  std::string publish_staging = "per-write";
   int64_t token_budget = DriverOptions{}.token_budget;
   int64_t kv_budget_tokens = DriverOptions{}.kv_budget_tokens;
   std::string pass_tokens = "most";
@@ -374,6 +375,7 @@ int BenchRlRun(const RlOptions& o) {
   opt.threads = o.threads;
   opt.with_sampler = true;
   opt.publish_threads = o.publish_threads;
+  opt.publish_staging_ahead = o.publish_staging == "ahead";
   opt.token_budget = o.token_budget;
   opt.kv_budget_tokens = o.kv_budget_tokens;
   opt.pass_sizing = service::ParsePassSizing(o.pass_tokens);
@@ -499,6 +501,11 @@ int BenchRl(int argc, char** argv) {
   app.add_option("--publish-threads", o.publish_threads, "writer threads for save_weights_for_sampler (as loom serve's)")
       ->default_val(o.publish_threads)
       ->check(CLI::Range(1, 64));
+  app.add_option("--publish-staging", o.publish_staging,
+                 "per-write | ahead: the writers' pinned staging memory, taken by each write or by each writer at "
+                 "start-up (as loom serve's)")
+      ->default_val(o.publish_staging)
+      ->check(CLI::IsMember({"per-write", "ahead"}));
   app.add_option("--token-budget", o.token_budget,
                  "tokens per training pass, as loom serve's (0 = as serve's default: on a GPU the most that fit, "
                  "measured at start-up; 8192 on the CPU)")

@@ -151,6 +151,8 @@ int Serve(int argc, char** argv) {
   app.add_option("--sample-queue", sample_queue, "asample calls the sampler holds at once, queued or running (beyond: 429, the SDK backs off and resubmits); one tenant may hold half")->default_val(sample_queue)->check(CLI::Range(1, 1 << 20));
   app.add_option("--sampler-adapters", sampler_adapters, "sampler's adapter cache slots (LRU; evicted snapshots reload from disk); 0 = one per --max-adapters (at least 4), at most what fits in a tenth of the device's memory")->default_val(sampler_adapters)->check(CLI::Range(0, 4096));
   app.add_option("--publish-threads", publish_threads, "threads that write and commit save_weights_for_sampler snapshots off the engine thread")->default_val(publish_threads)->check(CLI::Range(1, 64));
+  std::string publish_staging = "per-write";
+  app.add_option("--publish-staging", publish_staging, "per-write | ahead: the pinned host memory a snapshot write stages through, taken by each write from the caching host allocator, or by each writer thread at start-up and kept (not yet measured on a GPU)")->default_val(publish_staging)->check(CLI::IsMember({"per-write", "ahead"}));
   std::string prefix_cache = "on";
   app.add_option("--prefix-cache", prefix_cache, "keep full KV blocks for later samples with the same snapshot and token prefix (prompt_cache_hit_tokens)")->default_val(prefix_cache)->check(CLI::IsMember({"on", "off"}));
   const StepFlags step_flags(app);
@@ -371,6 +373,7 @@ int Serve(int argc, char** argv) {
   sopt.capacity_wait = std::chrono::milliseconds(static_cast<int64_t>(capacity_wait * 1000));
   sopt.sample_queue = sample_queue;
   sopt.publish_threads = publish_threads;
+  sopt.publish_staging_ahead = publish_staging == "ahead";
   // Keyed tenants share the slots (per base model; a quarter of the fewest);
   // in open mode (loopback, one developer) a tenant may take them all unless
   // told otherwise.

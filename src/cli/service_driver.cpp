@@ -54,6 +54,7 @@ Result<std::unique_ptr<ServiceDriver>> ServiceDriver::Open(const DriverOptions& 
   service::ServiceOptions sopt;
   sopt.base_model_name = "loom/tiny-qwen3";
   sopt.publish_threads = options.publish_threads;
+  sopt.publish_staging_ahead = options.publish_staging_ahead;
   std::unique_ptr<engine::Sampler> sampler;
   if (options.with_sampler) {
     auto shared = (*engine)->SharedModel();

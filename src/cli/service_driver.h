@@ -35,6 +35,7 @@ struct DriverOptions {
   bool with_sampler = false;    // attach a Sampler on the trainer's shared base (asample)
   int64_t kv_budget_tokens = 0;  // its KV cache in tokens (loom serve's --kv-budget-tokens; 0 = serve's default)
   int publish_threads = service::ServiceOptions{}.publish_threads;  // save_weights_for_sampler writers
+  bool publish_staging_ahead = false;  // service::ServiceOptions::publish_staging_ahead
   const StepFlags* sampler_steps = nullptr;  // the sampler's step limits (--contended-*), or its defaults
   const DecodeFlags* sampler_decode = nullptr;  // the sampler's decode switches (--cuda-graphs, ...), or its defaults
 };

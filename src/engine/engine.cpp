@@ -31,6 +31,7 @@
 
 #include <unistd.h>
 
+#include "common/log.h"
 #include "engine/api.h"
 #include "engine/io/peft_snapshot.h"
 #include "engine/lora/slot_bank.h"
@@ -356,6 +357,20 @@ class TrainingEngine final : public Engine {
       return FromException("save_weights_for_sampler", e);
     }
   }
+
+  void PrepareSnapshotWriter() const override {
+    if (!bank_.flat().is_cuda()) return;
+    // A snapshot is at most a slot's whole flat row (CopyPeft); over ranks
+    // the gathered adapter is at most every rank's row.
+    const int64_t row = bank_.flat().size(1) * static_cast<int64_t>(bank_.flat().element_size());
+    const int64_t bytes = row * (tp_ != nullptr ? tp_->size() : 1);
+    try {
+      PeftSnapshot::ReserveWriteStaging(bytes);
+    } catch (const std::exception& e) {  // the writes take it themselves then (and fail there if they cannot)
+      log::Warn("snapshot writer: {} MiB of pinned host memory could not be taken ahead: {}", bytes >> 20, e.what());
+    }
+  }
+  void ReleaseSnapshotWriter() const override { PeftSnapshot::ReleaseWriteStaging(); }
 
  private:
   // Device memory a pass may fill: 90% of the device (the caching

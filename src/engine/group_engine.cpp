@@ -172,6 +172,8 @@ class GroupLeader final : public Engine {
     SendCall(*group_, {{"op", "snapshot"}, {"slot", slot}});
     return inner_->SnapshotForSampler(slot);
   }
+  void PrepareSnapshotWriter() const override { inner_->PrepareSnapshotWriter(); }
+  void ReleaseSnapshotWriter() const override { inner_->ReleaseSnapshotWriter(); }
   DeviceMemory Memory() const override { return inner_->Memory(); }
   int64_t MaxPassTokens() const override { return inner_->MaxPassTokens(); }
   int64_t KeptPassTokens() const override { return inner_->KeptPassTokens(); }

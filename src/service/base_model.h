@@ -71,7 +71,8 @@ struct BaseModel {
         sampling(options.sample_queue),
         // Room for two publications per slot: every model's newest save and one more.
         publisher(options.publish_threads, std::max<size_t>(4, 2 * static_cast<size_t>(engine->info().max_slots)),
-                  checkpoints, shared.futures, shared.metrics, shared.lock, shared.sessions, sampling),
+                  checkpoints, shared.futures, shared.metrics, shared.lock, shared.sessions, sampling,
+                  options.publish_staging_ahead),
         loop(options, *engine, shared.futures, shared.metrics, shared.usage, shared.lock, shared.sessions, models,
              checkpoints, publisher) {}
 

@@ -66,6 +66,11 @@ class Checkpoints {
   Status Restore(int slot, const tinker::TinkerPath& load_path, bool with_optimizer);
 
   // ---- any thread ----
+  // Readies the calling thread to Publish (Engine::PrepareSnapshotWriter):
+  // once per writer thread, before its first Publish.
+  void PrepareWriter() const { engine_.PrepareSnapshotWriter(); }
+  // Undoes PrepareWriter, on the same thread, before it ends.
+  void ReleaseWriter() const { engine_.ReleaseSnapshotWriter(); }
   // Checks pub's name is free (unless it may overwrite), writes its
   // snapshot as a PEFT directory into a staging folder and commits it: the
   // committed checkpoint (its dir is where the files are).

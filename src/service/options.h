@@ -69,6 +69,15 @@ struct ServiceOptions {
   // --publish-threads: writer threads that write and commit
   // save_weights_for_sampler snapshots off the engine thread (service/publisher.h).
   int publish_threads = 2;
+  // --publish-staging ahead: each writer takes the pinned host memory its
+  // writes stage snapshots through when it starts (Engine::
+  // PrepareSnapshotWriter), before the service takes requests, and keeps it;
+  // per-write (the default): each write takes it from the caching host
+  // allocator. On the H100 (session 41) two of a round's first saves waited
+  // 242 and 298 ms on the engine thread while the writers first pinned
+  // theirs; `ahead` is off until measured on a GPU (its first form, 5d8dcae,
+  // ended bench rl there in a fault, session 42).
+  bool publish_staging_ahead = false;
 };
 
 }  // namespace loom::service

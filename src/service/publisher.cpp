@@ -8,7 +8,7 @@
 namespace loom::service {
 
 Publisher::Publisher(int threads, size_t capacity, Checkpoints& checkpoints, FutureTable& futures, Metrics& metrics,
-                     ServiceLock& lock, Sessions& sessions, SamplingState& sampling)
+                     ServiceLock& lock, Sessions& sessions, SamplingState& sampling, bool staging_ahead)
     : threads_(std::max(1, threads)),
       capacity_(std::max<size_t>(1, capacity)),
       checkpoints_(checkpoints),
@@ -16,14 +16,16 @@ Publisher::Publisher(int threads, size_t capacity, Checkpoints& checkpoints, Fut
       metrics_(metrics),
       lock_(lock),
       sessions_(sessions),
-      sampling_(sampling) {}
+      sampling_(sampling),
+      staging_ahead_(staging_ahead) {}
 
 Publisher::~Publisher() { Stop(); }
 
 void Publisher::Start() {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (!writers_.empty() || stopping_) return;
   for (int i = 0; i < threads_; ++i) writers_.emplace_back([this] { Writer(); });
+  changed_.wait(lock, [&] { return ready_ == threads_; });
 }
 
 void Publisher::Stop() {
@@ -77,11 +79,14 @@ std::optional<Publisher::Job> Publisher::TakeLocked() {
 }
 
 void Publisher::Writer() {
+  if (staging_ahead_) checkpoints_.PrepareWriter();
   std::unique_lock<std::mutex> lock(mu_);
+  ++ready_;
+  changed_.notify_all();
   while (true) {
     std::optional<Job> job;
     changed_.wait(lock, [&] { return (job = TakeLocked()).has_value() || (stopping_ && queue_.empty()); });
-    if (!job) return;
+    if (!job) break;
     lock.unlock();
     const std::string model = job->publication.spec.model_id;
     Finish(*job);
@@ -90,6 +95,8 @@ void Publisher::Writer() {
     writing_.erase(model);
     changed_.notify_all();
   }
+  lock.unlock();
+  if (staging_ahead_) checkpoints_.ReleaseWriter();
 }
 
 void Publisher::Finish(Job& job) {

@@ -63,10 +63,16 @@ class Publisher {
     bool answered = false;  // an ephemeral sampler's save, answered at Submit (OpenEphemeral)
   };
 
+  // staging_ahead: each writer readies itself to write when it starts
+  // (ServiceOptions::publish_staging_ahead).
   Publisher(int threads, size_t capacity, Checkpoints& checkpoints, FutureTable& futures, Metrics& metrics,
-            ServiceLock& lock, Sessions& sessions, SamplingState& sampling);
+            ServiceLock& lock, Sessions& sessions, SamplingState& sampling, bool staging_ahead = false);
   ~Publisher();
 
+  // Starts the writers; returns once each has started and, with
+  // staging_ahead, readied itself to write (Checkpoints::PrepareWriter: on
+  // CUDA, its pinned staging memory), so that no first write takes it while
+  // the trainer runs.
   void Start();
   // Writes what was submitted, then joins the writers. Idempotent.
   void Stop();
@@ -99,7 +105,9 @@ class Publisher {
   SamplingState& sampling_;  // [lock_.mu] (its sampler pointer)
 
   mutable std::mutex mu_;
-  std::condition_variable changed_;  // a job was queued or finished, or Stop()
+  std::condition_variable changed_;  // a job was queued or finished, a writer ready, or Stop()
+  const bool staging_ahead_;
+  int ready_ = 0;                    // [mu_] writers started (past PrepareWriter with staging_ahead_)
   std::deque<Job> queue_;            // [mu_] in submission order
   std::set<std::string> writing_;    // [mu_] models with a job being written
   bool stopping_ = false;            // [mu_]

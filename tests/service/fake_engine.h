@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/api.h"
@@ -148,7 +149,36 @@ class FakeEngine : public engine::Engine {
         std::make_shared<Snapshot>(this, slot, snapshot_tags_[slot]++));
   }
 
+  // Records the thread, so that a write can tell whether its thread was readied.
+  void PrepareSnapshotWriter() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    prepared_writers_.insert(std::this_thread::get_id());
+  }
+  // Records the thread among the released ones (a set that outlives the
+  // engine: the service releases its writers as it shuts down).
+  void ReleaseSnapshotWriter() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_writers_->insert(std::this_thread::get_id());
+    if (!prepared_writers_.count(std::this_thread::get_id())) ++released_unprepared_;
+  }
+
   // ---- test controls ----
+  // Threads readied by PrepareSnapshotWriter; snapshot writes made on another thread.
+  size_t prepared_writers() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return prepared_writers_.size();
+  }
+  int unprepared_writes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unprepared_writes_;
+  }
+  // The threads that called ReleaseSnapshotWriter (read after the service
+  // is gone), and how many of those calls came from a thread never readied.
+  std::shared_ptr<const std::set<std::thread::id>> released_writers() const { return released_writers_; }
+  int released_unprepared() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_unprepared_;
+  }
   // Writes of slot's snapshots fail (as a disk that refuses them would).
   void FailWritesOf(int slot) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -211,6 +241,7 @@ class FakeEngine : public engine::Engine {
     Status WritePeft(const std::string& dir, const std::string& base) const override {
       {
         std::unique_lock<std::mutex> lock(engine_->mu_);
+        if (!engine_->prepared_writers_.count(std::this_thread::get_id())) ++engine_->unprepared_writes_;
         ++engine_->writing_;
         engine_->cv_.notify_all();
         engine_->cv_.wait(lock, [&] { return !engine_->hold_writes_; });
@@ -249,6 +280,10 @@ class FakeEngine : public engine::Engine {
   bool hold_writes_ = false;
   int writing_ = 0;
   std::vector<std::string> write_log_;
+  mutable std::set<std::thread::id> prepared_writers_;
+  int unprepared_writes_ = 0;
+  std::shared_ptr<std::set<std::thread::id>> released_writers_ = std::make_shared<std::set<std::thread::id>>();
+  mutable int released_unprepared_ = 0;
 };
 
 }  // namespace loom::testing

@@ -557,6 +557,51 @@ TEST_F(SamplingServiceTest, AFailedSnapshotWriteFailsOnlyItsOwnSave) {
   EXPECT_NE(service_->MetricsText().find("loom_publishes_total{result=\"failed\"} 1"), std::string::npos);
 }
 
+// With --publish-staging ahead, every writer is readied before the
+// service takes requests (Engine::PrepareSnapshotWriter: on CUDA, its
+// pinned staging memory), so no snapshot is written on a thread that would
+// take it mid-loop.
+TEST_F(SamplingServiceTest, WritersAreReadiedBeforeTheFirstSave) {
+  ServiceOptions so;
+  so.publish_threads = 3;
+  so.publish_staging_ahead = true;
+  Open(so);
+  EXPECT_EQ(engine_->prepared_writers(), 3u);  // Start() returned after all three
+  const std::string sa = Session("alice"), sb = Session("bob");
+  const std::string ma = Model("alice", sa), mb = Model("bob", sb);
+  std::vector<std::pair<std::string, std::string>> saves;
+  for (int i = 0; i < 3; ++i) {
+    saves.emplace_back("alice", SubmitSave("alice", ma, 1 + i, "a" + std::to_string(i)));
+    saves.emplace_back("bob", SubmitSave("bob", mb, 1 + i, "b" + std::to_string(i)));
+  }
+  for (const auto& [tenant, id] : saves) EXPECT_EQ(Wait(tenant, id).state, FutureState::kDone);
+  EXPECT_EQ(engine_->write_log().size(), 6u);
+  EXPECT_EQ(engine_->unprepared_writes(), 0);
+  EXPECT_EQ(engine_->prepared_writers(), 3u);
+  EXPECT_EQ(engine_->released_unprepared(), 0);
+  // Each writer gives its staging back itself before it ends (not left to
+  // its thread's exit, where CUDA's per-thread state may be gone).
+  const auto released = engine_->released_writers();
+  service_.reset();
+  engine_ = nullptr;
+  EXPECT_EQ(released->size(), 3u);
+}
+
+// By default (--publish-staging per-write) no writer takes staging ahead:
+// each write takes its own, and nothing is given back at the end.
+TEST_F(SamplingServiceTest, WritersStagePerWriteByDefault) {
+  const std::string sa = Session("alice");
+  const std::string ma = Model("alice", sa);
+  const std::string id = SubmitSave("alice", ma, 1, "a0");
+  EXPECT_EQ(Wait("alice", id).state, FutureState::kDone);
+  EXPECT_EQ(engine_->prepared_writers(), 0u);
+  EXPECT_EQ(engine_->unprepared_writes(), 1);
+  const auto released = engine_->released_writers();
+  service_.reset();
+  engine_ = nullptr;
+  EXPECT_TRUE(released->empty());
+}
+
 // One model's saves are written and committed in seq_id order: of two saves
 // of one name in flight, the first one wins and the second is refused.
 TEST_F(SamplingServiceTest, OneModelsSavesCommitInSeqOrder) {

@@ -69,6 +69,37 @@ void PeftSnapshot::Ready() const {
 #endif
 }
 
+#if LOOM_CUDA_KERNELS
+namespace {
+// The pinned staging buffer of a thread readied to write snapshots
+// (ReserveWriteStaging), undefined on any other thread. Released by
+// ReleaseWriteStaging before the thread ends, not by the thread_local's
+// destructor: at thread exit the CUDA runtime's and c10's own thread_local
+// state (current streams, the device guard) made after it on this thread is
+// already gone when it would give the block back to the host allocator.
+at::Tensor& ThreadStaging() {
+  thread_local at::Tensor staging;
+  return staging;
+}
+}  // namespace
+#endif
+
+void PeftSnapshot::ReserveWriteStaging(int64_t bytes) {
+#if LOOM_CUDA_KERNELS
+  at::Tensor& staging = ThreadStaging();
+  if (bytes > 0 && (!staging.defined() || staging.numel() < bytes))
+    staging = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+#else
+  (void)bytes;
+#endif
+}
+
+void PeftSnapshot::ReleaseWriteStaging() {
+#if LOOM_CUDA_KERNELS
+  ThreadStaging() = at::Tensor();
+#endif
+}
+
 Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_model_name) const {
   try {
     return durable::PublishDirectory(dir, [&](const std::string& tmp) {
@@ -79,15 +110,24 @@ Status PeftSnapshot::WritePeft(const std::string& dir, const std::string& base_m
         c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, adapter_.storage.device().index());
         c10::cuda::CUDAStreamGuard guard(side);
         Ready();
-        // Into pinned memory (the caching host allocator's, reused from one
-        // write to the next): a DMA the side stream runs, where a pageable
-        // destination is staged by the driver through its own buffers, on
-        // this thread, for the whole copy. In pieces, each waited for: the
-        // sampler copies each decode step's tokens to the host, and a copy
-        // queued behind a whole snapshot's (hundreds of MB, ~10 ms) would
-        // wait for all of it; behind a piece it waits at most ~0.3 ms.
+        // Into pinned memory (a writer thread's own, ReserveWriteStaging,
+        // reused from one write to the next; else the caching host
+        // allocator's): a DMA the side stream runs, where a
+        // pageable destination is staged by the driver through its own
+        // buffers, on this thread, for the whole copy. In pieces, each
+        // waited for: the sampler copies each decode step's tokens to the
+        // host, and a copy queued behind a whole snapshot's (hundreds of
+        // MB, ~10 ms) would wait for all of it; behind a piece it waits at
+        // most ~0.3 ms.
         const at::Tensor& storage = adapter_.storage;  // contiguous (CopyPeft)
-        at::Tensor host = at::empty(storage.sizes(), storage.options().device(at::kCPU).pinned_memory(true));
+        const int64_t nbytes = static_cast<int64_t>(storage.nbytes());
+        at::Tensor host;
+        if (ThreadStaging().defined()) {  // a writer thread's own (grown if this snapshot is bigger)
+          ReserveWriteStaging(nbytes);
+          host = ThreadStaging().narrow(0, 0, nbytes).view(storage.scalar_type()).view(storage.sizes());
+        } else {
+          host = at::empty(storage.sizes(), storage.options().device(at::kCPU).pinned_memory(true));
+        }
         const at::Tensor from = storage.view({-1}), to = host.view({-1});
         const int64_t n = from.numel(), piece = std::max<int64_t>(1, kCopyPieceBytes / from.element_size());
         for (int64_t off = 0; off < n; off += piece) {

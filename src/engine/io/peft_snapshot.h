@@ -39,6 +39,13 @@ class PeftSnapshot final : public SlotSnapshot {
   void Ready() const;
 
   Status WritePeft(const std::string& dir, const std::string& base_model_name) const override;
+  // Gives the calling thread pinned host memory for WritePeft to stage
+  // snapshots of up to `bytes` through, kept until ReleaseWriteStaging (a
+  // bigger snapshot grows it at its write); a thread without it stages each
+  // write through the caching host allocator. CUDA builds only; no-ops else.
+  static void ReserveWriteStaging(int64_t bytes);
+  // Gives it back; the thread calls it before it ends.
+  static void ReleaseWriteStaging();
   int64_t bytes() const override { return adapter_.bytes(); }
 
  private:
