@@ -58,6 +58,43 @@ TEST(LtGemmKernel, TunedShapesMatchATen) {
   }
 }
 
+// The caller's own path as the baseline: a cuBLASLt algorithm is chosen
+// only where it beats it. A baseline that launches nothing (0 us) always
+// wins: the shape is tuned with no algorithm, Run declines it (the caller
+// runs its own path) and the line says so. One that cannot run is left out.
+TEST(LtGemmKernel, BaselineKeptWhereNoCandidateBeatsIt) {
+  LOOM_SKIP_WITHOUT_CUDA();
+  at::manual_seed(29);
+  cuda::LtGemm gemm;
+  const int64_t rows = 64, n = 512, k = 1024;
+  const at::Tensor x = Randn({rows, k}, at::kBFloat16), w = Randn({n, k}, at::kBFloat16, 0.05);
+  at::Tensor y = at::empty({rows, n}, On(at::kBFloat16));
+  const std::vector<const void*> ptrs{w.data_ptr()};
+  int launched = 0;
+  std::string line;
+  EXPECT_FALSE(gemm.Tune(rows, n, k, ptrs, x.data_ptr(), y.data_ptr(), Stream(), &line, [&](size_t) {
+    ++launched;
+    return true;
+  }));
+  EXPECT_GT(launched, 1) << "the baseline is timed over several runs";
+  EXPECT_NE(line.find("cublasGemmEx kept"), std::string::npos) << line;
+  EXPECT_TRUE(gemm.Tuned(rows, n, k));
+  EXPECT_FALSE(gemm.Run(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, n, k, Stream()));
+
+  // A baseline that cannot run: the candidates alone, as without one.
+  const int64_t n2 = 256;
+  const at::Tensor w2 = Randn({n2, k}, at::kBFloat16, 0.05);
+  at::Tensor y2 = at::empty({rows, n2}, On(at::kBFloat16));
+  line.clear();
+  ASSERT_TRUE(gemm.Tune(rows, n2, k, {w2.data_ptr()}, x.data_ptr(), y2.data_ptr(), Stream(), &line,
+                        [](size_t) { return false; }));
+  EXPECT_NE(line.find("candidate"), std::string::npos) << line;
+  EXPECT_EQ(line.find("cublasGemmEx"), std::string::npos) << line;
+  ASSERT_TRUE(gemm.Run(x.data_ptr(), w2.data_ptr(), y2.data_ptr(), rows, n2, k, Stream()));
+  ExpectClose(y2, Round(at::matmul(x.to(at::kFloat), w2.to(at::kFloat).t()), at::kBFloat16), Rtol(at::kBFloat16),
+              2 * Atol(at::kBFloat16), "candidates alone");
+}
+
 }  // namespace
 }  // namespace loom::engine
 #endif

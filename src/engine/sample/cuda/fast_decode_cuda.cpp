@@ -359,9 +359,9 @@ class CudaFastDecode final : public FastDecode {
   void TuneGemms(int64_t rows, cudaStream_t st) {
     if (!lt_ || (gemv_ && rows <= cuda::kGemvMaxRows)) return;
     const auto& m = model_->weights();
-    std::map<std::pair<int64_t, int64_t>, std::vector<const void*>> shapes;  // (n, k) -> the weights
+    std::map<std::pair<int64_t, int64_t>, std::vector<at::Tensor>> shapes;  // (n, k) -> the weights
     auto add = [&](const at::Tensor& w, const at::Tensor& b) {
-      if (w.defined() && !b.defined() && w.is_contiguous()) shapes[{w.size(0), w.size(1)}].push_back(w.data_ptr());
+      if (w.defined() && !b.defined() && w.is_contiguous()) shapes[{w.size(0), w.size(1)}].push_back(w);
     };
     for (const auto& l : m.layers) {
       add(l.qkv_w, l.qkv_b);
@@ -379,9 +379,20 @@ class CudaFastDecode final : public FastDecode {
     const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(model_->device());
     const at::Tensor x = at::zeros({rows, k_max}, opts), y = at::empty({rows, n_max}, opts);
     for (const auto& [nk, ws] : shapes) {
+      const auto [n, k] = nk;
+      std::vector<const void*> ptrs;
+      for (const at::Tensor& w : ws) ptrs.push_back(w.data_ptr());
+      // The baseline: Linear's own path when Run declines (at::linear
+      // without a bias: cublasGemmEx), on the same scratch.
+      at::Tensor xs = x.view({-1}).narrow(0, 0, rows * k).view({rows, k});
+      at::Tensor ys = y.view({-1}).narrow(0, 0, rows * n).view({rows, n});
+      auto baseline = [&](size_t i) {
+        at::mm_out(ys, xs, ws[i].t());
+        return true;
+      };
       std::string line;
-      if (lt_->Tune(rows, nk.first, nk.second, ws, x.data_ptr(), y.data_ptr(), st, &line) && !line.empty())
-        log::Info("fast decode: tuned gemm {}", line);
+      lt_->Tune(rows, n, k, ptrs, xs.data_ptr(), ys.data_ptr(), st, &line, baseline);
+      if (!line.empty()) log::Info("fast decode: tuned gemm {}", line);
     }
   }
 

@@ -63,7 +63,7 @@ LtGemm::~LtGemm() {
 }
 
 bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const void*>& ws, const void* x, void* y,
-                  cudaStream_t stream, std::string* line) {
+                  cudaStream_t stream, std::string* line, const std::function<bool(size_t)>& baseline) {
   const Key key{rows, n, k};
   if (auto it = shapes_.find(key); it != shapes_.end()) return it->second->has_algo;
   auto shape = std::make_unique<Shape>();
@@ -95,28 +95,32 @@ bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const vo
   cudaEvent_t start = nullptr, stop = nullptr;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  auto launch = [&](const cublasLtMatmulAlgo_t& algo, const void* w) { return Launch(s, &algo, x, w, y, stream); };
-  // Microseconds a launch, the runs cycling through ws; a negative value
-  // when the algorithm did not run.
-  auto time = [&](const cublasLtMatmulAlgo_t& algo) {
-    if (!launch(algo, ws[0])) return -1.0;
+  // Microseconds a launch of launch(i) (on ws[i]), the runs cycling
+  // through ws; a negative value when it did not run.
+  auto time = [&](const auto& launch) {
+    if (!launch(size_t{0})) return -1.0;
     cudaEventRecord(start, stream);
     for (int r = 0; r < kTimedRuns; ++r)
-      if (!launch(algo, ws[static_cast<size_t>(r) % ws.size()])) return -1.0;
+      if (!launch(static_cast<size_t>(r) % ws.size())) return -1.0;
     cudaEventRecord(stop, stream);
     if (cudaEventSynchronize(stop) != cudaSuccess) return -1.0;
     float ms = 0;
     cudaEventElapsedTime(&ms, start, stop);
     return static_cast<double>(ms) * 1e3 / kTimedRuns;
   };
-  double first = -1, best = -1;
-  int chosen = -1;
+  // chosen: -2 none yet, -1 the baseline, else the candidate's index.
+  double first = -1, best = -1, base = -1;
+  int chosen = -2;
+  if (baseline) {
+    base = time(baseline);
+    if (base >= 0) best = base, chosen = -1;
+  }
   for (int i = 0; i < count; ++i) {
     if (found[i].state != CUBLAS_STATUS_SUCCESS) continue;
-    const double us = time(found[i].algo);
+    const double us = time([&](size_t w) { return Launch(s, &found[i].algo, x, ws[w], y, stream); });
     if (us < 0) continue;
-    if (chosen < 0) first = us;
-    if (chosen < 0 || us * kMinGain < best) {
+    if (first < 0) first = us;
+    if (chosen == -2 || us * kMinGain < best) {
       best = us;
       chosen = i;
     }
@@ -125,16 +129,23 @@ bool LtGemm::Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const vo
   cudaGetLastError();  // an algorithm that failed to launch leaves nothing sticky behind
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
+  if (line) {
+    char text[240];
+    if (chosen == -1)
+      std::snprintf(text, sizeof text,
+                    "rows %lld, n %lld, k %lld: cublasGemmEx kept, %.2f us a launch (cuBLASLt's first of %d %.2f)",
+                    static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k), base, count,
+                    first);
+    else if (chosen >= 0)
+      std::snprintf(text, sizeof text,
+                    "rows %lld, n %lld, k %lld: candidate %d of %d, %.2f us a launch (the first %.2f%s%.2f)",
+                    static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k), chosen, count,
+                    best, first, base >= 0 ? ", cublasGemmEx " : "", base >= 0 ? base : 0.0);
+    if (chosen >= -1) *line = text;
+  }
   if (chosen < 0) return false;
   s.algo = found[chosen].algo;
   s.has_algo = true;
-  if (line) {
-    char text[200];
-    std::snprintf(text, sizeof text, "rows %lld, n %lld, k %lld: candidate %d of %d, %.2f us a launch (the first %.2f)",
-                  static_cast<long long>(rows), static_cast<long long>(n), static_cast<long long>(k), chosen, count,
-                  best, first);
-    *line = text;
-  }
   return true;
 }
 

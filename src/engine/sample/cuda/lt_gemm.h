@@ -7,10 +7,14 @@
 // far more weight bytes than they compute, and the algorithm cuBLAS picks
 // for such a shape may run in less than one wave, leaving SMs (and their
 // share of the memory bandwidth) idle (docs/benchmarks.md, session 6: 12-52
-// of 132 idle at 64 rows). Tune times every candidate cuBLASLt's heuristic
-// offers for the shape, in the heuristic's order, and a later candidate
-// replaces the best so far only when at least kMinGain faster, so that
-// noise does not pick an algorithm. Which one wins can differ between processes, and with
+// of 132 idle at 64 rows). Tune times the caller's own path first when
+// given (the baseline: cublasGemmEx, as at::linear calls it), then every
+// candidate cuBLASLt's heuristic offers for the shape, in the heuristic's
+// order; a later candidate replaces the best so far only when at least
+// kMinGain faster, so that noise does not pick an algorithm. Where the
+// baseline stays the best, the shape has no algorithm and Run leaves it
+// to the caller's path (session 42, H100: cuBLASLt's picks for qkv and
+// gate/up at 256 rows were 1-3% slower than cublasGemmEx's). Which one wins can differ between processes, and with
 // it the last bf16 bit of a projection: as it already differs between the
 // decode graphs' row buckets, each of which cuBLAS serves with its own kernel.
 //
@@ -23,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -47,11 +52,14 @@ class LtGemm {
   // layer's, so that a step's weights are read from memory, not L2, as a
   // decode step reads them), reading x (at least rows * k bf16) and writing
   // y (rows * n): the caller's scratch, so that the memory is the caller's
-  // allocator's. A shape tuned before returns at once. Returns whether the
-  // shape has an algorithm; `line`, when given and the shape was tuned now,
-  // says what was chosen.
+  // allocator's. baseline, when given, launches the caller's own path on
+  // stream for ws[i] (same x and y), returning false if it could not. A
+  // shape tuned before returns at once. Returns whether the shape has an
+  // algorithm (none: cuBLASLt offered none that ran, or none beat the
+  // baseline); `line`, when given and the shape was tuned now, says what
+  // was chosen.
   bool Tune(int64_t rows, int64_t n, int64_t k, const std::vector<const void*>& ws, const void* x, void* y,
-            cudaStream_t stream, std::string* line = nullptr);
+            cudaStream_t stream, std::string* line = nullptr, const std::function<bool(size_t)>& baseline = {});
   // Whether (rows, n, k) was tuned (with an algorithm found or not).
   bool Tuned(int64_t rows, int64_t n, int64_t k) const { return shapes_.count(Key{rows, n, k}) > 0; }
   // y = x W^T with the shape's chosen algorithm (x and y contiguous rows).
