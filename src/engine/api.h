@@ -226,10 +226,11 @@ class Engine {
   // A copy of the bound slot's adapter for the sampler (a device-to-device
   // copy of its factors; no host sync, no disk).
   virtual Result<std::shared_ptr<const SlotSnapshot>> SnapshotForSampler(int slot) = 0;
-  // Run once on each thread that will write snapshots (SlotSnapshot::
-  // WritePeft), before its first write: on CUDA it takes the pinned host
-  // memory a write stages the largest snapshot through, kept by the thread
-  // for every later write. Taken at the first write instead, it pins
+  // With --publish-staging ahead, run once on each thread that will write
+  // snapshots (SlotSnapshot::WritePeft), before its first write: on CUDA it
+  // takes the pinned host memory a write stages the largest snapshot
+  // through, kept by the thread for every later write. Taken at the first
+  // write instead (the default: each write's own), it pins
   // hundreds of MB while the trainer and the sampler run (cudaHostAlloc):
   // in bench rl's traced loop on the H100, two saves' CUDA calls on the
   // engine thread waited 242 and 298 ms, both in the first round, while the

@@ -74,9 +74,11 @@ namespace {
 // The pinned staging buffer of a thread readied to write snapshots
 // (ReserveWriteStaging), undefined on any other thread. Released by
 // ReleaseWriteStaging before the thread ends, not by the thread_local's
-// destructor: at thread exit the CUDA runtime's and c10's own thread_local
-// state (current streams, the device guard) made after it on this thread is
-// already gone when it would give the block back to the host allocator.
+// destructor: at thread exit, thread_locals made after it on this thread
+// (c10's current streams, made by the first write's stream guard) are
+// destroyed before it, and its block's return to the host allocator records
+// events on streams. Whether that was 5d8dcae's fault on the GPU (session
+// 42) is not yet known.
 at::Tensor& ThreadStaging() {
   thread_local at::Tensor staging;
   return staging;
