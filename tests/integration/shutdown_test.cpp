@@ -10,13 +10,13 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <thread>
 
+#include "../common/temp_dir.h"
 #include "../http/raw_connection.h"
+#include "../store/store_test_util.h"
 #include "serve_process.h"
 
 namespace loom {
@@ -61,21 +61,13 @@ TEST(Shutdown, SigtermAnswersRequestsAlreadyReadAndThoseOnKeptAliveConnections) 
   std::filesystem::remove_all(data_dir);
 }
 
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // A fault (here a SIGSEGV sent from outside, as a crash would raise it)
 // leaves the signal and the stack on stderr, and the process still ends by
 // that signal (a core or a supervisor sees what it would have seen).
 TEST(Shutdown, FatalSignalWritesTheStackAndEndsByTheSignal) {
-  const std::string base =
-      (std::filesystem::temp_directory_path() / ("loom_fatal_" + std::to_string(::getpid()))).string();
-  const std::string data_dir = base + ".data", log = base + ".log";
-  std::filesystem::remove_all(data_dir);
+  using store::testing::ReadFile;
+  const test::TempDir dir("loom_fatal");
+  const std::string data_dir = dir / "data", log = dir / "serve.log";
   const pid_t pid = fork();
   if (pid == 0) {
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -87,19 +79,17 @@ TEST(Shutdown, FatalSignalWritesTheStackAndEndsByTheSignal) {
   }
   ASSERT_GT(pid, 0);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (ReadAll(log).find("listening on") == std::string::npos && std::chrono::steady_clock::now() < deadline)
+  while (ReadFile(log).find("listening on") == std::string::npos && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(100ms);
-  ASSERT_NE(ReadAll(log).find("listening on"), std::string::npos) << ReadAll(log);
+  ASSERT_NE(ReadFile(log).find("listening on"), std::string::npos) << ReadFile(log);
   kill(pid, SIGSEGV);
   int status = 0;
   ASSERT_EQ(waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV) << "status " << status;
-  const std::string text = ReadAll(log);
+  const std::string text = ReadFile(log);
   const auto at = text.find("loom: fatal signal 11; stack:\n");
   ASSERT_NE(at, std::string::npos) << text;
   EXPECT_NE(text.find("loom(", at), std::string::npos) << "frames of the binary follow: " << text.substr(at);
-  std::filesystem::remove_all(data_dir);
-  std::filesystem::remove(log);
 }
 
 }  // namespace

@@ -14,9 +14,10 @@
 // kMinGain faster, so that noise does not pick an algorithm. Where the
 // baseline stays the best, the shape has no algorithm and Run leaves it
 // to the caller's path (session 42, H100: cuBLASLt's picks for qkv and
-// gate/up at 256 rows were 1-3% slower than cublasGemmEx's). Which one wins can differ between processes, and with
-// it the last bf16 bit of a projection: as it already differs between the
-// decode graphs' row buckets, each of which cuBLAS serves with its own kernel.
+// gate/up at 256 rows were 1-3% slower than cublasGemmEx's). Which one
+// wins can differ between processes, and with it the last bf16 bit of a
+// projection: as it already differs between the decode graphs' row
+// buckets, each of which cuBLAS serves with its own kernel.
 //
 // Tune before capturing a CUDA graph that runs a shape (it synchronizes the
 // stream); Run only launches, so a graph can hold it (its workspace is this
